@@ -1,0 +1,33 @@
+# vllm-hawk: the two commands a newcomer needs are `make demo` and `make test`.
+# Environments are cached outside the repository under $(HAWK_CACHE) and rebuilt only
+# when their requirements change (scripts/ensure_env.sh).
+HAWK_CACHE ?= $(HOME)/.cache/vllm-hawk
+export HAWK_CACHE
+PY := $(HAWK_CACHE)/venv-py311/bin/python
+PYTEST_ARGS ?=
+
+.PHONY: demo test env ttnn-env kernel-deps which-python bench-transform clean-env
+
+which-python:  ## the interpreter every target uses
+	@echo $(PY)
+
+env:
+	@bash scripts/ensure_env.sh main >/dev/null
+
+ttnn-env:
+	@bash scripts/ensure_env.sh ttnn >/dev/null
+
+kernel-deps:
+	@bash scripts/kernel_deps.sh
+
+demo: env  ## the main job (for now: how a 70B request maps onto a p150a's DRAM banks)
+	$(PY) -m vllm_hawk.cli layout
+
+test: env ttnn-env kernel-deps  ## the whole suite, as CI runs it
+	$(PY) -m pytest -q -p no:cacheprovider $(PYTEST_ARGS) tests
+
+bench-transform: env
+	$(PY) -m vllm_hawk.cli bench transform
+
+clean-env:
+	rm -rf $(HAWK_CACHE)

@@ -1,0 +1,10 @@
+"""Shared pytest configuration: hypothesis profiles sized for 2-core CI machines."""
+import os
+
+from hypothesis import HealthCheck, settings
+
+settings.register_profile("ci", max_examples=60, deadline=None,
+                          suppress_health_check=[HealthCheck.too_slow])
+settings.register_profile("dev", max_examples=25, deadline=None,
+                          suppress_health_check=[HealthCheck.too_slow])
+settings.load_profile(os.environ.get("HAWK_HYPOTHESIS_PROFILE", "ci" if os.environ.get("CI") else "dev"))

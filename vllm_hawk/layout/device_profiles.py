@@ -1,0 +1,83 @@
+"""Tenstorrent device profiles: DRAM banks, alignment and usable size per bank.
+
+Profiles are YAML files in ``configs/devices/<name>.yaml`` (override the folder with
+``HAWK_CONFIG_DIR``); :func:`load_profile` takes a name or a path. Units: bytes.
+"""
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+from pathlib import Path
+
+import yaml
+
+_REPO_CONFIGS = Path(__file__).resolve().parents[2] / "configs"
+
+
+@dataclass(frozen=True)
+class DeviceProfile:
+    """DRAM organisation of one Tenstorrent chip.
+
+    num_banks: DRAM banks that interleaved buffers span (p150a 8, p100 7, n150 12).
+    bank_size_bytes: usable bytes per bank. dram_alignment_bytes: page alignment (A).
+    bank_offsets: byte offset of each bank inside its channel (Wormhole odd banks: 1 GiB).
+    bank_channels: GDDR channel of each bank.
+    """
+
+    name: str
+    arch: str
+    num_banks: int
+    bank_size_bytes: int
+    dram_alignment_bytes: int
+    bank_offsets: tuple[int, ...]
+    bank_channels: tuple[int, ...]
+    chips: int = 1
+
+    def aligned_page(self, page_nbytes: int) -> int:
+        """Page size rounded up to the DRAM alignment (bytes)."""
+        a = self.dram_alignment_bytes
+        return -(-page_nbytes // a) * a
+
+
+def config_dir() -> Path:
+    return Path(os.environ.get("HAWK_CONFIG_DIR", _REPO_CONFIGS))
+
+
+def available_profiles() -> list[str]:
+    return sorted(p.stem for p in (config_dir() / "devices").glob("*.yaml"))
+
+
+_FIELDS = {"name": str, "arch": str, "num_banks": int, "bank_size_bytes": int,
+           "dram_alignment_bytes": int, "bank_offsets": list, "bank_channels": list}
+
+
+def load_profile(name_or_path: str | os.PathLike) -> DeviceProfile:
+    """Load a profile by name (``p150a``) or by YAML path. Errors name the file and field."""
+    path = Path(name_or_path)
+    if path.suffix not in (".yaml", ".yml") and "/" not in str(name_or_path):
+        path = config_dir() / "devices" / f"{name_or_path}.yaml"
+        if not path.exists():
+            raise ValueError(f"unknown device profile {str(name_or_path)!r}; "
+                             f"available in {config_dir() / 'devices'}: {available_profiles()}")
+    raw = yaml.safe_load(path.read_text())
+    if not isinstance(raw, dict):
+        raise ValueError(f"{path}: expected a mapping of profile fields")
+    for field, typ in _FIELDS.items():
+        if field not in raw:
+            raise ValueError(f"{path}: missing field {field!r}")
+        if not isinstance(raw[field], typ):
+            raise ValueError(f"{path}: field {field!r} must be {typ.__name__}, got {raw[field]!r}")
+    nb = raw["num_banks"]
+    for field in ("bank_offsets", "bank_channels"):
+        if len(raw[field]) != nb:
+            raise ValueError(f"{path}: field {field!r} has {len(raw[field])} entries, num_banks is {nb}")
+    if nb <= 0 or raw["bank_size_bytes"] <= 0:
+        raise ValueError(f"{path}: num_banks and bank_size_bytes must be positive")
+    a = raw["dram_alignment_bytes"]
+    if a <= 0 or a & (a - 1):
+        raise ValueError(f"{path}: dram_alignment_bytes must be a power of two, got {a}")
+    return DeviceProfile(
+        name=raw["name"], arch=raw["arch"], num_banks=nb, bank_size_bytes=raw["bank_size_bytes"],
+        dram_alignment_bytes=a, bank_offsets=tuple(raw["bank_offsets"]),
+        bank_channels=tuple(raw["bank_channels"]), chips=int(raw.get("chips", 1)),
+    )

@@ -1,0 +1,160 @@
+"""The prefill-side transform: vLLM-layout KV blocks -> G' (torch, CPU or CUDA).
+
+Input per layer: logical K and V views ``[num_src_blocks, num_kv_heads, src_block_size,
+head_dim]`` of the prefill engine's cache (any strides: the source-layout adapters in
+``vllm_hawk.layout.vllm_kv`` give views without copying). The request's tokens are
+``src_blocks[p // src_block_size]`` at ``p % src_block_size``; they are regrouped into
+the destination's blocks of ``block_size`` tokens, tilized, packed to the destination
+dtype and written bank-major into G' (uint8 [plan.total_nbytes]), exactly as the
+:class:`~vllm_hawk.transform.plan.TransferPlan` describes. Token groups past the end of
+the source blocks are zero tiles.
+
+One gather per (layer, K|V) reads the source tiles straight from the strided cache in G'
+order; packing then writes each bank's share into its segment.
+"""
+from __future__ import annotations
+
+from typing import Sequence
+
+import numpy as np
+import torch
+
+from vllm_hawk.layout.formats import pack_tiles
+from vllm_hawk.layout.tiles import TILE, TILE_ELEMS, tile_view
+from vllm_hawk.transform.plan import TransferPlan
+
+
+def source_tile_index(plan: TransferPlan, src_blocks, src_block_size: int) -> tuple[np.ndarray, ...]:
+    """For each request tile in G' order: (src block, head, src token-tile, dim-tile, valid).
+
+    int64 arrays of length ``plan.tiles_per_tensor``."""
+    spec = plan.layout.spec
+    if src_block_size % TILE:
+        raise ValueError(f"source block_size must be a multiple of {TILE}, got {src_block_size}")
+    src = np.asarray(src_blocks, dtype=np.int64).reshape(-1)
+    tr_per_blk, tc_per = spec.block_size // TILE, spec.head_dim // TILE
+    j = plan.bank_order
+    i, u = j // spec.tiles_per_block, j % spec.tiles_per_block
+    head = u // (tr_per_blk * tc_per)
+    tr = (u // tc_per) % tr_per_blk
+    tc = u % tc_per
+    token0 = (i * tr_per_blk + tr) * TILE  # first token of this token-tile in the request
+    sidx = token0 // src_block_size
+    valid = sidx < src.size
+    sblk = src[np.minimum(sidx, max(src.size - 1, 0))] if src.size else np.zeros_like(sidx)
+    s_tr = (token0 % src_block_size) // TILE
+    return sblk, head, s_tr, tc, valid
+
+
+def bank_digit_split(heads: int, tr: int, tc: int, num_banks: int) -> list[tuple[int, int]] | None:
+    """Split the tile digits (head, token-tile, dim-tile) of a block so that the bank
+    ``u % num_banks`` of local tile ``u`` is a suffix of digits: returns per digit
+    (high size, low size) with the lows forming the bank, or None if impossible."""
+    remaining, out = num_banks, []
+    for size in (tc, tr, heads):
+        if remaining == 1:
+            out.append((size, 1))
+        elif remaining % size == 0:
+            out.append((1, size))
+            remaining //= size
+        elif size % remaining == 0:
+            out.append((size // remaining, remaining))
+            remaining = 1
+        else:
+            return None
+    return None if remaining != 1 else out[::-1]  # (head, tr, tc) order
+
+
+def _runs(blocks: np.ndarray) -> list[tuple[int, int, int]]:
+    """Runs of consecutive ids: (position in list, first id, length)."""
+    brk = np.nonzero(np.diff(blocks) != 1)[0] + 1
+    starts = np.concatenate([[0], brk])
+    ends = np.concatenate([brk, [blocks.size]])
+    return [(int(a), int(blocks[a]), int(b - a)) for a, b in zip(starts, ends)]
+
+
+class _FusedTilizer:
+    """Fast path: source block size == destination block size, the same number of tiles
+    per bank for every block (tiles_per_block % num_banks == 0) and a digit split exists.
+    Then G' order is a pure permutation of the source's tile view, copied run by run."""
+
+    def __init__(self, plan: TransferPlan, src_blocks: np.ndarray, split):
+        spec = plan.layout.spec
+        self.split, self.nb, self.n = split, plan.layout.num_banks, plan.dst_blocks.size
+        self.runs = _runs(src_blocks)
+        self.digits = (spec.num_kv_heads, spec.block_size // TILE, spec.head_dim // TILE)
+
+    def __call__(self, x: torch.Tensor, dst: torch.Tensor) -> None:
+        """x: logical [blocks, H, bs, D]; dst: [nb, n, tiles_per_bank_per_block * 1024] view."""
+        (h1, h0), (r1, r0), (c1, c0) = self.split
+        d = dst.reshape(h0, r0, c0, self.n, h1, r1, c1, 2, 2, 16, 16)
+        for pos, first, length in self.runs:
+            tv = tile_view(x[first:first + length])  # [len, H, TR, TC, 2, 2, 16, 16]
+            tv = tv.reshape(length, h1, h0, r1, r0, c1, c0, 2, 2, 16, 16)
+            d[:, :, :, pos:pos + length].copy_(tv.permute(2, 4, 6, 0, 1, 3, 5, 7, 8, 9, 10))
+
+
+def transform_kv(
+    layers: Sequence[tuple[torch.Tensor, torch.Tensor]],
+    src_blocks,
+    src_block_size: int,
+    plan: TransferPlan,
+    out: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """Build G' for one request. ``layers[l] = (K, V)`` logical views (see module doc).
+
+    Returns ``out`` (allocated if None): uint8 [plan.total_nbytes] on the views' device."""
+    spec = plan.layout.spec
+    if len(layers) != spec.num_layers:
+        raise ValueError(f"transform_kv: {len(layers)} layers given, plan has {spec.num_layers}")
+    k0 = layers[0][0]
+    if tuple(k0.shape[1:]) != (spec.num_kv_heads, src_block_size, spec.head_dim):
+        raise ValueError(f"transform_kv: source K is {tuple(k0.shape)}, expected "
+                         f"[*, {spec.num_kv_heads}, {src_block_size}, {spec.head_dim}]")
+    src = np.asarray(src_blocks, dtype=np.int64).reshape(-1)
+    if src.size and (src.min() < 0 or src.max() >= k0.shape[0]):
+        raise ValueError(f"transform_kv: source block ids must be in [0, {k0.shape[0]})")
+    device = k0.device
+    if out is None:
+        out = torch.empty(plan.total_nbytes, dtype=torch.uint8, device=device)
+    elif out.numel() != plan.total_nbytes or out.dtype != torch.uint8:
+        raise ValueError(f"transform_kv: out must be uint8 [{plan.total_nbytes}]")
+    tb, counts = spec.tile_nbytes, plan.bank_counts
+    nb, n2l, n_tiles = len(counts), 2 * spec.num_layers, plan.tiles_per_tensor
+    uniform = bool((counts == counts[0]).all())
+    split = bank_digit_split(spec.num_kv_heads, spec.block_size // TILE, spec.head_dim // TILE, nb)
+    fused = None
+    if (src_block_size == spec.block_size and src.size >= plan.dst_blocks.size and uniform
+            and spec.tiles_per_block % nb == 0 and split is not None):
+        fused = _FusedTilizer(plan, src[:plan.dst_blocks.size], split)
+    else:
+        sblk, head, s_tr, tc, valid = source_tile_index(plan, src, src_block_size)
+        idx = [torch.from_numpy(a).to(device) for a in (sblk, head, s_tr, tc)]
+        invalid = None if valid.all() else torch.from_numpy(~valid).to(device)
+    direct_bf16 = fused is not None and spec.dtype == "bfloat16" and k0.dtype == torch.bfloat16
+    slots = out.view(nb, n2l, -1) if uniform else None
+    for layer, pair in enumerate(layers):
+        for kv, x in enumerate(pair):
+            slot = layer * 2 + kv
+            if direct_bf16:  # G' bytes are the bf16 elements themselves: permute straight in
+                fused(x, slots[:, slot].view(torch.bfloat16).view(nb, plan.dst_blocks.size, -1))
+                continue
+            if fused is not None:
+                tiles = torch.empty(n_tiles, TILE_ELEMS, dtype=x.dtype, device=device)
+                fused(x, tiles.view(nb, plan.dst_blocks.size, -1))
+            else:
+                tiles = tile_view(x)[idx[0], idx[1], idx[2], idx[3]].reshape(-1, TILE_ELEMS)
+                if invalid is not None:
+                    tiles[invalid] = 0
+            packed = pack_tiles(tiles, spec.dtype)  # [T_req, tb] in G' (bank-major) order
+            if uniform:
+                slots[:, slot] = packed.view(nb, -1)
+            else:
+                start = 0
+                for c in range(nb):
+                    cnt = int(counts[c])
+                    if cnt:
+                        o = int(plan.segment_offset[c]) + slot * cnt * tb
+                        out[o:o + cnt * tb] = packed[start:start + cnt].reshape(-1)
+                    start += cnt
+    return out
