@@ -1,0 +1,27 @@
+"""The real Tenstorrent device over tt-kmd (Blackhole only for per-bank RDMA buffers).
+
+NOT exercised in CI: no Tenstorrent device here. Importing this package touches no
+hardware; ``TtKmdDevice.open()`` is the first call that does.
+
+- ``ioctl``: ctypes mirror of ``kernel_driver/uapi/tenstorrent_ioctl.h``
+- ``topology``: PCI ids, Blackhole DRAM bank -> NOC endpoint, TLB window arithmetic (pure)
+- ``sysfs``: device discovery from /dev, /sys, /proc (read-only)
+- ``device``: ``TtKmdDevice`` (ioctls, mmap, dma-buf export)
+- ``bank_buffers``: ``TtKmdBankBuffers``, the BankBufferAPI implementation
+- ``registration``: Mooncake + tt_peermem, and pyverbs dma-buf MR registration
+"""
+from vllm_hawk.npu.tt_kmd.bank_buffers import BankMapping, TtKmdBankBuffers
+from vllm_hawk.npu.tt_kmd.device import TtDeviceNotFoundError, TtKmdDevice, TtKmdError, find_device
+from vllm_hawk.npu.tt_kmd.topology import Arch, CoordSystem, UnsupportedArchError
+
+__all__ = [
+    "Arch",
+    "BankMapping",
+    "CoordSystem",
+    "TtDeviceNotFoundError",
+    "TtKmdBankBuffers",
+    "TtKmdDevice",
+    "TtKmdError",
+    "UnsupportedArchError",
+    "find_device",
+]

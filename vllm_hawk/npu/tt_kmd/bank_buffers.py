@@ -1,0 +1,263 @@
+"""BankBufferAPI on a real Blackhole through tt-kmd: one 4 GiB TLB window per DRAM bank.
+
+NOT exercised in CI: no Tenstorrent device here. The bookkeeping (window plans, rollback,
+double-map / unknown-bank errors) is tested against a fake at the hardware boundary
+(``tests/test_tt_kmd_bank_buffers.py``, ``FakeTlbDevice``); the tt-kmd calls themselves
+run only on a Blackhole host.
+
+Per bank b there is one 4 GiB window aimed at (bank b's NOC endpoint, ``buffer.address``
+rounded down to 4 GiB -- 0 on Blackhole, whose banks hold 0xFF000000 bytes): the first
+``map_buffer_dma`` of a buffer in that window does ALLOCATE_TLB(4 GiB) -> CONFIGURE_TLB ->
+mmap (write-combined) of the window's first ``window_map_bytes``; later buffers in the
+same window share it (reference counted), because a Blackhole exposes only as many 4 GiB
+windows as BAR4 holds (at most 8, one per bank). Each buffer additionally gets its own
+EXPORT_TLB_DMABUF over its page-rounded range (optional). The host address of bank b's
+region is ``window VA + (buffer.address mod 4 GiB)``. ``unmap_buffer_dma`` closes the
+buffer's dma-bufs; the last buffer out of a window munmaps it and frees it.
+"""
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+
+from vllm_hawk.npu.bank_buffer import BankBufferError, DeviceBuffer
+from vllm_hawk.npu.tt_kmd.device import ORDERING_RELAXED, TlbDevice, TlbWindow
+from vllm_hawk.npu.tt_kmd.topology import (
+    BLACKHOLE_DEFAULT_DRAM_PORT,
+    BLACKHOLE_DRAM_BANK_BYTES,
+    BLACKHOLE_TLB_4G_WINDOW_BYTES,
+    CoordSystem,
+    NocEndpoint,
+    WindowPlan,
+    blackhole_bank_channels,
+    blackhole_bank_endpoint,
+    plan_tlb_window,
+    require_blackhole,
+)
+
+
+
+@dataclass
+class _BankWindow:
+    """A bank's 4 GiB window aimed at NOC ``window_base``, mmap'd at ``va`` for ``length`` bytes."""
+
+    window: TlbWindow
+    endpoint: NocEndpoint
+    window_base: int
+    va: int
+    length: int
+    refs: int = 0
+
+
+@dataclass(frozen=True)
+class BankMapping:
+    """One bank's mapped region of a buffer. Addresses and sizes in bytes.
+
+    ``host_address`` is the first byte of the buffer's region in this bank (what
+    ``get_buffer_address_bank`` returns). ``dmabuf_fd`` (None when not exported) covers
+    ``[plan.export_offset, plan.export_offset + plan.export_size)`` of the window; the
+    region starts ``dmabuf_offset`` bytes into that dma-buf.
+    """
+
+    bank: int
+    endpoint: NocEndpoint
+    window: TlbWindow
+    plan: WindowPlan
+    window_va: int
+    dmabuf_fd: int | None
+
+    @property
+    def host_address(self) -> int:
+        return self.window_va + self.plan.offset
+
+    @property
+    def nbytes(self) -> int:
+        return self.plan.nbytes
+
+    @property
+    def dmabuf_offset(self) -> int:
+        return self.plan.dmabuf_offset
+
+
+class TtKmdBankBuffers:
+    """:class:`~vllm_hawk.npu.bank_buffer.BankBufferAPI` over a Blackhole opened with tt-kmd.
+
+    NOT exercised in CI: no Tenstorrent device here.
+
+    device: the hardware boundary (:class:`~vllm_hawk.npu.tt_kmd.device.TtKmdDevice`).
+    harvest_mask: DRAM harvesting mask (bit c = channel c absent; p100 has one bit set).
+    port: which of a channel's 3 NOC ports the windows target. coords: translated (NOC
+    translation on, the Blackhole default) or noc0. export_dmabuf: also export each
+    buffer's per-bank range as a dma-buf (the pyverbs path and tt_peermem need it).
+    window_map_bytes: how much of each 4 GiB window to mmap (bytes, from its start).
+    """
+
+    def __init__(
+        self,
+        device: TlbDevice,
+        *,
+        harvest_mask: int = 0,
+        port: int = BLACKHOLE_DEFAULT_DRAM_PORT,
+        coords: CoordSystem = CoordSystem.TRANSLATED,
+        noc: int = 0,
+        export_dmabuf: bool = True,
+        write_combined: bool = True,
+        ordering: int = ORDERING_RELAXED,
+        window_map_bytes: int = BLACKHOLE_DRAM_BANK_BYTES,
+    ) -> None:
+        require_blackhole(device.arch, "RDMA bank buffers (map_buffer_dma)")
+        if window_map_bytes <= 0 or window_map_bytes % device.page_size \
+                or window_map_bytes > BLACKHOLE_TLB_4G_WINDOW_BYTES:
+            raise ValueError(f"window_map_bytes {window_map_bytes:#x} must be a page multiple <= 4 GiB")
+        self._device = device
+        self._num_banks = len(blackhole_bank_channels(harvest_mask))
+        self._endpoints = [
+            blackhole_bank_endpoint(b, port=port, coords=coords, harvest_mask=harvest_mask, noc=noc)
+            for b in range(self._num_banks)
+        ]
+        self._export = export_dmabuf
+        self._write_combined = write_combined
+        self._ordering = ordering
+        self._map_bytes = window_map_bytes
+        self._windows: dict[tuple[int, int], _BankWindow] = {}
+        self._mapped: dict[int, tuple[DeviceBuffer, list[BankMapping]]] = {}
+
+    # -- BankBufferAPI --------------------------------------------------------------------
+    def get_device_num_bank(self) -> int:
+        """DRAM banks interleaved buffers span: 8 on p150, 7 on a harvested p100."""
+        return self._num_banks
+
+    def map_buffer_dma(self, buffer: DeviceBuffer) -> None:
+        """Make every bank's region of ``buffer`` host-addressable (and dma-buf exported).
+
+        Raises BankBufferError if the buffer is already mapped, spans a different number
+        of banks, or does not fit a bank; on a driver error every bank already mapped for
+        this buffer is undone before the error propagates."""
+        if buffer.buffer_id in self._mapped:
+            raise BankBufferError(f"buffer {buffer.buffer_id} is already mapped")
+        if buffer.num_banks != self._num_banks:
+            raise BankBufferError(
+                f"buffer {buffer.buffer_id} spans {buffer.num_banks} banks; this device has {self._num_banks}"
+            )
+        if buffer.size_per_bank <= 0:
+            raise BankBufferError(f"buffer {buffer.buffer_id} has no bytes per bank")
+        end = buffer.address + buffer.size_per_bank
+        if buffer.address < 0 or end > BLACKHOLE_DRAM_BANK_BYTES:
+            raise BankBufferError(
+                f"buffer {buffer.buffer_id} [{buffer.address:#x}, {end:#x}) exceeds a Blackhole DRAM bank "
+                f"({BLACKHOLE_DRAM_BANK_BYTES:#x} bytes)"
+            )
+        plan = plan_tlb_window(buffer.address, buffer.size_per_bank, BLACKHOLE_TLB_4G_WINDOW_BYTES,
+                               self._device.page_size)
+        if plan.map_length > self._map_bytes:
+            raise BankBufferError(
+                f"buffer {buffer.buffer_id} ends {plan.map_length:#x} bytes into its window, past the "
+                f"{self._map_bytes:#x} bytes mapped (window_map_bytes)"
+            )
+        done: list[BankMapping] = []
+        try:
+            for bank in range(self._num_banks):
+                done.append(self._map_bank(bank, plan))
+        except BaseException:
+            for mapping in reversed(done):
+                self._release(mapping)
+            raise
+        self._mapped[buffer.buffer_id] = (buffer, done)
+
+    def get_buffer_address_bank(self, buffer: DeviceBuffer, bank: int) -> int:
+        """Host virtual address (bytes) of ``buffer``'s region in ``bank``."""
+        return self.bank_mapping(buffer, bank).host_address
+
+    def get_buffer_size_bank(self, buffer: DeviceBuffer, bank: int) -> int:
+        """Bytes of ``buffer`` in ``bank`` (== buffer.size_per_bank)."""
+        self._check_bank(bank)
+        return buffer.size_per_bank
+
+    def unmap_buffer_dma(self, buffer: DeviceBuffer) -> None:
+        """Close the buffer's dma-bufs; release windows no other mapped buffer uses."""
+        entry = self._mapped.pop(buffer.buffer_id, None)
+        if entry is None:
+            raise BankBufferError(f"buffer {buffer.buffer_id} is not mapped")
+        errors: list[BaseException] = []
+        for mapping in entry[1]:
+            try:
+                self._release(mapping)
+            except Exception as exc:  # keep releasing the other banks
+                errors.append(exc)
+        if errors:
+            raise BankBufferError(f"unmapping buffer {buffer.buffer_id}: {errors[0]}") from errors[0]
+
+    # -- extras -----------------------------------------------------------------------------
+    def bank_mapping(self, buffer: DeviceBuffer, bank: int) -> BankMapping:
+        """The :class:`BankMapping` of a mapped buffer's bank (dma-buf fd, window, plan)."""
+        self._check_bank(bank)
+        entry = self._mapped.get(buffer.buffer_id)
+        if entry is None:
+            raise BankBufferError(f"buffer {buffer.buffer_id} is not mapped")
+        return entry[1][bank]
+
+    def mapped_buffers(self) -> list[DeviceBuffer]:
+        return [buf for buf, _ in self._mapped.values()]
+
+    @property
+    def live_windows(self) -> int:
+        """TLB windows currently allocated by this object."""
+        return len(self._windows)
+
+    def close(self) -> None:
+        """Unmap every buffer still mapped (and so release every window)."""
+        for buffer in self.mapped_buffers():
+            self.unmap_buffer_dma(buffer)
+
+    # -- internals --------------------------------------------------------------------------
+    def _check_bank(self, bank: int) -> None:
+        if not 0 <= bank < self._num_banks:
+            raise BankBufferError(f"bank {bank} out of range: this device has {self._num_banks} banks")
+
+    def _acquire_window(self, bank: int, window_base: int) -> _BankWindow:
+        key = (bank, window_base)
+        win = self._windows.get(key)
+        if win is None:
+            dev = self._device
+            endpoint = self._endpoints[bank]
+            window = dev.allocate_tlb(BLACKHOLE_TLB_4G_WINDOW_BYTES)
+            try:
+                dev.configure_tlb(window, endpoint, window_base, self._ordering)
+                va = dev.map_window(window, self._map_bytes, self._write_combined)
+            except BaseException:
+                dev.free_tlb(window)
+                raise
+            win = _BankWindow(window=window, endpoint=endpoint, window_base=window_base, va=va,
+                              length=self._map_bytes)
+            self._windows[key] = win
+        win.refs += 1
+        return win
+
+    def _drop_window(self, bank: int, window_base: int) -> None:
+        key = (bank, window_base)
+        win = self._windows[key]
+        win.refs -= 1
+        if win.refs == 0:
+            del self._windows[key]
+            # munmap first: tt-kmd refuses FREE_TLB with EBUSY while the window is mapped.
+            self._device.unmap_window(win.va, win.length)
+            self._device.free_tlb(win.window)
+
+    def _map_bank(self, bank: int, plan: WindowPlan) -> BankMapping:
+        win = self._acquire_window(bank, plan.window_base)
+        fd = None
+        if self._export:
+            try:
+                fd = self._device.export_dmabuf(win.window, plan.export_offset, plan.export_size)
+            except BaseException:
+                self._drop_window(bank, plan.window_base)
+                raise
+        return BankMapping(bank=bank, endpoint=win.endpoint, window=win.window, plan=plan,
+                           window_va=win.va, dmabuf_fd=fd)
+
+    def _release(self, mapping: BankMapping) -> None:
+        try:
+            if mapping.dmabuf_fd is not None:
+                os.close(mapping.dmabuf_fd)
+        finally:
+            self._drop_window(mapping.bank, mapping.plan.window_base)

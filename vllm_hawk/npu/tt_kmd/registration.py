@@ -1,0 +1,206 @@
+"""Making a mapped bank region reachable by a NIC: two registration paths.
+
+NOT exercised in CI: no Tenstorrent device and no RDMA device here.
+
+(a) **Mooncake + tt_peermem** (:func:`register_bank_with_mooncake`): the region's host VA
+    range is a BAR mapping (VM_IO | VM_PFNMAP) that ``ibv_reg_mr`` cannot pin by itself.
+    The tt_peermem peer-memory client (``kernel_driver/tt_peermem``, another module) claims
+    such ranges once userspace has told it, through its character device, which dma-buf
+    backs the range; then Mooncake's ``TransferEngine.register_memory(addr, len)`` works on
+    the plain address. The char-device ABI below mirrors
+    ``kernel_driver/tt_peermem/tt_peermem_uapi.h`` (tests/test_tt_kmd_abi.py compares);
+    tt_peermem registers whole pages, so the page-rounded exported range is registered
+    and Mooncake then registers the exact bank region inside it.
+(b) **dma-buf MR** (:func:`register_bank_dmabuf_mr`): register the dma-buf fd that
+    EXPORT_TLB_DMABUF returned with pyverbs ``DmaBufMR`` (``ibv_reg_dmabuf_mr``; mainline
+    Linux, mlx5/bnxt_re/irdma). pyverbs passes iova = dma-buf offset, so a peer addresses
+    the region at remote address ``mapping.dmabuf_offset`` with the MR's rkey.
+"""
+from __future__ import annotations
+
+import ctypes
+import errno
+import fcntl
+import os
+from typing import Any, Protocol
+
+from vllm_hawk.npu.tt_kmd.bank_buffers import BankMapping
+
+# ---------------------------------------------------------------------------------------
+# (a) tt_peermem char device + Mooncake
+# ---------------------------------------------------------------------------------------
+
+#: Character device of the tt_peermem kernel client (``TT_PEERMEM_DEVICE_NAME``).
+TT_PEERMEM_DEVICE_PATH = "/dev/tt_peermem"
+#: The kernel module name as /proc/modules lists it.
+TT_PEERMEM_MODULE_NAME = "tt_peermem"
+#: Its uapi header, which the structs below mirror (tests/test_tt_kmd_abi.py checks).
+TT_PEERMEM_UAPI_HEADER = "kernel_driver/tt_peermem/tt_peermem_uapi.h"
+TT_PEERMEM_IOC_MAGIC = 0xF7
+#: tt_peermem registers whole 4 KiB pages (va_start, nbytes, dmabuf_offset aligned).
+TT_PEERMEM_ALIGN = 4096
+
+
+class TtPeermemRegister(ctypes.Structure):
+    """``struct tt_peermem_register``: VA range [va_start, va_start + nbytes) is backed by
+    dma-buf ``dmabuf_fd`` from byte ``dmabuf_offset``; ``id`` is the OUT handle (never 0)."""
+
+    _fields_ = [
+        ("argsz", ctypes.c_uint32),
+        ("flags", ctypes.c_uint32),
+        ("dmabuf_fd", ctypes.c_int32),
+        ("id", ctypes.c_uint32),
+        ("va_start", ctypes.c_uint64),
+        ("nbytes", ctypes.c_uint64),
+        ("dmabuf_offset", ctypes.c_uint64),
+    ]
+
+
+class TtPeermemUnregister(ctypes.Structure):
+    """``struct tt_peermem_unregister``: drop registration ``id`` made through this fd."""
+
+    _fields_ = [("argsz", ctypes.c_uint32), ("id", ctypes.c_uint32)]
+
+
+def _ioc(direction: int, ioc_type: int, nr: int, size: int) -> int:
+    return (direction << 30) | (size << 16) | (ioc_type << 8) | nr
+
+
+_IOC_WRITE, _IOC_READ = 1, 2
+TT_PEERMEM_IOCTL_REGISTER = _ioc(_IOC_READ | _IOC_WRITE, TT_PEERMEM_IOC_MAGIC, 1, ctypes.sizeof(TtPeermemRegister))
+TT_PEERMEM_IOCTL_UNREGISTER = _ioc(_IOC_WRITE, TT_PEERMEM_IOC_MAGIC, 2, ctypes.sizeof(TtPeermemUnregister))
+
+
+class PeermemRegistrar(Protocol):
+    """Tells a peer-memory client which dma-buf backs a VA range (and forgets it)."""
+
+    def register(self, va: int, length: int, dmabuf_fd: int, dmabuf_offset: int) -> int: ...
+
+    def unregister(self, handle: int) -> None: ...
+
+
+def peermem_range(mapping: BankMapping) -> tuple[int, int, int]:
+    """(va_start, nbytes, dmabuf_offset) to register with tt_peermem for ``mapping``: the
+    page-rounded range the dma-buf was exported over, which starts at dma-buf offset 0.
+
+    Bank buffers whose page-rounded ranges share a page cannot both be registered
+    (tt_peermem answers EEXIST): page-align bank buffers used on this path."""
+    return mapping.window_va + mapping.plan.export_offset, mapping.plan.export_size, 0
+
+
+class TtPeermemDevice:
+    """The tt_peermem char device. NOT exercised in CI: the module is not loaded here.
+
+    Registrations belong to this open file; :meth:`close` drops them all."""
+
+    def __init__(self, path: str = TT_PEERMEM_DEVICE_PATH) -> None:
+        try:
+            self._fd = os.open(path, os.O_RDWR | os.O_CLOEXEC)
+        except FileNotFoundError as exc:
+            raise FileNotFoundError(
+                errno.ENOENT,
+                f"{path} is missing: load the tt_peermem module (kernel_driver/tt_peermem, "
+                "`insmod tt_peermem.ko`) or use the dma-buf MR path (pyverbs DmaBufMR)",
+            ) from exc
+
+    def register(self, va: int, length: int, dmabuf_fd: int, dmabuf_offset: int) -> int:
+        """TT_PEERMEM_IOCTL_REGISTER; all three of va, length, dmabuf_offset 4 KiB aligned."""
+        if (va | length | dmabuf_offset) % TT_PEERMEM_ALIGN:
+            raise ValueError(f"tt_peermem needs 4 KiB alignment: va {va:#x}, length {length:#x}, "
+                             f"dmabuf_offset {dmabuf_offset:#x}")
+        arg = TtPeermemRegister(argsz=ctypes.sizeof(TtPeermemRegister), flags=0, dmabuf_fd=dmabuf_fd,
+                                va_start=va, nbytes=length, dmabuf_offset=dmabuf_offset)
+        fcntl.ioctl(self._fd, TT_PEERMEM_IOCTL_REGISTER, arg, True)
+        return int(arg.id)
+
+    def unregister(self, handle: int) -> None:
+        arg = TtPeermemUnregister(argsz=ctypes.sizeof(TtPeermemUnregister), id=handle)
+        fcntl.ioctl(self._fd, TT_PEERMEM_IOCTL_UNREGISTER, arg, True)
+
+    def close(self) -> None:
+        os.close(self._fd)
+
+
+class MooncakeEngine(Protocol):
+    """The two calls we use of ``mooncake.engine.TransferEngine``."""
+
+    def register_memory(self, buffer_addr: int, capacity: int) -> int: ...
+
+    def unregister_memory(self, buffer_addr: int) -> int: ...
+
+
+def register_bank_with_mooncake(
+    engine: MooncakeEngine, mapping: BankMapping, peermem: PeermemRegistrar | None
+) -> int | None:
+    """Path (a): announce the bank region to tt_peermem, then ``engine.register_memory``.
+
+    Returns the tt_peermem handle (None if ``peermem`` is None, e.g. the TCP transport,
+    which needs no peer memory). Raises RuntimeError if Mooncake refuses the range."""
+    handle = None
+    if peermem is not None:
+        if mapping.dmabuf_fd is None:
+            raise ValueError(f"bank {mapping.bank} was mapped without a dma-buf; tt_peermem needs one")
+        va_start, nbytes, dmabuf_offset = peermem_range(mapping)
+        handle = peermem.register(va_start, nbytes, mapping.dmabuf_fd, dmabuf_offset)
+    rc = engine.register_memory(mapping.host_address, mapping.nbytes)
+    if rc != 0:
+        if peermem is not None and handle is not None:
+            peermem.unregister(handle)
+        raise RuntimeError(
+            f"Mooncake register_memory({mapping.host_address:#x}, {mapping.nbytes}) for bank {mapping.bank} "
+            f"returned {rc}: for RDMA the tt_peermem module must be loaded"
+        )
+    return handle
+
+
+def unregister_bank_from_mooncake(
+    engine: MooncakeEngine, mapping: BankMapping, peermem: PeermemRegistrar | None, handle: int | None
+) -> None:
+    """Undo :func:`register_bank_with_mooncake` (Mooncake first, then tt_peermem)."""
+    engine.unregister_memory(mapping.host_address)
+    if peermem is not None and handle is not None:
+        peermem.unregister(handle)
+
+
+# ---------------------------------------------------------------------------------------
+# (b) pyverbs dma-buf MR
+# ---------------------------------------------------------------------------------------
+
+PYVERBS_INSTALL_HINT = (
+    "pyverbs is not importable: on Debian/Ubuntu `apt-get install python3-pyverbs` and create "
+    "the venv with --system-site-packages (the PyPI sdist builds all of rdma-core)"
+)
+
+
+def pyverbs_available() -> bool:
+    """True if ``pyverbs.mr.DmaBufMR`` can be imported."""
+    try:
+        from pyverbs.mr import DmaBufMR  # noqa: F401
+    except ImportError:
+        return False
+    return True
+
+
+def default_access() -> int:
+    """IBV_ACCESS_LOCAL_WRITE | REMOTE_WRITE | REMOTE_READ from pyverbs' enums."""
+    try:
+        import pyverbs.enums as e
+    except ImportError as exc:
+        raise RuntimeError(PYVERBS_INSTALL_HINT) from exc
+    return int(e.IBV_ACCESS_LOCAL_WRITE | e.IBV_ACCESS_REMOTE_WRITE | e.IBV_ACCESS_REMOTE_READ)
+
+
+def register_bank_dmabuf_mr(pd: Any, mapping: BankMapping, access: int | None = None) -> Any:
+    """Path (b): ``DmaBufMR(pd, nbytes, access, dmabuf=fd, offset=dmabuf_offset)``.
+
+    ``pd`` is a ``pyverbs.pd.PD``. Returns the MR (``.rkey``, ``.lkey``); its iova is
+    ``mapping.dmabuf_offset``. The MR must be closed before the buffer is unmapped."""
+    try:
+        from pyverbs.mr import DmaBufMR
+    except ImportError as exc:
+        raise RuntimeError(PYVERBS_INSTALL_HINT) from exc
+    if mapping.dmabuf_fd is None:
+        raise ValueError(f"bank {mapping.bank} was mapped without a dma-buf (export_dmabuf=False)")
+    if access is None:
+        access = default_access()
+    return DmaBufMR(pd, mapping.nbytes, access, dmabuf=mapping.dmabuf_fd, offset=mapping.dmabuf_offset)
