@@ -1,0 +1,297 @@
+"""Server + client over real ZMQ sockets: handshake, requests, deferred replies, and
+hostile input (malformed, oversized, forged, replayed) that must not stop the server."""
+from __future__ import annotations
+
+import threading
+import time
+
+import msgspec
+import pytest
+import zmq
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from vllm_hawk.protocol import (Ack, Envelope, ErrorMsg, Hello, IncompatiblePeer, KVReady,
+                                KVRequest, LayoutDesc, ProtocolClient, ProtocolServer,
+                                ProtocolTimeout, RemoteError, Segment, compat_hash,
+                                make_compat)
+from vllm_hawk.protocol.envelope import MAGIC
+
+LAYOUT = LayoutDesc(name="tt-paged", dtype="bfloat8_b", block_size=64, num_layers=2,
+                    num_kv_heads=2, head_dim=64, num_banks=8, tile_nbytes=1088, page_nbytes=1088)
+COMPAT = make_compat("tiny-llama", "bfloat16", 64, "vllm-cpu-vec", "tt-bfp8-8bank", "p150a")
+SECRET = b"0123456789abcdef0123456789abcdef"
+RING_NBYTES = 1 << 20
+
+
+class FakePrefill:
+    """Handler: 'defer*' answers later from another thread, 'boom' raises, 'gone' is
+    unknown; anything else gets an 8-segment KVReady."""
+
+    def __init__(self) -> None:
+        self.released: list[str] = []
+
+    def hello_info(self):
+        return "127.0.0.1:15999", 0x7F0000000000, RING_NBYTES
+
+    def on_kv_request(self, peer, msg, reply):
+        if msg.req_id.startswith("defer"):
+            threading.Timer(0.05, reply, args=(self._ready(msg.req_id),)).start()
+            return None
+        if msg.req_id == "boom":
+            raise RuntimeError("handler bug")
+        if msg.req_id == "gone":
+            return ErrorMsg(code="unknown_request", detail="no such request", req_id=msg.req_id)
+        return self._ready(msg.req_id)
+
+    def on_release(self, peer, msg, reply):
+        self.released.append(msg.req_id)
+        return Ack(req_id=msg.req_id)
+
+    @staticmethod
+    def _ready(req_id):
+        return KVReady(req_id=req_id, ring_offset=0, total_nbytes=8 * 1088,
+                       segments=[Segment(b, b * 1088, 1088) for b in range(8)])
+
+
+def _kvreq(req_id="r1"):
+    return KVRequest(req_id=req_id, dst_layout=LAYOUT, num_tokens=64, dst_block_ids=[3])
+
+
+@pytest.fixture(params=[None, SECRET], ids=["open", "auth"])
+def secret(request):
+    return request.param
+
+
+@pytest.fixture()
+def server(secret):
+    handler = FakePrefill()
+    s = ProtocolServer(handler, COMPAT, secret=secret)
+    s.handler = handler
+    yield s
+    s.close()
+
+
+@pytest.fixture()
+def client(server, secret):
+    c = ProtocolClient(server.endpoint, COMPAT, secret=secret, timeout_s=3.0)
+    yield c
+    c.close()
+
+
+def _assert_still_serving(server, secret):
+    with ProtocolClient(server.endpoint, COMPAT, secret=secret, timeout_s=3.0) as c:
+        c.handshake()
+        assert c.request_kv(_kvreq("alive")).req_id == "alive"
+
+
+def test_handshake_request_release(server, client):
+    ack = client.handshake()
+    assert ack.transfer_endpoint == "127.0.0.1:15999" and ack.ring_nbytes == RING_NBYTES
+    ready = client.request_kv(_kvreq("r1"))
+    assert [s.bank for s in ready.segments] == list(range(8))
+    client.release("r1")
+    assert server.handler.released == ["r1"]
+
+
+def test_deferred_replies_and_concurrency(server, client):
+    client.handshake()
+    futs = [client.call_async(_kvreq(f"defer-{i}")) for i in range(20)]
+    got = sorted(f.result(5).req_id for f in futs)
+    assert got == sorted(f"defer-{i}" for i in range(20))
+
+
+def test_errors_are_typed(server, client):
+    client.handshake()
+    with pytest.raises(RemoteError) as e:
+        client.request_kv(_kvreq("gone"))
+    assert e.value.code == "unknown_request"
+    with pytest.raises(RemoteError) as e:
+        client.request_kv(_kvreq("boom"))
+    assert e.value.code == "internal"
+    _assert_still_serving(server, client._env._secret)
+
+
+def test_request_before_handshake_refused(server, client):
+    with pytest.raises(RemoteError, match="handshake"):
+        client.request_kv(_kvreq())
+
+
+@pytest.mark.parametrize("field,value", [("block_size", 128), ("dtype", "float16"),
+                                         ("device_profile", "n150"), ("protocol_version", 2),
+                                         ("dst_layout", "tt-bf16-12bank")])
+def test_handshake_mismatch_names_field(server, secret, field, value):
+    theirs = msgspec.structs.replace(COMPAT, **{field: value})
+    with ProtocolClient(server.endpoint, theirs, secret=secret, timeout_s=3.0) as c:
+        with pytest.raises(IncompatiblePeer, match=f"{field} differs") as e:
+            c.handshake()
+        assert e.value.code == "layout_mismatch"
+    assert server.stats.handshakes_refused == 1
+
+
+def _raw_socket(endpoint):
+    s = zmq.Context.instance().socket(zmq.DEALER)
+    s.setsockopt(zmq.LINGER, 0)
+    s.connect(endpoint)
+    return s
+
+
+def _recv(sock, timeout_s=0.5):
+    if sock.poll(int(timeout_s * 1000)):
+        return sock.recv_multipart()
+    return None
+
+
+def test_malformed_messages_get_bad_message_open_mode():
+    server = ProtocolServer(FakePrefill(), COMPAT)
+    try:
+        raw = _raw_socket(server.endpoint)
+        env = Envelope("tester")
+        reader = Envelope("reader")
+        _seq, good = env.pack(Ack(req_id="x"))
+        cases = [
+            [b"only-one-frame"],
+            [b"BAD!", good[1], good[2], b""],
+            [MAGIC, b"\xc1garbage", good[2], b""],
+            [MAGIC, good[1], b"\x93\x01\x02", b""],
+            [MAGIC, good[1], msgspec.msgpack.encode({"type": "ack", "req_id": ""}), b""],
+        ]
+        for frames in cases:
+            raw.send_multipart(frames)
+            reply = _recv(raw)
+            assert reply is not None, frames
+            _h, msg = reader.unpack(reply)
+            assert isinstance(msg, ErrorMsg) and msg.code == "bad_message"
+        # a valid message that is not a request
+        raw.send_multipart(env.pack(Hello(compat=COMPAT, compat_hash=compat_hash(COMPAT)))[1])
+        _recv(raw)
+        raw.send_multipart(env.pack(Ack(req_id="x"))[1])
+        _h, msg = reader.unpack(_recv(raw))
+        assert msg.code == "bad_message" and "not a request" in msg.detail
+        raw.close()
+        _assert_still_serving(server, None)
+    finally:
+        server.close()
+
+
+def test_oversized_messages(secret):
+    server = ProtocolServer(FakePrefill(), COMPAT, secret=secret, max_message_nbytes=64 << 10)
+    try:
+        raw = _raw_socket(server.endpoint)
+        env = Envelope("tester", secret)
+        big = KVRequest(req_id="big", dst_layout=LAYOUT, num_tokens=1,
+                        dst_block_ids=list(range(1 << 20, (1 << 20) + 13500)))
+        _seq, frames = env.pack(big)  # ~67 KB: over our 64 KiB limit, within zmq's slack
+        raw.send_multipart(frames)
+        raw.send_multipart([MAGIC, b"x" * (4 << 20), b"", b""])  # far over: zmq drops the peer
+        reply = _recv(raw)
+        if reply is not None:
+            assert secret is None
+            _h, msg = Envelope("reader").unpack(reply)
+            assert msg.code == "bad_message" and "exceeds" in msg.detail
+        raw.close()
+        _assert_still_serving(server, secret)
+    finally:
+        server.close()
+
+
+def test_forged_and_replayed_dropped():
+    server = ProtocolServer(FakePrefill(), COMPAT, secret=SECRET)
+    try:
+        raw = _raw_socket(server.endpoint)
+        good = Envelope("attacker-knows-key", SECRET)
+        wrong = Envelope("attacker", b"not-the-secret-but-long-enough")
+        nokey = Envelope("attacker2")
+        hello = Hello(compat=COMPAT, compat_hash=compat_hash(COMPAT))
+        for env in (wrong, nokey):
+            raw.send_multipart(env.pack(hello)[1])
+            assert _recv(raw, 0.3) is None
+        # tamper with a correctly signed message
+        _s, frames = good.pack(hello)
+        tampered = [frames[0], frames[1], frames[2] + b"\x00", frames[3]]
+        raw.send_multipart(tampered)
+        assert _recv(raw, 0.3) is None
+        # genuine message once: answered; replayed: dropped
+        raw.send_multipart(frames)
+        assert _recv(raw) is not None
+        raw.send_multipart(frames)
+        assert _recv(raw, 0.3) is None
+        assert server.stats.dropped_auth >= 4
+        raw.close()
+        _assert_still_serving(server, SECRET)
+        # a client with the wrong key gets no answer: a timeout, not a hang
+        with ProtocolClient(server.endpoint, COMPAT, secret=b"x" * 32, timeout_s=0.5) as c:
+            t0 = time.monotonic()
+            with pytest.raises(ProtocolTimeout):
+                c.handshake()
+            assert time.monotonic() - t0 < 2
+    finally:
+        server.close()
+
+
+def test_client_times_out_on_dead_server():
+    with ProtocolClient("tcp://127.0.0.1:9", COMPAT, timeout_s=0.3) as c:
+        with pytest.raises(ProtocolTimeout, match="no reply"):
+            c.handshake()
+
+
+def test_client_rehandshakes_after_server_restart():
+    handler = FakePrefill()
+    s1 = ProtocolServer(handler, COMPAT)
+    endpoint = s1.endpoint
+    c = ProtocolClient(endpoint, COMPAT, timeout_s=3.0)
+    try:
+        c.handshake()
+        c.request_kv(_kvreq("a"))
+        s1.close()
+        deadline = time.monotonic() + 5
+        while True:  # zmq releases the port asynchronously after close
+            try:
+                s2 = ProtocolServer(handler, COMPAT, bind=endpoint)
+                break
+            except zmq.ZMQError:
+                if time.monotonic() > deadline:
+                    raise
+                time.sleep(0.05)
+        try:
+            assert c.request_kv(_kvreq("b")).req_id == "b"
+        finally:
+            s2.close()
+    finally:
+        c.close()
+
+
+def test_segments_outside_ring_refused_by_client():
+    class BadPrefill(FakePrefill):
+        def on_kv_request(self, peer, msg, reply):
+            return KVReady(req_id=msg.req_id, ring_offset=0, total_nbytes=10,
+                           segments=[Segment(0, RING_NBYTES - 5, 10)])
+
+    with ProtocolServer(BadPrefill(), COMPAT) as s, ProtocolClient(s.endpoint, COMPAT) as c:
+        c.handshake()
+        with pytest.raises(RemoteError, match="outside"):
+            c.request_kv(_kvreq())
+
+
+@settings(max_examples=60, deadline=None,
+          suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(st.lists(st.binary(max_size=64), min_size=0, max_size=5))
+def test_fuzz_live_server(frames):
+    raw = _LIVE["raw"]
+    if frames:
+        raw.send_multipart(frames)
+    _recv(raw, 0.005)
+
+
+_LIVE: dict = {}
+
+
+@pytest.fixture(autouse=True, scope="module")
+def _live_server():
+    s = ProtocolServer(FakePrefill(), COMPAT)
+    _LIVE["server"] = s
+    _LIVE["raw"] = _raw_socket(s.endpoint)
+    yield
+    _assert_still_serving(s, None)
+    _LIVE["raw"].close()
+    s.close()

@@ -1,0 +1,23 @@
+"""Side channel of HAWK's Algorithm 1: messages, handshake, server and client.
+
+ZMQ (ROUTER server on the prefill, DEALER client on the decode) carrying msgpack
+messages decoded with msgspec into typed, bounded structs; no pickle anywhere.
+Optional shared-secret authentication (HMAC-SHA256, replay protection): see
+:mod:`vllm_hawk.protocol.envelope`.
+"""
+from vllm_hawk.protocol.client import IncompatiblePeer, ProtocolClient, ProtocolTimeout, RemoteError
+from vllm_hawk.protocol.compat import compat_diff, compat_hash, describe_diff, make_compat
+from vllm_hawk.protocol.envelope import AuthError, Envelope, FrameError, Header
+from vllm_hawk.protocol.messages import (ERROR_CODES, PROTOCOL_VERSION, Ack, CompatFields,
+                                         ErrorMsg, Hello, HelloAck, KVReady, KVRequest,
+                                         LayoutDesc, Message, ProtocolError, Release, Segment,
+                                         decode, encode, validate)
+from vllm_hawk.protocol.server import ProtocolHandler, ProtocolServer, ServerStats
+
+__all__ = [
+    "Ack", "AuthError", "CompatFields", "ERROR_CODES", "Envelope", "ErrorMsg", "FrameError",
+    "Header", "Hello", "HelloAck", "IncompatiblePeer", "KVReady", "KVRequest", "LayoutDesc",
+    "Message", "PROTOCOL_VERSION", "ProtocolClient", "ProtocolError", "ProtocolHandler",
+    "ProtocolServer", "ProtocolTimeout", "Release", "RemoteError", "Segment", "ServerStats",
+    "compat_diff", "compat_hash", "decode", "describe_diff", "encode", "make_compat", "validate",
+]

@@ -1,0 +1,194 @@
+"""Side-channel messages of HAWK's Algorithm 1 (msgpack via msgspec; no pickle).
+
+Decode (client) -> prefill (server):
+  ``Hello``      versioned handshake with the compatibility fields (reply ``HelloAck``)
+  ``KVRequest``  D1: send me request ``req_id``'s KV for this destination layout
+  ``Release``    D8: I have read it; free the ring region (reply ``Ack``) — P8
+Prefill -> decode (always as the reply to one request):
+  ``HelloAck``   transfer endpoint + registered ring buffer (base address, size)
+  ``KVReady``    P7: the request's G' sits in the ring, one segment per destination bank
+  ``Ack``        Release done
+  ``ErrorMsg``   typed refusal (``code``) with a human-readable ``detail``
+
+Every field is bounded at decode time (non-negative ints, string and list lengths);
+:func:`validate` adds the cross-field checks. Byte offsets in ``KVReady`` are relative
+to the ring buffer's registered base address (``HelloAck.ring_base_addr``).
+"""
+from __future__ import annotations
+
+from typing import Annotated, Literal, Union
+
+import msgspec
+from msgspec import Meta, Struct
+
+PROTOCOL_VERSION = 1
+
+MAX_SEGMENTS = 4096  # per KVReady: N_ch banks x layers x K/V stays well below this
+MAX_BLOCK_IDS = 1 << 16
+MAX_STR = 256
+MAX_DETAIL = 1024
+
+U64 = Annotated[int, Meta(ge=0, le=2**63 - 1)]  # msgspec bounds must fit int64
+U32 = Annotated[int, Meta(ge=0, le=2**32 - 1)]
+Pos32 = Annotated[int, Meta(gt=0, le=2**32 - 1)]
+Name = Annotated[str, Meta(max_length=MAX_STR)]
+ReqId = Annotated[str, Meta(min_length=1, max_length=MAX_STR)]
+Detail = Annotated[str, Meta(max_length=MAX_DETAIL)]
+Hash = Annotated[str, Meta(pattern="^[0-9a-f]{64}$")]
+
+ErrorCode = Literal["unknown_request", "expired", "layout_mismatch", "no_space", "bad_message",
+                    "auth_failed", "internal"]
+ERROR_CODES: tuple[str, ...] = ErrorCode.__args__  # type: ignore[attr-defined]
+
+
+class ProtocolError(ValueError):
+    """A message could not be decoded or failed validation (maps to ``bad_message``)."""
+
+
+class _Base(Struct, frozen=True, forbid_unknown_fields=True, kw_only=True):
+    pass
+
+
+class Segment(Struct, frozen=True, forbid_unknown_fields=True, array_like=True):
+    """One contiguous piece of G' destined for one DRAM bank.
+
+    bank: destination bank index; offset_bytes: from the ring's registered base;
+    nbytes: length in bytes (> 0).
+    """
+
+    bank: Annotated[int, Meta(ge=0, le=1023)]
+    offset_bytes: U64
+    nbytes: Annotated[int, Meta(gt=0, le=2**48)]
+
+
+class LayoutDesc(_Base):
+    """Destination KV layout, as the prefill needs it to build G' [N_ch, -1, tile_chunk].
+
+    dtype: "bfloat16" | "bfloat8_b" | ...; block_size: tokens per vLLM block;
+    num_banks: N_ch; tile_nbytes: bytes per tile in ``dtype`` (bf16 2048, bfp8 1088);
+    page_nbytes: bytes per interleaved page; name: free-form layout id.
+    """
+
+    name: Name
+    dtype: Name
+    block_size: Pos32
+    num_layers: Pos32
+    num_kv_heads: Pos32
+    head_dim: Pos32
+    num_banks: Annotated[int, Meta(gt=0, le=1024)]
+    tile_nbytes: Pos32
+    page_nbytes: Pos32
+
+
+class CompatFields(_Base):
+    """What two peers must agree on; hashed by :func:`vllm_hawk.protocol.compat.compat_hash`."""
+
+    model: Name
+    dtype: Name
+    block_size: Pos32
+    src_layout: Name
+    dst_layout: Name
+    device_profile: Name
+    protocol_version: Pos32
+
+
+class Hello(_Base, tag="hello"):
+    compat: CompatFields
+    compat_hash: Hash
+    client_id: Name = ""
+
+
+class HelloAck(_Base, tag="hello_ack"):
+    """transfer_endpoint: the prefill transport's ``endpoint``; ring_*: registered ring
+    buffer (host virtual address and size in bytes) that KVReady offsets refer to."""
+
+    compat_hash: Hash
+    server_id: Name
+    transfer_endpoint: Name
+    ring_base_addr: U64
+    ring_nbytes: U64
+
+
+class KVRequest(_Base, tag="kv_request"):
+    """D1. num_tokens: tokens to transfer; dst_block_ids: decode KV-pool blocks (direct
+    mode targets them); deadline_ms: unix ms after which the decode gives up (0 = none)."""
+
+    req_id: ReqId
+    dst_layout: LayoutDesc
+    num_tokens: Annotated[int, Meta(ge=0, le=2**31)]
+    dst_block_ids: Annotated[list[U32], Meta(max_length=MAX_BLOCK_IDS)] = []
+    deadline_ms: U64 = 0
+
+
+class KVReady(_Base, tag="kv_ready"):
+    """P7. The request occupies ``total_nbytes`` bytes from ``ring_offset`` (bytes from
+    the ring base); ``segments`` list G' per bank. lease_ms: how long the prefill keeps
+    the region without a Release (0 = until Release)."""
+
+    req_id: ReqId
+    ring_offset: U64
+    total_nbytes: U64
+    segments: Annotated[list[Segment], Meta(max_length=MAX_SEGMENTS)]
+    lease_ms: U64 = 0
+
+
+class Release(_Base, tag="release"):
+    """D8/P8. ok=False tells the prefill the transfer failed (it frees the region anyway)."""
+
+    req_id: ReqId
+    ok: bool = True
+
+
+class Ack(_Base, tag="ack"):
+    req_id: ReqId
+
+
+class ErrorMsg(_Base, tag="error"):
+    code: ErrorCode
+    detail: Detail = ""
+    req_id: Name = ""
+
+
+Message = Union[Hello, HelloAck, KVRequest, KVReady, Release, Ack, ErrorMsg]
+MESSAGE_TYPES = (Hello, HelloAck, KVRequest, KVReady, Release, Ack, ErrorMsg)
+
+_encoder = msgspec.msgpack.Encoder()
+_decoder = msgspec.msgpack.Decoder(Message)
+
+
+def encode(msg: Message) -> bytes:
+    if not isinstance(msg, MESSAGE_TYPES):
+        raise TypeError(f"not a protocol message: {type(msg).__name__}")
+    return _encoder.encode(msg)
+
+
+def decode(data: bytes, max_nbytes: int = 1 << 20) -> Message:
+    """Decode and validate one message body; raise :class:`ProtocolError` on anything bad."""
+    if len(data) > max_nbytes:
+        raise ProtocolError(f"message of {len(data)} bytes exceeds {max_nbytes}")
+    try:
+        msg = _decoder.decode(data)
+    except (msgspec.DecodeError, msgspec.ValidationError) as e:
+        raise ProtocolError(str(e)[:MAX_DETAIL]) from None
+    validate(msg)
+    return msg
+
+
+def validate(msg: Message) -> None:
+    """Cross-field checks that the type annotations cannot express."""
+    if isinstance(msg, KVReady):
+        total = 0
+        for i, s in enumerate(msg.segments):
+            if s.offset_bytes + s.nbytes > 2**63 - 1:
+                raise ProtocolError(f"segment {i} overflows 63 bits")
+            total += s.nbytes
+        if total != msg.total_nbytes:
+            raise ProtocolError(f"segments sum to {total} bytes, total_nbytes is "
+                                f"{msg.total_nbytes}")
+        spans = sorted((s.offset_bytes, s.offset_bytes + s.nbytes) for s in msg.segments)
+        for (_a0, a1), (b0, _b1) in zip(spans, spans[1:]):
+            if b0 < a1:
+                raise ProtocolError(f"segments overlap at offset {b0}")
+    elif isinstance(msg, HelloAck):
+        if msg.ring_base_addr + msg.ring_nbytes > 2**63 - 1:
+            raise ProtocolError("ring range overflows 63 bits")

@@ -1,0 +1,268 @@
+"""Mooncake Transfer Engine transport (RDMA on hardware, TCP here).
+
+The engine is started with ``initialize(local_host, "P2PHANDSHAKE", protocol,
+device_name)`` (no metadata server); peers are named ``host:rpc_port``.
+
+Why the calls are used the way they are (checked on Mooncake 0.3.13.post1, see
+DESIGN.md section 6):
+
+* The engine's blocking calls (``batch_transfer_sync_*`` and
+  ``get_batch_transfer_status``) spin a core until done; the only non-spinning status
+  query, ``transfer_check_status(batch_id)``, looks at the FIRST entry of a batch and
+  frees the batch when that entry ends. So every entry is submitted as its own
+  one-entry async batch and polled with ``transfer_check_status``, by one thread per
+  peer that sleeps between polls.
+* Opening a peer that accepts the connection but never answers blocks the submitting
+  call for ~60 s (handshake read timeout). Submission therefore happens on that
+  per-peer thread, never on the caller's; ``wait`` enforces the caller's deadline.
+* A TCP peer queues at most ``MC_TCP_MAX_QUEUED_TRANSFERS_PER_PEER`` (default 1024)
+  transfers plus ``MC_TCP_MAX_PENDING_ADMISSIONS_PER_PEER`` (1024) waiting ones; more
+  are rejected at once ("lane queue-full"). We raise both defaults before the engine
+  starts and keep at most ``max_inflight`` entries per peer in flight, so batches of
+  any size work.
+* The target refuses remote ranges outside its registered memory (the entry fails,
+  nothing is written). Local ranges are checked here, as RDMA would require.
+"""
+from __future__ import annotations
+
+import collections
+import logging
+import os
+import queue
+import threading
+import time
+from dataclasses import dataclass, field
+from typing import Sequence
+
+from vllm_hawk.transport.base import (Entry, Kind, RegionError, RegionTable, TransferHandle,
+                                      TransferState, TransportError, check_entries, check_kind,
+                                      wait_handle)
+
+logger = logging.getLogger(__name__)
+
+#: Environment defaults applied (only where unset) before the engine starts.
+ENV_DEFAULTS = {
+    "MC_TCP_MAX_QUEUED_TRANSFERS_PER_PEER": "8192",
+    "MC_TCP_MAX_PENDING_ADMISSIONS_PER_PEER": "8192",
+}
+_BAD_BATCH_IDS = (0, 2**64 - 1, -1)  # the binding returns 0 or (uint64)-1 on failure
+
+
+@dataclass(eq=False)
+class _Job:
+    handle: TransferHandle
+    read: bool
+    entries: Sequence[Entry]
+    next_entry: int = 0
+    inflight: int = 0
+    failed_entries: int = 0
+    aborted: bool = False  # stop submitting (failure, or transport closing)
+
+    @property
+    def submitted_all(self) -> bool:
+        return self.aborted or self.next_entry >= len(self.entries)
+
+
+@dataclass(eq=False)
+class _PeerWorker:
+    peer: str
+    jobs: queue.Queue = field(default_factory=queue.Queue)
+    thread: threading.Thread | None = None
+
+
+class MooncakeTransport:
+    """Transport over Mooncake Transfer Engine.
+
+    local_host: address peers use to reach us (``endpoint`` = ``local_host:rpc_port``).
+    protocol: "tcp" (forces TCP via MC_FORCE_TCP) or "rdma"; device_name: HCA filter for
+    RDMA, e.g. "mlx5_0" ("" = all). max_inflight: engine entries in flight per peer.
+    poll_min_s / poll_max_s: the polling thread's sleep range (seconds).
+    """
+
+    def __init__(self, local_host: str = "127.0.0.1", protocol: str = "tcp",
+                 device_name: str = "", *, max_inflight: int = 512,
+                 poll_min_s: float = 50e-6, poll_max_s: float = 2e-3) -> None:
+        if protocol not in ("tcp", "rdma"):
+            raise ValueError(f"protocol must be 'tcp' or 'rdma', got {protocol!r}")
+        for k, v in ENV_DEFAULTS.items():
+            os.environ.setdefault(k, v)
+        if protocol == "tcp":
+            os.environ.setdefault("MC_FORCE_TCP", "1")
+        try:
+            from mooncake.engine import TransferEngine
+        except ImportError as e:  # pragma: no cover - depends on the environment
+            raise TransportError(
+                "Mooncake is not installed (pip install mooncake-transfer-engine-non-cuda; "
+                "it needs libibverbs1 even for TCP)") from e
+        self._engine = TransferEngine()
+        rc = self._engine.initialize(local_host, "P2PHANDSHAKE", protocol, device_name)
+        if rc != 0:
+            raise TransportError(f"Mooncake initialize({local_host!r}, P2PHANDSHAKE, "
+                                 f"{protocol!r}, {device_name!r}) returned {rc}")
+        self._endpoint = f"{local_host}:{self._engine.get_rpc_port()}"
+        self._regions = RegionTable()
+        self._max_inflight = max(1, max_inflight)
+        self._poll_min = poll_min_s
+        self._poll_max = poll_max_s
+        self._lock = threading.Lock()
+        self._workers: dict[str, _PeerWorker] = {}
+        self._closed = threading.Event()
+
+    # ---------------------------------------------------------------- interface
+    @property
+    def endpoint(self) -> str:
+        return self._endpoint
+
+    def register(self, addr: int, nbytes: int) -> None:
+        self._regions.add(addr, nbytes)
+        rc = self._engine.register_memory(addr, nbytes)
+        if rc != 0:
+            self._regions.remove(addr)
+            raise RegionError(f"Mooncake register_memory({addr:#x}, {nbytes}) returned {rc}")
+
+    def unregister(self, addr: int) -> None:
+        self._regions.remove(addr)
+        rc = self._engine.unregister_memory(addr)
+        if rc != 0:
+            logger.warning("Mooncake unregister_memory(%#x) returned %d", addr, rc)
+
+    def submit(self, kind: Kind, peer: str, entries: Sequence[Entry]) -> TransferHandle:
+        check_kind(kind)
+        n, total = check_entries(entries)
+        self._regions.check_local(entries)
+        h = TransferHandle(kind=kind, peer=peer, num_entries=n, total_nbytes=total)
+        if self._closed.is_set():
+            h.finish_failed("transport is closed")
+            h.settled.set()
+            return h
+        self._worker(peer).jobs.put(_Job(h, kind == "read", list(entries)))
+        return h
+
+    def poll(self, handle: TransferHandle) -> TransferState:
+        return handle.state
+
+    def wait(self, handle: TransferHandle, timeout_s: float) -> None:
+        wait_handle(handle, timeout_s)
+
+    def close(self) -> None:
+        """Stop the peer threads and unregister memory.
+
+        A thread stuck inside an engine call (a peer that never answers blocks ~60 s)
+        keeps the engine object alive so that the call never touches freed state.
+        """
+        if self._closed.is_set():
+            return
+        self._closed.set()
+        with self._lock:
+            workers = list(self._workers.values())
+        for w in workers:
+            w.jobs.put(None)
+        stuck = False
+        for w in workers:
+            if w.thread is not None:
+                w.thread.join(timeout=2.0)
+                stuck = stuck or w.thread.is_alive()
+        for addr, _n in self._regions.regions():
+            try:
+                self.unregister(addr)
+            except Exception:  # noqa: BLE001 - best effort at shutdown
+                pass
+        if stuck:
+            logger.warning("Mooncake transport closed with a peer thread still blocked in "
+                           "the engine; keeping the engine alive")
+            _LEAKED.append(self._engine)
+        self._engine = None
+
+    # ---------------------------------------------------------------- peer threads
+    def _worker(self, peer: str) -> _PeerWorker:
+        with self._lock:
+            w = self._workers.get(peer)
+            if w is None:
+                w = _PeerWorker(peer)
+                w.thread = threading.Thread(target=self._peer_loop, args=(w,), daemon=True,
+                                            name=f"hawk-mooncake-{peer}")
+                self._workers[peer] = w
+                w.thread.start()
+            return w
+
+    def _peer_loop(self, w: _PeerWorker) -> None:
+        engine = self._engine
+        active: collections.deque[_Job] = collections.deque()  # jobs still submitting
+        inflight: collections.deque[tuple[int, _Job]] = collections.deque()
+        sleep_s = self._poll_min
+        stopping = False
+        while True:
+            # Take new jobs; block only when there is nothing to do.
+            try:
+                while True:
+                    job = w.jobs.get(block=not (active or inflight or stopping))
+                    if job is None:
+                        stopping = True
+                        for j in active:
+                            j.aborted = True
+                            j.handle.finish_failed("transport closed")
+                    else:
+                        active.append(job)
+            except queue.Empty:
+                pass
+            if stopping and not inflight:
+                for j in active:
+                    j.handle.settled.set()
+                return
+            progressed = False
+            # Submit while the window has room.
+            while active and len(inflight) < self._max_inflight:
+                job = active[0]
+                if job.submitted_all:
+                    active.popleft()
+                    self._maybe_finish(job)
+                    continue
+                local, remote, nbytes = job.entries[job.next_entry]
+                job.next_entry += 1
+                if job.read:
+                    bid = engine.batch_transfer_async_read(w.peer, [local], [remote], [nbytes])
+                else:
+                    bid = engine.batch_transfer_async_write(w.peer, [local], [remote], [nbytes])
+                progressed = True
+                if bid in _BAD_BATCH_IDS:
+                    job.failed_entries += 1
+                    job.aborted = True
+                    job.handle.finish_failed(
+                        f"engine refused to start entry {job.next_entry - 1} (peer unreachable "
+                        f"or queue full)")
+                    continue
+                job.inflight += 1
+                inflight.append((bid, job))
+            # Poll in submission order; stop at the first entry still moving.
+            while inflight:
+                bid, job = inflight[0]
+                st = engine.transfer_check_status(bid)
+                if st == 0:
+                    break
+                inflight.popleft()
+                progressed = True
+                job.inflight -= 1
+                if st != 1:  # -1 failed, -2 timed out (engine keeps that batch id)
+                    job.failed_entries += 1
+                    job.aborted = True
+                    job.handle.finish_failed(
+                        "entry failed in the engine (peer died, or remote range refused)"
+                        if st == -1 else "entry timed out in the engine")
+                self._maybe_finish(job)
+            if progressed:
+                sleep_s = self._poll_min
+            elif inflight:
+                time.sleep(sleep_s)
+                sleep_s = min(sleep_s * 2, self._poll_max)
+
+    @staticmethod
+    def _maybe_finish(job: _Job) -> None:
+        if job.inflight == 0 and job.submitted_all:
+            if job.failed_entries == 0 and not job.aborted:
+                job.handle.finish_ok()
+            else:
+                job.handle.finish_failed(job.handle.error or "failed")
+            job.handle.settled.set()
+
+
+_LEAKED: list = []  # engines kept alive because a thread was stuck inside them
