@@ -19,7 +19,7 @@ def f32_bits(v: float) -> int:
 def ref_bfp_byte(v: float, shared: int, mbits: int) -> int:
     """One value, written from the algorithm's description, one bit at a time."""
     bits = f32_bits(v)
-    if bits & 0x7FFFFFFF == 0:
+    if bits & 0x7F800000 == 0:  # zeros and subnormals flush to code 0
         return 0
     exp, sign = (bits >> 23) & 0xFF, bits >> 31
     man = (bits & 0x7FFFFF) | (1 << 23)

@@ -3,17 +3,21 @@
 Per tile (1024 elements, face order, see :mod:`vllm_hawk.layout.tiles`):
 
 * ``float32``   4096 B: little-endian IEEE floats.
-* ``bfloat16``  2048 B: float32 -> bf16 with round-to-nearest-even.
+* ``bfloat16``  2048 B: float32 -> bf16 with round-to-nearest-even (subnormals rounded,
+  not flushed; every NaN becomes 0x7FC0, as ttnn writes it).
 * ``bfloat8_b`` 1088 B: 64 shared exponents (one per 16-value face row, faces 0..3 in
   order), then 1024 bytes ``sign << 7 | magnitude7``.
 * ``bfloat4_b``  576 B: the same 64 exponents, then 512 bytes of ``sign << 3 |
   magnitude3`` nibbles, earlier element in the low nibble.
 
-Block-float packing follows tt-metal's host packer (``convert_u32_to_bfp``): the shared
-exponent is the largest raw 8-bit float32 exponent in the face row; each value's 24-bit
-mantissa (hidden bit added, also for subnormals) is shifted right by (shared - own
-exponent) with truncation, then rounded to 7 (or 3) bits to nearest, ties to even, and
-saturated; a zero magnitude gets sign 0. Values are packed from float32, not via bf16.
+Block-float packing follows ttnn 0.81.1's host packer (measured byte for byte, see
+tests/test_ttnn_crosscheck.py): the shared exponent is the largest raw 8-bit float32
+exponent in the face row (inf/NaN count as 255); each normal value's 24-bit mantissa
+(hidden bit added) is shifted right by (shared - own exponent) with truncation, then
+rounded to 7 (or 3) bits to nearest, ties to even, and saturated at the largest code
+(no exponent bump); zeros and subnormals become code 0, and a zero magnitude gets sign 0.
+Values are packed from float32, not via bf16. Decoding assembles bits: a magnitude m > 0
+is normalised with exponent ``shared - shift``; an exponent below 0 decodes to +0.0.
 """
 from __future__ import annotations
 
@@ -60,7 +64,9 @@ def pack_tiles(tiles: torch.Tensor, dtype: str) -> torch.Tensor:
     if tiles.shape[-1] != TILE_ELEMS:
         raise ValueError(f"pack_tiles expects [n, {TILE_ELEMS}] tiles, got {tuple(tiles.shape)}")
     if fmt.name == "bfloat16":
-        return tiles.to(torch.bfloat16).contiguous().view(torch.uint8)
+        half = tiles.to(torch.bfloat16).contiguous().view(torch.int16)
+        half = torch.where(torch.isnan(tiles), torch.full_like(half, 0x7FC0), half)  # ttnn: one quiet NaN
+        return half.view(torch.uint8)
     if fmt.name == "float32":
         return tiles.to(torch.float32).contiguous().view(torch.uint8)
     return _pack_bfp(tiles.to(torch.float32), fmt.mantissa_bits)
@@ -101,7 +107,7 @@ def _pack_bfp(tiles: torch.Tensor, mbits: int) -> torch.Tensor:
     tie = 1 << (shift - 1)
     q = q + ((round_value > tie) | ((round_value == tie) & ((q & 1) == 1))).to(q.dtype)
     q = q.clamp(max=(1 << mbits) - 1)
-    q = torch.where((bits & 0x7FFFFFFF) == 0, torch.zeros_like(q), q)  # +-0.0 -> 0
+    q = torch.where(exp == 0, torch.zeros_like(q), q)  # +-0.0 and subnormals -> 0
     sign = torch.where(q == 0, torch.zeros_like(sign), sign)
     byte = ((sign << mbits) | q).to(torch.uint8).reshape(n, TILE_ELEMS)
     if mbits == 3:
@@ -124,8 +130,9 @@ def _unpack_bfp(data: torch.Tensor, mbits: int) -> torch.Tensor:
     top = torch.floor(torch.log2(man.clamp(min=1).to(torch.float32))).to(torch.int64)
     shift_cnt = (mbits - 1) - top
     frac = (man << (shift_cnt + 1)) & mask
-    exp = (shared - shift_cnt) & 0x1FF  # tt-metal computes this in uint32
-    word = (sign << 31) | (exp << 23) | (frac << (23 - mbits))
-    word = torch.where(man == 0, sign << 31, word) & 0xFFFFFFFF
+    exp = shared - shift_cnt
+    word = (sign << 31) | (exp.clamp(min=0) << 23) | (frac << (23 - mbits))
+    word = torch.where(exp < 0, torch.zeros_like(word), word)  # exponent underflow -> +0.0
+    word = torch.where(man == 0, sign << 31, word)
     word = torch.where(word >= 2**31, word - 2**32, word).to(torch.int32)
     return word.view(torch.float32).reshape(n, TILE_ELEMS)
