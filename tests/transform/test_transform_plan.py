@@ -58,12 +58,15 @@ def cases(draw):
     n_src = -(-num_tokens // src_bs)
     dst_blocks = draw(st.permutations(range(n_dst + 6)))[:n_dst]
     src_blocks = draw(st.permutations(range(n_src + 4)))[:n_src]
-    return profile, bs, src_bs, head_dim, heads, dtype, mode, dst_blocks, src_blocks, draw(st.integers(0, 2**31))
+    src_dtype = draw(st.sampled_from([torch.float32, torch.bfloat16]))
+    return profile, bs, src_bs, head_dim, heads, dtype, mode, dst_blocks, src_blocks, src_dtype, draw(st.integers(0, 2**31))
 
 
-@given(cases())
-def test_plan_applied_with_memcpy_matches_tilize_and_pack(case):
-    profile, bs, src_bs, head_dim, heads, dtype, mode, dst_blocks, src_blocks, seed = case
+@pytest.mark.parametrize("impl", ["cpu_kernel", "torch"])
+@given(case=cases())
+def test_plan_applied_with_memcpy_matches_tilize_and_pack(impl, case):
+    """Both implementations of the transform (the fused CPU kernel and the torch path)."""
+    profile, bs, src_bs, head_dim, heads, dtype, mode, dst_blocks, src_blocks, src_dtype, seed = case
     g = torch.Generator().manual_seed(seed)
     spec = TTKVCacheSpec(NUM_LAYERS, max(dst_blocks) + 1, heads, bs, head_dim, dtype)
     dev = EmulatedDevice(profile, 16 << 20)
@@ -71,15 +74,15 @@ def test_plan_applied_with_memcpy_matches_tilize_and_pack(case):
     n_src_total = max(src_blocks) + 1
     # K in a transposed storage ([blocks, H, D, tokens] viewed as [blocks, H, tokens, D]) like
     # the CPU backend; V row-major.
-    src = [(torch.randn(n_src_total, heads, head_dim, src_bs, generator=g).transpose(2, 3),
-            torch.randn(n_src_total, heads, src_bs, head_dim, generator=g)) for _ in range(NUM_LAYERS)]
+    src = [(torch.randn(n_src_total, heads, head_dim, src_bs, generator=g).to(src_dtype).transpose(2, 3),
+            torch.randn(n_src_total, heads, src_bs, head_dim, generator=g).to(src_dtype)) for _ in range(NUM_LAYERS)]
     plan = make_plan(layout, dst_blocks, mode)
-    gp = transform_kv(src, src_blocks, src_bs, plan)
+    gp = transform_kv(src, src_blocks, src_bs, plan, impl=impl)
     assert gp.numel() == plan.total_nbytes == plan.rdma.total_nbytes
     apply_plan(dev, plan, gp)
     for layer in range(NUM_LAYERS):
         for kv in range(2):
-            want = tilize_pack(reference_blocks(src[layer][kv], src_blocks, src_bs, len(dst_blocks), bs), dtype)
+            want = tilize_pack(reference_blocks(src[layer][kv].float(), src_blocks, src_bs, len(dst_blocks), bs), dtype)
             got = dev.read_tiles(layout, layer, kv, layout.block_tiles(dst_blocks))
             assert torch.equal(got, want), (layer, kv)
     assert len(dev.live_buffers()) == 2 * NUM_LAYERS  # the receive buffer was returned

@@ -1,9 +1,10 @@
 """``hawk bench transform``: throughput of the prefill-side transform versus a plain torch
 copy of the same bytes on the same device, in one run.
 
-Source: a synthetic vLLM KV cache in bf16 (FlashAttention layout ``[2, num_blocks,
-block_size, kv_heads, head_dim]`` per layer, as a GPU prefill holds it, or the CPU
-backend's layout with K transposed). The request's blocks are scattered over the cache.
+Source: a synthetic vLLM 0.32 KV cache in bf16, all layers in one buffer as vLLM
+allocates it, read through the source-layout adapters: FlashAttention (NHD, what a GPU
+prefill holds) or the CPU backend (K transposed inside each block/head slab). The
+request's source and destination blocks are scattered over the caches.
 Throughput counts SOURCE bytes (the request's bf16 KV) for both the transform and the
 copy, so the ratio is independent of the target dtype's smaller size.
 """
@@ -17,23 +18,23 @@ import torch
 from vllm_hawk.bench.common import median_seconds, print_table, progress, write_json
 from vllm_hawk.layout.model_shapes import load_model_shape
 from vllm_hawk.layout.report import build_layout
+from vllm_hawk.layout.vllm_kv import CpuAttnKVLayout, FlashAttnKVLayout, make_layer_caches
 from vllm_hawk.transform import make_plan, transform_kv
 
 SOURCES = ("flash", "cpu")
 
 
 def source_views(kind: str, num_layers: int, num_blocks: int, heads: int, bs: int, dim: int, device):
-    """Per layer (K, V) logical views [num_blocks, heads, bs, dim] of a bf16 cache."""
-    views = []
-    for _ in range(num_layers):
-        if kind == "flash":
-            t = torch.randn(2, num_blocks, bs, heads, dim, device=device).to(torch.bfloat16)
-            views.append((t[0].permute(0, 2, 1, 3), t[1].permute(0, 2, 1, 3)))
-        else:  # CPU attention: [blocks, heads, 2*bs*dim] slabs, K stored [dim, bs], V [bs, dim]
-            t = torch.randn(num_blocks, heads, 2, bs * dim, device=device).to(torch.bfloat16)
-            views.append((t[:, :, 0].reshape(num_blocks, heads, dim, bs).transpose(2, 3),
-                          t[:, :, 1].reshape(num_blocks, heads, bs, dim)))
-    return views
+    """Per layer (K, V) logical views [num_blocks, heads, bs, dim] of a random bf16 cache."""
+    if kind == "flash":
+        adapter, order = FlashAttnKVLayout(heads, bs, dim), "LBNHC"
+    else:
+        adapter, order = CpuAttnKVLayout(heads, bs, dim, isa="vec"), "LBHNC"
+    caches = make_layer_caches(num_layers, num_blocks, heads, bs, 2 * dim, layout=order, device=device)
+    flat = torch.empty(0, dtype=torch.bfloat16, device=device).set_(
+        caches[0].untyped_storage(), 0, (caches[0].untyped_storage().nbytes() // 2,))
+    flat.copy_(torch.randn(flat.numel(), device=device))
+    return [adapter.kv_views(c) for c in caches]
 
 
 def run(model, tp, device_profile, block_size, sizes_mb, dtypes, sources, repeats, device, seed=0):

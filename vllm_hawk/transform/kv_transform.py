@@ -9,17 +9,23 @@ dtype and written bank-major into G' (uint8 [plan.total_nbytes]), exactly as the
 :class:`~vllm_hawk.transform.plan.TransferPlan` describes. Token groups past the end of
 the source blocks are zero tiles.
 
-One gather per (layer, K|V) reads the source tiles straight from the strided cache in G'
-order; packing then writes each bank's share into its segment.
+On the CPU a fused numba kernel (:mod:`vllm_hawk.transform.cpu_kernel`) does gather,
+tilize and pack in one pass; elsewhere (CUDA) the torch path runs: a strided permute
+copy per run of source blocks when the bank of a tile is a suffix of its digits, else a
+gather of the source tiles in G' order, then packing into each bank's segment.
+``HAWK_TRANSFORM_IMPL=torch|cpu_kernel`` forces one implementation.
 """
 from __future__ import annotations
 
 from typing import Sequence
 
+import os
+
 import numpy as np
 import torch
 
 from vllm_hawk.layout.formats import pack_tiles
+from vllm_hawk.transform import cpu_kernel
 from vllm_hawk.layout.tiles import TILE, TILE_ELEMS, tile_view
 from vllm_hawk.transform.plan import TransferPlan
 
@@ -100,9 +106,11 @@ def transform_kv(
     src_block_size: int,
     plan: TransferPlan,
     out: torch.Tensor | None = None,
+    impl: str | None = None,
 ) -> torch.Tensor:
     """Build G' for one request. ``layers[l] = (K, V)`` logical views (see module doc).
 
+    ``impl``: "auto" (default, or $HAWK_TRANSFORM_IMPL), "cpu_kernel" or "torch".
     Returns ``out`` (allocated if None): uint8 [plan.total_nbytes] on the views' device."""
     spec = plan.layout.spec
     if len(layers) != spec.num_layers:
@@ -121,6 +129,12 @@ def transform_kv(
         raise ValueError(f"transform_kv: out must be uint8 [{plan.total_nbytes}]")
     tb, counts = spec.tile_nbytes, plan.bank_counts
     nb, n2l, n_tiles = len(counts), 2 * spec.num_layers, plan.tiles_per_tensor
+    impl = impl or os.environ.get("HAWK_TRANSFORM_IMPL", "auto")
+    if impl not in ("auto", "cpu_kernel", "torch"):
+        raise ValueError(f"transform impl must be auto, cpu_kernel or torch, got {impl!r}")
+    if impl == "cpu_kernel" or (impl == "auto" and cpu_kernel.available(k0) and out.device.type == "cpu"):
+        _transform_cpu_kernel(layers, src, src_block_size, plan, out)
+        return out
     uniform = bool((counts == counts[0]).all())
     split = bank_digit_split(spec.num_kv_heads, spec.block_size // TILE, spec.head_dim // TILE, nb)
     fused = None
@@ -158,3 +172,15 @@ def transform_kv(
                         out[o:o + cnt * tb] = packed[start:start + cnt].reshape(-1)
                     start += cnt
     return out
+
+
+def _transform_cpu_kernel(layers, src: np.ndarray, src_block_size: int, plan: TransferPlan, out: torch.Tensor) -> None:
+    spec = plan.layout.spec
+    tb, counts = spec.tile_nbytes, plan.bank_counts
+    idx = source_tile_index(plan, src, src_block_size)
+    bank_of = np.repeat(np.arange(counts.size), counts)
+    k_in_bank = np.arange(bank_of.size) - np.repeat(np.cumsum(counts) - counts, counts)
+    first = plan.segment_offset[bank_of] + k_in_bank * tb  # byte offset in G' for slot 0
+    stride = counts[bank_of] * tb  # bytes between consecutive (layer, K|V) slots
+    views = [x for pair in layers for x in pair]  # slot = 2 * layer + kv
+    cpu_kernel.gather_pack(views, idx, out, first, stride, spec.dtype)
