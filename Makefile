@@ -3,7 +3,9 @@
 # when their requirements change (scripts/ensure_env.sh).
 HAWK_CACHE ?= $(HOME)/.cache/vllm-hawk
 export HAWK_CACHE
-PY := $(HAWK_CACHE)/venv-py311/bin/python
+# The cached venv does not contain the project: every command runs this checkout's code.
+export PYTHONPATH := $(CURDIR)$(if $(PYTHONPATH),:$(PYTHONPATH))
+PY := $(shell bash scripts/ensure_env.sh path main)
 PYTEST_ARGS ?=
 
 .PHONY: demo test env ttnn-env kernel-deps which-python bench-transform clean-env

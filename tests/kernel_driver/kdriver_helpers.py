@@ -40,13 +40,18 @@ def header_dirs(series: str) -> list[str]:
 
 
 def run_make(*args: str, timeout: float = 300) -> subprocess.CompletedProcess[str]:
-    """Run make in kernel_driver/, stdout+stderr merged into .stdout."""
+    """Run make in kernel_driver/, stdout+stderr merged into .stdout.
+
+    LD_PRELOAD is dropped: vLLM's CPU platform adds libraries to it in this process when an
+    engine is built, and ASan refuses to start unless its runtime comes first."""
+    env = {k: v for k, v in os.environ.items() if k != "LD_PRELOAD"}
     return subprocess.run(
         ["make", "--no-print-directory", "-C", str(KDRIVER), *args],
         stdout=subprocess.PIPE,
         stderr=subprocess.STDOUT,
         text=True,
         timeout=timeout,
+        env=env,
     )
 
 

@@ -4,7 +4,10 @@ from __future__ import annotations
 import importlib
 import sys
 
-BENCHES = {"transform": "vllm_hawk.bench.transform_bench"}
+BENCHES = {
+    "transform": "vllm_hawk.bench.transform_bench",
+    "transfer": "vllm_hawk.bench.transfer_bench",
+}
 
 
 def main(argv: list[str]) -> int:

@@ -138,11 +138,13 @@ class ProtocolClient:
         if self._stop.is_set():
             raise RuntimeError("client is closed")
         fut: cf.Future = cf.Future()
-        seq, frames = self._env.pack(msg)
+        # Number and queue under one lock: with authentication the server drops a
+        # sequence number lower than one it has seen, so messages must leave in order.
         with self._lock:
+            seq, frames = self._env.pack(msg)
             self._pending[seq] = fut
+            self._outbox.put(frames)
         fut.add_done_callback(lambda _f, s=seq: self._forget(s))
-        self._outbox.put(frames)
         self._wake_tx_send()
         return fut
 

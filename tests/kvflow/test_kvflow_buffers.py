@@ -1,0 +1,142 @@
+"""The prefill ring and the decode's per-bank receive pool: bounded, never overwrite,
+backpressure with a deadline, release in any order, back to fully free."""
+from __future__ import annotations
+
+import random
+import threading
+import time
+
+import pytest
+from hypothesis import given, strategies as st
+
+from vllm_hawk.kvflow import BankBufferPool, BufferFull, RingAllocator, RingBuffer
+from vllm_hawk.npu.emulated import EmulatedDevice
+from vllm_hawk.transport import make_transport
+
+
+def _overlaps(ranges):
+    s = sorted(ranges)
+    return any(a1 > b0 for (_a0, a1), (b0, _b1) in zip(s, s[1:]))
+
+
+@given(st.lists(st.tuples(st.integers(1, 3000), st.booleans()), min_size=1, max_size=80),
+       st.randoms(use_true_random=False))
+def test_ring_never_hands_out_overlapping_ranges(ops, rnd):
+    ring = RingAllocator(16 * 1024, align=256)
+    live: dict[str, tuple[int, int]] = {}
+    for i, (n, release_one) in enumerate(ops):
+        if release_one and live:
+            k = rnd.choice(sorted(live))
+            ring.release(k)
+            del live[k]
+        try:
+            off = ring.reserve(f"r{i}", n)
+        except BufferFull:
+            assert live, "an empty ring refused a range that fits"
+            continue
+        assert off % 256 == 0 and off + n <= ring.capacity
+        live[f"r{i}"] = (off, off + n)
+        assert not _overlaps(list(live.values()))
+        assert ring.live().keys() == live.keys()
+    for k in list(live):
+        ring.release(k)
+    assert ring.is_empty() and ring.used_bytes() == 0 and ring.free_bytes() == ring.capacity
+
+
+def test_ring_wraps_and_reuses_space_in_order():
+    u = 128
+    ring = RingAllocator(10 * u, align=u)
+    assert [ring.reserve(k, 3 * u) for k in "abc"] == [0, 3 * u, 6 * u]
+    ring.release("b")  # out of order: space behind "a" is not reusable yet
+    with pytest.raises(BufferFull, match="ring full"):
+        ring.reserve("d", 2 * u)
+    ring.release("a")  # tail moves past a and b
+    assert ring.reserve("d", 5 * u) == 0  # does not fit at the end (1 unit left): wraps to 0
+    with pytest.raises(BufferFull):
+        ring.reserve("e", 2 * u)  # [5u, 6u) is only one unit
+    ring.release("c")
+    assert ring.reserve("e", 4 * u) == 5 * u
+    ring.release("d")
+    ring.release("e")
+    assert ring.is_empty()
+
+
+def test_ring_backpressure_waits_then_refuses_and_rejects_oversize():
+    ring = RingAllocator(1 << 20)
+    ring.reserve("a", 1 << 20)
+    t0 = time.monotonic()
+    with pytest.raises(BufferFull, match="after waiting 0.200 s"):
+        ring.reserve("b", 4096, timeout_s=0.2)
+    assert 0.19 < time.monotonic() - t0 < 2.0
+    threading.Timer(0.1, ring.release, args=("a",)).start()
+    assert ring.reserve("b", 4096, timeout_s=5.0) == 0  # woken by the release
+    with pytest.raises(BufferFull, match="more than the whole"):
+        ring.reserve("huge", (1 << 20) + 1, timeout_s=5.0)  # refused at once, no wait
+    with pytest.raises(ValueError, match="already holds"):
+        ring.reserve("b", 10)
+    with pytest.raises(KeyError):
+        ring.release("nope")
+
+
+def test_ring_buffer_registers_only_its_range():
+    t = make_transport("inprocess")
+    ring = RingBuffer(1 << 20, t)
+    assert t._regions.regions() == [(ring.base_addr, ring.capacity)]
+    with pytest.raises(ValueError, match="outside"):
+        ring.view(ring.capacity - 10, 20)
+    ring.close()
+    assert t._regions.regions() == []
+    t.close()
+
+
+def test_bank_pool_lockstep_slices_backpressure_and_cleanup():
+    dev = EmulatedDevice("p150a", 4 << 20)
+    t = make_transport("inprocess")
+    pool = BankBufferPool(dev, 64 << 10, t)
+    assert len(t._regions) == dev.num_banks  # one registered region per bank
+    a = pool.acquire("a", 40 << 10)
+    assert a.device_offset == pool.buffer.address + a.offset
+    assert [a.addr(b) - dev.bank_address(b) for b in range(dev.num_banks)] == [a.device_offset] * dev.num_banks
+    with pytest.raises(BufferFull, match="pool full"):
+        pool.acquire("b", 40 << 10, timeout_s=0.05)
+    with pytest.raises(BufferFull, match="raise the receive-buffer size"):
+        pool.acquire("c", 65 << 10, timeout_s=5)
+    threading.Timer(0.05, pool.release, args=("a",)).start()
+    b = pool.acquire("b", 40 << 10, timeout_s=5.0)
+    assert b.offset == 0
+    pool.release("b")
+    assert pool.is_idle()
+    pool.close()
+    assert len(t._regions) == 0 and dev.live_buffers() == []
+    t.close()
+
+
+def test_bank_pool_concurrent_users_never_share_bytes():
+    dev = EmulatedDevice("p150a", 4 << 20)
+    pool = BankBufferPool(dev, 32 << 10)
+    held: dict[str, tuple[int, int]] = {}
+    lock = threading.Lock()
+    errors = []
+
+    def user(i):
+        rnd = random.Random(i)
+        for j in range(30):
+            k = f"{i}-{j}"
+            n = rnd.randint(1, 12 << 10)
+            s = pool.acquire(k, n, timeout_s=5.0)
+            with lock:
+                if _overlaps(list(held.values()) + [(s.offset, s.offset + n)]):
+                    errors.append(k)
+                held[k] = (s.offset, s.offset + n)
+            time.sleep(rnd.random() * 1e-3)
+            with lock:
+                del held[k]
+            pool.release(k)
+
+    threads = [threading.Thread(target=user, args=(i,)) for i in range(4)]
+    for th in threads:
+        th.start()
+    for th in threads:
+        th.join()
+    assert not errors and pool.is_idle()
+    pool.close()

@@ -1,0 +1,191 @@
+"""Algorithm 1 end to end inside one process (in-process transport): exact bytes in the
+KV pool for every mode and dtype, the baselines' paths, and refusals that leave nothing
+held on either side."""
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+from vllm_hawk.kvflow import (DecodeEndpoint, PagedKVCache, PeerFailed, PrefillEndpoint,
+                             VllmDecodeEndpoint)
+from vllm_hawk.layout.formats import tilize_pack
+from vllm_hawk.layout.tt_kv_cache import TTKVCacheSpec
+from vllm_hawk.npu.emulated import EmulatedDevice
+from vllm_hawk.protocol import KVReady, Segment, make_compat
+from vllm_hawk.transport import TransferFailed, make_transport
+
+L, H, BS, D = 2, 2, 64, 64
+COMPAT = make_compat("tiny", "bfloat16", BS, "vllm-flash-nhd", "tt-paged", "p150a")
+
+
+def reference(cache: PagedKVCache, layer: int, kv: int, src_blocks, num_tokens: int, dtype: str, bs: int = BS):
+    """Tilized/packed bytes the pool must hold for the request's destination blocks."""
+    x = cache.kv_views()[layer][kv]
+    tok = torch.cat([x[b] for b in src_blocks], dim=1)
+    n_dst = -(-num_tokens // bs)
+    out = torch.zeros(H, n_dst * bs, D, dtype=tok.dtype)
+    m = min(tok.shape[1], n_dst * bs)
+    out[:, :m] = tok[:, :m]
+    return tilize_pack(out.reshape(H, n_dst, bs, D).transpose(0, 1), dtype)
+
+
+def assert_pool_holds(dec: DecodeEndpoint, cache, src_blocks, num_tokens, dst_blocks):
+    for layer in range(L):
+        for kv in range(2):
+            want = reference(cache, layer, kv, src_blocks, num_tokens, dec.layout.spec.dtype)
+            assert torch.equal(dec.read_blocks(layer, kv, dst_blocks), want), (layer, kv)
+
+
+@pytest.fixture()
+def pair():
+    cache = PagedKVCache(L, 48, H, BS, D).fill_random(3)
+    tp, td = make_transport("inprocess"), make_transport("inprocess")
+    pre = PrefillEndpoint(cache, tp, COMPAT, ring_nbytes=1 << 20, reserve_timeout_s=0.2)
+    dev = EmulatedDevice("p150a", 8 << 20)
+    decs = {}
+    try:
+        for dtype in ("bfloat16", "bfloat8_b"):
+            decs[dtype] = DecodeEndpoint(dev, TTKVCacheSpec(L, 32, H, BS, D, dtype), td, pre.endpoint, COMPAT,
+                                         recv_nbytes_per_bank=128 << 10, timeout_s=10)
+        yield cache, pre, decs, dev, tp, td
+    finally:
+        for d in decs.values():
+            d.close()
+        pre.close()
+        tp.close()
+        td.close()
+    assert dev.live_buffers() == []
+
+
+@pytest.mark.parametrize("dtype", ["bfloat16", "bfloat8_b"])
+@pytest.mark.parametrize("mode", ["staged", "direct", "per_tile"])
+def test_fetch_puts_exact_bytes_in_the_pool(pair, mode, dtype):
+    cache, pre, decs, dev, *_ = pair
+    dec = decs[dtype]
+    rng = np.random.default_rng(hash((mode, dtype)) % 2**32)
+    for i in range(3):
+        n = int(rng.integers(1, 5 * BS))
+        nb = -(-n // BS)
+        src = rng.permutation(48)[:nb]
+        dst = rng.permutation(32)[:nb]
+        pre.add_request(f"r{i}", src, n)
+        res = dec.fetch(f"r{i}", n, dst, mode)
+        assert_pool_holds(dec, cache, src, n, dst)
+        assert res.nbytes == nb * 16 * dec.layout.spec.tile_nbytes * L  # 8 K + 8 V tiles per block
+        if mode == "staged":
+            assert res.entries == 8  # one READ per bank
+        assert dec.pool.is_idle()
+        assert pre.snapshot()["ring_used"] == 0 and pre.snapshot()["requests"] == 0
+
+
+def test_gg_and_gn_host_baselines_move_the_same_kv():
+    cache = PagedKVCache(L, 48, H, BS, D).fill_random(5)
+    for kind in ("inprocess", "host_staged"):
+        tp, td = make_transport(kind), make_transport(kind)
+        pre = PrefillEndpoint(cache, tp, COMPAT, mode="vllm")
+        dst_cache = PagedKVCache(L, 40, H, BS, D)
+        dec = VllmDecodeEndpoint(dst_cache, td, pre.endpoint, COMPAT)
+        dev = EmulatedDevice("p150a", 8 << 20)
+        layout, bufs = dev.allocate_kv_cache(TTKVCacheSpec(L, 32, H, BS, D, "bfloat8_b"))
+        try:
+            src, dst, tt_dst, n = [4, 5, 6, 20, 9], [1, 2, 30, 31, 7], [3, 4, 5, 9, 10], 300
+            pre.add_request("g", src, n)
+            res = dec.fetch("g", n, dst, fix=(dev, layout, tt_dst))
+            assert res.entries == 4 * L  # runs consecutive on both sides: 4,5->1,2  6->30  20->31  9->7
+            for layer in range(L):
+                assert torch.equal(dst_cache.layers[layer][dst], cache.layers[layer][src])
+                for kv in range(2):
+                    got = dev.read_tiles(layout, layer, kv, layout.block_tiles(tt_dst))
+                    assert torch.equal(got, reference(cache, layer, kv, src, n, "bfloat8_b"))
+            assert pre.snapshot()["requests"] == 0
+        finally:
+            dec.close()
+            pre.close()
+            tp.close()
+            td.close()
+
+
+class ForgingPrefill(PrefillEndpoint):
+    """Replies with KVReady messages that do not match what the decode asked for."""
+
+    forge = "shift"
+
+    def _serve(self, msg, reply):
+        def forged(out):
+            if isinstance(out, KVReady):
+                segs = list(out.segments)
+                if self.forge == "shift":  # a segment pointing at another bank's bytes
+                    segs[0], segs[1] = Segment(segs[0].bank, segs[1].offset_bytes, segs[0].nbytes), \
+                        Segment(segs[1].bank, segs[0].offset_bytes, segs[1].nbytes)
+                elif self.forge == "outside":  # past the end of the ring
+                    off = self.ring.capacity
+                    segs = [Segment(s.bank, off + i * s.nbytes, s.nbytes) for i, s in enumerate(segs)]
+                    out = KVReady(req_id=out.req_id, ring_offset=off, total_nbytes=out.total_nbytes, segments=segs)
+                    reply(out)
+                    return
+                out = KVReady(req_id=out.req_id, ring_offset=out.ring_offset, total_nbytes=out.total_nbytes,
+                              segments=segs)
+            reply(out)
+        super()._serve(msg, forged)
+
+
+@pytest.mark.parametrize("forge", ["shift", "outside"])
+def test_forged_kvready_is_refused_and_nothing_is_held(forge):
+    cache = PagedKVCache(L, 16, H, BS, D).fill_random(1)
+    tp, td = make_transport("inprocess"), make_transport("inprocess")
+    pre = ForgingPrefill(cache, tp, COMPAT, ring_nbytes=1 << 20)
+    pre.forge = forge
+    dev = EmulatedDevice("p150a", 8 << 20)
+    dec = DecodeEndpoint(dev, TTKVCacheSpec(L, 16, H, BS, D, "bfloat16"), td, pre.endpoint, COMPAT,
+                         recv_nbytes_per_bank=64 << 10, timeout_s=5)
+    try:
+        before = torch.cat([dec.read_blocks(0, 0, [1, 2])])
+        pre.add_request("f", [1, 2], 128)
+        with pytest.raises(PeerFailed, match="outside|do not match"):
+            dec.fetch("f", 128, [1, 2], "staged")
+        assert torch.equal(dec.read_blocks(0, 0, [1, 2]), before)  # nothing written
+        assert dec.pool.is_idle()
+        assert pre.snapshot()["ring_used"] == 0  # the decode released it (ok=False)
+    finally:
+        dec.close()
+        pre.close()
+        tp.close()
+        td.close()
+
+
+def test_refusals_unknown_request_ring_too_small_and_reads_outside_the_ring(pair):
+    cache, pre, decs, dev, tp, td = pair
+    dec = decs["bfloat16"]
+    with pytest.raises(PeerFailed, match="unknown_request"):
+        dec.fetch("never-prefilled", 64, [0], "staged")
+    pre.add_request("big", list(range(20)), 20 * BS)  # 20 blocks of bf16 = 1.25 MiB > 1 MiB ring
+    with pytest.raises(PeerFailed, match="no_space.*more than the whole"):
+        dec.fetch("big", 20 * BS, list(range(20)), "direct")
+    assert pre.snapshot()["ring_used"] == 0 and dec.pool.is_idle()
+    # The prefill registered only its ring: a READ of its KV cache is refused by the transport.
+    local = dev.bank_address(0) + dec.kv_buffers[0].address
+    h = td.submit("read", dec.peer, [(local, cache.base_addr, 4096)])
+    with pytest.raises(TransferFailed):
+        td.wait(h, 5)
+    h = td.submit("read", dec.peer, [(local, dec.export_base + dec.export_nbytes - 100, 4096)])
+    with pytest.raises(TransferFailed):
+        td.wait(h, 5)
+
+
+@pytest.mark.parametrize("mode", ["staged", "direct"])
+def test_pipelined_chunks_put_exact_bytes_in_the_pool(pair, mode):
+    cache, pre, decs, dev, *_ = pair
+    dec = decs["bfloat8_b"]
+    src, dst = [3, 4, 5, 6, 7], [10, 11, 2, 3, 30]
+    chunks = [("p#0", src[:2], dst[:2]), ("p#1", src[2:4], dst[2:4]), ("p#2", src[4:], dst[4:])]
+    for rid, s, _d in chunks:
+        pre.add_request(rid, s, len(s) * BS)
+    res = dec.fetch_pipelined([(rid, len(d) * BS, d) for rid, _s, d in chunks], mode)
+    assert res.nbytes == 5 * 16 * 1088 * L
+    assert_pool_holds(dec, cache, src, 5 * BS, dst)
+    assert dec.pool.is_idle() and pre.snapshot()["ring_used"] == 0 and pre.snapshot()["requests"] == 0
+    pre.add_request("q#0", [1], BS)  # a chunk the prefill refuses: everything is released
+    with pytest.raises(PeerFailed):
+        dec.fetch_pipelined([("q#0", BS, [1]), ("q#1", BS, [2])], mode, timeout_s=5)
+    assert dec.pool.is_idle() and pre.snapshot()["ring_used"] == 0

@@ -1,0 +1,169 @@
+"""The prefill side's registered ring buffer (Algorithm 1, P5-P6 and P8).
+
+:class:`RingAllocator` hands out byte ranges ``[offset, offset + nbytes)`` of a
+``capacity``-byte ring in arrival order; a range is one request's G'. Ranges may be
+released in any order; space is reused once every older range has been released
+(classic ring: head = end of the newest range, tail = start of the oldest live one). A
+range never wraps: if it does not fit before the end, it starts at offset 0 and the gap
+at the end stays unused until the ring drains past it. ``reserve`` waits for room up to
+a deadline (backpressure) and raises :class:`BufferFull` after it, or at once when the
+request is larger than the ring; it never overwrites a live range.
+
+:class:`RingBuffer` is the allocator plus its host memory (a uint8 torch tensor) and
+its registration with a transport: the ring is the only memory the prefill registers in
+HAWK mode, so a peer's READ of anything else is refused by the transport.
+"""
+from __future__ import annotations
+
+import collections
+import threading
+import time
+
+import torch
+
+from vllm_hawk.kvflow.errors import BufferFull
+
+DEFAULT_ALIGN = 4096
+
+
+class RingAllocator:
+    """Offset-only ring allocator (bytes), thread-safe.
+
+    capacity: ring size in bytes; align: every range starts at a multiple of ``align``.
+    """
+
+    def __init__(self, capacity: int, align: int = DEFAULT_ALIGN) -> None:
+        if capacity <= 0 or align <= 0 or align & (align - 1):
+            raise ValueError(f"ring needs capacity > 0 and a power-of-two align, got {capacity}, {align}")
+        self.capacity = capacity - capacity % align
+        if self.capacity == 0:
+            raise ValueError(f"ring capacity {capacity} is smaller than its alignment {align}")
+        self.align = align
+        self._cond = threading.Condition()
+        # Live and released-but-not-yet-reclaimed ranges in allocation order:
+        # key -> [offset, nbytes_reserved, released]
+        self._ranges: collections.OrderedDict[str, list] = collections.OrderedDict()
+        self._head = 0  # next free byte after the newest range
+
+    # ------------------------------------------------------------------ queries
+    def used_bytes(self) -> int:
+        """Bytes held by ranges not yet reclaimed (released ones behind a live one count)."""
+        with self._cond:
+            return self._used_locked()
+
+    def free_bytes(self) -> int:
+        return self.capacity - self.used_bytes()
+
+    def is_empty(self) -> bool:
+        with self._cond:
+            return not self._ranges
+
+    def live(self) -> dict[str, tuple[int, int]]:
+        """``{key: (offset, nbytes)}`` of ranges not yet released."""
+        with self._cond:
+            return {k: (o, n) for k, (o, n, rel) in self._ranges.items() if not rel}
+
+    def contains(self, offset: int, nbytes: int) -> bool:
+        """True when ``[offset, offset + nbytes)`` lies inside the ring."""
+        return 0 <= offset and nbytes > 0 and offset + nbytes <= self.capacity
+
+    # ------------------------------------------------------------------ reserve / release
+    def reserve(self, key: str, nbytes: int, timeout_s: float = 0.0) -> int:
+        """Reserve ``nbytes`` for ``key``; returns the byte offset in the ring.
+
+        Waits up to ``timeout_s`` seconds for releases (0 = refuse at once when full).
+        Raises :class:`BufferFull` (no room in time, or larger than the ring) and
+        ``ValueError`` (``key`` already holds a range, ``nbytes`` <= 0)."""
+        if nbytes <= 0:
+            raise ValueError(f"ring reserve for {key!r}: nbytes must be > 0, got {nbytes}")
+        size = -(-nbytes // self.align) * self.align
+        if size > self.capacity:
+            raise BufferFull(f"ring: request {key!r} needs {nbytes} bytes, more than the whole "
+                             f"{self.capacity}-byte ring; raise the ring size", key)
+        deadline = time.monotonic() + max(0.0, timeout_s)
+        with self._cond:
+            if key in self._ranges:
+                raise ValueError(f"ring: request {key!r} already holds a range")
+            while True:
+                off = self._fit_locked(size)
+                if off is not None:
+                    self._ranges[key] = [off, size, False]
+                    self._head = off + size
+                    return off
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    raise BufferFull(
+                        f"ring full: request {key!r} needs {size} bytes, {self.capacity - self._used_locked()} "
+                        f"of {self.capacity} free ({len(self.live())} live ranges) after waiting "
+                        f"{timeout_s:.3f} s", key)
+                self._cond.wait(left)
+
+    def release(self, key: str) -> None:
+        """Release ``key``'s range (any order). Raises ``KeyError`` for an unknown key."""
+        with self._cond:
+            r = self._ranges.get(key)
+            if r is None or r[2]:
+                raise KeyError(f"ring: no live range for request {key!r}")
+            r[2] = True
+            while self._ranges and next(iter(self._ranges.values()))[2]:
+                self._ranges.popitem(last=False)
+            if not self._ranges:
+                self._head = 0
+            self._cond.notify_all()
+
+    # ------------------------------------------------------------------ internals
+    def _used_locked(self) -> int:
+        if not self._ranges:
+            return 0
+        tail = next(iter(self._ranges.values()))[0]
+        if self._head > tail:
+            return self._head - tail
+        return self.capacity - tail + self._head  # wrapped (gap at the end counts as used)
+
+    def _fit_locked(self, size: int) -> int | None:
+        if not self._ranges:
+            return 0 if size <= self.capacity else None
+        tail = next(iter(self._ranges.values()))[0]
+        head = self._head
+        if head > tail:  # free: [head, capacity) then [0, tail)
+            if head + size <= self.capacity:
+                return head
+            return 0 if size <= tail else None
+        return head if head + size <= tail else None  # wrapped: free is [head, tail)
+
+
+class RingBuffer:
+    """The registered ring: ``capacity`` bytes of host memory plus a :class:`RingAllocator`.
+
+    ``transport`` (optional) gets ``register(base_addr, capacity)`` now and
+    ``unregister`` at :meth:`close`. ``view(offset, nbytes)`` is a uint8 tensor over ring
+    bytes (no copy) that the transform writes G' into.
+    """
+
+    def __init__(self, capacity: int, transport=None, align: int = DEFAULT_ALIGN) -> None:
+        self.alloc = RingAllocator(capacity, align)
+        self.capacity = self.alloc.capacity
+        self.memory = torch.empty(self.capacity, dtype=torch.uint8)
+        self.base_addr = self.memory.data_ptr()
+        self._transport = transport
+        if transport is not None:
+            transport.register(self.base_addr, self.capacity)
+
+    def reserve(self, key: str, nbytes: int, timeout_s: float = 0.0) -> int:
+        return self.alloc.reserve(key, nbytes, timeout_s)
+
+    def release(self, key: str) -> None:
+        self.alloc.release(key)
+
+    def view(self, offset: int, nbytes: int) -> torch.Tensor:
+        if not self.alloc.contains(offset, nbytes):
+            raise ValueError(f"ring view [{offset}, {offset + nbytes}) outside the {self.capacity}-byte ring")
+        return self.memory[offset:offset + nbytes]
+
+    def close(self) -> None:
+        if self._transport is not None:
+            try:
+                self._transport.unregister(self.base_addr)
+            except Exception:  # noqa: BLE001 - transport may be closed already
+                pass
+            self._transport = None
