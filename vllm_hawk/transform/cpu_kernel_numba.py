@@ -22,43 +22,69 @@ def _to_bf16(bits):
     rounded = bits + np.uint32(0x7FFF) + ((bits >> np.uint32(16)) & np.uint32(1))
     return np.uint16(rounded >> np.uint32(16))
 
-@numba.njit(cache=True, parallel=True)
+@numba.njit(cache=True, parallel=True, boundscheck=False)
 def gather_copy16(src, bases, strides, slots, blk, head, tr, tc, valid, out16, first, step):
-    """bf16 source -> bf16 tiles: a 16-element face row is one slice copy when the
-    source's dim stride is 1 (FlashAttention rows, CPU-layout V)."""
+    """bf16 source -> bf16 tiles. Walks the tile's 32 tokens; each token's 32 dims are two
+    16-element face rows (faces f and f+1), copied as plain loops LLVM vectorises."""
     n = blk.size
     for job in numba.prange(bases.size * n):
         s, k = job // n, job % n
-        base, sb, sh, st, sd = bases[s], strides[s, 0], strides[s, 1], strides[s, 2], strides[s, 3]
+        st, sd = strides[s, 2], strides[s, 3]
         o = (first[k] + slots[s] * step[k]) // 2
-        for fr in range(64):
-            f, r = fr // 16, fr % 16
-            dst = o + fr * 16
-            if not valid[k]:
-                out16[dst:dst + 16] = 0
-                continue
-            tok = tr[k] * 32 + (f // 2) * 16 + r
-            p = base + blk[k] * sb + head[k] * sh + tok * st + (tc[k] * 32 + (f % 2) * 16) * sd
+        if not valid[k]:
+            for i in range(1024):
+                out16[o + i] = 0
+            continue
+        tile = bases[s] + blk[k] * strides[s, 0] + head[k] * strides[s, 1] + tr[k] * 32 * st + tc[k] * 32 * sd
+        for t in range(32):
+            p = tile + t * st
+            d0 = o + (t // 16) * 512 + (t % 16) * 16  # face (t//16, 0), row t%16
             if sd == 1:
-                out16[dst:dst + 16] = src[p:p + 16]
+                for c in range(16):
+                    out16[d0 + c] = src[p + c]
+                for c in range(16):
+                    out16[d0 + 256 + c] = src[p + 16 + c]
             else:
                 for c in range(16):
-                    out16[dst + c] = src[p + c * sd]
+                    out16[d0 + c] = src[p + c * sd]
+                for c in range(16):
+                    out16[d0 + 256 + c] = src[p + (16 + c) * sd]
 
-@numba.njit(cache=True, parallel=True)
+
+@numba.njit(cache=True, inline="always")
+def _bfp_code(bits, shared, mbits):
+    """One value's sign+magnitude code against its face row's shared exponent (branch-free)."""
+    shift = np.uint32(24 - mbits)
+    e = (bits >> np.uint32(23)) & np.uint32(0xFF)
+    d = min(shared - e, np.uint32(31))
+    man = ((bits & np.uint32(0x7FFFFF)) | np.uint32(0x800000)) >> d
+    rest = man & ((np.uint32(1) << shift) - np.uint32(1))
+    tie = np.uint32(1) << (shift - np.uint32(1))
+    q = man >> shift
+    up = np.uint32((rest > tie) | ((rest == tie) & ((q & np.uint32(1)) == np.uint32(1))))
+    q = min(q + up, (np.uint32(1) << np.uint32(mbits)) - np.uint32(1))
+    q = q if e != np.uint32(0) else np.uint32(0)  # zeros and subnormals flush to 0
+    sign = (bits >> np.uint32(31)) if q != np.uint32(0) else np.uint32(0)
+    return (sign << np.uint32(mbits)) | q
+
+
+@numba.njit(cache=True, parallel=True, boundscheck=False)
 def gather_pack(src, src_bf16, bases, strides, slots, blk, head, tr, tc, valid, out, first, step, target):
+    """Any source -> bfloat16 (from float32), float32, bfloat8_b or bfloat4_b tiles.
+    Walks the tile's 32 tokens; each token's 32 dims are face rows of faces f, f+1."""
     n = blk.size
+    mbits = 7 if target == 1 else 3
     for job in numba.prange(bases.size * n):
         s, k = job // n, job % n
-        base, sb, sh, st, sd = bases[s], strides[s, 0], strides[s, 1], strides[s, 2], strides[s, 3]
+        st, sd = strides[s, 2], strides[s, 3]
         o = first[k] + slots[s] * step[k]
+        tile = bases[s] + blk[k] * strides[s, 0] + head[k] * strides[s, 1] + tr[k] * 32 * st + tc[k] * 32 * sd
         row = np.empty(16, dtype=np.uint32)
-        for f in range(4):
-            for r in range(16):
-                fr = f * 16 + r  # face row 0..63
+        for t in range(32):
+            for half in range(2):
+                fr = (t // 16) * 32 + half * 16 + t % 16  # face row: face (t//16)*2+half, row t%16
+                p = tile + t * st + half * 16 * sd
                 if valid[k]:
-                    tok = tr[k] * 32 + (f // 2) * 16 + r
-                    p = base + blk[k] * sb + head[k] * sh + tok * st + (tc[k] * 32 + (f % 2) * 16) * sd
                     for c in range(16):
                         row[c] = _bits32(src, p + c * sd, src_bf16)
                 else:
@@ -74,36 +100,16 @@ def gather_pack(src, src_bf16, bases, strides, slots, blk, head, tr, tc, valid, 
                     for c in range(16):
                         for b in range(4):
                             out[o + 4 * (pos + c) + b] = np.uint8((row[c] >> np.uint32(8 * b)) & np.uint32(0xFF))
-                else:  # block float: shared exponent, then magnitudes
-                    mbits = 7 if target == 1 else 3
-                    shift = 24 - mbits
+                else:  # block float: shared exponent byte, then codes
                     shared = np.uint32(0)
                     for c in range(16):
-                        e = (row[c] >> np.uint32(23)) & np.uint32(0xFF)
-                        if e > shared:
-                            shared = e
+                        shared = max(shared, (row[c] >> np.uint32(23)) & np.uint32(0xFF))
                     out[o + fr] = np.uint8(shared)
-                    for c in range(16):
-                        bits = row[c]
-                        e = (bits >> np.uint32(23)) & np.uint32(0xFF)
-                        code = np.uint32(0)
-                        if e != 0:
-                            man = (bits & np.uint32(0x7FFFFF)) | np.uint32(0x800000)
-                            d = shared - e
-                            man = man >> d if d < 32 else np.uint32(0)
-                            rest = man & np.uint32((1 << shift) - 1)
-                            q = man >> np.uint32(shift)
-                            tie = np.uint32(1 << (shift - 1))
-                            if rest > tie or (rest == tie and (q & np.uint32(1)) == 1):
-                                q += np.uint32(1)
-                            lim = np.uint32((1 << mbits) - 1)
-                            if q > lim:
-                                q = lim
-                            if q != 0:
-                                code = ((bits >> np.uint32(31)) << np.uint32(mbits)) | q
-                        if mbits == 7:
-                            out[o + 64 + pos + c] = np.uint8(code)
-                        elif c % 2 == 0:
-                            out[o + 64 + (pos + c) // 2] = np.uint8(code)
-                        else:
-                            out[o + 64 + (pos + c) // 2] |= np.uint8(code << np.uint32(4))
+                    if mbits == 7:
+                        for c in range(16):
+                            out[o + 64 + pos + c] = np.uint8(_bfp_code(row[c], shared, 7))
+                    else:
+                        for c in range(8):
+                            lo = _bfp_code(row[2 * c], shared, 3)
+                            hi = _bfp_code(row[2 * c + 1], shared, 3)
+                            out[o + 64 + pos // 2 + c] = np.uint8(lo | (hi << np.uint32(4)))
