@@ -164,6 +164,21 @@ def check_entries(entries: Sequence[Entry], max_entries: int = 1 << 20) -> tuple
     return n, total
 
 
+def begin_transfer(regions: "RegionTable", kind: str, peer: str, entries: Sequence[Entry]) -> TransferHandle:
+    """Validate a ``submit`` call (kind, entries, local ranges registered) and open its handle."""
+    check_kind(kind)
+    n, total = check_entries(entries)
+    regions.check_local(entries)
+    return TransferHandle(kind=kind, peer=peer, num_entries=n, total_nbytes=total)
+
+
+def closed_transfer(h: TransferHandle) -> TransferHandle:
+    """Settle ``h`` as failed because the transport is closed."""
+    h.finish_failed("transport is closed")
+    h.settled.set()
+    return h
+
+
 class RegionTable:
     """Registered address ranges of one process; thread-safe; non-overlapping.
 

@@ -30,8 +30,7 @@ import threading
 from dataclasses import dataclass
 from typing import Sequence
 
-from vllm_hawk.transport.base import (Entry, Kind, RegionTable, TransferHandle, TransferState,
-                                      check_entries, check_kind, wait_handle)
+from vllm_hawk.transport.base import (Entry, Kind, RegionTable, TransferHandle, TransferState, begin_transfer, closed_transfer, wait_handle)
 
 logger = logging.getLogger(__name__)
 
@@ -119,14 +118,9 @@ class HostStagedTransport:
         self._regions.remove(addr)
 
     def submit(self, kind: Kind, peer: str, entries: Sequence[Entry]) -> TransferHandle:
-        check_kind(kind)
-        n, total = check_entries(entries)
-        self._regions.check_local(entries)
-        h = TransferHandle(kind=kind, peer=peer, num_entries=n, total_nbytes=total)
+        h = begin_transfer(self._regions, kind, peer, entries)
         if self._closed.is_set():
-            h.finish_failed("transport is closed")
-            h.settled.set()
-            return h
+            return closed_transfer(h)
         job = _Job(h, _OP_READ if kind == "read" else _OP_WRITE, list(entries))
         self._worker_queue(peer).put(job)
         return h

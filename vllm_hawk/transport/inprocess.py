@@ -12,8 +12,7 @@ import itertools
 import threading
 from typing import Sequence
 
-from vllm_hawk.transport.base import (Entry, Kind, RegionTable, TransferHandle, TransferState,
-                                      check_entries, check_kind, wait_handle)
+from vllm_hawk.transport.base import (Entry, Kind, RegionTable, TransferHandle, TransferState, begin_transfer, wait_handle)
 
 _ids = itertools.count(1)
 _peers: dict[str, "InProcessTransport"] = {}
@@ -42,10 +41,7 @@ class InProcessTransport:
         self._regions.remove(addr)
 
     def submit(self, kind: Kind, peer: str, entries: Sequence[Entry]) -> TransferHandle:
-        check_kind(kind)
-        n, total = check_entries(entries)
-        self._regions.check_local(entries)
-        h = TransferHandle(kind=kind, peer=peer, num_entries=n, total_nbytes=total)
+        h = begin_transfer(self._regions, kind, peer, entries)
         with _peers_lock:
             target = _peers.get(peer)
         if self._closed:

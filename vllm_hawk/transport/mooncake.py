@@ -34,9 +34,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Sequence
 
-from vllm_hawk.transport.base import (Entry, Kind, RegionError, RegionTable, TransferHandle,
-                                      TransferState, TransportError, check_entries, check_kind,
-                                      wait_handle)
+from vllm_hawk.transport.base import (Entry, Kind, RegionError, RegionTable, TransferHandle, TransferState, TransportError, begin_transfer, closed_transfer, wait_handle)
 
 logger = logging.getLogger(__name__)
 
@@ -127,14 +125,9 @@ class MooncakeTransport:
             logger.warning("Mooncake unregister_memory(%#x) returned %d", addr, rc)
 
     def submit(self, kind: Kind, peer: str, entries: Sequence[Entry]) -> TransferHandle:
-        check_kind(kind)
-        n, total = check_entries(entries)
-        self._regions.check_local(entries)
-        h = TransferHandle(kind=kind, peer=peer, num_entries=n, total_nbytes=total)
+        h = begin_transfer(self._regions, kind, peer, entries)
         if self._closed.is_set():
-            h.finish_failed("transport is closed")
-            h.settled.set()
-            return h
+            return closed_transfer(h)
         self._worker(peer).jobs.put(_Job(h, kind == "read", list(entries)))
         return h
 
