@@ -18,6 +18,7 @@ import zmq
 
 from vllm_hawk.protocol.compat import compat_hash
 from vllm_hawk.protocol.envelope import DEFAULT_MAX_MESSAGE_NBYTES, Envelope, FrameError
+from vllm_hawk.protocol.wakeup import Wakeup
 from vllm_hawk.protocol.messages import (CompatFields, ErrorMsg, Hello, HelloAck, KVReady,
                                          KVRequest, Message, Release)
 
@@ -69,12 +70,7 @@ class ProtocolClient:
         self._sock.setsockopt(zmq.LINGER, 0)
         self._sock.setsockopt(zmq.MAXMSGSIZE, max_message_nbytes + 4096)
         self._sock.connect(endpoint)
-        wake_addr = f"inproc://hawk-client-wake-{uuid.uuid4().hex}"
-        self._wake_rx = self._ctx.socket(zmq.PULL)
-        self._wake_rx.bind(wake_addr)
-        self._wake_tx = self._ctx.socket(zmq.PUSH)
-        self._wake_tx.setsockopt(zmq.LINGER, 0)
-        self._wake_tx.connect(wake_addr)
+        self._wakeup = Wakeup(self._ctx, "hawk-client-wake")
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._loop, daemon=True,
                                         name=f"hawk-protocol-client-{endpoint}")
@@ -145,19 +141,19 @@ class ProtocolClient:
             self._pending[seq] = fut
             self._outbox.put(frames)
         fut.add_done_callback(lambda _f, s=seq: self._forget(s))
-        self._wake_tx_send()
+        self._wakeup.wake()
         return fut
 
     def close(self) -> None:
         if self._stop.is_set():
             return
         self._stop.set()
-        self._wake_tx_send()
+        self._wakeup.wake()
         self._thread.join(timeout=5.0)
         with self._lock:
             pending = list(self._pending.values())
             self._pending.clear()
-            self._wake_tx.close()
+        self._wakeup.close_sender()
         for f in pending:
             f.cancel()
 
@@ -181,27 +177,15 @@ class ProtocolClient:
         with self._lock:
             self._pending.pop(seq, None)
 
-    def _wake_tx_send(self) -> None:
-        with self._lock:
-            if not self._wake_tx.closed:
-                try:
-                    self._wake_tx.send(b"", zmq.NOBLOCK)
-                except zmq.Again:
-                    pass
-
     def _loop(self) -> None:
         poller = zmq.Poller()
         poller.register(self._sock, zmq.POLLIN)
-        poller.register(self._wake_rx, zmq.POLLIN)
+        poller.register(self._wakeup.rx, zmq.POLLIN)
         try:
             while not self._stop.is_set():
                 events = dict(poller.poll(timeout=500))
-                if self._wake_rx in events:
-                    while True:
-                        try:
-                            self._wake_rx.recv(zmq.NOBLOCK)
-                        except zmq.Again:
-                            break
+                if self._wakeup.rx in events:
+                    self._wakeup.drain()
                 while True:
                     try:
                         frames = self._outbox.get_nowait()
@@ -220,7 +204,7 @@ class ProtocolClient:
                         self._on_frames(frames)
         finally:
             self._sock.close()
-            self._wake_rx.close()
+            self._wakeup.close_receiver()
 
     def _on_frames(self, frames: list[bytes]) -> None:
         try:

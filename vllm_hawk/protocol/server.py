@@ -21,6 +21,7 @@ import zmq
 
 from vllm_hawk.protocol.compat import compat_hash, describe_diff
 from vllm_hawk.protocol.envelope import DEFAULT_MAX_MESSAGE_NBYTES, AuthError, Envelope, FrameError
+from vllm_hawk.protocol.wakeup import Wakeup
 from vllm_hawk.protocol.messages import (Ack, CompatFields, ErrorMsg, Hello, HelloAck, KVReady,
                                          KVRequest, Message, Release)
 
@@ -82,13 +83,7 @@ class ProtocolServer:
         self._sock.setsockopt(zmq.MAXMSGSIZE, max_message_nbytes + 4096)
         self._sock.bind(bind)
         self.endpoint: str = self._sock.getsockopt_string(zmq.LAST_ENDPOINT)
-        wake_addr = f"inproc://hawk-server-wake-{uuid.uuid4().hex}"
-        self._wake_rx = self._ctx.socket(zmq.PULL)
-        self._wake_rx.bind(wake_addr)
-        self._wake_tx = self._ctx.socket(zmq.PUSH)
-        self._wake_tx.setsockopt(zmq.LINGER, 0)
-        self._wake_tx.connect(wake_addr)
-        self._wake_lock = threading.Lock()
+        self._wakeup = Wakeup(self._ctx, "hawk-server-wake")
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._loop, daemon=True,
                                         name=f"hawk-protocol-server-{self.endpoint}")
@@ -99,10 +94,9 @@ class ProtocolServer:
         if self._stop.is_set():
             return
         self._stop.set()
-        self._wake()
+        self._wakeup.wake()
         self._thread.join(timeout=5.0)
-        with self._wake_lock:
-            self._wake_tx.close()
+        self._wakeup.close_sender()
 
     def __enter__(self) -> "ProtocolServer":
         return self
@@ -110,28 +104,16 @@ class ProtocolServer:
     def __exit__(self, *exc) -> None:
         self.close()
 
-    def _wake(self) -> None:
-        with self._wake_lock:
-            if not self._wake_tx.closed:
-                try:
-                    self._wake_tx.send(b"", zmq.NOBLOCK)
-                except zmq.Again:
-                    pass
-
     # ---------------------------------------------------------------- loop
     def _loop(self) -> None:
         poller = zmq.Poller()
         poller.register(self._sock, zmq.POLLIN)
-        poller.register(self._wake_rx, zmq.POLLIN)
+        poller.register(self._wakeup.rx, zmq.POLLIN)
         try:
             while not self._stop.is_set():
                 events = dict(poller.poll(timeout=500))
-                if self._wake_rx in events:
-                    while True:
-                        try:
-                            self._wake_rx.recv(zmq.NOBLOCK)
-                        except zmq.Again:
-                            break
+                if self._wakeup.rx in events:
+                    self._wakeup.drain()
                 self._flush_outbox()
                 if self._sock in events:
                     for _ in range(256):  # bounded burst, then service the outbox again
@@ -143,7 +125,7 @@ class ProtocolServer:
                         self._flush_outbox()
         finally:
             self._sock.close()
-            self._wake_rx.close()
+            self._wakeup.close_receiver()
 
     def _flush_outbox(self) -> None:
         while True:
@@ -161,7 +143,7 @@ class ProtocolServer:
     def _send(self, identity: bytes, msg: Message, reply_to: int) -> None:
         self._outbox.put((identity, msg, reply_to))
         if threading.current_thread() is not self._thread:
-            self._wake()
+            self._wakeup.wake()
 
     def _on_frames(self, frames: list[bytes]) -> None:
         self.stats.received += 1
