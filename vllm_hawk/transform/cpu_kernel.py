@@ -61,7 +61,7 @@ def gather_pack(views: list[torch.Tensor], idx: tuple[np.ndarray, ...], out: tor
 
 
 def _run_groups(views, groups, blk, head, tr, tc, valid, out_np, first, step, dtype) -> None:
-    from vllm_hawk.transform.cpu_kernel_numba import gather_copy16 as _gather_copy16, gather_pack as _gather_pack
+    from vllm_hawk.transform.cpu_kernel_numba import gather_copy16, gather_copy64, gather_pack
     for slot_ids in groups.values():
         x0 = views[slot_ids[0]]
         src = storage_bits(x0)
@@ -69,7 +69,13 @@ def _run_groups(views, groups, blk, head, tr, tc, valid, out_np, first, step, dt
         strides = np.array([views[s].stride() for s in slot_ids], dtype=np.int64).reshape(-1, 4)
         slots = np.asarray(slot_ids, dtype=np.int64)
         if dtype == "bfloat16" and x0.dtype == torch.bfloat16:
-            _gather_copy16(src, bases, strides, slots, blk, head, tr, tc, valid, out_np.view(np.uint16), first, step)
+            if (strides[:, 3] == 1).all() and not (bases % 4).any() and not (strides[:, :3] % 4).any() \
+                    and src.size % 4 == 0:  # whole face rows are aligned uint64 words
+                gather_copy64(src.view(np.uint64), bases // 4, strides // 4, slots, blk, head, tr, tc, valid,
+                              out_np.view(np.uint64), first, step)
+            else:
+                gather_copy16(src, bases, strides, slots, blk, head, tr, tc, valid, out_np.view(np.uint16),
+                              first, step)
         else:
-            _gather_pack(src, x0.dtype == torch.bfloat16, bases, strides, slots, blk, head, tr, tc, valid,
+            gather_pack(src, x0.dtype == torch.bfloat16, bases, strides, slots, blk, head, tr, tc, valid,
                          out_np, first, step, TARGET[dtype])

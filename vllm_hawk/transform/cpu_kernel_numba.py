@@ -51,6 +51,30 @@ def gather_copy16(src, bases, strides, slots, blk, head, tr, tc, valid, out16, f
                     out16[d0 + 256 + c] = src[p + (16 + c) * sd]
 
 
+@numba.njit(cache=True, parallel=True, boundscheck=False)
+def gather_copy64(src64, bases, strides, slots, blk, head, tr, tc, valid, out64, first, step):
+    """bf16 -> bf16 when every face row is 4 aligned uint64 words in the source (dim
+    stride 1, element offsets multiples of 4): offsets and strides here are in uint64
+    words (4 bf16 elements)."""
+    n = blk.size
+    for job in numba.prange(bases.size * n):
+        s, k = job // n, job % n
+        st = strides[s, 2]
+        o = (first[k] + slots[s] * step[k]) // 8
+        if not valid[k]:
+            for i in range(256):
+                out64[o + i] = 0
+            continue
+        tile = bases[s] + blk[k] * strides[s, 0] + head[k] * strides[s, 1] + tr[k] * 32 * st + tc[k] * 8
+        for t in range(32):
+            p = tile + t * st
+            d0 = o + (t // 16) * 128 + (t % 16) * 4  # face (t//16, 0), row t%16
+            for c in range(4):
+                out64[d0 + c] = src64[p + c]
+            for c in range(4):
+                out64[d0 + 64 + c] = src64[p + 4 + c]
+
+
 @numba.njit(cache=True, inline="always")
 def _bfp_code(bits, shared, mbits):
     """One value's sign+magnitude code against its face row's shared exponent (branch-free)."""
