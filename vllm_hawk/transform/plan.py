@@ -89,6 +89,17 @@ class TransferPlan:
         return _kv_page_ops(self, coalesce=False, relative_to_segment=False)
 
 
+def block_runs(blocks) -> list[tuple[int, int, int]]:
+    """Runs of consecutive ids in ``blocks``: (position in the list, first id, length)."""
+    b = np.asarray(blocks, dtype=np.int64).reshape(-1)
+    if b.size == 0:
+        return []
+    brk = np.nonzero(np.diff(b) != 1)[0] + 1
+    starts = np.concatenate([[0], brk])
+    ends = np.concatenate([brk, [b.size]])
+    return [(int(s), int(b[s]), int(e - s)) for s, e in zip(starts, ends)]
+
+
 def make_plan(layout: TTKVCacheLayout, dst_blocks, mode: str = "staged") -> TransferPlan:
     """Plan the transfer of whole destination blocks ``dst_blocks`` (ids into dim 0)."""
     if mode not in MODES:

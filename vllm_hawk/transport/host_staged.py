@@ -185,6 +185,9 @@ class HostStagedTransport:
             if job is None:
                 break
             h = job.handle
+            if self._closed.is_set():  # queued before close(): never touch memory after it
+                closed_transfer(h)
+                continue
             try:
                 if sock is None:
                     sock = self._connect(peer)

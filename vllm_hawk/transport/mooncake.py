@@ -195,6 +195,9 @@ class MooncakeTransport:
                             j.aborted = True
                             j.handle.finish_failed("transport closed")
                     else:
+                        if stopping:  # submitted while close() was under way
+                            job.aborted = True
+                            job.handle.finish_failed("transport closed")
                         active.append(job)
             except queue.Empty:
                 pass
