@@ -8,7 +8,8 @@ export PYTHONPATH := $(CURDIR)$(if $(PYTHONPATH),:$(PYTHONPATH))
 PY := $(shell bash scripts/ensure_env.sh path main)
 PYTEST_ARGS ?=
 
-.PHONY: demo test env ttnn-env kernel-deps which-python bench-transform clean-env
+
+.PHONY: demo layout test env ttnn-env kernel-deps which-python bench-transform clean-env
 
 which-python:  ## the interpreter every target uses
 	@echo $(PY)
@@ -22,7 +23,10 @@ ttnn-env:
 kernel-deps:
 	@bash scripts/kernel_deps.sh
 
-demo: env  ## the main job (for now: how a 70B request maps onto a p150a's DRAM banks)
+demo: env  ## the main job: prefill vLLM + decode vLLM + proxy on this machine, a few requests
+	$(PY) examples/pd_local/run_demo.py
+
+layout: env  ## how a Llama-3.1-70B request maps onto a p150a's DRAM banks
 	$(PY) -m vllm_hawk.cli layout
 
 test: env ttnn-env kernel-deps  ## the whole suite, as CI runs it

@@ -1,0 +1,105 @@
+"""Tenstorrent decode platform for vLLM (``vllm.platform_plugins`` entry point).
+
+Two backends, chosen explicitly with ``HAWK_TT_PLATFORM`` (see :mod:`.config` for all
+``HAWK_TT_*`` variables), never by detection, so a GPU node is unaffected:
+
+* ``emulated``: runs on the CPU (:mod:`.platform`). The KV cache lives in an emulated
+  Tenstorrent device's DRAM banks in the device's paged tile layout (bf16 or bfloat8_b)
+  and decode attention reads it in that layout (:mod:`.attention`, :mod:`.kv_cache`).
+* ``ttnn``: real hardware through ttnn, following tt-metal's ``tt_transformers`` models
+  (:mod:`.ttnn_backend`). Import-guarded; it has NOT been run (no hardware here).
+
+KV connectors find the running engine's cache with :func:`get_kv_cache` (see
+:mod:`.registry`). Activation without installing the entry point (tests, a checkout on
+``PYTHONPATH``): :func:`ensure_entry_point`, or the launcher
+``python -m vllm_hawk.tt_plugin --tt-platform emulated [--tt-device n150] serve MODEL ...``.
+
+This module imports neither vLLM nor torch: vLLM loads it during platform detection.
+"""
+from __future__ import annotations
+
+import importlib.abc
+import importlib.metadata as md
+import logging
+import sys
+from pathlib import Path
+
+from vllm_hawk.tt_plugin.config import ENV_PLATFORM, TTPluginConfig, TTPluginConfigError
+
+__all__ = ["register", "ensure_entry_point", "get_kv_cache", "ENTRY_POINT_GROUP", "ENTRY_POINT_NAME"]
+
+logger = logging.getLogger("vllm.hawk.tt_plugin")
+
+ENTRY_POINT_GROUP = "vllm.platform_plugins"
+ENTRY_POINT_NAME = "hawk_tt"
+ENTRY_POINT_VALUE = "vllm_hawk.tt_plugin:register"
+
+_PLATFORMS = {
+    "emulated": "vllm_hawk.tt_plugin.platform.TTEmulatedPlatform",
+    "ttnn": "vllm_hawk.tt_plugin.ttnn_backend.TTNNPlatform",
+}
+_MISCONFIGURED = "vllm_hawk.tt_plugin.platform.TTPlatformMisconfigured"
+
+
+def register() -> str | None:
+    """The ``vllm.platform_plugins`` hook: the platform class path, or None when
+    ``HAWK_TT_PLATFORM`` is unset/off. An invalid ``HAWK_TT_*`` value selects a platform
+    that raises on construction with the variable's name (vLLM would otherwise swallow
+    the error and run its stock platform)."""
+    try:
+        cfg = TTPluginConfig.from_env()
+    except TTPluginConfigError as e:
+        logger.error("%s", e)
+        return _MISCONFIGURED
+    return None if cfg.backend is None else _PLATFORMS[cfg.backend]
+
+
+def get_kv_cache(vllm_config=None):
+    """The running engine's Tenstorrent KV cache (see :mod:`.registry`)."""
+    from vllm_hawk.tt_plugin.registry import get_kv_cache as _get
+
+    return _get(vllm_config)
+
+
+# --------------------------------------------------------------------------- activation
+
+class _EntryPointDistribution(md.Distribution):
+    """Metadata-only distribution declaring the platform entry point (no files)."""
+
+    _NAME = "vllm-hawk-tt-plugin"
+
+    def read_text(self, filename: str) -> str | None:
+        if filename in ("METADATA", "PKG-INFO"):
+            return f"Metadata-Version: 2.1\nName: {self._NAME}\nVersion: 0\n"
+        if filename == "entry_points.txt":
+            return f"[{ENTRY_POINT_GROUP}]\n{ENTRY_POINT_NAME} = {ENTRY_POINT_VALUE}\n"
+        return None
+
+    def locate_file(self, path) -> Path:
+        return Path(path)
+
+
+class _EntryPointFinder(importlib.abc.MetaPathFinder):
+    def find_spec(self, fullname, path=None, target=None):
+        return None
+
+    def find_distributions(self, context=md.DistributionFinder.Context()):
+        name = getattr(context, "name", None)
+        if name is None or name.replace("_", "-").lower() == _EntryPointDistribution._NAME:
+            yield _EntryPointDistribution()
+
+
+def _declared() -> bool:
+    return any(ep.value == ENTRY_POINT_VALUE for ep in md.entry_points(group=ENTRY_POINT_GROUP))
+
+
+def ensure_entry_point() -> bool:
+    """Make ``vllm_hawk.tt_plugin:register`` visible to vLLM's plugin loader in this
+    process (and processes that import this package first), when no installed
+    distribution declares it. Idempotent; returns True if it had to add it. Activation
+    still needs ``HAWK_TT_PLATFORM``."""
+    if _declared():
+        return False
+    sys.meta_path.append(_EntryPointFinder())
+    return True
+
