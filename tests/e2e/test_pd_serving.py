@@ -1,0 +1,254 @@
+"""Disaggregated serving end to end: prefill vLLM + decode vLLM (HawkConnector, GG-Direct
+over Mooncake TCP) + ``hawk proxy``, one module-scoped trio shared by the tests.
+
+The model is the offline tiny Llama in float32 (DESIGN s5: bf16 random models have
+exact top-2 ties). The single-engine reference is the decode server itself, asked
+without ``kv_transfer_params``. Where outputs differ, the reference's top-2 logprob
+gap at the first differing position must be below ``TIE_MARGIN`` (a tie), and ties
+are reported.
+"""
+from __future__ import annotations
+
+import concurrent.futures as cf
+import http.client
+import json
+import time
+import urllib.parse
+
+import pytest
+
+pytestmark = pytest.mark.vllm
+
+TIE_MARGIN = 1e-3
+MAX_TOKENS = 16
+BLOCK = 32
+
+
+def _post(url: str, body: dict, timeout: float = 120.0) -> tuple[int, dict | str]:
+    u = urllib.parse.urlsplit(url)
+    conn = http.client.HTTPConnection(u.hostname, u.port, timeout=timeout)
+    try:
+        conn.request("POST", u.path, json.dumps(body), {"Content-Type": "application/json"})
+        r = conn.getresponse()
+        raw = r.read().decode()
+        try:
+            return r.status, json.loads(raw)
+        except ValueError:
+            return r.status, raw
+    finally:
+        conn.close()
+
+
+def _stream(url: str, body: dict, timeout: float = 120.0) -> tuple[int, list[dict]]:
+    u = urllib.parse.urlsplit(url)
+    conn = http.client.HTTPConnection(u.hostname, u.port, timeout=timeout)
+    try:
+        conn.request("POST", u.path, json.dumps({**body, "stream": True}),
+                     {"Content-Type": "application/json"})
+        r = conn.getresponse()
+        if r.status != 200:
+            return r.status, [{"error": r.read().decode()}]
+        events = []
+        for line in r:
+            line = line.strip()
+            if line.startswith(b"data: ") and line != b"data: [DONE]":
+                events.append(json.loads(line[6:]))
+        return 200, events
+    finally:
+        conn.close()
+
+
+@pytest.fixture(scope="module")
+def cluster(tmp_path_factory):
+    from vllm_hawk.vllm_launcher import ensure_vllm_dist
+
+    if ensure_vllm_dist() is None:
+        pytest.skip("vLLM is not installed")
+    pytest.importorskip("mooncake.engine")
+    from vllm_hawk.proxy.local import LocalCluster
+    from vllm_hawk.tiny_model import build_tiny_llama
+
+    model = build_tiny_llama(dtype="float32")
+    c = LocalCluster(model, tmp_path_factory.mktemp("pd"), block_size=BLOCK,
+                     extra_config={"transfer_timeout_s": 10.0, "handshake_timeout_s": 3.0},
+                     prefill_config={"lease_s": 30.0})
+    c.start()
+    try:
+        yield c
+    finally:
+        c.stop()
+        assert c.leftover_processes() == [], "processes left after stop()"
+
+
+def _prompts() -> list[list[int]]:
+    """Token-id prompts (BOS included) of lengths across block boundaries."""
+    import random
+
+    rng = random.Random(7)
+    lengths = [1, 2, 5, 17, 31, 32, 33, 63, 64, 65, 96, 100, 127, 128, 129, 200, 255, 256,
+               300, 417, 512, 700]
+    return [[0] + [rng.randrange(2, 1024) for _ in range(n - 1)] for n in lengths]
+
+
+def _complete(url: str, prompt, logprobs: int | None = None) -> dict:
+    body = {"model": "tiny", "prompt": prompt, "max_tokens": MAX_TOKENS, "temperature": 0,
+            "ignore_eos": True, "return_token_ids": True}
+    if logprobs:
+        body.update(logprobs=logprobs, return_tokens_as_token_ids=True)
+    status, out = _post(url + "/v1/completions", body)
+    assert status == 200, out
+    return out["choices"][0]
+
+
+def _top2_gap(choice: dict, pos: int) -> float:
+    top = sorted(choice["logprobs"]["top_logprobs"][pos].values(), reverse=True)
+    return top[0] - top[1] if len(top) > 1 else float("inf")
+
+
+def test_greedy_outputs_match_single_engine(cluster, record_property):
+    prompts = _prompts()
+    assert len(prompts) >= 20
+    with cf.ThreadPoolExecutor(4) as pool:  # several pulls in flight at once
+        disagg = list(pool.map(lambda p: _complete(cluster.proxy_url, p), prompts))
+    ref = [_complete(cluster.decode_url, p, logprobs=2) for p in prompts]
+    # Again through the proxy: the decode now has these prompts' prefixes cached, so the
+    # pulls start after the local hit (first_block > 0).
+    again = [_complete(cluster.proxy_url, p) for p in prompts[-4:]]
+    ties, mismatches = [], []
+    for p, d, r in zip(prompts + prompts[-4:], disagg + again, ref + ref[-4:]):
+        got, want = d["token_ids"], r["token_ids"]
+        assert len(got) == MAX_TOKENS
+        if got == want:
+            continue
+        i = next(k for k, (a, b) in enumerate(zip(got, want)) if a != b)
+        gap = _top2_gap(r, i)
+        (ties if gap < TIE_MARGIN else mismatches).append((len(p), i, gap))
+    record_property("ties", ties)
+    if ties:
+        print(f"top-2 ties (prompt_len, position, gap): {ties}")
+    assert not mismatches, f"outputs differ beyond ties (prompt_len, position, gap): {mismatches}"
+
+
+def test_streaming_and_chat_through_proxy(cluster):
+    prompt = "The decode engine reads the cache blocks of the prefill engine"
+    body = {"model": "tiny", "prompt": prompt, "max_tokens": 12, "temperature": 0,
+            "ignore_eos": True}
+    status, events = _stream(cluster.proxy_url + "/v1/completions", body)
+    assert status == 200 and len(events) >= 2
+    streamed = "".join(e["choices"][0]["text"] for e in events)
+    status, whole = _post(cluster.proxy_url + "/v1/completions", body)
+    assert status == 200 and streamed == whole["choices"][0]["text"]
+
+    chat = {"model": "tiny", "messages": [{"role": "user", "content": prompt}],
+            "max_tokens": 8, "temperature": 0, "ignore_eos": True}
+    status, out = _post(cluster.proxy_url + "/v1/chat/completions", chat)
+    assert status == 200, out
+    status, events = _stream(cluster.proxy_url + "/v1/chat/completions", chat)
+    assert status == 200
+    text = "".join(e["choices"][0]["delta"].get("content") or "" for e in events if e["choices"])
+    assert text == out["choices"][0]["message"]["content"]
+
+
+def _usage(url: str) -> float:
+    from vllm_hawk.proxy.local import scrape_metrics
+
+    return scrape_metrics(url).get("vllm:kv_cache_usage_perc", -1.0)
+
+
+def _wait_idle(cluster, timeout_s: float = 45.0) -> tuple[float, float]:
+    deadline = time.monotonic() + timeout_s
+    while True:
+        p, d = _usage(cluster.prefill_url), _usage(cluster.decode_url)
+        if (p, d) == (0.0, 0.0) or time.monotonic() > deadline:
+            return p, d
+        time.sleep(0.5)
+
+
+def test_client_disconnect_frees_blocks_on_both_sides(cluster):
+    assert _wait_idle(cluster) == (0.0, 0.0)
+    u = urllib.parse.urlsplit(cluster.proxy_url)
+    conn = http.client.HTTPConnection(u.hostname, u.port, timeout=60)
+    body = {"model": "tiny", "prompt": [0] + list(range(5, 300)), "max_tokens": 600,
+            "temperature": 0, "ignore_eos": True, "stream": True}
+    conn.request("POST", "/v1/completions", json.dumps(body), {"Content-Type": "application/json"})
+    r = conn.getresponse()
+    assert r.status == 200
+    for _ in range(3):  # decoding has started: KV was pulled, blocks are in use
+        r.readline()
+    assert _usage(cluster.decode_url) > 0.0
+    conn.sock.close()  # client goes away mid-stream
+    conn.close()
+    assert _wait_idle(cluster) == (0.0, 0.0)
+
+
+def test_dead_prefill_fails_the_request_and_decode_keeps_serving(cluster):
+    from vllm_hawk.proxy.local import free_port, scrape_metrics
+
+    failed0 = scrape_metrics(cluster.decode_url).get("vllm:hawk_failed_transfers_total", 0.0)
+    params = {"do_remote_prefill": True, "do_remote_decode": False,
+              "remote_engine_id": "gone", "remote_request_id": "cmpl-gone-0",
+              "remote_block_ids": [1, 2], "remote_num_tokens": 40,
+              "remote_host": "127.0.0.1", "remote_port": free_port()}
+    t0 = time.monotonic()
+    status, out = _post(cluster.decode_url + "/v1/completions",
+                        {"model": "tiny", "prompt": [0] + list(range(10, 49)), "max_tokens": 4,
+                         "kv_transfer_params": params})
+    assert status == 500, out
+    assert time.monotonic() - t0 < 15  # within handshake_timeout_s (3 s) + slack
+    log = cluster.servers["decode"].log_tail(200_000)
+    assert "handshake with prefill gone" in log
+    assert scrape_metrics(cluster.decode_url)["vllm:hawk_failed_transfers_total"] >= failed0 + 1
+    # a request the prefill does not know fails fast too (unknown_request)
+    params.update(remote_port=json.loads(cluster.servers["prefill"].argv[-1])
+                  ["kv_connector_extra_config"]["side_channel_port"])
+    status, _ = _post(cluster.decode_url + "/v1/completions",
+                      {"model": "tiny", "prompt": [0] + list(range(10, 49)), "max_tokens": 4,
+                       "kv_transfer_params": params})
+    assert status == 500
+    # ... and the decode keeps serving
+    assert _complete(cluster.proxy_url, [0] + list(range(7, 90)))["token_ids"]
+    assert _wait_idle(cluster) == (0.0, 0.0)
+
+
+def test_metrics_in_prometheus(cluster):
+    from vllm_hawk.proxy.local import scrape_metrics
+
+    _complete(cluster.proxy_url, [0] + list(range(3, 70)))
+    d = scrape_metrics(cluster.decode_url)
+    assert d["vllm:hawk_transfer_time_seconds_count"] >= 1
+    assert d["vllm:hawk_transfer_bytes_sum"] > 0
+    assert d["vllm:hawk_transfer_operations_count"] >= 1
+    assert d["vllm:hawk_transfer_segments_sum"] >= 1
+    p = scrape_metrics(cluster.prefill_url)
+    assert p["vllm:hawk_released_total"] >= 1
+
+
+def test_proxy_propagates_upstream_errors_and_health(cluster):
+    from vllm_hawk.proxy.local import http_get
+
+    status, out = _post(cluster.proxy_url + "/v1/completions",
+                        {"model": "nope", "prompt": "x", "max_tokens": 2})
+    assert status == 404 and "nope" in json.dumps(out)
+    assert http_get(cluster.proxy_url + "/health?deep=1")[0] == 200
+
+
+def test_vllm_bench_serve_targets_the_proxy(cluster):
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    from vllm_hawk.tiny_model import build_tiny_llama
+
+    root = Path(__file__).resolve().parents[2]
+    out = subprocess.run(
+        [sys.executable, "-m", "vllm_hawk.vllm_launcher", "bench", "serve", "--backend", "openai",
+         "--base-url", cluster.proxy_url, "--endpoint", "/v1/completions", "--model", "tiny",
+         "--tokenizer", str(build_tiny_llama(dtype="float32")), "--dataset-name", "random",
+         "--random-input-len", "80", "--random-output-len", "4", "--num-prompts", "8",
+         "--max-concurrency", "4", "--ignore-eos"],
+        capture_output=True, text=True, timeout=300,
+        env=dict(os.environ, HF_HUB_OFFLINE="1", PYTHONPATH=str(root)))
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert "Successful requests:                     8" in out.stdout
+    assert "Failed requests:                         0" in out.stdout

@@ -1,0 +1,133 @@
+"""Scheduler side of HawkConnector (runs in the engine core, next to vLLM's scheduler).
+
+Prefill (``kv_producer``; requests carry ``kv_transfer_params.do_remote_decode``):
+  ``request_finished`` keeps a normally finished request's blocks (returns True) and
+  answers the ``kv_transfer_params`` the decode needs; the blocks are held under a
+  lease (``lease_s``) handed to the worker in the next step's metadata. The worker
+  reports the request in ``finished_sending`` once its decode sent Release, or when the
+  lease expired; vLLM then frees the blocks. Aborted requests are freed at once.
+
+Decode (``kv_consumer``; requests carry ``do_remote_prefill`` + the remote fields):
+  ``get_num_new_matched_tokens`` offers the remote prompt tokens beyond the local
+  prefix-cache hit, loaded asynchronously; ``update_state_after_alloc`` records the
+  local blocks to fill (once per request); the worker pulls and reports finished and
+  failed receives. Requests that will not pull (full local hit, or aborted before they
+  were scheduled) are sent to the worker to release their remote blocks.
+"""
+from __future__ import annotations
+
+import logging
+import time
+from typing import TYPE_CHECKING, Any
+
+from vllm_hawk.connector.config import HawkConfig
+from vllm_hawk.connector.metadata import (HawkConnectorMetadata, HawkWorkerMeta, RecvSpec,
+                                          SendSpec)
+
+if TYPE_CHECKING:
+    from vllm.v1.core.kv_cache_manager import KVCacheBlocks
+    from vllm.v1.request import Request
+
+# Under "vllm." so that vLLM's log handlers and level apply.
+logger = logging.getLogger("vllm.hawk." + __name__.rsplit(".", 1)[-1])
+
+
+class HawkConnectorScheduler:
+    """Per-step bookkeeping; no I/O. ``engine_id`` names this engine in params."""
+
+    def __init__(self, vllm_config, engine_id: str, cfg: HawkConfig) -> None:
+        self.cfg = cfg
+        self.engine_id = engine_id
+        self.block_size = vllm_config.cache_config.block_size
+        self._reqs_to_send: dict[str, SendSpec] = {}
+        self._reqs_to_recv: dict[str, RecvSpec] = {}
+        self._reqs_to_release: dict[str, RecvSpec] = {}
+        self._transfers: dict[str, dict[str, Any]] = {}  # decode: per-request figures
+
+    # ------------------------------------------------------------------ decode side
+    def get_num_new_matched_tokens(self, request: "Request",
+                                   num_computed_tokens: int) -> tuple[int, bool]:
+        params = request.kv_transfer_params
+        if not params or not params.get("do_remote_prefill"):
+            return 0, False
+        remote = min(int(params.get("remote_num_tokens") or 0), request.num_prompt_tokens)
+        count = remote - num_computed_tokens
+        return (count, True) if count > 0 else (0, False)
+
+    def update_state_after_alloc(self, request: "Request", blocks: "KVCacheBlocks",
+                                 num_external_tokens: int) -> None:
+        params = request.kv_transfer_params
+        if not params or not params.get("do_remote_prefill"):
+            return
+        params["do_remote_prefill"] = False  # one transfer per request
+        try:
+            spec = RecvSpec.from_params(params)
+        except ValueError as e:
+            logger.warning("HawkConnector: request %s: %s; it will not use a KV transfer",
+                           request.request_id, e)
+            return
+        if num_external_tokens <= 0:  # everything local: only free the remote blocks
+            self._reqs_to_release[request.request_id] = spec
+            return
+        remote_tokens = min(spec.remote_num_tokens, request.num_prompt_tokens)
+        local_tokens = remote_tokens - num_external_tokens  # block-aligned prefix hit
+        first = local_tokens // self.block_size
+        last = -(-remote_tokens // self.block_size)
+        ids = blocks.get_block_ids()[0]
+        spec.first_block = first
+        spec.local_block_ids = list(ids[first:last])
+        self._reqs_to_recv[request.request_id] = spec
+
+    # ------------------------------------------------------------------ both
+    def build_connector_meta(self, scheduler_output) -> HawkConnectorMetadata:
+        meta = HawkConnectorMetadata(reqs_to_send=self._reqs_to_send,
+                                     reqs_to_recv=self._reqs_to_recv,
+                                     reqs_to_release=self._reqs_to_release)
+        self._reqs_to_send, self._reqs_to_recv, self._reqs_to_release = {}, {}, {}
+        return meta
+
+    def update_connector_output(self, connector_output) -> None:
+        wm = getattr(connector_output, "kv_connector_worker_meta", None)
+        if isinstance(wm, HawkWorkerMeta):
+            self._transfers.update(wm.transfers)
+
+    def request_finished(self, request: "Request",
+                         block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
+        from vllm.v1.request import RequestStatus
+
+        params = request.kv_transfer_params
+        if not params:
+            return False, None
+        rid = request.request_id
+        if params.get("do_remote_prefill"):
+            # Decode side, finished before update_state_after_alloc (aborted while
+            # queued): the remote blocks would wait for their lease; release them now.
+            params["do_remote_prefill"] = False
+            try:
+                self._reqs_to_release[rid] = RecvSpec.from_params(params)
+            except ValueError:
+                pass
+            return False, None
+        if not params.get("do_remote_decode"):
+            stats = self._transfers.pop(rid, None)  # decode side: report the pull
+            return False, ({"hawk_transfer": stats} if stats else None)
+        # Prefill side.
+        if request.status not in (RequestStatus.FINISHED_LENGTH_CAPPED,
+                                  RequestStatus.FINISHED_STOPPED) or not block_ids:
+            return False, None
+        lease_expiry = time.time() + self.cfg.lease_s
+        self._reqs_to_send[rid] = SendSpec(list(block_ids), request.num_computed_tokens,
+                                           lease_expiry)
+        return True, dict(
+            do_remote_prefill=True,
+            do_remote_decode=False,
+            remote_engine_id=self.engine_id,
+            remote_request_id=rid,
+            remote_block_ids=list(block_ids),
+            remote_num_tokens=request.num_computed_tokens,
+            remote_host=self.cfg.side_channel_host,
+            remote_port=self.cfg.side_channel_port,
+            remote_lease_expiry=lease_expiry,
+            transfer_mode="pull",
+            hawk_mode=self.cfg.mode,
+        )

@@ -1,0 +1,5 @@
+import sys
+
+from vllm_hawk.proxy import main
+
+sys.exit(main())

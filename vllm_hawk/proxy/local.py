@@ -1,0 +1,245 @@
+"""A disaggregated cluster on this machine: prefill vLLM + decode vLLM + ``hawk proxy``.
+
+Used by the end-to-end tests and ``examples/pd_local/run_demo.py``. Every server runs
+in its own session (process group), so :meth:`LocalCluster.stop` ends it and every
+process vLLM spawned (engine core, worker) with one signal, and checks none is left.
+
+    with LocalCluster(model_dir, workdir) as c:   # starts, waits for /health
+        requests.post(c.proxy_url + "/v1/completions", ...)
+
+On machines with 2+ CPUs the prefill's model threads are bound to the first CPU and the
+decode's to the second (``VLLM_CPU_OMP_THREADS_BIND``); vLLM's default binds both to the
+same core.
+"""
+from __future__ import annotations
+
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+import urllib.error
+import urllib.request
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Callable
+
+CHAT_TEMPLATE = ("{% for m in messages %}{{ m['role'] }}: {{ m['content'] }}\n{% endfor %}"
+                 "{% if add_generation_prompt %}assistant:{% endif %}")
+
+Progress = Callable[[str, float], None]  # (what is starting, seconds so far)
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def http_get(url: str, timeout: float = 5.0) -> tuple[int, bytes]:
+    try:
+        with urllib.request.urlopen(url, timeout=timeout) as r:
+            return r.status, r.read()
+    except urllib.error.HTTPError as e:
+        return e.code, e.read()
+
+
+def scrape_metrics(base_url: str) -> dict[str, float]:
+    """``/metrics`` of a vLLM server: value per metric name, summed over label sets."""
+    _, raw = http_get(base_url + "/metrics", timeout=10)
+    out: dict[str, float] = {}
+    for line in raw.decode(errors="replace").splitlines():
+        if not line or line.startswith("#"):
+            continue
+        name_labels, _, value = line.rpartition(" ")
+        name = name_labels.split("{", 1)[0]
+        try:
+            out[name] = out.get(name, 0.0) + float(value)
+        except ValueError:
+            pass
+    return out
+
+
+@dataclass
+class Server:
+    name: str
+    argv: list[str]
+    env: dict[str, str]
+    log_path: Path
+    url: str
+    proc: subprocess.Popen | None = None
+    pgid: int = 0  # kept after stop(), to check that nothing of the group is left
+    _log: object = None
+
+    def start(self) -> None:
+        self._log = open(self.log_path, "w")
+        self.proc = subprocess.Popen(self.argv, stdout=self._log, stderr=subprocess.STDOUT,
+                                     env=self.env, start_new_session=True)
+        self.pgid = self.proc.pid
+
+    def log_tail(self, nbytes: int = 4000) -> str:
+        try:
+            return self.log_path.read_text(errors="replace")[-nbytes:]
+        except OSError:
+            return ""
+
+    def stop(self, timeout_s: float = 30.0) -> None:
+        p = self.proc
+        if p is None:
+            return
+        if p.poll() is None:
+            _signal_group(p.pid, signal.SIGTERM)
+            deadline = time.monotonic() + timeout_s
+            while p.poll() is None and time.monotonic() < deadline:
+                time.sleep(0.2)
+        _signal_group(p.pid, signal.SIGKILL)  # stragglers (engine core, worker)
+        p.wait(timeout=10)
+        deadline = time.monotonic() + 10
+        while _group_alive(p.pid) and time.monotonic() < deadline:
+            time.sleep(0.2)
+        if self._log is not None:
+            self._log.close()
+        self.proc = None
+
+
+def _signal_group(pgid: int, sig: int) -> None:
+    try:
+        os.killpg(pgid, sig)
+    except (ProcessLookupError, PermissionError):
+        pass
+
+
+def _group_alive(pgid: int) -> bool:
+    try:
+        os.killpg(pgid, 0)
+        return True
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+
+
+@dataclass
+class LocalCluster:
+    """One prefill server, one decode server, one proxy (ports picked at start)."""
+
+    model: str | os.PathLike
+    workdir: str | os.PathLike
+    dtype: str = "float32"
+    block_size: int = 32
+    max_model_len: int = 1024
+    max_num_seqs: int = 8
+    extra_config: dict = field(default_factory=dict)  # both sides
+    prefill_config: dict = field(default_factory=dict)
+    decode_config: dict = field(default_factory=dict)
+    decode_policy: str = "fail"  # kv_load_failure_policy
+    startup_timeout_s: float = 400.0
+    python: str = sys.executable
+    servers: dict[str, Server] = field(default_factory=dict)
+
+    # ---------------------------------------------------------------- urls
+    @property
+    def prefill_url(self) -> str:
+        return self.servers["prefill"].url
+
+    @property
+    def decode_url(self) -> str:
+        return self.servers["decode"].url
+
+    @property
+    def proxy_url(self) -> str:
+        return self.servers["proxy"].url
+
+    # ---------------------------------------------------------------- lifecycle
+    def _env(self, cpu: str | None) -> dict[str, str]:
+        env = dict(os.environ)
+        env.update(HF_HUB_OFFLINE="1", VLLM_CPU_KVCACHE_SPACE=env.get("VLLM_CPU_KVCACHE_SPACE", "1"),
+                   TOKENIZERS_PARALLELISM="false")
+        env.pop("VLLM_TARGET_DEVICE", None)
+        if cpu is not None:
+            env["VLLM_CPU_OMP_THREADS_BIND"] = cpu
+        root = str(Path(__file__).resolve().parents[2])
+        env["PYTHONPATH"] = os.pathsep.join(p for p in (root, env.get("PYTHONPATH")) if p)
+        return env
+
+    def _vllm(self, role: str, kv_role: str, config: dict, cpu: str | None) -> Server:
+        work = Path(self.workdir)
+        port = free_port()
+        ktc = {"kv_connector": "HawkConnector", "kv_connector_module_path": "vllm_hawk.connector",
+               "kv_role": kv_role, "kv_connector_extra_config": config}
+        if kv_role == "kv_consumer":
+            ktc["kv_load_failure_policy"] = self.decode_policy
+        argv = [self.python, "-m", "vllm_hawk.vllm_launcher", "serve", str(self.model),
+                "--host", "127.0.0.1", "--port", str(port), "--served-model-name", "tiny",
+                "--enforce-eager", "--dtype", self.dtype, "--max-model-len", str(self.max_model_len),
+                "--block-size", str(self.block_size), "--max-num-seqs", str(self.max_num_seqs),
+                "--chat-template", str(work / "chat_template.jinja"),
+                "--kv-transfer-config", json.dumps(ktc)]
+        return Server(role, argv, self._env(cpu), work / f"{role}.log", f"http://127.0.0.1:{port}")
+
+    def start(self, progress: Progress | None = None) -> "LocalCluster":
+        work = Path(self.workdir)
+        work.mkdir(parents=True, exist_ok=True)
+        (work / "chat_template.jinja").write_text(CHAT_TEMPLATE)
+        cpus = sorted(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else []
+        p_cpu, d_cpu = (str(cpus[0]), str(cpus[1])) if len(cpus) >= 2 else (None, None)
+        p_cfg = {"side_channel_port": free_port(), **self.extra_config, **self.prefill_config}
+        d_cfg = {**self.extra_config, **self.decode_config}
+        self.servers["prefill"] = self._vllm("prefill", "kv_producer", p_cfg, p_cpu)
+        self.servers["decode"] = self._vllm("decode", "kv_consumer", d_cfg, d_cpu)
+        try:
+            for s in self.servers.values():
+                s.start()
+            self._wait(["prefill", "decode"], progress)
+            pport = free_port()
+            self.servers["proxy"] = Server(
+                "proxy", [self.python, "-m", "vllm_hawk.proxy", "--prefill", self.prefill_url,
+                          "--decode", self.decode_url, "--port", str(pport)],
+                self._env(None), work / "proxy.log", f"http://127.0.0.1:{pport}")
+            self.servers["proxy"].start()
+            self._wait(["proxy"], progress)
+        except BaseException:
+            self.stop()
+            raise
+        return self
+
+    def _wait(self, names: list[str], progress: Progress | None) -> None:
+        t0 = time.monotonic()
+        pending = list(names)
+        while pending:
+            elapsed = time.monotonic() - t0
+            for name in list(pending):
+                s = self.servers[name]
+                if s.proc.poll() is not None:
+                    raise RuntimeError(f"{name} server exited with code {s.proc.returncode}\n"
+                                       f"--- {s.log_path} ---\n{s.log_tail()}")
+                try:
+                    if http_get(s.url + "/health", timeout=2)[0] == 200:
+                        pending.remove(name)
+                except OSError:
+                    pass
+            if elapsed > self.startup_timeout_s:
+                raise TimeoutError(f"{pending} not healthy after {elapsed:.0f} s\n" +
+                                   "\n".join(self.servers[n].log_tail(2000) for n in pending))
+            if progress is not None and pending:
+                progress(", ".join(pending), elapsed)
+            if pending:
+                time.sleep(1.0)
+
+    def stop(self) -> None:
+        for name in ("proxy", "decode", "prefill"):
+            s = self.servers.get(name)
+            if s is not None:
+                s.stop()
+
+    def leftover_processes(self) -> list[int]:
+        """Process groups of this cluster that still exist (should be empty after stop)."""
+        return [s.pgid for s in self.servers.values() if s.pgid and _group_alive(s.pgid)]
+
+    def __enter__(self) -> "LocalCluster":
+        return self.start()
+
+    def __exit__(self, *exc) -> None:
+        self.stop()
