@@ -9,7 +9,7 @@ import time
 import pytest
 from hypothesis import given, strategies as st
 
-from vllm_hawk.kvflow import BankBufferPool, BufferFull, RingAllocator, RingBuffer
+from vllm_hawk.kvflow import BankBufferPool, BufferFull, RingAllocator, RingBuffer, RingClosed
 from vllm_hawk.npu.emulated import EmulatedDevice
 from vllm_hawk.transport import make_transport
 
@@ -140,3 +140,26 @@ def test_bank_pool_concurrent_users_never_share_bytes():
         th.join()
     assert not errors and pool.is_idle()
     pool.close()
+
+
+def test_ring_abort_wakes_waiters_and_refuses_new_reservations():
+    ring = RingAllocator(1 << 20)
+    ring.reserve("a", 1 << 20)
+    got = []
+
+    def waiter():
+        try:
+            ring.reserve("b", 4096, timeout_s=60.0)
+        except Exception as e:  # noqa: BLE001
+            got.append(e)
+
+    th = threading.Thread(target=waiter)
+    th.start()
+    time.sleep(0.05)
+    ring.abort()
+    th.join(timeout=10.0)
+    assert not th.is_alive() and len(got) == 1 and isinstance(got[0], RingClosed)
+    with pytest.raises(RingClosed):
+        ring.reserve("c", 10)
+    ring.release("a")  # live ranges can still be released
+    assert ring.is_empty()

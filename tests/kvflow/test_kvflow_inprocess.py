@@ -91,7 +91,7 @@ def test_gg_and_gn_host_baselines_move_the_same_kv():
         try:
             src, dst, tt_dst, n = [4, 5, 6, 20, 9], [1, 2, 30, 31, 7], [3, 4, 5, 9, 10], 300
             pre.add_request("g", src, n)
-            res = dec.fetch("g", n, dst, fix=(dev, layout, tt_dst))
+            res = dec.fetch("g", n, dst, fix=(dev, layout, bufs, tt_dst))
             assert res.entries == 4 * L  # runs consecutive on both sides: 4,5->1,2  6->30  20->31  9->7
             for layer in range(L):
                 assert torch.equal(dst_cache.layers[layer][dst], cache.layers[layer][src])
@@ -164,7 +164,7 @@ def test_refusals_unknown_request_ring_too_small_and_reads_outside_the_ring(pair
         dec.fetch("big", 20 * BS, list(range(20)), "direct")
     assert pre.snapshot()["ring_used"] == 0 and dec.pool.is_idle()
     # The prefill registered only its ring: a READ of its KV cache is refused by the transport.
-    local = dev.bank_address(0) + dec.kv_buffers[0].address
+    local = dec.pool.bank_addrs[0]  # registered locally (a receive buffer)
     h = td.submit("read", dec.peer, [(local, cache.base_addr, 4096)])
     with pytest.raises(TransferFailed):
         td.wait(h, 5)

@@ -70,7 +70,7 @@ def _prefill_main(cfg: dict, conn) -> None:
                 eps[name].add_request(rid, src, n)
                 conn.send(None)
             elif cmd[0] == "transform_s":
-                conn.send(eps["hawk"].stats.transform_s.get(cmd[1]))
+                conn.send(eps["hawk"].transform_seconds(cmd[1]))
             elif cmd[0] == "snapshot":
                 conn.send({k: e.snapshot() for k, e in eps.items()})
             else:
@@ -115,6 +115,7 @@ def run(model: str = "llama-3.1-70b", tp: int = 4, device_profile: str = "p150a"
         sizes_mb=DEFAULT_SIZES, repeats: int = 5, rows=ROWS, per_tile_cap_s: float = 10.0,
         fragmented: bool = False, seed: int = 0, chunks: int = 4) -> dict:
     from vllm_hawk.kvflow import DecodeEndpoint, PagedKVCache, VllmDecodeEndpoint
+    from vllm_hawk.layout.device_profiles import load_profile
     from vllm_hawk.layout.model_shapes import load_model_shape
     from vllm_hawk.layout.tt_kv_cache import TTKVCacheSpec
     from vllm_hawk.npu.emulated import EmulatedDevice
@@ -136,8 +137,11 @@ def run(model: str = "llama-3.1-70b", tp: int = 4, device_profile: str = "p150a"
     mc, hs = make_transport("mooncake"), make_transport("host_staged", chunk_nbytes=host_chunk)
     spec = {dt: TTKVCacheSpec(shape.num_layers, cache_blocks, heads, block_size, shape.head_dim, dt)
             for dt in ("bfloat16", "bfloat8_b")}
-    recv_per_bank = -(-src_nbytes // 8) + (1 << 20)
-    need = sum(-(-s.tiles_per_tensor // 8) * s.tile_nbytes * 2 * s.num_layers for s in spec.values()) + recv_per_bank
+    prof = load_profile(device_profile)
+    nb = prof.num_banks
+    recv_per_bank = -(-src_nbytes // nb) + (1 << 20)  # the largest request's G' spread over the banks, + slack
+    need = sum(-(-s.tiles_per_tensor // nb) * prof.aligned_page(s.tile_nbytes) * 2 * s.num_layers
+               for s in spec.values()) + recv_per_bank
     dev = EmulatedDevice(device_profile, max(256 << 20, -(-int(need * 1.1) // (1 << 20)) << 20))
     closers = []
     results: list[dict] = []
@@ -165,7 +169,7 @@ def run(model: str = "llama-3.1-70b", tp: int = 4, device_profile: str = "p150a"
             tokens = n * block_size
             if row in ("GG-Host", "GN-Host"):
                 pre.call("add", "gg_host", rid, src, tokens)
-                fix = (dev, hawk[dtype].layout, dst) if row == "GN-Host" else None
+                fix = (dev, hawk[dtype].layout, hawk[dtype].kv_buffers, dst) if row == "GN-Host" else None
                 return gg_host.fetch(rid, tokens, dst, fix=fix)
             if row == "GG-Direct":
                 pre.call("add", "gg_direct", rid, src, tokens)

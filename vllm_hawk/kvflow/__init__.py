@@ -8,12 +8,14 @@
   :class:`VllmDecodeEndpoint` — the GG-* / GN-Host baselines' decode side
 """
 from vllm_hawk.kvflow.bank_pool import BankBufferPool, RecvSlice
-from vllm_hawk.kvflow.decode import FETCH_MODES, DecodeEndpoint, FetchResult, VllmDecodeEndpoint, layout_desc
-from vllm_hawk.kvflow.errors import BufferFull, KVFlowError, PeerFailed
+from vllm_hawk.kvflow.decode import (FETCH_MODES, DecodeDevice, DecodeEndpoint, FetchResult, KVPageAddresses,
+                                     VllmDecodeEndpoint, layout_desc)
+from vllm_hawk.kvflow.errors import BufferFull, KVFlowError, PeerFailed, RingClosed, TransferUnsettled
 from vllm_hawk.kvflow.paged_cache import PagedKVCache, block_runs
 from vllm_hawk.kvflow.prefill import PrefillEndpoint
 from vllm_hawk.kvflow.ring import RingAllocator, RingBuffer
 
-__all__ = ["BankBufferPool", "BufferFull", "DecodeEndpoint", "FETCH_MODES", "FetchResult", "KVFlowError",
-           "PagedKVCache", "PeerFailed", "PrefillEndpoint", "RecvSlice", "RingAllocator", "RingBuffer",
-           "VllmDecodeEndpoint", "block_runs", "layout_desc"]
+__all__ = ["BankBufferPool", "BufferFull", "DecodeDevice", "DecodeEndpoint", "FETCH_MODES", "FetchResult",
+           "KVFlowError", "KVPageAddresses", "PagedKVCache", "PeerFailed", "PrefillEndpoint", "RecvSlice",
+           "RingAllocator", "RingBuffer", "RingClosed", "TransferUnsettled", "VllmDecodeEndpoint", "block_runs",
+           "layout_desc"]

@@ -15,5 +15,21 @@ class BufferFull(KVFlowError):
     caller's deadline, or the request can never fit. Nothing was overwritten."""
 
 
+class RingClosed(KVFlowError):
+    """The ring was aborted (its endpoint is closing): no reservation is handed out and
+    every caller waiting for room is woken with this error."""
+
+
 class PeerFailed(KVFlowError):
     """The peer refused, died or did not answer in time; local resources were released."""
+
+
+class TransferUnsettled(PeerFailed):
+    """A failed direct (or per-tile) fetch whose READs had not drained within the bound:
+    they may still write into the KV pages of ``unsafe_blocks`` (destination block ids).
+    Those blocks must not be used (or reused for another request) until the transport is
+    closed or the device's KV pool is reset."""
+
+    def __init__(self, msg: str, req_id: str = "", unsafe_blocks: tuple[int, ...] = ()) -> None:
+        super().__init__(msg, req_id)
+        self.unsafe_blocks = tuple(unsafe_blocks)

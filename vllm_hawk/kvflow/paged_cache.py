@@ -10,10 +10,12 @@ one transfer entry per layer.
 """
 from __future__ import annotations
 
-import numpy as np
 import torch
 
 from vllm_hawk.layout.vllm_kv import FlashAttnKVLayout, make_layer_caches
+from vllm_hawk.transform.plan import block_runs  # noqa: F401 - the one helper, re-exported here
+
+__all__ = ["LAYOUT_NAME", "PagedKVCache", "block_runs"]
 
 LAYOUT_NAME = "vllm-flash-nhd"
 
@@ -61,13 +63,3 @@ class PagedKVCache:
         """Byte offset of (layer, block) from ``base_addr``."""
         return layer * self.layer_nbytes + block * self.block_nbytes
 
-
-def block_runs(blocks) -> list[tuple[int, int, int]]:
-    """Runs of consecutive ids in ``blocks``: (position in the list, first id, length)."""
-    b = np.asarray(blocks, dtype=np.int64).reshape(-1)
-    if b.size == 0:
-        return []
-    brk = np.nonzero(np.diff(b) != 1)[0] + 1
-    starts = np.concatenate([[0], brk])
-    ends = np.concatenate([brk, [b.size]])
-    return [(int(s), int(b[s]), int(e - s)) for s, e in zip(starts, ends)]

@@ -7,7 +7,9 @@ released in any order; space is reused once every older range has been released
 range never wraps: if it does not fit before the end, it starts at offset 0 and the gap
 at the end stays unused until the ring drains past it. ``reserve`` waits for room up to
 a deadline (backpressure) and raises :class:`BufferFull` after it, or at once when the
-request is larger than the ring; it never overwrites a live range.
+request is larger than the ring; it never overwrites a live range. ``abort`` (called
+when the owner closes) wakes every waiter with :class:`RingClosed` and refuses later
+reservations, so a closing endpoint never waits out a reserve deadline.
 
 :class:`RingBuffer` is the allocator plus its host memory (a uint8 torch tensor) and
 its registration with a transport: the ring is the only memory the prefill registers in
@@ -21,7 +23,7 @@ import time
 
 import torch
 
-from vllm_hawk.kvflow.errors import BufferFull
+from vllm_hawk.kvflow.errors import BufferFull, RingClosed
 
 DEFAULT_ALIGN = 4096
 
@@ -44,6 +46,7 @@ class RingAllocator:
         # key -> [offset, nbytes_reserved, released]
         self._ranges: collections.OrderedDict[str, list] = collections.OrderedDict()
         self._head = 0  # next free byte after the newest range
+        self._aborted = False
 
     # ------------------------------------------------------------------ queries
     def used_bytes(self) -> int:
@@ -72,8 +75,9 @@ class RingAllocator:
         """Reserve ``nbytes`` for ``key``; returns the byte offset in the ring.
 
         Waits up to ``timeout_s`` seconds for releases (0 = refuse at once when full).
-        Raises :class:`BufferFull` (no room in time, or larger than the ring) and
-        ``ValueError`` (``key`` already holds a range, ``nbytes`` <= 0)."""
+        Raises :class:`BufferFull` (no room in time, or larger than the ring),
+        :class:`RingClosed` (after :meth:`abort`, also while waiting) and ``ValueError``
+        (``key`` already holds a range, ``nbytes`` <= 0)."""
         if nbytes <= 0:
             raise ValueError(f"ring reserve for {key!r}: nbytes must be > 0, got {nbytes}")
         size = -(-nbytes // self.align) * self.align
@@ -85,6 +89,8 @@ class RingAllocator:
             if key in self._ranges:
                 raise ValueError(f"ring: request {key!r} already holds a range")
             while True:
+                if self._aborted:
+                    raise RingClosed(f"ring closed: request {key!r} gets no range", key)
                 off = self._fit_locked(size)
                 if off is not None:
                     self._ranges[key] = [off, size, False]
@@ -109,6 +115,13 @@ class RingAllocator:
                 self._ranges.popitem(last=False)
             if not self._ranges:
                 self._head = 0
+            self._cond.notify_all()
+
+    def abort(self) -> None:
+        """Refuse every later ``reserve`` and wake the waiting ones with :class:`RingClosed`
+        (live ranges stay valid and can still be released)."""
+        with self._cond:
+            self._aborted = True
             self._cond.notify_all()
 
     # ------------------------------------------------------------------ internals
@@ -155,12 +168,16 @@ class RingBuffer:
     def release(self, key: str) -> None:
         self.alloc.release(key)
 
+    def abort(self) -> None:
+        self.alloc.abort()
+
     def view(self, offset: int, nbytes: int) -> torch.Tensor:
         if not self.alloc.contains(offset, nbytes):
             raise ValueError(f"ring view [{offset}, {offset + nbytes}) outside the {self.capacity}-byte ring")
         return self.memory[offset:offset + nbytes]
 
     def close(self) -> None:
+        self.alloc.abort()
         if self._transport is not None:
             try:
                 self._transport.unregister(self.base_addr)

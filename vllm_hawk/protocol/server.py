@@ -81,7 +81,11 @@ class ProtocolServer:
         self._sock.setsockopt(zmq.LINGER, 0)
         # zmq drops (disconnects) a peer whose message exceeds this; our check is exact.
         self._sock.setsockopt(zmq.MAXMSGSIZE, max_message_nbytes + 4096)
-        self._sock.bind(bind)
+        try:
+            self._sock.bind(bind)
+        except zmq.ZMQError:
+            self._sock.close()  # e.g. port in use: leave nothing open behind the error
+            raise
         self.endpoint: str = self._sock.getsockopt_string(zmq.LAST_ENDPOINT)
         self._wakeup = Wakeup(self._ctx, "hawk-server-wake")
         self._stop = threading.Event()

@@ -1,0 +1,360 @@
+"""Failure paths of Algorithm 1 inside one process (in-process transport): cancels,
+leases, batches that fail or never drain, restarts, constructors that fail half way,
+hostile layouts. Every case ends with nothing held on either side."""
+from __future__ import annotations
+
+import contextlib
+import threading
+import time
+
+import msgspec
+import numpy as np
+import pytest
+import zmq
+
+import vllm_hawk.kvflow.decode as decode_mod
+import vllm_hawk.kvflow.prefill as prefill_mod
+from test_kvflow_inprocess import BS, COMPAT, D, H, L, assert_pool_holds
+from vllm_hawk.kvflow import (DecodeEndpoint, KVFlowError, KVPageAddresses, PagedKVCache, PeerFailed,
+                              PrefillEndpoint, TransferUnsettled, VllmDecodeEndpoint)
+from vllm_hawk.layout.interleave import OutOfDeviceMemory
+from vllm_hawk.layout.tt_kv_cache import TTKVCacheSpec
+from vllm_hawk.npu.bank_buffer import BankBufferError
+from vllm_hawk.npu.emulated import EmulatedDevice
+from vllm_hawk.protocol import KVRequest, RemoteError
+from vllm_hawk.transport import TransferHandle, make_transport
+
+
+def wait_until(pred, timeout_s: float = 10.0) -> bool:
+    end = time.monotonic() + timeout_s
+    while not pred():
+        if time.monotonic() > end:
+            return False
+        time.sleep(0.02)
+    return True
+
+
+@contextlib.contextmanager
+def endpoints(pool_blocks: int = 32, recv: int = 128 << 10, dec_kw: dict | None = None, **pre_kw):
+    """A prefill (in-process transport) and one bf16 decode; everything freed after."""
+    cache = PagedKVCache(L, 48, H, BS, D).fill_random(7)
+    tp, td = make_transport("inprocess"), make_transport("inprocess")
+    finished: list[tuple[str, bool]] = []
+    pre_kw.setdefault("ring_nbytes", 1 << 20)
+    pre = PrefillEndpoint(cache, tp, COMPAT, on_finished=lambda r, ok: finished.append((r, ok)), **pre_kw)
+    dev = EmulatedDevice("p150a", 8 << 20)
+    dec = None
+    try:
+        dec = DecodeEndpoint(dev, TTKVCacheSpec(L, pool_blocks, H, BS, D, "bfloat16"), td, pre.endpoint, COMPAT,
+                             recv_nbytes_per_bank=recv, timeout_s=10, **(dec_kw or {}))
+        yield cache, pre, dec, dev, td, finished
+    finally:
+        if dec is not None:
+            dec.close()
+        pre.close()
+        tp.close()
+        td.close()
+    assert dev.live_buffers() == []
+
+
+def fake_submit(td, monkeypatch, *, fail: bool, settle_after: float | None):
+    """Replace ``td.submit`` with one whose batches never move: failed at once (or never
+    done), settled after ``settle_after`` seconds (None = never). Returns the handles."""
+    handles = []
+
+    def submit(kind, peer, entries):
+        h = TransferHandle(kind=kind, peer=peer, num_entries=len(entries), total_nbytes=sum(e[2] for e in entries))
+        if fail:
+            h.finish_failed("injected failure")
+        if settle_after == 0:
+            h.settled.set()
+        elif settle_after is not None:
+            threading.Timer(settle_after, h.settled.set).start()
+        handles.append(h)
+        return h
+
+    monkeypatch.setattr(td, "submit", submit)
+    return handles
+
+
+# --------------------------------------------------------------------------- finding 1
+def test_release_before_kvready_cancels_and_frees_the_ring_at_once(monkeypatch):
+    real = prefill_mod.transform_kv
+
+    def slow_transform(*a, **k):
+        time.sleep(1.0)
+        return real(*a, **k)
+
+    monkeypatch.setattr(prefill_mod, "transform_kv", slow_transform)
+    with endpoints(lease_s=60.0) as (_cache, pre, dec, _dev, _td, finished):
+        pre.add_request("slow", [1, 2], 2 * BS)
+        with pytest.raises(PeerFailed, match="no reply"):
+            dec.fetch("slow", 2 * BS, [3, 4], "staged", timeout_s=0.3)  # gives up mid-transform
+        # The Release(ok=False) reached the prefill before its KVReady: the range is freed
+        # as soon as the transform ends, not after the 60 s lease.
+        assert wait_until(lambda: pre.snapshot()["pending"] == 0, 10.0), pre.snapshot()
+        snap = pre.snapshot()
+        assert snap["ring_used"] == 0 and snap["ring_live"] == 0 and snap["served_live"] == 0, snap
+        assert snap["cancelled"] == 1 and snap["served"] == 0 and snap["requests"] == 0, snap
+        assert finished == [("slow", False)]
+        assert dec.pool.is_idle()
+
+
+# --------------------------------------------------------------------------- finding 2
+def test_read_deadline_is_capped_by_the_prefill_lease(monkeypatch):
+    with endpoints(lease_s=1.0) as (_cache, pre, dec, _dev, td, _finished):
+        pre.add_request("lease", [1], BS)
+        fake_submit(td, monkeypatch, fail=False, settle_after=0)  # a READ that never finishes
+        t0 = time.monotonic()
+        with pytest.raises(PeerFailed, match="lease of 1000 ms"):
+            dec.fetch("lease", BS, [2], "staged", timeout_s=30.0)
+        assert time.monotonic() - t0 < 15.0  # the lease (1 s), not the 30 s timeout, bounded the read
+        assert dec.pool.is_idle()
+        assert wait_until(lambda: pre.snapshot()["ring_used"] == 0, 5.0)
+
+
+def test_release_after_lease_expiry_says_the_kv_may_be_corrupt(monkeypatch):
+    with endpoints(lease_s=1.0) as (_cache, pre, dec, _dev, _td, finished):
+        pre.add_request("late", [1], BS)
+        real_copy = dec._copy_in
+
+        def slow_copy(plan, recv):
+            real_copy(plan, recv)
+            wait_until(lambda: pre.snapshot()["expired"] == 1, 10.0)  # the lease runs out meanwhile
+
+        monkeypatch.setattr(dec, "_copy_in", slow_copy)
+        with pytest.raises(PeerFailed, match=r"lease of 1000 ms ran out.*may be corrupt"):
+            dec.fetch("late", BS, [2], "staged", timeout_s=30.0)
+        # finding 7: the engine heard that the request's blocks are free
+        assert finished == [("late", False)]
+        snap = pre.snapshot()
+        assert snap["ring_used"] == 0 and snap["requests"] == 0 and snap["expired"] == 1, snap
+        assert dec.pool.is_idle()
+
+
+# --------------------------------------------------------------------------- finding 7
+def test_lease_expiry_tells_the_engine():
+    with endpoints(lease_s=1.0) as (_cache, pre, dec, _dev, _td, finished):
+        pre.add_request("held", [1], BS)
+        dec.fetch("held", BS, [2], "staged", release=False)
+        assert wait_until(lambda: finished == [("held", False)], 10.0), finished
+        assert pre.snapshot()["ring_used"] == 0 and pre.snapshot()["requests"] == 0
+
+
+# --------------------------------------------------------------------------- finding 3
+@pytest.mark.parametrize("mode", ["direct", "per_tile"])
+def test_failed_direct_fetch_returns_only_after_its_reads_drained(monkeypatch, mode):
+    with endpoints() as (_cache, pre, dec, _dev, td, _finished):
+        pre.add_request("d", [1, 2], 2 * BS)
+        handles = fake_submit(td, monkeypatch, fail=True, settle_after=0.3)
+        with pytest.raises(PeerFailed, match="injected failure") as ei:
+            dec.fetch("d", 2 * BS, [3, 4], mode, timeout_s=10.0)
+        assert not isinstance(ei.value, TransferUnsettled)
+        assert handles and all(h.settled.is_set() for h in handles)  # nothing can still write the pages
+        assert wait_until(lambda: pre.snapshot()["ring_used"] == 0, 5.0)
+
+
+@pytest.mark.parametrize("mode", ["direct", "per_tile"])
+def test_failed_direct_fetch_that_never_drains_names_the_unsafe_blocks(monkeypatch, mode):
+    monkeypatch.setattr(decode_mod, "SETTLE_WAIT_S", 0.2)
+    with endpoints() as (_cache, pre, dec, _dev, td, _finished):
+        pre.add_request("u", [1, 2], 2 * BS)
+        fake_submit(td, monkeypatch, fail=True, settle_after=None)
+        with pytest.raises(TransferUnsettled, match=r"destination blocks \[5, 3\]") as ei:
+            dec.fetch("u", 2 * BS, [5, 3], mode, timeout_s=10.0)
+        assert ei.value.unsafe_blocks == (5, 3)
+        assert wait_until(lambda: pre.snapshot()["ring_used"] == 0, 5.0)
+
+
+def test_staged_receive_buffers_of_a_batch_that_never_settles_stay_quarantined(monkeypatch):
+    monkeypatch.setattr(decode_mod, "SETTLE_LIMIT_S", 0.3)
+    with endpoints() as (_cache, pre, dec, _dev, td, _finished):
+        pre.add_request("q", [1], BS)
+        handles = fake_submit(td, monkeypatch, fail=True, settle_after=None)
+        t0 = time.monotonic()
+        with pytest.raises(PeerFailed, match="injected failure"):
+            dec.fetch("q", BS, [2], "staged", timeout_s=10.0)
+        # no wait for the batch in the foreground beyond SETTLE_WAIT_S (+ Release round trip)
+        assert time.monotonic() - t0 < 10.0
+        assert wait_until(lambda: dec.pending_frees() == 0, 10.0)  # the background wait is bounded
+        assert dec.quarantined == ["q"] and dec.pool.live() == ["q"]  # never handed out again
+        handles[0].settled.set()
+        assert not any(t.name.startswith("hawk-free-") for t in threading.enumerate())
+
+
+# --------------------------------------------------------------------------- finding 4
+def test_decode_endpoint_frees_its_kv_pool_when_the_receive_pool_does_not_fit():
+    dev = EmulatedDevice("p150a", 1 << 20)
+    td = make_transport("inprocess")
+    try:
+        with pytest.raises(OutOfDeviceMemory):
+            DecodeEndpoint(dev, TTKVCacheSpec(L, 8, H, BS, D, "bfloat16"), td, "tcp://127.0.0.1:1", COMPAT,
+                           recv_nbytes_per_bank=4 << 20, register_pool=True)
+        assert dev.live_buffers() == [] and len(td._regions) == 0
+    finally:
+        td.close()
+
+
+# --------------------------------------------------------------------------- finding 5
+def test_fetch_after_the_prefill_restarts_uses_the_new_ring():
+    cache = PagedKVCache(L, 48, H, BS, D).fill_random(9)
+    tp1, td = make_transport("inprocess"), make_transport("inprocess")
+    pre1 = PrefillEndpoint(cache, tp1, COMPAT, ring_nbytes=1 << 20)
+    dev = EmulatedDevice("p150a", 8 << 20)
+    dec = DecodeEndpoint(dev, TTKVCacheSpec(L, 16, H, BS, D, "bfloat16"), td, pre1.endpoint, COMPAT,
+                         recv_nbytes_per_bank=128 << 10, timeout_s=10)
+    tp2 = pre2 = None
+    try:
+        pre1.add_request("a", [1], BS)
+        dec.fetch("a", BS, [2], "staged")
+        old = (dec.peer, dec.export_base)
+        pre1.close()
+        tp1.close()
+        tp2 = make_transport("inprocess")
+        pre2 = PrefillEndpoint(cache, tp2, COMPAT, ring_nbytes=2 << 20, bind=pre1.endpoint)  # restarted
+        for mode in ("staged", "direct"):
+            pre2.add_request(f"b-{mode}", [4, 5], 2 * BS)
+            dec.fetch(f"b-{mode}", 2 * BS, [6, 7], mode)
+            assert_pool_holds(dec, cache, [4, 5], 2 * BS, [6, 7])
+        assert (dec.peer, dec.export_base) == (tp2.endpoint, pre2.export_base) != old
+        assert pre2.snapshot()["ring_used"] == 0
+    finally:
+        dec.close()
+        for x in (pre2, tp2, pre1, tp1, td):
+            if x is not None:
+                x.close()
+    assert dev.live_buffers() == []
+
+
+# --------------------------------------------------------------------------- finding 6
+def test_prefill_reserve_wait_is_capped_by_reserve_timeout_not_the_far_deadline():
+    with endpoints(reserve_timeout_s=0.3) as (_cache, pre, dec, _dev, _td, _finished):
+        pre.add_request("a", list(range(10)), 10 * BS)  # 640 KiB of the 1 MiB ring
+        pre.add_request("b", list(range(10, 20)), 10 * BS)
+        dec.fetch("a", 10 * BS, list(range(10)), "direct", release=False)
+        with pytest.raises(PeerFailed, match="no_space.*after waiting 0.300 s"):
+            dec.fetch("b", 10 * BS, list(range(10, 20)), "direct", timeout_s=60.0)
+        dec.client.release("a")
+        assert pre.snapshot()["ring_used"] == 0
+
+
+def test_prefill_close_does_not_wait_out_a_blocked_reserve():
+    with endpoints(reserve_timeout_s=60.0) as (_cache, pre, dec, _dev, _td, _finished):
+        pre.add_request("a", list(range(10)), 10 * BS)
+        pre.add_request("b", list(range(10, 20)), 10 * BS)
+        dec.fetch("a", 10 * BS, list(range(10)), "direct", release=False)
+        # No deadline: the worker waits up to reserve_timeout_s (60 s) for ring space.
+        fut = dec.client.call_async(KVRequest(req_id="b", dst_layout=dec.desc, num_tokens=10 * BS,
+                                              dst_block_ids=list(range(10, 20))))
+        assert wait_until(lambda: pre.snapshot()["pending"] == 1, 5.0)
+        time.sleep(0.2)
+        t0 = time.monotonic()
+        pre.close()
+        assert time.monotonic() - t0 < 20.0  # the ring abort woke the worker
+        fut.cancel()
+
+
+# --------------------------------------------------------------------------- finding 8
+def test_pipelined_fetch_checks_every_chunk_before_sending_any():
+    with endpoints() as (_cache, pre, dec, _dev, _td, _finished):
+        pre.add_request("p#0", [1], BS)
+        pre.add_request("p#1", [2, 3], 2 * BS)
+        bad_chunks = ([("p#0", BS, [4]), ("p#1", 2 * BS, [5])],  # 1 block for 2 blocks of tokens
+                      [("p#0", BS, [4]), ("p#1", 2 * BS, [5, 999])],  # outside the pool
+                      [("p#0", BS, [4]), ("p#1", 2 * BS, [4, 5])])  # overlaps chunk 0
+        for chunks in bad_chunks:
+            with pytest.raises(ValueError):
+                dec.fetch_pipelined(chunks, "staged")
+        snap = pre.snapshot()
+        assert snap["requests"] == 2 and snap["pending"] == 0 and snap["served"] == snap["refused"] == 0, snap
+        dec.fetch_pipelined([("p#0", BS, [4]), ("p#1", 2 * BS, [5, 6])], "staged")  # still serves
+
+
+# --------------------------------------------------------------------------- finding 9
+def test_prefill_endpoint_that_cannot_bind_leaves_nothing_behind():
+    cache = PagedKVCache(L, 4, H, BS, D)
+    t1, t2 = make_transport("inprocess"), make_transport("inprocess")
+    pre = PrefillEndpoint(cache, t1, COMPAT, ring_nbytes=1 << 20)
+    try:
+        threads = {t.name for t in threading.enumerate()}
+        for mode in ("hawk", "vllm"):
+            with pytest.raises(zmq.ZMQError):
+                PrefillEndpoint(cache, t2, COMPAT, mode=mode, ring_nbytes=1 << 20, bind=pre.endpoint)
+            assert t2._regions.regions() == []
+            assert wait_until(lambda: {t.name for t in threading.enumerate()} <= threads, 5.0)
+    finally:
+        pre.close()
+        t1.close()
+        t2.close()
+
+
+# --------------------------------------------------------------------------- hostile layouts
+@pytest.mark.parametrize("field,value,match", [
+    ("block_size", 2**31, "block_size 2147483648 differs"),
+    ("block_size", 128, "block_size 128 differs"),
+    ("num_banks", 1024, "1024 banks"),
+    ("page_nbytes", 2**31, "page of 2147483648 bytes"),
+])
+def test_prefill_bounds_the_peer_layout_before_planning(field, value, match):
+    with endpoints() as (_cache, pre, dec, _dev, _td, _finished):
+        pre.add_request("h", [1], BS)
+        desc = msgspec.structs.replace(dec.desc, **{field: value})
+        with pytest.raises(RemoteError, match=f"layout_mismatch.*{match}"):
+            dec.client.request_kv(KVRequest(req_id="h", dst_layout=desc, num_tokens=BS, dst_block_ids=[0]))
+        assert pre.snapshot()["ring_used"] == 0
+
+
+def test_vllm_mode_refuses_a_peer_cache_of_another_shape():
+    cache = PagedKVCache(L, 8, H, BS, D)
+    tp, td = make_transport("inprocess"), make_transport("inprocess")
+    pre = PrefillEndpoint(cache, tp, COMPAT, mode="vllm")
+    dec = VllmDecodeEndpoint(PagedKVCache(L, 8, H, BS, 2 * D), td, pre.endpoint, COMPAT)
+    try:
+        pre.add_request("v", [1], BS)
+        with pytest.raises(PeerFailed, match="layout_mismatch.*head_dim"):
+            dec.fetch("v", BS, [2])
+    finally:
+        dec.close()
+        pre.close()
+        tp.close()
+        td.close()
+
+
+# --------------------------------------------------------------------------- KV-pool registration
+def test_kv_pool_is_registered_only_when_direct_mode_is_used():
+    with endpoints() as (cache, pre, dec, dev, td, _finished):
+        assert len(td._regions) == dev.num_banks  # staged: only the receive buffers
+        pre.add_request("s", [1], BS)
+        dec.fetch("s", BS, [2], "staged")
+        assert len(td._regions) == dev.num_banks
+        pre.add_request("d", [3], BS)
+        dec.fetch("d", BS, [4], "direct")
+        assert len(td._regions) > dev.num_banks
+        assert_pool_holds(dec, cache, [3], BS, [4])
+    with endpoints(dec_kw={"register_pool": False}) as (_cache, pre, dec, dev, td, _finished):
+        pre.add_request("d", [3], BS)
+        with pytest.raises(KVFlowError, match="register_pool=False"):
+            dec.fetch("d", BS, [4], "direct")
+        assert pre.snapshot()["pending"] == 0 and pre.snapshot()["served"] == 0  # nothing was sent
+        assert len(td._regions) == dev.num_banks
+
+
+def test_kv_page_addresses_come_from_the_bank_buffer_api():
+    dev = EmulatedDevice("p150a", 4 << 20)
+    layout, bufs = dev.allocate_kv_cache(TTKVCacheSpec(L, 8, H, BS, D, "bfloat16"))
+    dev.map_buffer_dma(bufs[1])  # mapped by someone else: left mapped
+    pages = KVPageAddresses(dev, bufs)
+    buf = bufs[2]
+    off = np.array([buf.address, buf.address + 4096])
+    got = pages.addresses(np.array([3, 5]), off, np.array([2048, 2048]))
+    assert got.tolist() == [dev.get_buffer_address_bank(buf, 3), dev.get_buffer_address_bank(buf, 5) + 4096]
+    with pytest.raises(ValueError, match="outside"):
+        pages.addresses(np.array([0]), np.array([bufs[-1].address + bufs[-1].size_per_bank - 8]), np.array([16]))
+    pages.close()
+    with pytest.raises(BankBufferError):  # unmapped again
+        dev.get_buffer_address_bank(bufs[0], 0)
+    assert dev.get_buffer_address_bank(bufs[1], 0)  # still mapped
+    dev.unmap_buffer_dma(bufs[1])
+    for b in bufs:
+        dev.free_buffer(b)
+    assert dev.live_buffers() == []
