@@ -2,6 +2,8 @@
 
     python examples/pd_local/run_demo.py [--transport mooncake-tcp|host-staged]
                                          [--mode direct|staged] [--workdir DIR]
+                                         [--gn-hawk both|off|only] [--tt-device p150a|n150]
+                                         [--tt-kv-dtype bfloat16|bfloat8_b]
 
 Builds the offline tiny Llama (float32), starts the three servers (HawkConnector moves
 the KV from the prefill's cache into the decode's), sends a few streaming requests
@@ -9,6 +11,15 @@ through the proxy and prints, per request: the output, the time to first token (
 through the proxy and on a single engine (the decode server alone, cold cache), and the
 KV pull (time, bytes, transport operations) from the decode's Prometheus metrics.
 Everything is shut down at the end (also on Ctrl-C), and no process is left behind.
+
+Second phase (``--gn-hawk both``, the default): GN-HAWK. The prefill runs on the CPU
+engine (vLLM's paged layout, the GPU stand-in), the decode on the emulated Tenstorrent
+Blackhole (p150a, 8 DRAM banks; the vLLM platform plugin ``vllm_hawk.tt_plugin``), with
+the tiny Llama in bf16. The prefill transforms each request's KV into the decode's tile
+layout, one segment per bank, and the decode READs it in one batch into per-bank receive
+buffers (``--mode staged``) or straight into its KV pages (``--mode direct``). Printed per
+request: TTFT next to GG-Direct's for the same prompt, and the transfer (bytes per bank,
+segments, READ operations, intra-bank copies, time).
 """
 from __future__ import annotations
 
@@ -86,17 +97,21 @@ def main(argv: list[str] | None = None) -> int:
                     choices=["mooncake-tcp", "mooncake-rdma", "host-staged"])
     ap.add_argument("--mode", default="direct", choices=["direct", "staged"])
     ap.add_argument("--workdir", default=None, help="logs and config (default: a temp folder)")
+    ap.add_argument("--gn-hawk", default="both", choices=["both", "off", "only"],
+                    help="also run GN-HAWK (decode on the emulated Tenstorrent device)")
+    ap.add_argument("--tt-device", default="p150a", choices=["p150a", "n150"])
+    ap.add_argument("--tt-kv-dtype", default="bfloat16", choices=["bfloat16", "bfloat8_b"])
     args = ap.parse_args(argv)
-
-    from vllm_hawk.tiny_model import build_tiny_llama
-
-    print("building the tiny float32 Llama (offline; cached after the first run) ...", flush=True)
-    model = build_tiny_llama(dtype="float32")
     workdir = Path(args.workdir or tempfile.mkdtemp(prefix="hawk-pd-demo-"))
-    cluster = LocalCluster(model, workdir,
-                           extra_config={"transport": args.transport, "mode": args.mode})
-    t_start = time.monotonic()
+    ok, gg_ttft = True, {}
+    if args.gn_hawk != "only":
+        ok, gg_ttft = run_gg(args, workdir / "gg")
+    if args.gn_hawk != "off" and ok is not None:
+        ok = run_gn(args, workdir / "gn", gg_ttft) and ok
+    return 0 if ok else 1
 
+
+def _progress_printer():
     tty = sys.stdout.isatty()
     shown = {"last": -10.0}
 
@@ -107,6 +122,93 @@ def main(argv: list[str] | None = None) -> int:
             shown["last"] = seconds
             print(f"  starting {what} ... {seconds:4.0f} s", flush=True)
 
+    return progress, tty
+
+
+def run_gn(args, workdir: Path, gg_ttft: dict) -> bool:
+    """GN-HAWK: CPU prefill -> emulated Tenstorrent decode (see the module doc)."""
+    from vllm_hawk.tiny_model import build_tiny_llama
+
+    model = build_tiny_llama(dtype="bfloat16")
+    transport = "mooncake-tcp" if args.transport == "host-staged" else args.transport
+    cluster = LocalCluster(model, workdir, dtype="bfloat16",
+                           decode_tt={"device": args.tt_device, "kv_dtype": args.tt_kv_dtype},
+                           extra_config={"transport": transport, "mode": args.mode})
+    progress, tty = _progress_printer()
+    t_start = time.monotonic()
+    print(f"\n=== GN-HAWK: prefill vLLM on the CPU -> decode vLLM on an emulated {args.tt_device} "
+          f"({args.tt_kv_dtype} tiles), mode {args.mode}, transport {transport} (logs in {workdir})")
+    ok = False
+    try:
+        cluster.start(progress)
+        print(f"{chr(13) if tty else ''}  all up after {time.monotonic() - t_start:.0f} s")
+        stream(cluster.proxy_url, {"model": "tiny", "prompt": "warm up", "max_tokens": 2})
+        rows = []
+        for i, prompt in enumerate(PROMPTS):
+            body = {"model": "tiny", "prompt": prompt, "max_tokens": MAX_TOKENS,
+                    "temperature": 0, "ignore_eos": True}
+            ttft, _total, text = stream(cluster.proxy_url, {**body, "cache_salt": f"gn-{i}"})
+            fig = transfer_figures(cluster.proxy_url, {**body, "max_tokens": 2,
+                                                       "cache_salt": f"gn-stats-{i}"})
+            rows.append((prompt, ttft, fig, text))
+        print(f"\n{'#':>2} {'prompt':<34} {'TTFT GN':>9} {'TTFT GG':>9} {'pull':>8} {'KiB':>6} "
+              f"{'segs':>4} {'READs':>5} {'copies':>6}  bytes per bank (KiB)")
+        for i, (prompt, ttft, f, text) in enumerate(rows):
+            short = (prompt[:31] + "...") if len(prompt) > 34 else prompt
+            gg = gg_ttft.get(i)
+            per_bank = " ".join(f"{b / 1024:.0f}" for b in f.get("bytes_per_bank", []))
+            print(f"{i:>2} {short:<34} {1e3 * ttft:7.1f}ms "
+                  f"{(f'{1e3 * gg:7.1f}ms') if gg is not None else '      - ':>9} "
+                  f"{f.get('total_ms', 0):6.1f}ms {f.get('nbytes', 0) / 1024:6.0f} "
+                  f"{f.get('segments', 0):>4} {f.get('entries', 0):>5} {f.get('intra_bank_ops', 0):>6}  "
+                  f"[{per_bank}]")
+        print("\nTTFT GN: through the proxy to the Tenstorrent decode; TTFT GG: GG-Direct "
+              "(first phase, float32 model) for the same prompt.\npull: KVRequest -> KV in the "
+              "device banks (includes the prefill's transform); segs: one per bank; READs: "
+              "transport operations in the one batch;\ncopies: intra-bank copies from the receive "
+              "buffers into the KV pages (staged mode).")
+        for i, (_p, _t, _f, text) in enumerate(rows):
+            print(f"{i:>2} output: {text!r}")
+        ok = all(r[2].get("ok") for r in rows)
+    except KeyboardInterrupt:
+        print("\ninterrupted")
+    finally:
+        print("shutting down ...", flush=True)
+        cluster.stop()
+        left = cluster.leftover_processes()
+        print("all processes stopped" if not left else f"WARNING: process groups left: {left}")
+    return ok
+
+
+def transfer_figures(url: str, body: dict) -> dict:
+    """A non-streamed request: the decode's per-request transfer figures
+    (``kv_transfer_params.hawk_transfer``)."""
+    u = urllib.parse.urlsplit(url)
+    conn = http.client.HTTPConnection(u.hostname, u.port, timeout=300)
+    try:
+        conn.request("POST", "/v1/completions", json.dumps(body), {"Content-Type": "application/json"})
+        r = conn.getresponse()
+        out = json.loads(r.read())
+    finally:
+        conn.close()
+    return (out.get("kv_transfer_params") or {}).get("hawk_transfer") or {}
+
+
+def run_gg(args, workdir: Path) -> tuple[bool, dict]:
+    """GG-Direct (or GG-Host with --transport host-staged): two CPU vLLM engines."""
+
+    from vllm_hawk.tiny_model import build_tiny_llama
+
+    print("building the tiny float32 Llama (offline; cached after the first run) ...", flush=True)
+    model = build_tiny_llama(dtype="float32")
+    cluster = LocalCluster(model, workdir,
+                           extra_config={"transport": args.transport, "mode": args.mode})
+    rows: list = []
+    t_start = time.monotonic()
+    progress, tty = _progress_printer()
+
+    label = "GG-Host" if args.transport == "host-staged" else "GG-Direct"
+    print(f"=== {label}: prefill vLLM on the CPU -> decode vLLM on the CPU")
     print(f"starting prefill vLLM, decode vLLM and the proxy (logs in {workdir}); "
           f"transport {args.transport}, mode {args.mode}")
     try:
@@ -116,7 +218,6 @@ def main(argv: list[str] | None = None) -> int:
         stream(cluster.proxy_url, {"model": "tiny", "prompt": "warm up", "max_tokens": 2})
         stream(cluster.decode_url, {"model": "tiny", "prompt": "warm up", "max_tokens": 2})
 
-        rows = []
         for i, prompt in enumerate(PROMPTS):
             body = {"model": "tiny", "prompt": prompt, "max_tokens": MAX_TOKENS,
                     "temperature": 0, "ignore_eos": True}
@@ -145,13 +246,13 @@ def main(argv: list[str] | None = None) -> int:
         ok = all(r[6] for r in rows)
     except KeyboardInterrupt:
         print("\ninterrupted")
-        ok = False
+        ok = None
     finally:
         print("shutting down ...", flush=True)
         cluster.stop()
         left = cluster.leftover_processes()
         print("all processes stopped" if not left else f"WARNING: process groups left: {left}")
-    return 0 if ok else 1
+    return ok, {i: r[1] for i, r in enumerate(rows)} if ok is not None else {}
 
 
 if __name__ == "__main__":

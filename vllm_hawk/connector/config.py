@@ -22,10 +22,17 @@ field                  default             meaning
                                            blocks into its registered ring (Algorithm 1
                                            P5-P6), the decode READs the ring into a
                                            receive buffer and copies into its blocks (D6-D7)
-``device_profile``     ``"vllm"``          the decode side's KV destination: ``vllm`` (a
-                                           plain vLLM engine, same layout as the prefill) or
-                                           a Tenstorrent profile name (``p150a``...; the
-                                           Tenstorrent decode side is not wired yet)
+``device_profile``     ``"vllm"``          the decode side's KV destination, set the SAME on
+                                           both sides: ``vllm`` (a plain vLLM engine, same
+                                           layout as the prefill) or a Tenstorrent profile
+                                           name (``p150a``, ``n150``...: GN-HAWK; the decode
+                                           runs the ``vllm_hawk.tt_plugin`` platform with that
+                                           device; the prefill transforms each request's
+                                           blocks into the decode's tile layout in its ring,
+                                           whatever its ``mode``; the decode's ``mode``
+                                           picks per-bank receive buffers + intra-bank copies
+                                           (``staged``) or READs into the KV pages
+                                           (``direct``); see ``vllm_hawk.connector.tt``)
 ``shared_secret``      ``None``            side-channel HMAC key (>= 16 bytes); when unset
                                            the environment variable ``HAWK_SHARED_SECRET``
                                            is used if present, else no authentication

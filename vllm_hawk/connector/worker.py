@@ -16,9 +16,12 @@ Decode (``kv_consumer``) — :class:`PullService`:
   finished receives, as vLLM requires).
 
 The decode-side destination is a :class:`KVDestination`; :class:`VllmPagedDestination`
-is a vLLM paged cache with the prefill's layout. A Tenstorrent KV pool (vllm_hawk.npu)
-plugs in here later: it describes its pages with the same region map, or asks for G'
-per bank (``LayoutDesc`` with ``num_banks`` > 1) in staged mode.
+is a vLLM paged cache with the prefill's layout. GN-HAWK (``device_profile`` names a
+Tenstorrent device): the decode engine runs the Tenstorrent platform plugin and the
+destination is :class:`vllm_hawk.connector.tt.TTDestination` (the plugin's device KV
+cache through the bank-buffer API); the KVRequest carries its tile layout
+(``LayoutDesc`` with ``num_banks`` > 1) and the prefill answers with G' in its ring, one
+segment per bank (:func:`vllm_hawk.connector.tt.serve_tt`).
 """
 from __future__ import annotations
 
@@ -34,7 +37,7 @@ from typing import Protocol
 
 import torch
 
-from vllm_hawk.connector.config import HawkConfig
+from vllm_hawk.connector.config import VLLM_PROFILE, HawkConfig
 from vllm_hawk.connector.metadata import HawkConnectorMetadata, HawkWorkerMeta, RecvSpec, SendSpec
 from vllm_hawk.connector.plan import (KVRegionMap, LayerRegion, gather_copies, pair_stream,
                                       region_map_from_caches, ring_segments, source_segments)
@@ -99,6 +102,7 @@ class LocalKV:
     compat: CompatFields
     layout: LayoutDesc
     block_size: int
+    views: list | None = None  # per layer (K, V) logical views [blocks, H, block_size, D]
 
 
 def describe_kv_caches(kv_caches: dict[str, torch.Tensor], vllm_config, cfg: HawkConfig) -> LocalKV:
@@ -107,7 +111,7 @@ def describe_kv_caches(kv_caches: dict[str, torch.Tensor], vllm_config, cfg: Haw
 
     ctx = vllm_config.compilation_config.static_forward_context
     names = sorted(kv_caches, key=_layer_key)
-    caches, templates, adapters = [], [], []
+    caches, templates, adapters, views = [], [], [], []
     for name in names:
         cache = kv_caches[name]
         if isinstance(cache, (list, tuple)):
@@ -119,6 +123,7 @@ def describe_kv_caches(kv_caches: dict[str, torch.Tensor], vllm_config, cfg: Haw
         caches.append(cache)
         templates.append(adapter.block_byte_ranges(cache, 0))
         adapters.append(adapter)
+        views.append(adapter.kv_views(cache))
     region_map = region_map_from_caches(caches, templates)
     seen: dict[int, int] = {}
     for c in caches:
@@ -132,14 +137,37 @@ def describe_kv_caches(kv_caches: dict[str, torch.Tensor], vllm_config, cfg: Haw
                 f":D{a0.head_dim}:V{getattr(hf, 'vocab_size', 0)}")
     dtype = str(a0.dtype).removeprefix("torch.")
     block_nbytes = region_map.layers[0].block_nbytes
-    compat = make_compat(model=model_id[:256], dtype=dtype, block_size=a0.block_size,
-                         src_layout=src_layout[:256], dst_layout=f"vllm-paged/{src_layout}"[:256],
-                         device_profile=cfg.device_profile)
+    if cfg.device_profile != VLLM_PROFILE:  # GN-HAWK: the prefill transforms for the decode
+        from vllm_hawk.connector.tt import tt_compat
+        compat = tt_compat(model_id, dtype, a0.block_size, cfg.device_profile)
+    else:
+        compat = make_compat(model=model_id[:256], dtype=dtype, block_size=a0.block_size,
+                             src_layout=src_layout[:256], dst_layout=f"vllm-paged/{src_layout}"[:256],
+                             device_profile=cfg.device_profile)
     layout = LayoutDesc(name=f"vllm-paged/{a0.name}"[:256], dtype=dtype, block_size=a0.block_size,
                         num_layers=len(names), num_kv_heads=a0.num_kv_heads, head_dim=a0.head_dim,
                         num_banks=1, tile_nbytes=block_nbytes,
                         page_nbytes=region_map.layers[0].block_stride_nbytes)
-    return LocalKV(region_map, sorted(seen.items()), compat, layout, a0.block_size)
+    return LocalKV(region_map, sorted(seen.items()), compat, layout, a0.block_size, views)
+
+
+def describe_tt_cache(cache, vllm_config, cfg: HawkConfig) -> LocalKV:
+    """Decode side on the Tenstorrent platform plugin: compat fields and layout of its
+    device KV cache (no host buffers to register: the destination registers its own)."""
+    from vllm_hawk.connector.tt import model_id, tt_compat
+    from vllm_hawk.kvflow.decode import layout_desc
+
+    s = cache.spec
+    dev = cache.device.profile.name
+    if dev != cfg.device_profile:
+        from vllm_hawk.connector.config import HawkConfigError
+        raise HawkConfigError(f"kv_connector_extra_config.device_profile={cfg.device_profile!r} but "
+                              f"this engine's emulated Tenstorrent device is {dev!r}")
+    dtype = str(vllm_config.model_config.dtype).removeprefix("torch.")
+    mid = model_id(vllm_config, s.num_layers, s.num_kv_heads, s.head_dim)
+    compat = tt_compat(mid, dtype, s.block_size, cfg.device_profile)
+    return LocalKV(KVRegionMap((), s.num_blocks), [], compat, layout_desc(cache.layout, "tt-paged"),
+                   s.block_size)
 
 
 class KVDestination(Protocol):
@@ -191,7 +219,9 @@ class PrefillService:
         self.transport = _transport_for(cfg)
         self.ring = None
         try:
-            if cfg.mode == "staged":
+            if cfg.mode == "staged" or cfg.device_profile != VLLM_PROFILE:
+                # GN-HAWK always serves G' from the ring (the decode's mode only decides
+                # where its READs land), so only the ring is exported.
                 from vllm_hawk.kvflow.ring import RingBuffer
                 self.ring = RingBuffer(cfg.ring_nbytes, self.transport)
                 self.export_base, self.export_nbytes = self.ring.base_addr, self.ring.capacity
@@ -209,6 +239,17 @@ class PrefillService:
         except BaseException:
             self.transport.close()
             raise
+        if cfg.device_profile != VLLM_PROFILE and kv.views is not None:
+            # Compile the transform kernels now (seconds, numba) rather than inside the
+            # first pulls' deadlines: the server is not healthy before this returns.
+            from vllm_hawk.connector.tt import warm_transform
+            t0 = time.monotonic()
+            try:
+                warm_transform(kv.views, kv.layout, cfg.device_profile)
+            except Exception as e:  # noqa: BLE001 - the first request compiles instead
+                logger.warning("HawkConnector prefill: transform warm-up failed: %s", e)
+            logger.info("HawkConnector prefill: transform kernels ready in %.1f s",
+                        time.monotonic() - t0)
         self._stop = threading.Event()
         self._reaper = threading.Thread(target=self._reap_loop, daemon=True, name="hawk-lease")
         self._reaper.start()
@@ -255,10 +296,18 @@ class PrefillService:
                 logger.debug("HawkConnector prefill: KVRequest for %s came before the "
                              "scheduler's hand-over; waiting for it", rid)
                 return None
-            err = self._check(msg, held.spec)
+            if self.cfg.device_profile != VLLM_PROFILE:
+                from vllm_hawk.connector.tt import check_tt_request
+                err = check_tt_request(msg, self.kv.layout, self.cfg.device_profile,
+                                       held.spec.num_tokens)
+            else:
+                err = self._check(msg, held.spec)
             if err:
                 return ErrorMsg(code="layout_mismatch", detail=err, req_id=rid)
             held.claimed_until = time.time() + self.cfg.transfer_timeout_s
+        if self.cfg.device_profile != VLLM_PROFILE:
+            self._copier.submit(self._stage_tt, msg, held.spec, reply)
+            return None
         if self.ring is None:
             segs = source_segments(self.kv.region_map, held.spec.block_ids, self.export_base)
             return KVReady(req_id=rid, ring_offset=0, total_nbytes=sum(s.nbytes for s in segs),
@@ -315,6 +364,44 @@ class PrefillService:
             logger.exception("HawkConnector prefill: staging %s failed", rid)
             reply(ErrorMsg(code="internal", detail=f"{type(e).__name__}: {e}"[:1000], req_id=rid))
 
+    def _stage_tt(self, msg: KVRequest, spec: SendSpec, reply) -> None:
+        """GN-HAWK, P4-P7: transform the blocks into G' in the ring, one segment per bank."""
+        from vllm_hawk.connector.tt import serve_tt
+        from vllm_hawk.kvflow.errors import BufferFull
+
+        rid = msg.req_id
+        try:
+            with self._lock:
+                if rid not in self._held:  # released/expired while queued
+                    reply(ErrorMsg(code="unknown_request", detail="request no longer held",
+                                   req_id=rid))
+                    return
+            ready, t_tf = serve_tt(msg, spec.block_ids, self.kv.views, self.kv.block_size,
+                                   self.ring, min(5.0, self.cfg.transfer_timeout_s),
+                                   int(self.cfg.transfer_timeout_s * 1000))
+            logger.debug("HawkConnector prefill: %s transformed in %.3f ms", rid, 1e3 * t_tf)
+            with self._lock:
+                gone = rid not in self._held
+            if gone:  # released or expired while transforming: P8 now, no KVReady
+                if rid in self.ring.alloc.live():
+                    self.ring.release(rid)
+                reply(ErrorMsg(code="unknown_request", detail="request no longer held", req_id=rid))
+                return
+            reply(ready)
+        except BufferFull as e:
+            reply(ErrorMsg(code="no_space", detail=str(e)[:1000], req_id=rid))
+        except Exception as e:  # noqa: BLE001
+            logger.exception("HawkConnector prefill: transforming %s failed", rid)
+            reply(ErrorMsg(code="internal", detail=f"{type(e).__name__}: {e}"[:1000], req_id=rid))
+
+    def snapshot(self) -> dict:
+        """Idle check: held requests and ring occupancy."""
+        with self._lock:
+            out = {"held": len(self._held)}
+        if self.ring is not None:
+            out.update(ring_live=len(self.ring.alloc.live()), ring_used=self.ring.alloc.used_bytes())
+        return out
+
     def _finish_locked(self, rid: str, why: str) -> None:
         self._held.pop(rid, None)
         self._done.add(rid)
@@ -370,15 +457,23 @@ class _Peer:
 class PullService:
     """Pulls remote KV into this engine's blocks (see module doc). Thread-safe."""
 
-    def __init__(self, cfg: HawkConfig, kv: LocalKV, dest: KVDestination,
-                 stats: HawkKVConnectorStats, stats_lock: threading.Lock) -> None:
+    def __init__(self, cfg: HawkConfig, kv: LocalKV, dest: KVDestination | None,
+                 stats: HawkKVConnectorStats, stats_lock: threading.Lock, tt_cache=None) -> None:
         self.cfg, self.kv, self.dest = cfg, kv, dest
         self._stats, self._stats_lock = stats, stats_lock
         self.transport = _transport_for(cfg)
         for addr, n in kv.storages:
             self.transport.register(addr, n)
         self.recv = None
-        if cfg.mode == "staged":
+        self.tt = None
+        if tt_cache is not None:
+            from vllm_hawk.connector.tt import TTDestination
+            try:
+                self.tt = self.dest = TTDestination(tt_cache, cfg.mode, self.transport, cfg.ring_nbytes)
+            except BaseException:
+                self.transport.close()
+                raise
+        elif cfg.mode == "staged":
             from vllm_hawk.kvflow.ring import RingBuffer
             self.recv = RingBuffer(cfg.ring_nbytes, self.transport)
         self._pool = cf.ThreadPoolExecutor(cfg.max_pulls, thread_name_prefix="hawk-pull",
@@ -456,6 +551,7 @@ class PullService:
 
         client = self._peer(spec, left())
         hello = client.hello
+        plan = self.tt.plan(spec.local_block_ids) if self.tt is not None else None
         req = KVRequest(req_id=spec.remote_request_id, dst_layout=self.dest.layout,
                         num_tokens=spec.remote_num_tokens,
                         dst_block_ids=list(spec.local_block_ids),
@@ -467,7 +563,13 @@ class PullService:
         n = len(spec.local_block_ids)
         dmap = self.dest.region_map
         t1 = time.monotonic()
-        if self.recv is None:  # direct: straight into the KV blocks
+        if self.tt is not None:  # GN-HAWK: bank buffers (staged) or KV pages (direct)
+            self.tt.check_ready(ready, plan, hello.ring_nbytes)
+            self.tt.land(rid, ready, plan, hello.ring_base_addr,
+                         lambda entries: self._read(hello.transfer_endpoint, entries, left()),
+                         left(), fig, dump_key=spec.remote_request_id)
+            entries = [None] * fig["entries"]
+        elif self.recv is None:  # direct: straight into the KV blocks
             entries = pair_stream(ready.segments, hello.ring_base_addr, dmap,
                                   spec.local_block_ids, spec.first_block)
             self._read(hello.transfer_endpoint, entries, left())
@@ -485,8 +587,9 @@ class PullService:
             finally:
                 self.recv.release(rid)
         fig["transfer_ms"] = round(1e3 * (time.monotonic() - t1), 3)
-        fig["entries"] = len(entries)
-        fig["nbytes"] = sum(e[2] for e in entries)
+        if self.tt is None:
+            fig["entries"] = len(entries)
+            fig["nbytes"] = sum(e[2] for e in entries)
         try:
             client.release(spec.remote_request_id, ok=True, timeout_s=min(left(), 2.0))
         except Exception as e:  # noqa: BLE001 - KV is in place; the lease frees the rest
@@ -525,6 +628,8 @@ class PullService:
             p.client.close()
         if self.recv is not None:
             self.recv.close()
+        if self.tt is not None:
+            self.tt.close()
         self.transport.close()
 
 
@@ -540,6 +645,18 @@ def _stream_buffer_map(dmap: KVRegionMap, n: int, base: int) -> KVRegionMap:
 
 # --------------------------------------------------------------------------- facade helper
 
+def _tt_cache_of(vllm_config):
+    """The engine's Tenstorrent KV cache when it runs the platform plugin, else None."""
+    try:
+        from vllm_hawk.tt_plugin import registry
+    except Exception:  # noqa: BLE001 - plugin not importable: not a Tenstorrent engine
+        return None
+    try:
+        return registry.get_kv_cache(vllm_config)
+    except (LookupError, ValueError):
+        return None
+
+
 class HawkConnectorWorker:
     """The worker-side object the facade delegates to; one of the two services."""
 
@@ -553,13 +670,34 @@ class HawkConnectorWorker:
         self.kv: LocalKV | None = None
 
     def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
-        self.kv = describe_kv_caches(kv_caches, self.vllm_config, self.cfg)
+        tt_cache = _tt_cache_of(self.vllm_config)
+        if tt_cache is not None:
+            if self.is_producer:
+                raise NotImplementedError("HawkConnector: an engine on the Tenstorrent platform "
+                                          "is a decode (kv_consumer) only")
+            if self.cfg.device_profile == VLLM_PROFILE:
+                from vllm_hawk.connector.config import HawkConfigError
+                raise HawkConfigError("kv_connector_extra_config.device_profile must name the "
+                                      "Tenstorrent device (e.g. 'p150a') on an engine that runs "
+                                      "the Tenstorrent platform plugin")
+            self.kv = describe_tt_cache(tt_cache, self.vllm_config, self.cfg)
+        else:
+            self.kv = describe_kv_caches(kv_caches, self.vllm_config, self.cfg)
         with unpinned_threads():  # the services' threads must not share the model's core
             if self.is_producer:
                 self.prefill = PrefillService(self.cfg, self.kv, self.stats, self._stats_lock)
             if self.is_consumer:
-                dest = VllmPagedDestination(self.kv.region_map, self.kv.layout)
-                self.pull = PullService(self.cfg, self.kv, dest, self.stats, self._stats_lock)
+                if tt_cache is not None:
+                    self.pull = PullService(self.cfg, self.kv, None, self.stats, self._stats_lock,
+                                            tt_cache=tt_cache)
+                else:
+                    if self.cfg.device_profile != VLLM_PROFILE:
+                        raise NotImplementedError(
+                            f"HawkConnector: device_profile {self.cfg.device_profile!r} on the "
+                            "decode needs the Tenstorrent platform plugin (HAWK_TT_PLATFORM)")
+                    dest = VllmPagedDestination(self.kv.region_map, self.kv.layout)
+                    self.pull = PullService(self.cfg, self.kv, dest, self.stats, self._stats_lock)
+        self._start_state_writer()
 
     def start_load_kv(self, meta: HawkConnectorMetadata) -> None:
         if self.prefill is not None and meta.reqs_to_send:
@@ -586,6 +724,45 @@ class HawkConnectorWorker:
             return None
         self._figures = {}
         return HawkWorkerMeta(transfers=figures)
+
+    def snapshot(self) -> dict:
+        """Idle check for tests: the services' held state (empty when idle)."""
+        out: dict = {}
+        if self.prefill is not None:
+            out["prefill"] = self.prefill.snapshot()
+        if self.pull is not None and self.pull.tt is not None:
+            out["decode"] = self.pull.tt.snapshot()
+        return out
+
+    def _start_state_writer(self) -> None:
+        """Tests: with ``HAWK_CONNECTOR_DUMP_DIR`` set, write :meth:`snapshot` to
+        ``state-<pid>.json`` there twice a second (servers run in other processes)."""
+        from vllm_hawk.connector.tt import DUMP_ENV
+
+        d = os.environ.get(DUMP_ENV)
+        if not d:
+            return
+        import json
+        from pathlib import Path
+
+        path = Path(d) / f"state-{'prefill' if self.is_producer else 'decode'}-{os.getpid()}.json"
+        path.parent.mkdir(parents=True, exist_ok=True)
+
+        def loop() -> None:
+            while self.prefill is not None or self.pull is not None:
+                try:
+                    snap = self.snapshot()
+                    tt = self.pull.tt if self.pull is not None else None
+                    if tt is not None:
+                        snap["decode"]["device_buffers"] = len(tt.device.live_buffers())
+                    tmp = path.with_suffix(".tmp")
+                    tmp.write_text(json.dumps({"t": time.time(), **snap}))
+                    tmp.rename(path)
+                except Exception:  # noqa: BLE001 - debugging aid only
+                    pass
+                time.sleep(0.5)
+
+        threading.Thread(target=loop, daemon=True, name="hawk-state").start()
 
     def get_stats(self) -> HawkKVConnectorStats | None:
         with self._stats_lock:

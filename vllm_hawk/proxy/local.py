@@ -135,6 +135,11 @@ class LocalCluster:
     prefill_config: dict = field(default_factory=dict)
     decode_config: dict = field(default_factory=dict)
     decode_policy: str = "fail"  # kv_load_failure_policy
+    #: GN-HAWK: run the decode on the emulated Tenstorrent platform plugin, e.g.
+    #: ``{"device": "p150a", "kv_dtype": "bfloat16"}`` (sets ``device_profile`` too)
+    decode_tt: dict | None = None
+    extra_args: list = field(default_factory=list)  # vLLM CLI args for both servers
+    extra_env: dict = field(default_factory=dict)  # environment of both servers
     startup_timeout_s: float = 400.0
     python: str = sys.executable
     servers: dict[str, Server] = field(default_factory=dict)
@@ -153,15 +158,33 @@ class LocalCluster:
         return self.servers["proxy"].url
 
     # ---------------------------------------------------------------- lifecycle
-    def _env(self, cpu: str | None) -> dict[str, str]:
+    def _tt_entry_point_dir(self) -> str:
+        """A directory holding a metadata-only ``.dist-info`` that declares the Tenstorrent
+        platform entry point: on PYTHONPATH, every process vLLM spawns sees the plugin
+        (the in-memory finder of ``ensure_entry_point`` does not reach spawned workers)."""
+        from vllm_hawk.tt_plugin import ENTRY_POINT_GROUP, ENTRY_POINT_NAME, ENTRY_POINT_VALUE
+
+        d = Path(self.workdir) / "tt_entry_point"
+        info = d / "vllm_hawk_tt_plugin-0.dist-info"
+        info.mkdir(parents=True, exist_ok=True)
+        (info / "METADATA").write_text("Metadata-Version: 2.1\nName: vllm-hawk-tt-plugin\nVersion: 0\n")
+        (info / "entry_points.txt").write_text(
+            f"[{ENTRY_POINT_GROUP}]\n{ENTRY_POINT_NAME} = {ENTRY_POINT_VALUE}\n")
+        return str(d)
+
+    def _env(self, cpu: str | None, tt: bool = False) -> dict[str, str]:
         env = dict(os.environ)
         env.update(HF_HUB_OFFLINE="1", VLLM_CPU_KVCACHE_SPACE=env.get("VLLM_CPU_KVCACHE_SPACE", "1"),
                    TOKENIZERS_PARALLELISM="false")
         env.pop("VLLM_TARGET_DEVICE", None)
+        for k in [k for k in env if k.startswith("HAWK_TT_")]:
+            env.pop(k)  # only the --tt-* flags of a Tenstorrent decode choose the platform
+        env.update({k: str(v) for k, v in self.extra_env.items()})
         if cpu is not None:
             env["VLLM_CPU_OMP_THREADS_BIND"] = cpu
         root = str(Path(__file__).resolve().parents[2])
-        env["PYTHONPATH"] = os.pathsep.join(p for p in (root, env.get("PYTHONPATH")) if p)
+        tt_dir = self._tt_entry_point_dir() if tt else None
+        env["PYTHONPATH"] = os.pathsep.join(p for p in (root, tt_dir, env.get("PYTHONPATH")) if p)
         return env
 
     def _vllm(self, role: str, kv_role: str, config: dict, cpu: str | None) -> Server:
@@ -171,13 +194,19 @@ class LocalCluster:
                "kv_role": kv_role, "kv_connector_extra_config": config}
         if kv_role == "kv_consumer":
             ktc["kv_load_failure_policy"] = self.decode_policy
-        argv = [self.python, "-m", "vllm_hawk.vllm_launcher", "serve", str(self.model),
+        launcher = ["-m", "vllm_hawk.vllm_launcher"]
+        if role == "decode" and self.decode_tt:
+            launcher = ["-m", "vllm_hawk.tt_plugin", "--tt-platform", "emulated",
+                        "--tt-device", self.decode_tt.get("device", "p150a"),
+                        "--tt-kv-dtype", self.decode_tt.get("kv_dtype", "bfloat16")]
+        argv = [self.python, *launcher, "serve", str(self.model),
                 "--host", "127.0.0.1", "--port", str(port), "--served-model-name", "tiny",
                 "--enforce-eager", "--dtype", self.dtype, "--max-model-len", str(self.max_model_len),
                 "--block-size", str(self.block_size), "--max-num-seqs", str(self.max_num_seqs),
                 "--chat-template", str(work / "chat_template.jinja"),
-                "--kv-transfer-config", json.dumps(ktc)]
-        return Server(role, argv, self._env(cpu), work / f"{role}.log", f"http://127.0.0.1:{port}")
+                *map(str, self.extra_args), "--kv-transfer-config", json.dumps(ktc)]
+        tt = role == "decode" and bool(self.decode_tt)
+        return Server(role, argv, self._env(cpu, tt), work / f"{role}.log", f"http://127.0.0.1:{port}")
 
     def start(self, progress: Progress | None = None) -> "LocalCluster":
         work = Path(self.workdir)
@@ -185,8 +214,9 @@ class LocalCluster:
         (work / "chat_template.jinja").write_text(CHAT_TEMPLATE)
         cpus = sorted(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else []
         p_cpu, d_cpu = (str(cpus[0]), str(cpus[1])) if len(cpus) >= 2 else (None, None)
-        p_cfg = {"side_channel_port": free_port(), **self.extra_config, **self.prefill_config}
-        d_cfg = {**self.extra_config, **self.decode_config}
+        tt = {"device_profile": self.decode_tt.get("device", "p150a")} if self.decode_tt else {}
+        p_cfg = {"side_channel_port": free_port(), **tt, **self.extra_config, **self.prefill_config}
+        d_cfg = {**tt, **self.extra_config, **self.decode_config}
         self.servers["prefill"] = self._vllm("prefill", "kv_producer", p_cfg, p_cpu)
         self.servers["decode"] = self._vllm("decode", "kv_consumer", d_cfg, d_cpu)
         try:

@@ -1,0 +1,247 @@
+"""GN-HAWK end to end: vLLM prefill on the CPU (vLLM's paged layout, the GPU stand-in) ->
+HawkConnector -> vLLM decode on the emulated Tenstorrent platform plugin (KV cache in
+device banks, TILE layout), through ``hawk proxy``.
+
+One cluster per configuration (module-scoped, one after the other, ~45 s to start each):
+
+* ``p150a-bf16-staged``: Blackhole, 8 banks, bf16 tiles, per-bank receive buffers then
+  intra-bank copies;
+* ``n150-bfp8-direct``: Wormhole, 12 banks, bfloat8_b tiles, READs straight into the KV pages;
+* with ``HAWK_GN_E2E_FULL=1`` also ``n150-bf16-direct`` and ``p150a-bfp8-staged``.
+
+Checked for every transfer: the decode's KV blocks hold exactly ``tilize_pack`` of the
+prefill's K/V for those blocks (both sides dump them, ``HAWK_CONNECTOR_DUMP_DIR``).
+
+References for the tokens:
+
+* bf16 KV: the single-engine run is the stock CPU engine (the prefill server asked
+  directly, with ``logprobs=2``). Outputs must be equal token for token except where the
+  reference's top-2 logprob gap at the first differing position is below ``TIE_MARGIN``
+  (the tiny random bf16 model has exact ties, and its bf16 logits are coarse: two attention
+  implementations may split a near-tie); ties are counted and reported.
+* bfloat8_b KV: the single-engine run of the emulated plugin itself (the decode server
+  asked directly: its own prefill packs KV to bfloat8_b face row by face row, exactly as
+  the prefill's transform packs it). Not bit-identical either: that engine's prefill
+  attention already reads bfloat8_b KV, while the CPU prefill's reads bf16 KV, so the
+  K/V of layers >= 1 differ slightly before packing. Same tie rule; the KV check above
+  is exact for every transferred byte.
+
+Aborts: a client that disconnects mid-stream leaves both sides idle: no blocks in use
+(``vllm:kv_cache_usage_perc``), no held request or ring range on the prefill, no receive
+buffer or landing pull on the decode, and the decode device's buffer count unchanged.
+"""
+from __future__ import annotations
+
+import glob
+import http.client
+import json
+import os
+import time
+import urllib.parse
+from pathlib import Path
+
+import pytest
+
+from test_pd_serving import _post
+
+pytestmark = pytest.mark.vllm
+
+#: bf16 logits: the CPU reference's attention kernel and the plugin's tile-layout attention
+#: (float32 over unpacked tiles) round differently, which moves a logit by a bf16 ulp or
+#: two (2**-8 .. 2**-7 for |logit| < 2); gaps below this count as ties.
+TIE_MARGIN = 2.0 ** -6
+MAX_TOKENS = 10
+BLOCK = 32
+
+CONFIGS = {
+    "p150a-bf16-staged": dict(device="p150a", kv_dtype="bfloat16", mode="staged"),
+    "n150-bfp8-direct": dict(device="n150", kv_dtype="bfloat8_b", mode="direct"),
+}
+if os.environ.get("HAWK_GN_E2E_FULL"):  # the other two corners (about 50 s each)
+    CONFIGS.update({
+        "n150-bf16-direct": dict(device="n150", kv_dtype="bfloat16", mode="direct"),
+        "p150a-bfp8-staged": dict(device="p150a", kv_dtype="bfloat8_b", mode="staged"),
+    })
+
+
+def _prompts() -> list[list[int]]:
+    """Token-id prompts (BOS included) across block boundaries (block 32)."""
+    import random
+
+    rng = random.Random(11)
+    return [[0] + [rng.randrange(2, 1024) for _ in range(n - 1)] for n in (5, 32, 33, 100, 257)]
+
+
+@pytest.fixture(scope="module", params=list(CONFIGS))
+def gn(request, tmp_path_factory):
+    from vllm_hawk.vllm_launcher import ensure_vllm_dist
+
+    if ensure_vllm_dist() is None:
+        pytest.skip("vLLM is not installed")
+    pytest.importorskip("mooncake.engine")
+    from vllm_hawk.proxy.local import LocalCluster
+    from vllm_hawk.tiny_model import build_tiny_llama
+
+    cfg = CONFIGS[request.param]
+    work = tmp_path_factory.mktemp(request.param)
+    dump = work / "dump"
+    c = LocalCluster(build_tiny_llama(dtype="bfloat16"), work, dtype="bfloat16", block_size=BLOCK,
+                     max_model_len=1024,
+                     decode_tt={"device": cfg["device"], "kv_dtype": cfg["kv_dtype"]},
+                     extra_config={"transfer_timeout_s": 20.0, "handshake_timeout_s": 3.0,
+                                   "mode": cfg["mode"], "ring_nbytes": 16 << 20},
+                     prefill_config={"lease_s": 30.0},
+                     extra_args=["--no-enable-prefix-caching"],
+                     extra_env={"HAWK_CONNECTOR_DUMP_DIR": str(dump)})
+    t0 = time.monotonic()
+    c.start()
+    c.hawk_name, c.hawk_cfg, c.hawk_dump = request.param, cfg, dump
+    c.hawk_checked = set()
+    print(f"\n[{request.param}] cluster up in {time.monotonic() - t0:.1f} s")
+    try:
+        yield c
+    finally:
+        c.stop()
+        assert c.leftover_processes() == [], "processes left after stop()"
+
+
+def _complete(url: str, prompt, logprobs: int | None = None, max_tokens: int = MAX_TOKENS) -> dict:
+    body = {"model": "tiny", "prompt": prompt, "max_tokens": max_tokens, "temperature": 0,
+            "ignore_eos": True, "return_token_ids": True}
+    if logprobs:
+        body.update(logprobs=logprobs, return_tokens_as_token_ids=True)
+    status, out = _post(url + "/v1/completions", body)
+    assert status == 200, out
+    return {**out["choices"][0], "kv_transfer_params": out.get("kv_transfer_params")}
+
+
+def _check_new_transfers(c) -> list[dict]:
+    """Every transfer not checked yet: decode bank bytes == tilize_pack(prefill K/V)."""
+    import torch
+
+    from vllm_hawk.layout.formats import tilize_pack
+
+    out = []
+    for dp in sorted(glob.glob(str(c.hawk_dump / "decode-*.pt"))):
+        key = Path(dp).name.removeprefix("decode-")
+        if key in c.hawk_checked:
+            continue
+        pp = c.hawk_dump / f"prefill-{key}"
+        assert pp.exists(), f"no prefill dump for {key}"
+        d, p = torch.load(dp), torch.load(pp)
+        assert d["dtype"] == c.hawk_cfg["kv_dtype"] and d["device"] == c.hawk_cfg["device"]
+        assert d["dst_blocks"] == p["dst_blocks"]
+        assert len(d["bytes"]) == len(p["kv"])
+        for layer, ((k, v), (kb, vb)) in enumerate(zip(p["kv"], d["bytes"])):
+            for name, x, got in (("K", k, kb), ("V", v, vb)):
+                want = tilize_pack(x.to(torch.float32), d["dtype"]).reshape(got.shape)
+                assert torch.equal(want, got), f"{key}: layer {layer} {name} bytes differ"
+        c.hawk_checked.add(key)
+        out.append({"key": key, "blocks": len(d["dst_blocks"])})
+    return out
+
+
+def _top2_gap(choice: dict, pos: int) -> float:
+    top = sorted(choice["logprobs"]["top_logprobs"][pos].values(), reverse=True)
+    return top[0] - top[1] if len(top) > 1 else float("inf")
+
+
+def test_outputs_and_kv_bytes(gn, record_property):
+    bfp8 = gn.hawk_cfg["kv_dtype"] == "bfloat8_b"
+    ref_url = gn.decode_url if bfp8 else gn.prefill_url  # see the module docstring
+    ties, mismatches, stats = [], [], []
+    for p in _prompts():
+        d = _complete(gn.proxy_url, p)
+        checked = _check_new_transfers(gn)  # right after this request's transfer
+        assert len(checked) == 1, f"expected one transfer for a {len(p)}-token prompt: {checked}"
+        assert checked[0]["blocks"] == -(-len(p) // BLOCK)
+        fig = (d["kv_transfer_params"] or {}).get("hawk_transfer") or {}
+        assert fig.get("ok") and fig.get("banks") == (12 if gn.hawk_cfg["device"] == "n150" else 8)
+        assert fig["segments"] == sum(1 for b in fig["bytes_per_bank"] if b)
+        stats.append((len(p), fig["nbytes"], fig["entries"], fig["total_ms"]))
+        r = _complete(ref_url, p, logprobs=2)
+        got, want = d["token_ids"], r["token_ids"]
+        assert len(got) == MAX_TOKENS
+        if got == want:
+            continue
+        i = next(k for k, (a, b) in enumerate(zip(got, want)) if a != b)
+        gap = _top2_gap(r, i)
+        (ties if gap < TIE_MARGIN else mismatches).append((len(p), i, gap))
+    print(f"[{gn.hawk_name}] transfers (prompt_len, bytes, READ entries, total ms): {stats}")
+    print(f"[{gn.hawk_name}] top-2 ties (prompt_len, position, gap): {ties} ({len(ties)} of "
+          f"{len(_prompts())} prompts)")
+    record_property(f"{gn.hawk_name}-ties", ties)
+    assert not mismatches, f"outputs differ beyond ties (prompt_len, position, gap): {mismatches}"
+
+
+def _usage(url: str) -> float:
+    from vllm_hawk.proxy.local import scrape_metrics
+
+    return scrape_metrics(url).get("vllm:kv_cache_usage_perc", -1.0)
+
+
+def _states(c) -> dict[str, dict]:
+    out = {}
+    for f in glob.glob(str(c.hawk_dump / "state-*.json")):
+        role = Path(f).name.split("-")[1]
+        try:
+            out[role] = json.loads(Path(f).read_text())
+        except (OSError, ValueError):
+            pass
+    return out
+
+
+def _idle(c) -> tuple[bool, dict]:
+    s = _states(c)
+    p, d = s.get("prefill", {}).get("prefill", {}), s.get("decode", {}).get("decode", {})
+    ok = (p.get("held") == 0 and p.get("ring_live") == 0 and p.get("ring_used") == 0
+          and d.get("inflight") == 0 and (gn_mode(c) == "direct" or d.get("recv_live") == 0)
+          and _usage(c.prefill_url) == 0.0 and _usage(c.decode_url) == 0.0)
+    return ok, {"prefill": p, "decode": d}
+
+
+def gn_mode(c) -> str:
+    return c.hawk_cfg["mode"]
+
+
+def _wait_idle(c, timeout_s: float = 30.0) -> dict:
+    deadline = time.monotonic() + timeout_s
+    while True:
+        ok, s = _idle(c)
+        if ok:
+            return s
+        if time.monotonic() > deadline:
+            pytest.fail(f"not idle after {timeout_s} s: {s}")
+        time.sleep(0.5)
+
+
+def test_abort_leaks_nothing(gn):
+    before = _wait_idle(gn)
+    bufs = before["decode"]["device_buffers"]
+    u = urllib.parse.urlsplit(gn.proxy_url)
+    conn = http.client.HTTPConnection(u.hostname, u.port, timeout=60)
+    body = {"model": "tiny", "prompt": [0] + list(range(5, 200)), "max_tokens": 400,
+            "temperature": 0, "ignore_eos": True, "stream": True}
+    conn.request("POST", "/v1/completions", json.dumps(body), {"Content-Type": "application/json"})
+    r = conn.getresponse()
+    assert r.status == 200
+    for _ in range(3):  # decoding has started: the KV was pulled, blocks are in use
+        r.readline()
+    assert _usage(gn.decode_url) > 0.0
+    conn.sock.close()  # the client goes away mid-stream
+    conn.close()
+    after = _wait_idle(gn)
+    assert after["decode"]["device_buffers"] == bufs
+    _check_new_transfers(gn)
+    # a request whose prefill is unknown fails, and leaves nothing behind either
+    from vllm_hawk.proxy.local import free_port
+
+    params = {"do_remote_prefill": True, "do_remote_decode": False, "remote_engine_id": "gone",
+              "remote_request_id": "cmpl-gone-0", "remote_block_ids": [1, 2],
+              "remote_num_tokens": 40, "remote_host": "127.0.0.1", "remote_port": free_port()}
+    status, _ = _post(gn.decode_url + "/v1/completions",
+                      {"model": "tiny", "prompt": [0] + list(range(10, 49)), "max_tokens": 4,
+                       "kv_transfer_params": params})
+    assert status == 500
+    assert _wait_idle(gn)["decode"]["device_buffers"] == bufs
+    assert os.path.isdir(gn.hawk_dump)
