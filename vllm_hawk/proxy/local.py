@@ -158,19 +158,19 @@ class LocalCluster:
         return self.servers["proxy"].url
 
     # ---------------------------------------------------------------- lifecycle
-    def _tt_entry_point_dir(self) -> str:
-        """A directory holding a metadata-only ``.dist-info`` that declares the Tenstorrent
-        platform entry point: on PYTHONPATH, every process vLLM spawns sees the plugin
-        (the in-memory finder of ``ensure_entry_point`` does not reach spawned workers)."""
-        from vllm_hawk.tt_plugin import ENTRY_POINT_GROUP, ENTRY_POINT_NAME, ENTRY_POINT_VALUE
+    def _tt_entry_point_dir(self) -> str | None:
+        """Where a metadata-only ``.dist-info`` declares the Tenstorrent platform entry
+        point, so every process vLLM spawns sees the plugin (None: installed already)."""
+        from vllm_hawk.tt_plugin import entry_point_path
 
-        d = Path(self.workdir) / "tt_entry_point"
-        info = d / "vllm_hawk_tt_plugin-0.dist-info"
-        info.mkdir(parents=True, exist_ok=True)
-        (info / "METADATA").write_text("Metadata-Version: 2.1\nName: vllm-hawk-tt-plugin\nVersion: 0\n")
-        (info / "entry_points.txt").write_text(
-            f"[{ENTRY_POINT_GROUP}]\n{ENTRY_POINT_NAME} = {ENTRY_POINT_VALUE}\n")
-        return str(d)
+        saved = os.environ.get("PYTHONPATH")
+        try:
+            return entry_point_path(Path(self.workdir) / "tt_entry_point")
+        finally:  # only the decode server's environment gets it (see _env)
+            if saved is None:
+                os.environ.pop("PYTHONPATH", None)
+            else:
+                os.environ["PYTHONPATH"] = saved
 
     def _env(self, cpu: str | None, tt: bool = False) -> dict[str, str]:
         env = dict(os.environ)

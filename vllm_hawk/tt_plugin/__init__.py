@@ -21,12 +21,14 @@ from __future__ import annotations
 import importlib.abc
 import importlib.metadata as md
 import logging
+import os
 import sys
 from pathlib import Path
 
 from vllm_hawk.tt_plugin.config import ENV_PLATFORM, TTPluginConfig, TTPluginConfigError
 
-__all__ = ["register", "ensure_entry_point", "get_kv_cache", "ENTRY_POINT_GROUP", "ENTRY_POINT_NAME"]
+__all__ = ["register", "ensure_entry_point", "entry_point_path", "get_kv_cache", "ENTRY_POINT_GROUP",
+           "ENTRY_POINT_NAME"]
 
 logger = logging.getLogger("vllm.hawk.tt_plugin")
 
@@ -103,3 +105,26 @@ def ensure_entry_point() -> bool:
     sys.meta_path.append(_EntryPointFinder())
     return True
 
+
+
+def entry_point_path(directory: str | os.PathLike | None = None) -> str | None:
+    """For processes vLLM spawns (they do not inherit :func:`ensure_entry_point`'s
+    in-memory finder): write a metadata-only ``.dist-info`` declaring the entry point
+    under ``directory`` (default ``$HAWK_CACHE/tt_entry_point``), put it on ``sys.path``
+    and on ``PYTHONPATH`` of this process's environment, and return it. Returns None
+    when an installed distribution already declares the entry point."""
+    if any(ep.value == ENTRY_POINT_VALUE and not isinstance(ep.dist, _EntryPointDistribution)
+           for ep in md.entry_points(group=ENTRY_POINT_GROUP)):
+        return None
+    cache = os.environ.get("HAWK_CACHE", os.path.join(os.path.expanduser("~"), ".cache", "vllm-hawk"))
+    d = Path(directory) if directory is not None else Path(cache) / "tt_entry_point"
+    info = d / "vllm_hawk_tt_plugin-0.dist-info"
+    info.mkdir(parents=True, exist_ok=True)
+    (info / "METADATA").write_text("Metadata-Version: 2.1\nName: vllm-hawk-tt-plugin\nVersion: 0\n")
+    (info / "entry_points.txt").write_text(f"[{ENTRY_POINT_GROUP}]\n{ENTRY_POINT_NAME} = {ENTRY_POINT_VALUE}\n")
+    if str(d) not in sys.path:
+        sys.path.append(str(d))
+    paths = [p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p]
+    if str(d) not in paths:
+        os.environ["PYTHONPATH"] = os.pathsep.join(paths + [str(d)])
+    return str(d)

@@ -13,7 +13,7 @@ from __future__ import annotations
 import os
 import sys
 
-from vllm_hawk.tt_plugin import ensure_entry_point
+from vllm_hawk.tt_plugin import ensure_entry_point, entry_point_path
 from vllm_hawk.tt_plugin.config import ENV_DEVICE, ENV_KV_DTYPE, ENV_PLATFORM, TTPluginConfig
 
 _FLAGS = {"--tt-platform": ENV_PLATFORM, "--tt-device": ENV_DEVICE, "--tt-kv-dtype": ENV_KV_DTYPE}
@@ -43,6 +43,7 @@ def main(argv: list[str] | None = None) -> int:
         raise SystemExit(f"no Tenstorrent backend chosen: pass --tt-platform or set {ENV_PLATFORM}")
     if os.environ.get("VLLM_TARGET_DEVICE"):
         raise SystemExit("unset VLLM_TARGET_DEVICE: it makes vLLM skip platform plugins")
+    entry_point_path()  # processes vLLM spawns must see the plugin too
     from vllm_hawk.vllm_launcher import main as vllm_main
 
     return vllm_main(rest)
