@@ -130,6 +130,7 @@ def test_local_cluster_starts_a_tenstorrent_decode(tmp_path, monkeypatch):
     not; both sides get the device profile."""
     import json
     from importlib import metadata
+    from pathlib import Path
 
     from vllm_hawk.proxy.local import LocalCluster
 
@@ -144,7 +145,10 @@ def test_local_cluster_starts_a_tenstorrent_decode(tmp_path, monkeypatch):
     assert "HAWK_TT_PLATFORM" not in p.env and "HAWK_TT_PLATFORM" not in d.env
     ep_dir = d.env["PYTHONPATH"].split(":")[1]
     assert ep_dir not in p.env["PYTHONPATH"]
-    eps = [ep for dist in metadata.distributions(path=[ep_dir])
-           for ep in dist.entry_points if ep.group == "vllm.platform_plugins"]
+    # read the files themselves: an in-memory finder installed by another test in this
+    # process (tt_plugin.ensure_entry_point) would also answer metadata.distributions()
+    infos = list(Path(ep_dir).glob("*.dist-info"))
+    eps = [ep for info in infos for ep in metadata.PathDistribution(info).entry_points
+           if ep.group == "vllm.platform_plugins"]
     assert [ep.value for ep in eps] == ["vllm_hawk.tt_plugin:register"]
     assert json.loads(d.argv[-1])["kv_connector_extra_config"] == tt
