@@ -12,6 +12,8 @@ import multiprocessing as mp
 import os
 from dataclasses import dataclass
 
+from vllm_hawk.child_process import stop_pipe_process
+
 
 def _child(cfg: dict, conn) -> None:
     from vllm_hawk.kvflow import PagedKVCache, PrefillEndpoint
@@ -61,15 +63,7 @@ class PrefillProcess:
         return self.conn.recv()
 
     def stop(self) -> None:
-        if self.proc.is_alive():
-            try:
-                self.conn.send(("exit",))
-            except OSError:
-                pass
-            self.proc.join(timeout=10)
-        if self.proc.is_alive():
-            self.proc.kill()
-            self.proc.join(timeout=5)
+        stop_pipe_process(self.proc, self.conn, 10)
 
     def kill(self) -> None:
         self.proc.kill()

@@ -11,6 +11,8 @@ import multiprocessing as mp
 import random
 from dataclasses import dataclass
 
+from vllm_hawk.child_process import stop_pipe_process
+
 
 def pattern(seed: int, nbytes: int) -> bytes:
     return random.Random(seed).randbytes(nbytes)
@@ -57,15 +59,7 @@ class PeerProcess:
         return self.conn.recv()
 
     def stop(self) -> None:
-        if self.proc.is_alive():
-            try:
-                self.conn.send(("exit",))
-            except OSError:
-                pass
-            self.proc.join(timeout=10)
-        if self.proc.is_alive():
-            self.proc.kill()
-            self.proc.join(timeout=5)
+        stop_pipe_process(self.proc, self.conn, 10)
 
     def kill(self) -> None:
         self.proc.kill()

@@ -40,6 +40,7 @@ import time
 import numpy as np
 
 from vllm_hawk.bench.common import print_table, progress, write_json
+from vllm_hawk.child_process import stop_pipe_process
 
 ROWS = ("GG-Host", "GN-Host", "GG-Direct", "GN-HAWK staged", "GN-HAWK direct", "per-tile", "GN-HAWK pipelined")
 HAWK_BFP8_ROWS = ("GN-HAWK staged", "GN-HAWK direct", "GN-HAWK pipelined")
@@ -99,15 +100,7 @@ class _Prefill:
         return self.conn.recv()
 
     def stop(self) -> None:
-        if self.proc.is_alive():
-            try:
-                self.conn.send(("exit",))
-            except OSError:
-                pass
-            self.proc.join(timeout=20)
-        if self.proc.is_alive():
-            self.proc.kill()
-            self.proc.join(timeout=5)
+        stop_pipe_process(self.proc, self.conn, 20)
 
 
 # ---------------------------------------------------------------------------- decode side
