@@ -105,6 +105,16 @@ def _top2_gap(choice: dict, pos: int) -> float:
     return top[0] - top[1] if len(top) > 1 else float("inf")
 
 
+def greedy_divergence(got: list[int], ref_choice: dict) -> tuple[int, float] | None:
+    """None if ``got`` equals the reference's tokens, else (first differing position, the
+    reference's top-2 logprob gap there) — a gap below the margin is a tie."""
+    want = ref_choice["token_ids"]
+    if got == want:
+        return None
+    i = next(k for k, (a, b) in enumerate(zip(got, want)) if a != b)
+    return i, _top2_gap(ref_choice, i)
+
+
 def test_greedy_outputs_match_single_engine(cluster, record_property):
     prompts = _prompts()
     assert len(prompts) >= 20
@@ -116,13 +126,10 @@ def test_greedy_outputs_match_single_engine(cluster, record_property):
     again = [_complete(cluster.proxy_url, p) for p in prompts[-4:]]
     ties, mismatches = [], []
     for p, d, r in zip(prompts + prompts[-4:], disagg + again, ref + ref[-4:]):
-        got, want = d["token_ids"], r["token_ids"]
-        assert len(got) == MAX_TOKENS
-        if got == want:
-            continue
-        i = next(k for k, (a, b) in enumerate(zip(got, want)) if a != b)
-        gap = _top2_gap(r, i)
-        (ties if gap < TIE_MARGIN else mismatches).append((len(p), i, gap))
+        assert len(d["token_ids"]) == MAX_TOKENS
+        div = greedy_divergence(d["token_ids"], r)
+        if div is not None:
+            (ties if div[1] < TIE_MARGIN else mismatches).append((len(p), *div))
     record_property("ties", ties)
     if ties:
         print(f"top-2 ties (prompt_len, position, gap): {ties}")
