@@ -129,7 +129,7 @@ def test_tiny_model_is_deterministic_and_cached(tmp_path, monkeypatch):
     pytest.importorskip("transformers")
     from transformers import AutoTokenizer
 
-    from vllm_hawk.tiny_model import build_tiny_llama
+    from vllm_hawk.testing.tiny_model import build_tiny_llama
 
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")
     params = dict(hidden=64, layers=1, heads=2, kv_heads=1, head_dim=32, vocab=512)

@@ -38,7 +38,7 @@ def require_vllm() -> None:
 
 def tiny_model_path(**params) -> Path:
     """The cached tiny Llama (built on first use, ~6 s)."""
-    from vllm_hawk.tiny_model import build_tiny_llama
+    from vllm_hawk.testing.tiny_model import build_tiny_llama
 
     return build_tiny_llama(**params)
 

@@ -60,7 +60,7 @@ async def _with_proxy(prefill: list[Fake], decode: list[Fake], fn, extra_prefill
     runners = [await _start_fake(f) for f in prefill + decode]
     proxy = Proxy([f.url for f in prefill] + list(extra_prefill),
                   [f.url for f in decode] + list(extra_decode))
-    from vllm_hawk.proxy.local import free_port
+    from vllm_hawk.testing.local_cluster import free_port
     port = free_port()
     prunner = await serve(proxy, "127.0.0.1", port)
     try:
@@ -127,7 +127,7 @@ def test_upstream_errors_keep_their_status():
 
 
 def test_unreachable_upstream_is_502_naming_it_and_deep_health_is_503():
-    from vllm_hawk.proxy.local import free_port
+    from vllm_hawk.testing.local_cluster import free_port
 
     dead = f"http://127.0.0.1:{free_port()}"
 

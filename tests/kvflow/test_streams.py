@@ -7,7 +7,7 @@ import random
 import pytest
 import torch
 
-from vllm_hawk.connector.plan import (KVRegionMap, LayerRegion, gather_copies, pair_stream,
+from vllm_hawk.kvflow.streams import (KVRegionMap, LayerRegion, gather_copies, pair_stream,
                                       region_map_from_caches, ring_segments, source_segments)
 from vllm_hawk.layout.vllm_kv import KV_CACHE_LAYOUTS, block_byte_ranges, make_layer_caches
 
