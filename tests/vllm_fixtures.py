@@ -18,7 +18,7 @@ from pathlib import Path
 
 import pytest
 
-#: Environment for an in-process engine on these 2-core CPU machines (DESIGN.md s5).
+#: Environment for an in-process engine on these 2-core CPU machines (docs/vllm-cpu.md).
 INPROC_ENV = {
     "VLLM_ENABLE_V1_MULTIPROCESSING": "0",  # engine core in this process
     "VLLM_CPU_KVCACHE_SPACE": "1",  # GiB

@@ -1,7 +1,7 @@
 """Disaggregated serving end to end: prefill vLLM + decode vLLM (HawkConnector, GG-Direct
 over Mooncake TCP) + ``hawk proxy``, one module-scoped trio shared by the tests.
 
-The model is the offline tiny Llama in float32 (DESIGN s5: bf16 random models have
+The model is the offline tiny Llama in float32 (docs/vllm-cpu.md: bf16 random models have
 exact top-2 ties). The single-engine reference is the decode server itself, asked
 without ``kv_transfer_params``. Where outputs differ, the reference's top-2 logprob
 gap at the first differing position must be below ``TIE_MARGIN`` (a tie), and ties

@@ -9,7 +9,7 @@ from vllm_hawk.npu.emulated import EmulatedDevice
 
 
 def test_worked_case_blackhole_bfp8_block64_dim128():
-    """DESIGN.md s4: each (block, head) is 8 tiles, one per bank."""
+    """docs/tenstorrent-layout.md, worked case: each (block, head) is 8 tiles, one per bank."""
     spec = TTKVCacheSpec(1, 4, 2, 64, 128, "bfloat8_b")
     assert spec.tiles_per_block == 2 * 8 and spec.tile_nbytes == 1088
     tiles = spec.tile_index(3, 1, np.arange(64)[:, None], np.arange(128)[None, :])

@@ -1,17 +1,17 @@
 """Tenstorrent device profiles: DRAM banks, alignment and usable size per bank.
 
-Profiles are YAML files in ``configs/devices/<name>.yaml`` (override the folder with
-``HAWK_CONFIG_DIR``); :func:`load_profile` takes a name or a path. Units: bytes.
+Profiles are YAML files shipped in the package, ``vllm_hawk/layout/profiles/devices/<name>.yaml``
+(user folders named by ``HAWK_CONFIG_DIR`` are searched first, see
+:mod:`vllm_hawk.layout.profiles`); :func:`load_profile` takes a name or a path. Units: bytes.
 """
 from __future__ import annotations
 
 import os
 from dataclasses import dataclass
-from pathlib import Path
 
 import yaml
 
-_REPO_CONFIGS = Path(__file__).resolve().parents[2] / "configs"
+from vllm_hawk.layout import profiles
 
 
 @dataclass(frozen=True)
@@ -39,12 +39,9 @@ class DeviceProfile:
         return -(-page_nbytes // a) * a
 
 
-def config_dir() -> Path:
-    return Path(os.environ.get("HAWK_CONFIG_DIR", _REPO_CONFIGS))
-
-
 def available_profiles() -> list[str]:
-    return sorted(p.stem for p in (config_dir() / "devices").glob("*.yaml"))
+    """Names of every device profile: shipped ones and those in ``HAWK_CONFIG_DIR``."""
+    return profiles.available("devices")
 
 
 _FIELDS = {"name": str, "arch": str, "num_banks": int, "bank_size_bytes": int,
@@ -53,13 +50,8 @@ _FIELDS = {"name": str, "arch": str, "num_banks": int, "bank_size_bytes": int,
 
 def load_profile(name_or_path: str | os.PathLike) -> DeviceProfile:
     """Load a profile by name (``p150a``) or by YAML path. Errors name the file and field."""
-    path = Path(name_or_path)
-    if path.suffix not in (".yaml", ".yml") and "/" not in str(name_or_path):
-        path = config_dir() / "devices" / f"{name_or_path}.yaml"
-        if not path.exists():
-            raise ValueError(f"unknown device profile {str(name_or_path)!r}; "
-                             f"available in {config_dir() / 'devices'}: {available_profiles()}")
-    raw = yaml.safe_load(path.read_text())
+    path, text = profiles.read("devices", name_or_path)
+    raw = yaml.safe_load(text)
     if not isinstance(raw, dict):
         raise ValueError(f"{path}: expected a mapping of profile fields")
     for field, typ in _FIELDS.items():

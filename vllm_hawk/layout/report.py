@@ -10,9 +10,9 @@ import json
 
 import numpy as np
 
-from vllm_hawk.layout.device_profiles import load_profile
+from vllm_hawk.layout.device_profiles import available_profiles, load_profile
 from vllm_hawk.layout.interleave import LockstepAllocator
-from vllm_hawk.layout.model_shapes import load_model_shape
+from vllm_hawk.layout.model_shapes import available_models, load_model_shape
 from vllm_hawk.layout.tt_kv_cache import KV_DTYPES, TTKVCacheLayout, TTKVCacheSpec
 from vllm_hawk.transform.plan import make_plan
 
@@ -90,9 +90,11 @@ def print_report(r: dict) -> None:
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="hawk layout", description=__doc__.splitlines()[0])
-    ap.add_argument("--model", default="llama-3.1-70b", help="configs/models/<name>.yaml or a path")
+    ap.add_argument("--model", default="llama-3.1-70b",
+                    help=f"model name ({', '.join(available_models())}; HAWK_CONFIG_DIR adds more) or a YAML path")
     ap.add_argument("--tp", type=int, default=4)
-    ap.add_argument("--device", default="p150a", help="configs/devices/<name>.yaml or a path")
+    ap.add_argument("--device", default="p150a",
+                    help=f"device profile ({', '.join(available_profiles())}; HAWK_CONFIG_DIR adds more) or a YAML path")
     ap.add_argument("--dtype", default="bfloat8_b", choices=KV_DTYPES)
     ap.add_argument("--block-size", type=int, default=64)
     ap.add_argument("--tokens", type=int, default=4096)

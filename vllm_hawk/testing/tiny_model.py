@@ -8,8 +8,8 @@ same files, so a built model is reused (cache key = every parameter + a format t
     path = build_tiny_llama("/tmp/models")          # -> /tmp/models/tiny-llama-h256-...
     vllm serve <path> --enforce-eager --dtype bfloat16
 
-Defaults match DESIGN.md s5: hidden 256, 4 layers, 8 heads, 4 KV heads, head_dim 32,
-vocab 1024 — about 1.4 M parameters, a few MB on disk.
+Defaults (docs/vllm-cpu.md, "Tests and demos"): hidden 256, 4 layers, 8 heads, 4 KV heads,
+head_dim 32, vocab 1024 — about 1.4 M parameters, a few MB on disk.
 """
 
 from __future__ import annotations

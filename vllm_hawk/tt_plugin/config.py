@@ -4,7 +4,8 @@ The plugin is OFF unless ``HAWK_TT_PLATFORM`` names a backend, so installing the
 never changes what vLLM does on a GPU node. Every variable, its values and its default:
 
 ``HAWK_TT_PLATFORM``    ``emulated`` | ``ttnn`` (unset, empty, ``0``, ``off``: plugin inactive)
-``HAWK_TT_DEVICE``      device profile name or YAML path (``configs/devices``), default ``p150a``
+``HAWK_TT_DEVICE``      device profile name (shipped in ``vllm_hawk/layout/profiles/devices``, or
+                        in ``HAWK_CONFIG_DIR``) or YAML path, default ``p150a``
 ``HAWK_TT_KV_DTYPE``    tile format of the KV cache: ``bfloat16`` (default) | ``bfloat8_b``.
                         vLLM's ``kv_cache_dtype`` must stay ``auto`` or ``bfloat16``: it is a
                         closed set of names that has no block-float entry.
