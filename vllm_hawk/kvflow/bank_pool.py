@@ -60,7 +60,7 @@ class BankBufferPool:
             self.close()
             raise
         profile = dataclasses.replace(device.profile, dram_alignment_bytes=align or device.profile.dram_alignment_bytes)
-        self._alloc = LockstepAllocator(profile, self.size_per_bank, policy="first-fit")  # host-side slices
+        self._alloc = LockstepAllocator(profile, self.size_per_bank)
         self._cond = threading.Condition()
         self._live: dict[str, RecvSlice] = {}
 

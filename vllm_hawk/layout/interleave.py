@@ -7,15 +7,13 @@ a buffer occupies the same address range in every bank, ``ceil(num_pages / nb) *
 aligned_page`` bytes per bank, even in banks that hold fewer of its pages. This is why
 a buffer that fills one bank more than the others starves every later allocation.
 
-Which free block a DRAM buffer gets follows tt-metal's ``FreeListOpt`` with its default
-``SearchPolicy::BEST`` (checked address for address against tt-metal on ttsim, see
-tests/ttsim): free blocks sit in size classes ``min(floor(log2(size // 1024)), n - 1)``
-(``n = clamp(bitlength(region // 1024), 2, 18)``), each class ordered by address; an
-allocation takes the lowest-address block that fits in the LOWEST class holding one,
-bottom-up (the low end of the block). So a small buffer goes into a small hole even when
-a big hole sits below it: not plain first fit. Freed blocks merge with free neighbours.
-The device allocator manages ``[profile.dram_unreserved_base, bank size)`` of every bank
-(:meth:`LockstepAllocator.for_device`). Units: bytes.
+DRAM is allocated bottom-up, first fit: the lowest-address free block that fits, at its
+low end; freed blocks merge with free neighbours. Checked address for address, through
+Out of Memory and reuse, against tt-metal (ttnn 0.81.1) on ttsim (tests/ttsim). (tt-metal's
+sources also carry a size-segregated "best" search in ``FreeListOpt``; 0.81.1 does not
+place DRAM buffers that way: a 2 MiB buffer goes into a low 11 MiB hole, not a higher
+3 MiB one.) The device allocator manages ``[profile.dram_unreserved_base, bank size)`` of
+every bank (:meth:`LockstepAllocator.for_device`). Units: bytes.
 """
 from __future__ import annotations
 
@@ -44,29 +42,14 @@ class Allocation:
     size_per_bank: int  # bytes reserved in every bank
 
 
-SIZE_CLASS_BASE = 1024  # tt-metal FreeListOpt size_segregated_base (bytes)
-MAX_SIZE_CLASSES = 18  # bitlength(128 MiB / 1024): FreeListOpt's cap on size classes
-
-
-def size_class_count(region_bytes: int) -> int:
-    """Number of FreeListOpt size classes for a region of ``region_bytes``."""
-    return min(max((region_bytes // SIZE_CLASS_BASE).bit_length(), 2), MAX_SIZE_CLASSES)
-
-
 class LockstepAllocator:
     """tt-metal's DRAM free list shared by all banks of one device (bytes).
 
-    Manages ``[base, bank_size)`` in every bank; returned addresses are absolute byte
-    offsets in each bank. ``policy``: ``"tt-metal"`` (FreeListOpt BEST, see module
-    docstring) or ``"first-fit"`` (lowest address that fits, for host-side sub-allocators).
+    Manages ``[base, bank_size)`` in every bank (``bank_size`` defaults to the profile's);
+    returned addresses are absolute byte offsets in each bank.
     """
 
-    POLICIES = ("tt-metal", "first-fit")
-
-    def __init__(self, profile: DeviceProfile, bank_size_bytes: int | None = None, *,
-                 base: int = 0, policy: str = "tt-metal"):
-        if policy not in self.POLICIES:
-            raise ValueError(f"LockstepAllocator: policy must be one of {self.POLICIES}, got {policy!r}")
+    def __init__(self, profile: DeviceProfile, bank_size_bytes: int | None = None, *, base: int = 0):
         self.profile = profile
         self.num_banks = profile.num_banks
         self.alignment = profile.dram_alignment_bytes
@@ -74,17 +57,15 @@ class LockstepAllocator:
         if not 0 <= base < self.bank_size:
             raise ValueError(f"LockstepAllocator: base {base:#x} outside a {self.bank_size:#x}-byte bank")
         self.base = base
-        self.policy = policy
         self.capacity = self.bank_size - base  # bytes managed per bank
-        self._classes = size_class_count(self.capacity)
         self._free: list[tuple[int, int]] = [(base, self.capacity)]  # sorted (start, size)
         self._used: dict[int, int] = {}  # address -> size_per_bank
 
     @classmethod
     def for_device(cls, profile: DeviceProfile, bank_size_bytes: int | None = None) -> "LockstepAllocator":
-        """The allocator of a device's DRAM: tt-metal's policy over
+        """The allocator of a device's DRAM, as tt-metal's: it manages
         ``[profile.dram_unreserved_base, bank_size_bytes or profile.bank_size_bytes)``."""
-        return cls(profile, bank_size_bytes, base=profile.dram_unreserved_base, policy="tt-metal")
+        return cls(profile, bank_size_bytes, base=profile.dram_unreserved_base)
 
     def allocate(self, num_pages: int, page_nbytes: int) -> Allocation:
         """Reserve an interleaved buffer; raises :class:`OutOfDeviceMemory` if it does not fit."""
@@ -93,22 +74,10 @@ class LockstepAllocator:
         size = pages_per_bank(num_pages, self.num_banks) * self.profile.aligned_page(page_nbytes)
         return self.allocate_per_bank(size)
 
-    def _size_class(self, size: int) -> int:
-        return min(max((size // SIZE_CLASS_BASE).bit_length() - 1, 0), self._classes - 1)
-
-    def _pick(self, size: int) -> int | None:
-        """Index in ``self._free`` of the block the policy takes for ``size`` bytes."""
-        fits = [i for i, (_, free) in enumerate(self._free) if free >= size]
-        if not fits:
-            return None
-        if self.policy == "first-fit":
-            return fits[0]
-        return min(fits, key=lambda i: (self._size_class(self._free[i][1]), self._free[i][0]))
-
     def allocate_per_bank(self, size_per_bank: int) -> Allocation:
         """Reserve ``size_per_bank`` bytes (rounded up to alignment) at one address in all banks."""
         size = max(-(-size_per_bank // self.alignment) * self.alignment, self.alignment)
-        i = self._pick(size)
+        i = next((k for k, (_, free) in enumerate(self._free) if free >= size), None)
         if i is None:
             raise OutOfDeviceMemory(
                 f"{self.profile.name}: cannot allocate {size} B per bank x {self.num_banks} banks "
