@@ -84,7 +84,7 @@ done
 sfpi_kind=${sfpi:+real}
 sfpi_kind=${sfpi_kind:-stand-in}
 
-key=$( (echo "rev=$REV ttnn=$ttnn_version wheel=$wheel sfpi=${sfpi:-none}"; sha256sum "${lib[bh]}" "${lib[wh]}") | sha256sum | cut -c1-12)
+key=$( (echo "rev=$REV ttnn=$ttnn_version wheel=$wheel sfpi=${sfpi:-none} libs=${lib[bh]}:${lib[wh]}"; sha256sum "${lib[bh]}" "${lib[wh]}") | sha256sum | cut -c1-12)
 out="$cache/ttsim-$key"
 if [ ! -f "$out/manifest.json" ]; then
     mkdir -p "$cache"

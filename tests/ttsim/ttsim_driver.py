@@ -112,6 +112,7 @@ def land(dev, ttnn, task: dict, job: Path) -> dict:
     res: dict = {"kv_addresses": [list(a) for a in layout.addresses]}
     if res["kv_addresses"] != task["expect_kv"]:
         raise AssertionError(f"KV addresses from ttnn {res['kv_addresses']} != ours {task['expect_kv']}")
+    res["zero_before"] = all(not dev.read_kv_tensor(b).any() for b in bufs)  # landing is what fills it
     plan = ops_from_arrays(task["mode"], dict(np.load(job / task["ops"])))
     g = np.load(job / task["gprime"])
     recv = None
