@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import pytest
 
-from conftest import DEVICES, run_driver
+from ttsim_harness import DEVICES, run_driver
 from vllm_hawk.layout.device_profiles import load_profile
 from vllm_hawk.layout.interleave import OutOfDeviceMemory
 from vllm_hawk.layout.tt_kv_cache import TILE, TILE_NBYTES

@@ -16,7 +16,7 @@ import numpy as np
 import pytest
 import torch
 
-from conftest import DEVICES, run_driver
+from ttsim_harness import DEVICES, run_driver
 from vllm_hawk.layout.formats import tilize_pack
 from vllm_hawk.npu.emulated import EmulatedDevice
 

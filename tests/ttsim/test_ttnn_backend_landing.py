@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 import torch
 
-from conftest import DEVICES, run_driver
+from ttsim_harness import DEVICES, run_driver
 from vllm_hawk.kvflow.paged_cache import PagedKVCache
 from vllm_hawk.layout.formats import tilize_pack
 from vllm_hawk.layout.tt_kv_cache import TTKVCacheSpec
