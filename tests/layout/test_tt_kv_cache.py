@@ -44,3 +44,11 @@ def test_locate_finds_the_element_written_through_pages(profile, dtype):
     for b in bufs:
         dev.free_buffer(b)
     assert dev.allocator.used_bytes() == 0
+
+
+def test_tile_constants_match_formats():
+    """tt_kv_cache restates tile geometry to stay torch-free (the ttnn side env has no torch)."""
+    from vllm_hawk.layout import formats, tiles, tt_kv_cache as m
+
+    assert (m.TILE, m.FACE, m.BFP_EXP_NBYTES) == (tiles.TILE, tiles.FACE, formats.BFP_EXP_NBYTES)
+    assert m.TILE_NBYTES == {d: formats.tile_format(d).tile_nbytes for d in m.KV_DTYPES}

@@ -19,7 +19,11 @@ class DeviceProfile:
     """DRAM organisation of one Tenstorrent chip.
 
     num_banks: DRAM banks that interleaved buffers span (p150a 8, p100 7, n150 12).
-    bank_size_bytes: usable bytes per bank. dram_alignment_bytes: page alignment (A).
+    bank_size_bytes: bytes of each bank's DRAM view (soc descriptor ``dram_bank_size``).
+    dram_unreserved_base: first byte tt-metal's allocator may hand out in every bank (the
+    bytes below are reserved by tt-metal's HAL: 0x100080 Blackhole, 0x100040 Wormhole,
+    measured on ttsim); usable bytes per bank = bank_size_bytes - dram_unreserved_base.
+    dram_alignment_bytes: page alignment (A).
     bank_offsets: byte offset of each bank inside its channel (Wormhole odd banks: 1 GiB).
     bank_channels: GDDR channel of each bank.
     """
@@ -31,7 +35,13 @@ class DeviceProfile:
     dram_alignment_bytes: int
     bank_offsets: tuple[int, ...]
     bank_channels: tuple[int, ...]
+    dram_unreserved_base: int = 0
     chips: int = 1
+
+    @property
+    def usable_bank_bytes(self) -> int:
+        """Bytes per bank tt-metal's DRAM allocator manages (no trace region)."""
+        return self.bank_size_bytes - self.dram_unreserved_base
 
     def aligned_page(self, page_nbytes: int) -> int:
         """Page size rounded up to the DRAM alignment (bytes)."""
@@ -44,7 +54,7 @@ def available_profiles() -> list[str]:
     return profiles.available("devices")
 
 
-_FIELDS = {"name": str, "arch": str, "num_banks": int, "bank_size_bytes": int,
+_FIELDS = {"name": str, "arch": str, "num_banks": int, "bank_size_bytes": int, "dram_unreserved_base": int,
            "dram_alignment_bytes": int, "bank_offsets": list, "bank_channels": list}
 
 
@@ -65,11 +75,17 @@ def load_profile(name_or_path: str | os.PathLike) -> DeviceProfile:
             raise ValueError(f"{path}: field {field!r} has {len(raw[field])} entries, num_banks is {nb}")
     if nb <= 0 or raw["bank_size_bytes"] <= 0:
         raise ValueError(f"{path}: num_banks and bank_size_bytes must be positive")
+    base = raw["dram_unreserved_base"]
+    if not 0 <= base < raw["bank_size_bytes"]:
+        raise ValueError(f"{path}: field 'dram_unreserved_base' must be in [0, bank_size_bytes), got {base:#x}")
     a = raw["dram_alignment_bytes"]
     if a <= 0 or a & (a - 1):
         raise ValueError(f"{path}: dram_alignment_bytes must be a power of two, got {a}")
+    if base % a:
+        raise ValueError(f"{path}: field 'dram_unreserved_base' {base:#x} is not a multiple of "
+                         f"dram_alignment_bytes {a}")
     return DeviceProfile(
         name=raw["name"], arch=raw["arch"], num_banks=nb, bank_size_bytes=raw["bank_size_bytes"],
         dram_alignment_bytes=a, bank_offsets=tuple(raw["bank_offsets"]),
-        bank_channels=tuple(raw["bank_channels"]), chips=int(raw.get("chips", 1)),
+        bank_channels=tuple(raw["bank_channels"]), dram_unreserved_base=base, chips=int(raw.get("chips", 1)),
     )

@@ -20,7 +20,7 @@ from vllm_hawk.transform.plan import make_plan
 def build_layout(model: str, tp: int, device: str, dtype: str, block_size: int, cache_blocks: int) -> TTKVCacheLayout:
     shape, profile = load_model_shape(model), load_profile(device)
     spec = TTKVCacheSpec(shape.num_layers, cache_blocks, shape.kv_heads_per_rank(tp), block_size, shape.head_dim, dtype)
-    alloc = LockstepAllocator(profile)
+    alloc = LockstepAllocator.for_device(profile)
     addrs = tuple((alloc.allocate(spec.tiles_per_tensor, spec.tile_nbytes).address,
                    alloc.allocate(spec.tiles_per_tensor, spec.tile_nbytes).address) for _ in range(spec.num_layers))
     return TTKVCacheLayout(spec, profile.num_banks, profile.aligned_page(spec.tile_nbytes), addrs)

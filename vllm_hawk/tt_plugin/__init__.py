@@ -6,8 +6,10 @@ Two backends, chosen explicitly with ``HAWK_TT_PLATFORM`` (see :mod:`.config` fo
 * ``emulated``: runs on the CPU (:mod:`.platform`). The KV cache lives in an emulated
   Tenstorrent device's DRAM banks in the device's paged tile layout (bf16 or bfloat8_b)
   and decode attention reads it in that layout (:mod:`.attention`, :mod:`.kv_cache`).
-* ``ttnn``: real hardware through ttnn, following tt-metal's ``tt_transformers`` models
-  (:mod:`.ttnn_backend`). Import-guarded; it has NOT been run (no hardware here).
+* ``ttnn``: a Tenstorrent device through ttnn, following tt-metal's ``tt_transformers``
+  models (:mod:`.ttnn_backend`). Import-guarded. Its KV-cache side (allocation, page
+  table, bank-buffer API, landing G') runs on Tenstorrent's simulator in CI (tests/ttsim);
+  decode attention needs SFPI-compiled kernels and is not runnable here; not run on hardware.
 
 KV connectors find the running engine's cache with :func:`get_kv_cache` (see
 :mod:`.registry`). Activation without installing the entry point (tests, a checkout on
