@@ -103,10 +103,12 @@ def check_tt_request(msg: KVRequest, mine: LayoutDesc, profile_name: str, held_t
 def serve_tt(msg: KVRequest, src_block_ids: list[int], views, src_block_size: int, ring,
              reserve_timeout_s: float, lease_ms: int) -> tuple[KVReady, float]:
     """P4-P7 for a Tenstorrent destination: G' of the request in the ring; (KVReady,
-    transform seconds). Raises BufferFull when the ring has no room in time (nothing held);
-    on any other failure the ring range is freed before raising."""
+    transform seconds). ``views``: a :class:`~vllm_hawk.layout.vllm_kv.TransformSource`
+    or per-layer (K, V) strided views. Raises BufferFull when the ring has no room in time
+    (nothing held); on any other failure the ring range is freed before raising."""
     from vllm_hawk.kvflow.prefill import spec_from_desc
     from vllm_hawk.layout.tt_kv_cache import TTKVCacheLayout
+    from vllm_hawk.layout.vllm_kv import as_transform_source
     from vllm_hawk.transform import make_plan, transform_kv
 
     d = msg.dst_layout
@@ -119,13 +121,14 @@ def serve_tt(msg: KVRequest, src_block_ids: list[int], views, src_block_size: in
     rid = msg.req_id
     off = ring.reserve(rid, plan.total_nbytes, reserve_timeout_s)  # P5
     try:
+        t0 = time.perf_counter()
+        views, src = as_transform_source(views).select(src)  # gathers for packed layouts (amx)
         if os.environ.get(DUMP_ENV):
             ids = torch.as_tensor(src)
             _dump(f"prefill-{_safe(rid)}.pt", {
                 "src_blocks": src.tolist(), "dst_blocks": dst.tolist(), "num_tokens": msg.num_tokens,
                 "dtype": d.dtype, "kv": [(k.index_select(0, ids).clone(), v.index_select(0, ids).clone())
                                          for k, v in views]})
-        t0 = time.perf_counter()
         transform_kv(views, src, src_block_size, plan, out=ring.view(off, plan.total_nbytes))  # P4+P6
         t_tf = time.perf_counter() - t0
         segs = [Segment(int(b), off + int(plan.segment_offset[b]), int(plan.segment_nbytes[b]))
@@ -144,8 +147,10 @@ def warm_transform(views, mine: LayoutDesc, profile_name: str) -> None:
     from vllm_hawk.layout.device_profiles import load_profile
     from vllm_hawk.layout.formats import tile_format
     from vllm_hawk.layout.tt_kv_cache import TTKVCacheLayout
+    from vllm_hawk.layout.vllm_kv import as_transform_source
     from vllm_hawk.transform import make_plan, transform_kv
 
+    views, ids = as_transform_source(views).select([0])
     prof = load_profile(profile_name)
     for dtype in ("bfloat16", "bfloat8_b"):
         tb = tile_format(dtype).tile_nbytes
@@ -155,7 +160,7 @@ def warm_transform(views, mine: LayoutDesc, profile_name: str) -> None:
                        page_nbytes=prof.aligned_page(tb))
         layout = TTKVCacheLayout(spec_from_desc(d, 1), d.num_banks, d.page_nbytes,
                                  ((0, 0),) * d.num_layers)
-        transform_kv(views, [0], mine.block_size, make_plan(layout, [0], "staged"))
+        transform_kv(views, ids, mine.block_size, make_plan(layout, [0], "staged"))
 
 
 # --------------------------------------------------------------------------- decode

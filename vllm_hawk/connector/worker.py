@@ -33,7 +33,7 @@ import os
 import threading
 import time
 from dataclasses import dataclass, field
-from typing import Protocol
+from typing import TYPE_CHECKING, Protocol
 
 import torch
 
@@ -45,6 +45,9 @@ from vllm_hawk.connector.stats import HawkKVConnectorStats
 from vllm_hawk.protocol import (Ack, CompatFields, ErrorMsg, KVReady, KVRequest, LayoutDesc,
                                 ProtocolClient, ProtocolServer, Release, make_compat)
 from vllm_hawk.transport import Transport, make_transport
+
+if TYPE_CHECKING:
+    from vllm_hawk.layout.vllm_kv import TransformSource
 
 # Under "vllm." so that vLLM's log handlers and level apply.
 logger = logging.getLogger("vllm.hawk." + __name__.rsplit(".", 1)[-1])
@@ -102,16 +105,16 @@ class LocalKV:
     compat: CompatFields
     layout: LayoutDesc
     block_size: int
-    views: list | None = None  # per layer (K, V) logical views [blocks, H, block_size, D]
+    views: TransformSource | None = None  # what the transform reads, per layer
 
 
 def describe_kv_caches(kv_caches: dict[str, torch.Tensor], vllm_config, cfg: HawkConfig) -> LocalKV:
     """Region map, buffers, compatibility fields and layout of vLLM's KV caches."""
-    from vllm_hawk.layout.vllm_kv import source_layout_from_layer
+    from vllm_hawk.layout.vllm_kv import TransformSource, source_layout_from_layer
 
     ctx = vllm_config.compilation_config.static_forward_context
     names = sorted(kv_caches, key=_layer_key)
-    caches, templates, adapters, views = [], [], [], []
+    caches, templates, adapters = [], [], []
     for name in names:
         cache = kv_caches[name]
         if isinstance(cache, (list, tuple)):
@@ -123,7 +126,7 @@ def describe_kv_caches(kv_caches: dict[str, torch.Tensor], vllm_config, cfg: Haw
         caches.append(cache)
         templates.append(adapter.block_byte_ranges(cache, 0))
         adapters.append(adapter)
-        views.append(adapter.kv_views(cache))
+    views = TransformSource(adapters, caches)  # zero-copy views, or a gather for amx
     region_map = region_map_from_caches(caches, templates)
     seen: dict[int, int] = {}
     for c in caches:

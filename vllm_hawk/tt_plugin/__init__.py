@@ -14,7 +14,8 @@ KV connectors find the running engine's cache with :func:`get_kv_cache` (see
 ``PYTHONPATH``): :func:`ensure_entry_point`, or the launcher
 ``python -m vllm_hawk.tt_plugin --tt-platform emulated [--tt-device n150] serve MODEL ...``.
 
-This module imports neither vLLM nor torch: vLLM loads it during platform detection.
+This module imports neither vLLM nor torch: vLLM loads it during platform detection
+(``register`` imports torch, for the AMX policy).
 """
 from __future__ import annotations
 
@@ -47,7 +48,11 @@ def register() -> str | None:
     """The ``vllm.platform_plugins`` hook: the platform class path, or None when
     ``HAWK_TT_PLATFORM`` is unset/off. An invalid ``HAWK_TT_*`` value selects a platform
     that raises on construction with the variable's name (vLLM would otherwise swallow
-    the error and run its stock platform)."""
+    the error and run its stock platform). Applies the AMX policy (``HAWK_CPU_AMX``,
+    :mod:`vllm_hawk.cpu_amx`) first: vLLM calls this in every process it starts."""
+    from vllm_hawk.cpu_amx import apply_from_plugin
+
+    apply_from_plugin()
     try:
         cfg = TTPluginConfig.from_env()
     except TTPluginConfigError as e:
