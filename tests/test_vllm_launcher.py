@@ -72,7 +72,9 @@ def test_cli_version_via_launcher():
 
 @pytest.mark.vllm
 def test_serve_tiny_model_answers_completions(tmp_path):
-    """``serve`` through the launcher (spawned engine core) answers /v1/completions."""
+    """``serve`` through the launcher (spawned engine core and worker) answers
+    /v1/completions with a bf16 model, on hosts with working, broken or no AMX (the
+    launcher's AMX policy: one line in the log where AMX is advertised)."""
     from vllm_fixtures import free_port, http_json, require_vllm, tiny_model_path, wait_http_ok
 
     require_vllm()
@@ -105,6 +107,11 @@ def test_serve_tiny_model_answers_completions(tmp_path):
         assert isinstance(choice["text"], str)
         assert body["usage"]["completion_tokens"] == 5
         assert body["usage"]["prompt_tokens"] >= 3
+        log.seek(0)
+        amx_lines = [ln for ln in log.read().splitlines() if "vllm_hawk:" in ln and "AMX" in ln]
+        import torch
+
+        assert len(amx_lines) == (1 if torch.cpu._is_amx_tile_supported() else 0), amx_lines
     finally:
         _stop(proc)
         log.close()

@@ -45,8 +45,14 @@ def tiny_model_path(**params) -> Path:
 
 @contextlib.contextmanager
 def inprocess_llm(model: str | os.PathLike, **llm_kwargs) -> Iterator[object]:
-    """A ``vllm.LLM`` whose engine core lives in this process; shut down on exit."""
+    """A ``vllm.LLM`` whose engine core lives in this process; shut down on exit.
+
+    Applies the AMX policy here first (``HAWK_CPU_AMX``, what the launchers do in every
+    engine process): without it vLLM's AMX kernels die with SIGILL in this process."""
     require_vllm()
+    from vllm_hawk.cpu_amx import apply_cpu_amx_policy
+
+    apply_cpu_amx_policy()
     with pytest.MonkeyPatch.context() as mp:
         for k, v in INPROC_ENV.items():
             mp.setenv(k, v)

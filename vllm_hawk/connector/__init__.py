@@ -24,8 +24,12 @@ def register() -> None:
     """``vllm.general_plugins`` entry point: make ``"kv_connector": "HawkConnector"`` work.
 
     vLLM calls general plugins in every process (API server, engine core, workers),
-    possibly more than once: registering again is a no-op.
+    possibly more than once: registering again is a no-op. Also applies the AMX policy
+    (``HAWK_CPU_AMX``, :mod:`vllm_hawk.cpu_amx`) in that process.
     """
+    from vllm_hawk.cpu_amx import apply_from_plugin
+
+    apply_from_plugin()
     from vllm.distributed.kv_transfer.kv_connector.factory import KVConnectorFactory
 
     if CONNECTOR_NAME not in KVConnectorFactory._registry:

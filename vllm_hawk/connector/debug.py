@@ -31,12 +31,14 @@ def _save(d: Path, name: str, obj) -> None:
     tmp.rename(d / name)
 
 
-def prefill_dumper(d: Path, views):
-    """An ``observer`` for :class:`~vllm_hawk.kvflow.PrefillEndpoint`: saves the K/V sent."""
+def prefill_dumper(d: Path, source):
+    """An ``observer`` for :class:`~vllm_hawk.kvflow.PrefillEndpoint`: saves the K/V sent
+    (``source``: the :class:`~vllm_hawk.layout.vllm_kv.TransformSource` of the cache)."""
     import torch
 
     def observe(rid, msg, src_blocks) -> None:
-        ids = torch.as_tensor(src_blocks)
+        views, sel = source.select(src_blocks)
+        ids = torch.as_tensor(sel)
         _save(d, f"prefill-{_safe(rid)}.pt", {
             "src_blocks": src_blocks.tolist(), "dst_blocks": list(msg.dst_block_ids),
             "num_tokens": msg.num_tokens, "dtype": msg.dst_layout.dtype,

@@ -31,7 +31,7 @@ class LocalKV:
     layout: LayoutDesc
     region_map: KVRegionMap | None = None  # vLLM caches
     storages: list[tuple[int, int]] = field(default_factory=list)  # (addr, nbytes) of each buffer
-    views: list | None = None  # vLLM caches: per layer (K, V) logical views
+    views: object = None  # vLLM caches: a TransformSource (what the GN-HAWK transform reads)
     tt_cache: object = None  # Tenstorrent plugin: its TTPagedKVCache
 
 
@@ -53,11 +53,11 @@ def tt_compat(model: str, dtype: str, block_size: int, profile: str) -> CompatFi
 
 def describe_vllm_caches(kv_caches: dict, vllm_config, cfg: HawkConfig) -> LocalKV:
     """Region map, buffers, views, compatibility fields and layout of vLLM's KV caches."""
-    from vllm_hawk.layout.vllm_kv import source_layout_from_layer
+    from vllm_hawk.layout.vllm_kv import TransformSource, source_layout_from_layer
 
     ctx = vllm_config.compilation_config.static_forward_context
     names = sorted(kv_caches, key=_layer_key)
-    caches, templates, adapters, views = [], [], [], []
+    caches, templates, adapters = [], [], []
     for name in names:
         cache = kv_caches[name]
         if isinstance(cache, (list, tuple)):
@@ -69,7 +69,7 @@ def describe_vllm_caches(kv_caches: dict, vllm_config, cfg: HawkConfig) -> Local
         caches.append(cache)
         templates.append(adapter.block_byte_ranges(cache, 0))
         adapters.append(adapter)
-        views.append(adapter.kv_views(cache))
+    views = TransformSource(adapters, caches)  # zero-copy views, or a gather for amx
     region_map = region_map_from_caches(caches, templates)
     seen: dict[int, int] = {}
     for c in caches:

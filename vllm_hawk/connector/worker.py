@@ -179,7 +179,7 @@ class HawkConnectorWorker:
         source = make_source(cfg, self.kv)
         observer = None
         if self._debug is not None and isinstance(source, TileTransformSource):
-            observer = debug.prefill_dumper(self._debug, self.kv.views)
+            observer = debug.prefill_dumper(self._debug, source.views)
         self.prefill = PrefillEndpoint(
             source, self.transport, self.kv.compat, ring_nbytes=cfg.ring_nbytes,
             bind=f"tcp://{cfg.side_channel_host}:{cfg.side_channel_port}", secret=cfg.secret_bytes,

@@ -28,6 +28,7 @@ from vllm_hawk.kvflow.streams import KVRegionMap, gather_copies, ring_segments, 
 from vllm_hawk.layout.device_profiles import DeviceProfile
 from vllm_hawk.layout.formats import tile_format
 from vllm_hawk.layout.tt_kv_cache import KV_DTYPES, TTKVCacheLayout, TTKVCacheSpec
+from vllm_hawk.layout.vllm_kv import as_transform_source
 from vllm_hawk.protocol import KVRequest, LayoutDesc, Segment
 from vllm_hawk.transform import make_plan, transform_kv
 
@@ -143,10 +144,11 @@ def tt_layout_of(desc: LayoutDesc, num_blocks: int) -> TTKVCacheLayout:
 
 
 class TileTransformSource:
-    """GN-HAWK: per layer (K, V) logical views ``[num_blocks, heads, block_size, head_dim]``
-    of the vLLM cache, transformed into G' for the decode's tile layout (P4+P6).
+    """GN-HAWK: the vLLM cache's blocks, transformed into G' for the decode's tile layout (P4+P6).
 
-    views: zero-copy views (any vLLM layout the adapters read); layout: this cache's
+    views: a :class:`~vllm_hawk.layout.vllm_kv.TransformSource` (zero-copy logical views
+    ``[num_blocks, heads, block_size, head_dim]`` per layer, or a gather of the request's
+    blocks for packed layouts such as CPU AMX), or per-layer (K, V) views; layout: this cache's
     shape as a LayoutDesc (layers, heads, head_dim, block_size); profile: the device
     profile named in the handshake (None: unknown here, peers bounded by MAX_BANKS /
     MAX_PAGE_NBYTES)."""
@@ -155,7 +157,7 @@ class TileTransformSource:
     uses_ring = True
 
     def __init__(self, views, layout: LayoutDesc, profile: DeviceProfile | None) -> None:
-        self.views, self.layout, self.profile = views, layout, profile
+        self.views, self.layout, self.profile = as_transform_source(views), layout, profile
 
     def exports(self) -> list[tuple[int, int]]:
         return []
@@ -187,7 +189,8 @@ class TileTransformSource:
         plan = make_plan(tt_layout_of(d, int(dst.max()) + 1), dst, "staged")
 
         def fill(addr: int, view) -> None:
-            transform_kv(self.views, src_blocks, self.layout.block_size, plan, out=view)
+            layers, ids = self.views.select(src_blocks)  # gathers only for packed layouts (amx)
+            transform_kv(layers, ids, self.layout.block_size, plan, out=view)
 
         def segments(off: int) -> list[Segment]:
             return [Segment(int(b), off + int(plan.segment_offset[b]), int(plan.segment_nbytes[b]))
@@ -198,10 +201,11 @@ class TileTransformSource:
     def warm(self, profile: DeviceProfile) -> None:
         """Compile the transform kernels (numba: seconds on first use) before the first
         request: one block of each tile dtype into a scratch buffer."""
+        layers, ids = self.views.select([0])
         for dtype in ("bfloat16", "bfloat8_b"):
             tb = tile_format(dtype).tile_nbytes
             d = LayoutDesc(name="tt-paged", dtype=dtype, block_size=self.layout.block_size,
                            num_layers=self.layout.num_layers, num_kv_heads=self.layout.num_kv_heads,
                            head_dim=self.layout.head_dim, num_banks=profile.num_banks, tile_nbytes=tb,
                            page_nbytes=profile.aligned_page(tb))
-            transform_kv(self.views, [0], self.layout.block_size, make_plan(tt_layout_of(d, 1), [0], "staged"))
+            transform_kv(layers, ids, self.layout.block_size, make_plan(tt_layout_of(d, 1), [0], "staged"))

@@ -14,6 +14,7 @@ head_dim 32, vocab 1024 — about 1.4 M parameters, a few MB on disk.
 
 from __future__ import annotations
 
+from vllm_hawk import envs
 import json
 import os
 import random
@@ -60,8 +61,7 @@ def _training_text(lines: int = 4000) -> list[str]:
 
 def default_model_root() -> Path:
     """``$HAWK_CACHE/models`` (default ``~/.cache/vllm-hawk/models``)."""
-    cache = os.environ.get("HAWK_CACHE") or os.path.join(Path.home(), ".cache", "vllm-hawk")
-    return Path(cache) / "models"
+    return envs.cache_dir() / "models"
 
 
 def _params(hidden, layers, heads, kv_heads, head_dim, vocab, dtype, seed) -> dict:

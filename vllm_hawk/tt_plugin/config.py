@@ -17,6 +17,7 @@ Pure: no vLLM import, so it can be checked anywhere.
 """
 from __future__ import annotations
 
+from vllm_hawk import envs
 import os
 from dataclasses import dataclass
 from typing import Mapping
@@ -56,7 +57,7 @@ class TTPluginConfig:
     @classmethod
     def from_env(cls, env: Mapping[str, str] | None = None) -> "TTPluginConfig":
         """Parse the environment (default ``os.environ``); raises TTPluginConfigError."""
-        env = os.environ if env is None else env
+        env = envs.tt_env(env)
         raw = env.get(ENV_PLATFORM, "").strip().lower()
         backend = None if raw in _OFF else raw
         if backend is not None and backend not in BACKENDS:

@@ -18,14 +18,15 @@ from importlib.resources import files
 from importlib.resources.abc import Traversable
 from pathlib import Path
 
+from vllm_hawk import envs
+
 ENV_CONFIG_DIR = "HAWK_CONFIG_DIR"
 KINDS = ("devices", "models")
 
 
 def user_dirs() -> list[Path]:
     """The folders named by ``HAWK_CONFIG_DIR``, in search order (empty when unset)."""
-    raw = os.environ.get(ENV_CONFIG_DIR, "")
-    return [Path(p) for p in raw.split(os.pathsep) if p]
+    return envs.config_dirs()
 
 
 def builtin(kind: str) -> Traversable:
