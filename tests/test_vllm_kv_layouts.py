@@ -247,8 +247,7 @@ def prefilled(request):
     one prompt prefilled. ``auto``: the AMX layout wherever AMX works here; ``off``: the
     non-AMX layout on every host (the policy applied in this process, as the launchers
     do in each engine process)."""
-    from vllm_fixtures import (attention_layers, capture_block_ids, inprocess_llm,
-                               require_vllm, tiny_model_path)
+    from vllm_fixtures import attention_layers, capture_block_ids, inprocess_llm, require_vllm, tiny_model_path
 
     from vllm_hawk.cpu_amx import apply_cpu_amx_policy, reset_cpu_amx_policy
 
@@ -341,7 +340,8 @@ def test_kv_views_equal_read_blocks_without_copying(case):
     ids = torch.tensor([4, 1, 5])
     lay.write_blocks(cache, ids, *_rand_kv(3))
     k_all, v_all = lay.kv_views(cache)
-    assert k_all.data_ptr() >= cache.data_ptr() and k_all.untyped_storage().data_ptr() == cache.untyped_storage().data_ptr()
+    assert k_all.data_ptr() >= cache.data_ptr()
+    assert k_all.untyped_storage().data_ptr() == cache.untyped_storage().data_ptr()
     k, v = lay.read_blocks(cache, ids)
     assert torch.equal(k_all[ids], k) and torch.equal(v_all[ids], v)
 
@@ -362,7 +362,6 @@ def test_transform_of_amx_source_equals_vec_source(dst_dtype):
 
     layers, blocks, block = 2, 9, 64
     src_ids = [7, 2, 5, 3]
-    g = torch.Generator().manual_seed(3)
     sources = {}
     for isa in ("amx", "vec"):
         lay = CpuAttnKVLayout(H, block, D, isa=isa)

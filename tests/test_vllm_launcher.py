@@ -75,7 +75,9 @@ def test_serve_tiny_model_answers_completions(tmp_path):
     """``serve`` through the launcher (spawned engine core and worker) answers
     /v1/completions with a bf16 model, on hosts with working, broken or no AMX (the
     launcher's AMX policy: one line in the log where AMX is advertised)."""
-    from vllm_fixtures import free_port, http_json, require_vllm, tiny_model_path, wait_http_ok
+    from vllm_fixtures import http_json, require_vllm, tiny_model_path, wait_http_ok
+
+    from vllm_hawk.testing.local_cluster import free_port
 
     require_vllm()
     model = tiny_model_path()

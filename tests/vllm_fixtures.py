@@ -9,7 +9,6 @@ from __future__ import annotations
 import contextlib
 import json
 import os
-import socket
 import time
 import urllib.error
 import urllib.request
@@ -108,12 +107,6 @@ def capture_block_ids(llm) -> dict[str, tuple[list[int], ...]]:
 
     sched.schedule = schedule
     return captured
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def http_json(url: str, body: dict | None = None, timeout: float = 60.0) -> tuple[int, object]:

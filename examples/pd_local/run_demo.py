@@ -213,7 +213,8 @@ def run_gg(args, workdir: Path) -> tuple[bool, dict]:
           f"transport {args.transport}, mode {args.mode}")
     try:
         cluster.start(progress)
-        print(f"{chr(13) if tty else ''}  all up after {time.monotonic() - t_start:.0f} s: prefill {cluster.prefill_url}, "
+        print(f"{chr(13) if tty else ''}  all up after {time.monotonic() - t_start:.0f} s: "
+              f"prefill {cluster.prefill_url}, "
               f"decode {cluster.decode_url}, proxy {cluster.proxy_url}")
         stream(cluster.proxy_url, {"model": "tiny", "prompt": "warm up", "max_tokens": 2})
         stream(cluster.decode_url, {"model": "tiny", "prompt": "warm up", "max_tokens": 2})

@@ -24,8 +24,17 @@ import torch
 from vllm_hawk.connector.config import HawkConfig
 from vllm_hawk.connector.describe import LocalKV, tt_compat
 from vllm_hawk.connector.worker import make_sink, make_source
-from vllm_hawk.kvflow import (DecodeEndpoint, PeerFailed, PrefillEndpoint, RingGatherSource, TileTransformSource,
-                              TTSink, VllmBlockSource, VllmPagedSink, VllmStagedSink)
+from vllm_hawk.kvflow import (
+    DecodeEndpoint,
+    PeerFailed,
+    PrefillEndpoint,
+    RingGatherSource,
+    TileTransformSource,
+    TTSink,
+    VllmBlockSource,
+    VllmPagedSink,
+    VllmStagedSink,
+)
 from vllm_hawk.layout.formats import tilize_pack
 from vllm_hawk.layout.tt_kv_cache import TTKVCacheSpec
 from vllm_hawk.npu.emulated import EmulatedDevice

@@ -59,7 +59,7 @@ def test_recompute_policy_recovers_from_a_dead_prefill(tmp_path):
     out = subprocess.run([sys.executable, "-c", SCRIPT], capture_output=True, text=True,
                          timeout=400, env=env, cwd=tmp_path)
     assert out.returncode == 0, out.stderr[-4000:]
-    line = next(l for l in out.stdout.splitlines() if l.startswith("RESULT "))
+    line = next(x for x in out.stdout.splitlines() if x.startswith("RESULT "))
     res = json.loads(line[7:])
     assert res["got"] == res["want"] and res["finish"] == "length"
     assert res["took_s"] < 30

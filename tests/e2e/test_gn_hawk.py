@@ -41,7 +41,6 @@ import urllib.parse
 from pathlib import Path
 
 import pytest
-
 from test_pd_serving import _post, greedy_divergence
 
 pytestmark = pytest.mark.vllm

@@ -6,7 +6,6 @@ from __future__ import annotations
 import time
 
 import pytest
-
 from test_pd_serving import BLOCK, TIE_MARGIN, _complete, _post, _prompts, greedy_divergence
 
 pytestmark = pytest.mark.vllm

@@ -1,7 +1,8 @@
 """A prefill endpoint in its own process (spawn), driven over a multiprocessing pipe.
 
 The child builds a seeded :class:`PagedKVCache`, a transport and a
-:class:`PrefillEndpoint` with the source ``cfg["kind"]`` (hawk | staged | vllm), reports ``(protocol endpoint, cache base addr)`` and then
+:class:`PrefillEndpoint` with the source ``cfg["kind"]`` (hawk | staged | vllm),
+reports ``(protocol endpoint, cache base addr)`` and then
 serves commands: ``("add", req_id, src_blocks, num_tokens)``, ``("snapshot",)``,
 ``("exit",)``. A request id starting with ``die-in-transform`` makes the child exit
 abruptly while serving it (a prefill dying mid-flight).

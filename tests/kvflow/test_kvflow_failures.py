@@ -11,10 +11,10 @@ import msgspec
 import numpy as np
 import pytest
 import zmq
+from test_kvflow_inprocess import BS, COMPAT, D, H, L, assert_pool_holds
 
 import vllm_hawk.kvflow.decode as decode_mod
 import vllm_hawk.kvflow.sources as sources_mod
-from test_kvflow_inprocess import BS, COMPAT, D, H, L, assert_pool_holds
 from vllm_hawk.kvflow import KVPageAddresses, PeerFailed, TransferUnsettled
 from vllm_hawk.layout.interleave import OutOfDeviceMemory
 from vllm_hawk.layout.tt_kv_cache import TTKVCacheSpec

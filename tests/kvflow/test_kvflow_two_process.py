@@ -15,14 +15,14 @@ import numpy as np
 import pytest
 import torch
 import zmq
-
 from prefill_proc import start_prefill
 from test_kvflow_inprocess import reference
+
 from vllm_hawk.kvflow import PeerFailed
 from vllm_hawk.kvflow.decode import RELEASE_TIMEOUT_S, SETTLE_WAIT_S
 from vllm_hawk.layout.tt_kv_cache import TTKVCacheSpec
 from vllm_hawk.npu.emulated import EmulatedDevice
-from vllm_hawk.protocol import (Envelope, IncompatiblePeer, KVRequest, ProtocolClient, make_compat)
+from vllm_hawk.protocol import Envelope, IncompatiblePeer, KVRequest, ProtocolClient, make_compat
 from vllm_hawk.protocol.envelope import MAGIC
 from vllm_hawk.testing.endpoints import TTDecode
 from vllm_hawk.testing.paged_cache import PagedKVCache

@@ -67,7 +67,8 @@ def test_lockstep_sizes_first_fit_and_merge():
 def test_oom_message_says_what_was_asked_and_free():
     a = LockstepAllocator(load_profile("n150"), bank_size_bytes=64 << 10)
     a.allocate(12 * 30, 2048)  # 30 pages per bank = 61440 B
-    with pytest.raises(OutOfDeviceMemory, match=r"cannot allocate 6144 B per bank x 12 banks.*4096 B free per bank of 65536"):
+    with pytest.raises(OutOfDeviceMemory,
+                       match=r"cannot allocate 6144 B per bank x 12 banks.*4096 B free per bank of 65536"):
         a.allocate(36, 2048)
     with pytest.raises(ValueError, match="no allocation"):
         a.free(12345)

@@ -48,7 +48,8 @@ def test_locate_finds_the_element_written_through_pages(profile, dtype):
 
 def test_tile_constants_match_formats():
     """tt_kv_cache restates tile geometry to stay torch-free (the ttnn side env has no torch)."""
-    from vllm_hawk.layout import formats, tiles, tt_kv_cache as m
+    from vllm_hawk.layout import formats, tiles
+    from vllm_hawk.layout import tt_kv_cache as m
 
     assert (m.TILE, m.FACE, m.BFP_EXP_NBYTES) == (tiles.TILE, tiles.FACE, formats.BFP_EXP_NBYTES)
     assert m.TILE_NBYTES == {d: formats.tile_format(d).tile_nbytes for d in m.KV_DTYPES}

@@ -6,11 +6,30 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from vllm_hawk.protocol import (ERROR_CODES, PROTOCOL_VERSION, Ack, AuthError, CompatFields,
-                                Envelope, ErrorMsg, FrameError, Hello, HelloAck, KVReady,
-                                KVRequest, LayoutDesc, ProtocolError, Release, Segment,
-                                compat_diff, compat_hash, decode, describe_diff, encode,
-                                make_compat)
+from vllm_hawk.protocol import (
+    ERROR_CODES,
+    PROTOCOL_VERSION,
+    Ack,
+    AuthError,
+    CompatFields,
+    Envelope,
+    ErrorMsg,
+    FrameError,
+    Hello,
+    HelloAck,
+    KVReady,
+    KVRequest,
+    LayoutDesc,
+    ProtocolError,
+    Release,
+    Segment,
+    compat_diff,
+    compat_hash,
+    decode,
+    describe_diff,
+    encode,
+    make_compat,
+)
 
 LAYOUT = LayoutDesc(name="tt-paged", dtype="bfloat8_b", block_size=64, num_layers=4,
                     num_kv_heads=4, head_dim=128, num_banks=8, tile_nbytes=1088,

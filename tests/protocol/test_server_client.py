@@ -11,10 +11,23 @@ import zmq
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from vllm_hawk.protocol import (Ack, Envelope, ErrorMsg, Hello, IncompatiblePeer, KVReady,
-                                KVRequest, LayoutDesc, ProtocolClient, ProtocolServer,
-                                ProtocolTimeout, RemoteError, Segment, compat_hash,
-                                make_compat)
+from vllm_hawk.protocol import (
+    Ack,
+    Envelope,
+    ErrorMsg,
+    Hello,
+    IncompatiblePeer,
+    KVReady,
+    KVRequest,
+    LayoutDesc,
+    ProtocolClient,
+    ProtocolServer,
+    ProtocolTimeout,
+    RemoteError,
+    Segment,
+    compat_hash,
+    make_compat,
+)
 from vllm_hawk.protocol.envelope import MAGIC
 
 LAYOUT = LayoutDesc(name="tt-paged", dtype="bfloat8_b", block_size=64, num_layers=2,

@@ -8,7 +8,6 @@ import time
 from pathlib import Path
 
 import pytest
-
 from ttsim_harness import REPO, fail_or_skip
 
 

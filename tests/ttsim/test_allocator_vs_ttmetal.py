@@ -12,8 +12,8 @@ allocations up to Out of Memory, and reuse after it.
 from __future__ import annotations
 
 import pytest
-
 from ttsim_harness import DEVICES, run_driver
+
 from vllm_hawk.layout.device_profiles import load_profile
 from vllm_hawk.layout.interleave import OutOfDeviceMemory
 from vllm_hawk.layout.tt_kv_cache import TILE, TILE_NBYTES

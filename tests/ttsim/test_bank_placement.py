@@ -15,8 +15,8 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import torch
-
 from ttsim_harness import DEVICES, run_driver
+
 from vllm_hawk.layout.formats import tilize_pack
 from vllm_hawk.npu.emulated import EmulatedDevice
 

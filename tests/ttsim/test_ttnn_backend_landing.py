@@ -11,8 +11,8 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import torch
-
 from ttsim_harness import DEVICES, run_driver
+
 from vllm_hawk.kvflow.paged_cache import PagedKVCache
 from vllm_hawk.layout.formats import tilize_pack
 from vllm_hawk.layout.tt_kv_cache import TTKVCacheSpec
@@ -43,7 +43,8 @@ def prepare(job, device: str, dtype: str, mode: str, views) -> dict:
     np.save(job / f"{stem}.g.npy", g)
     arrays = {f"rdma_{f}": getattr(plan.rdma, f) for f in ("src_offset", "bank", "dst_offset", "nbytes")}
     if plan.intra_bank is not None:
-        arrays.update({f"intra_{f}": getattr(plan.intra_bank, f) for f in ("src_offset", "bank", "dst_offset", "nbytes")})
+        arrays.update({f"intra_{f}": getattr(plan.intra_bank, f)
+                       for f in ("src_offset", "bank", "dst_offset", "nbytes")})
     np.savez(job / f"{stem}.ops.npz", **arrays)
     return {"kind": "land", "spec": [L, DST_BLOCKS, H, BS, D, dtype], "mode": mode,
             "recv_size_per_bank": plan.recv_nbytes_per_bank, "gprime": f"{stem}.g.npy",

@@ -108,13 +108,13 @@ class _Prefill:
 def run(model: str = "llama-3.1-70b", tp: int = 4, device_profile: str = "p150a", block_size: int = 64,
         sizes_mb=DEFAULT_SIZES, repeats: int = 5, rows=ROWS, per_tile_cap_s: float = 10.0,
         fragmented: bool = False, seed: int = 0, chunks: int = 4) -> dict:
-    from vllm_hawk.testing.endpoints import TTDecode, VllmDecode, gn_host_fix
-    from vllm_hawk.testing.paged_cache import PagedKVCache
     from vllm_hawk.layout.device_profiles import load_profile
     from vllm_hawk.layout.model_shapes import load_model_shape
     from vllm_hawk.layout.tt_kv_cache import TTKVCacheSpec
     from vllm_hawk.npu.emulated import EmulatedDevice
     from vllm_hawk.protocol import make_compat
+    from vllm_hawk.testing.endpoints import TTDecode, VllmDecode, gn_host_fix
+    from vllm_hawk.testing.paged_cache import PagedKVCache
     from vllm_hawk.transport import make_transport
 
     shape = load_model_shape(model)
@@ -292,8 +292,8 @@ def plot(result: dict, path: str) -> str:
     w = 0.8 / len(series)
     for k, (row, dt) in enumerate(series):
         ys = [(_get(rows, row, dt, mb) or {}).get("norm_gg_host", np.nan) for mb in sizes]
-        label = f"{row} ({'bf16' if dt == 'bfloat16' else 'bfp8'})" + (" [time-capped: extrapolated]" if row == "per-tile" and any(
-            (_get(rows, row, dt, mb) or {}).get("capped") for mb in sizes) else "")
+        capped = row == "per-tile" and any((_get(rows, row, dt, mb) or {}).get("capped") for mb in sizes)
+        label = f"{row} ({'bf16' if dt == 'bfloat16' else 'bfp8'})" + (" [time-capped: extrapolated]" if capped else "")
         ax.bar(np.arange(len(sizes)) + (k - (len(series) - 1) / 2) * w, ys, w, label=label)
     ax.set_xticks(np.arange(len(sizes)), [f"{mb} MB" for mb in sizes])
     ax.set_yscale("log")

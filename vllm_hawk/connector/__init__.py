@@ -9,7 +9,8 @@ Use it by module path::
 or, with the ``vllm.general_plugins`` entry point installed (``hawk_connector =
 vllm_hawk.connector:register``), by name alone (``"kv_connector": "HawkConnector"``).
 Settings: :mod:`vllm_hawk.connector.config`. Modules: ``connector`` (facade),
-``scheduler``, ``worker``, ``metadata``, ``describe`` (what the KV caches are), ``debug`` (``HAWK_DEBUG_DIR``), ``stats``;
+``scheduler``, ``worker``, ``metadata``, ``describe`` (what the KV caches are), ``debug``
+(``HAWK_DEBUG_DIR``), ``stats``;
 Algorithm 1 itself is :mod:`vllm_hawk.kvflow`.
 
 Importing this package imports vLLM only through :mod:`vllm_hawk.connector.connector`,

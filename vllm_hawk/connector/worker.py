@@ -37,8 +37,17 @@ from vllm_hawk.connector.config import VLLM_PROFILE, HawkConfig, HawkConfigError
 from vllm_hawk.connector.describe import LocalKV, describe_tt_cache, describe_vllm_caches, tt_cache_of
 from vllm_hawk.connector.metadata import HawkConnectorMetadata, HawkWorkerMeta, RecvSpec
 from vllm_hawk.connector.stats import HawkKVConnectorStats
-from vllm_hawk.kvflow import (DecodeEndpoint, PeerFailed, PrefillEndpoint, RingGatherSource, TileTransformSource,
-                              TransferUnsettled, TTSink, VllmBlockSource, vllm_sink)
+from vllm_hawk.kvflow import (
+    DecodeEndpoint,
+    PeerFailed,
+    PrefillEndpoint,
+    RingGatherSource,
+    TileTransformSource,
+    TransferUnsettled,
+    TTSink,
+    VllmBlockSource,
+    vllm_sink,
+)
 from vllm_hawk.kvflow.decode import SETTLE_LIMIT_S
 from vllm_hawk.transport import make_transport
 

@@ -18,10 +18,18 @@ from vllm_hawk.kvflow.decode import DecodeEndpoint, FetchResult
 from vllm_hawk.kvflow.errors import BufferFull, KVFlowError, PeerFailed, RingClosed, TransferUnsettled
 from vllm_hawk.kvflow.prefill import PrefillEndpoint
 from vllm_hawk.kvflow.ring import RingAllocator, RingBuffer
-from vllm_hawk.kvflow.sinks import (SINK_MODES, KVPageAddresses, KVSink, Landing, TTSink, VllmPagedSink,
-                                    VllmStagedSink, layout_desc, vllm_sink)
-from vllm_hawk.kvflow.sources import (KVSource, RingGatherSource, TileTransformSource, VllmBlockSource,
-                                      vllm_layout_desc)
+from vllm_hawk.kvflow.sinks import (
+                                    SINK_MODES,
+                                    KVPageAddresses,
+                                    KVSink,
+                                    Landing,
+                                    TTSink,
+                                    VllmPagedSink,
+                                    VllmStagedSink,
+                                    layout_desc,
+                                    vllm_sink,
+)
+from vllm_hawk.kvflow.sources import KVSource, RingGatherSource, TileTransformSource, VllmBlockSource, vllm_layout_desc
 from vllm_hawk.kvflow.streams import KVRegionMap, LayerRegion
 
 __all__ = ["BankBufferPool", "BufferFull", "DecodeEndpoint", "FetchResult", "KVFlowError", "KVPageAddresses",

@@ -26,7 +26,6 @@ import numpy as np
 
 from vllm_hawk.kvflow.bank_pool import BankBufferPool
 from vllm_hawk.kvflow.ring import RingBuffer
-from vllm_hawk.kvflow.sources import vllm_layout_desc
 from vllm_hawk.kvflow.streams import KVRegionMap, LayerRegion, pair_stream, ring_segments
 from vllm_hawk.layout.tt_kv_cache import TTKVCacheLayout
 from vllm_hawk.npu.bank_buffer import BankBufferAPI, BankBufferError, DeviceBuffer

@@ -18,9 +18,8 @@ import zmq
 
 from vllm_hawk.protocol.compat import compat_hash
 from vllm_hawk.protocol.envelope import DEFAULT_MAX_MESSAGE_NBYTES, Envelope, FrameError
+from vllm_hawk.protocol.messages import CompatFields, ErrorMsg, Hello, HelloAck, KVReady, KVRequest, Message, Release
 from vllm_hawk.protocol.wakeup import Wakeup
-from vllm_hawk.protocol.messages import (CompatFields, ErrorMsg, Hello, HelloAck, KVReady,
-                                         KVRequest, Message, Release)
 
 logger = logging.getLogger(__name__)
 

@@ -21,9 +21,18 @@ import zmq
 
 from vllm_hawk.protocol.compat import compat_hash, describe_diff
 from vllm_hawk.protocol.envelope import DEFAULT_MAX_MESSAGE_NBYTES, AuthError, Envelope, FrameError
+from vllm_hawk.protocol.messages import (
+    Ack,
+    CompatFields,
+    ErrorMsg,
+    Hello,
+    HelloAck,
+    KVReady,
+    KVRequest,
+    Message,
+    Release,
+)
 from vllm_hawk.protocol.wakeup import Wakeup
-from vllm_hawk.protocol.messages import (Ack, CompatFields, ErrorMsg, Hello, HelloAck, KVReady,
-                                         KVRequest, Message, Release)
 
 logger = logging.getLogger(__name__)
 

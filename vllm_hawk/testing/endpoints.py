@@ -17,8 +17,15 @@ import ctypes
 
 import numpy as np
 
-from vllm_hawk.kvflow import (DecodeEndpoint, PrefillEndpoint, RingGatherSource, TileTransformSource, TTSink,
-                              VllmBlockSource, vllm_sink)
+from vllm_hawk.kvflow import (
+    DecodeEndpoint,
+    PrefillEndpoint,
+    RingGatherSource,
+    TileTransformSource,
+    TTSink,
+    VllmBlockSource,
+    vllm_sink,
+)
 from vllm_hawk.kvflow.sinks import KVPageAddresses, layout_desc
 from vllm_hawk.layout.device_profiles import load_profile
 from vllm_hawk.layout.tt_kv_cache import TTKVCacheSpec

@@ -14,13 +14,14 @@ head_dim 32, vocab 1024 — about 1.4 M parameters, a few MB on disk.
 
 from __future__ import annotations
 
-from vllm_hawk import envs
 import json
 import os
 import random
 import shutil
 import tempfile
 from pathlib import Path
+
+from vllm_hawk import envs
 
 __all__ = ["build_tiny_llama", "default_model_root", "BOS", "EOS"]
 

@@ -19,15 +19,13 @@ from __future__ import annotations
 
 from typing import Sequence
 
-from vllm_hawk import envs
-import os
-
 import numpy as np
 import torch
 
+from vllm_hawk import envs
 from vllm_hawk.layout.formats import pack_tiles
-from vllm_hawk.transform import cpu_kernel
 from vllm_hawk.layout.tiles import TILE, TILE_ELEMS, tile_view
+from vllm_hawk.transform import cpu_kernel
 from vllm_hawk.transform.plan import TransferPlan, block_runs
 
 

@@ -34,7 +34,18 @@ import time
 from dataclasses import dataclass, field
 from typing import Sequence
 
-from vllm_hawk.transport.base import (Entry, Kind, RegionError, RegionTable, TransferHandle, TransferState, TransportError, begin_transfer, closed_transfer, wait_handle)
+from vllm_hawk.transport.base import (
+    Entry,
+    Kind,
+    RegionError,
+    RegionTable,
+    TransferHandle,
+    TransferState,
+    TransportError,
+    begin_transfer,
+    closed_transfer,
+    wait_handle,
+)
 
 logger = logging.getLogger(__name__)
 

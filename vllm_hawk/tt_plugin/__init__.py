@@ -21,7 +21,6 @@ This module imports neither vLLM nor torch: vLLM loads it during platform detect
 """
 from __future__ import annotations
 
-from vllm_hawk import envs
 import importlib.abc
 import importlib.metadata as md
 import logging
@@ -29,7 +28,8 @@ import os
 import sys
 from pathlib import Path
 
-from vllm_hawk.tt_plugin.config import ENV_PLATFORM, TTPluginConfig, TTPluginConfigError
+from vllm_hawk import envs
+from vllm_hawk.tt_plugin.config import TTPluginConfig, TTPluginConfigError
 
 __all__ = ["register", "ensure_entry_point", "entry_point_path", "get_kv_cache", "ENTRY_POINT_GROUP",
            "ENTRY_POINT_NAME"]

@@ -17,10 +17,10 @@ Pure: no vLLM import, so it can be checked anywhere.
 """
 from __future__ import annotations
 
-from vllm_hawk import envs
-import os
 from dataclasses import dataclass
 from typing import Mapping
+
+from vllm_hawk import envs
 
 ENV_PLATFORM = "HAWK_TT_PLATFORM"
 ENV_DEVICE = "HAWK_TT_DEVICE"
