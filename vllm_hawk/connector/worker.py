@@ -201,7 +201,11 @@ class HawkConnectorWorker:
     def start_load_kv(self, meta: HawkConnectorMetadata) -> None:
         if self.prefill is not None:
             for rid, spec in meta.reqs_to_send.items():
-                self.prefill.add_request(rid, spec.block_ids, spec.num_tokens, spec.lease_expiry)
+                try:
+                    self.prefill.add_request(rid, spec.block_ids, spec.num_tokens, spec.lease_expiry)
+                except ValueError as e:  # never hold blocks nobody can fetch
+                    logger.error("HawkConnector prefill: request %s not held: %s", rid, e)
+                    self._on_finished(rid, False)
         if self._pool is not None:
             for rid, spec in meta.reqs_to_recv.items():
                 with self._lock:
