@@ -32,7 +32,7 @@ field                  default             meaning
                                            whatever its ``mode``; the decode's ``mode``
                                            picks per-bank receive buffers + intra-bank copies
                                            (``staged``) or READs into the KV pages
-                                           (``direct``); see ``vllm_hawk.connector.tt``)
+                                           (``direct``); see :mod:`vllm_hawk.kvflow.sinks`)
 ``shared_secret``      ``None``            side-channel HMAC key (>= 16 bytes); when unset
                                            the environment variable ``HAWK_SHARED_SECRET``
                                            is used if present, else no authentication
