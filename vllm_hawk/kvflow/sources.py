@@ -19,10 +19,12 @@ them (offsets from the export base).
 from __future__ import annotations
 
 import ctypes
+import threading
 from dataclasses import dataclass
 from typing import Callable, Protocol, Sequence
 
 import numpy as np
+import torch
 
 from vllm_hawk.kvflow.streams import KVRegionMap, gather_copies, ring_segments, source_segments
 from vllm_hawk.layout.device_profiles import DeviceProfile
@@ -30,7 +32,7 @@ from vllm_hawk.layout.formats import tile_format
 from vllm_hawk.layout.tt_kv_cache import KV_DTYPES, TTKVCacheLayout, TTKVCacheSpec
 from vllm_hawk.layout.vllm_kv import as_transform_source
 from vllm_hawk.protocol import KVRequest, LayoutDesc, Segment
-from vllm_hawk.transform import make_plan, transform_kv
+from vllm_hawk.transform import make_plan, transform_source
 
 MAX_BANKS = 64  # bound on a peer's num_banks when its device profile is unknown here
 MAX_PAGE_NBYTES = 1 << 20  # likewise for page_nbytes
@@ -188,9 +190,8 @@ class TileTransformSource:
         dst = np.asarray(msg.dst_block_ids, dtype=np.int64)
         plan = make_plan(tt_layout_of(d, int(dst.max()) + 1), dst, "staged")
 
-        def fill(addr: int, view) -> None:
-            layers, ids = self.views.select(src_blocks)  # gathers only for packed layouts (amx)
-            transform_kv(layers, ids, self.layout.block_size, plan, out=view)
+        def fill(addr: int, view) -> None:  # CPU: the kernel reads every layout in place (amx too)
+            transform_source(self.views, src_blocks, self.layout.block_size, plan, view)
 
         def segments(off: int) -> list[Segment]:
             return [Segment(int(b), off + int(plan.segment_offset[b]), int(plan.segment_nbytes[b]))
@@ -199,13 +200,21 @@ class TileTransformSource:
         return Prepared(int(plan.total_nbytes), fill, segments)
 
     def warm(self, profile: DeviceProfile) -> None:
-        """Compile the transform kernels (numba: seconds on first use) before the first
-        request: one block of each tile dtype into a scratch buffer."""
-        layers, ids = self.views.select([0])
-        for dtype in ("bfloat16", "bfloat8_b"):
+        """Compile the transform kernels (numba: seconds on first use, under a second from
+        its cache) and build the cache's kernel views before the first request: one block
+        of each tile dtype into a scratch buffer."""
+        for dtype in KV_DTYPES:
             tb = tile_format(dtype).tile_nbytes
             d = LayoutDesc(name="tt-paged", dtype=dtype, block_size=self.layout.block_size,
                            num_layers=self.layout.num_layers, num_kv_heads=self.layout.num_kv_heads,
                            head_dim=self.layout.head_dim, num_banks=profile.num_banks, tile_nbytes=tb,
                            page_nbytes=profile.aligned_page(tb))
-            transform_kv(layers, ids, self.layout.block_size, make_plan(tt_layout_of(d, 1), [0], "staged"))
+            plan = make_plan(tt_layout_of(d, 1), [0], "staged")
+            transform_source(self.views, [0], self.layout.block_size, plan,
+                             torch.empty(plan.total_nbytes, dtype=torch.uint8))
+
+    def warm_async(self, profile: DeviceProfile) -> threading.Thread:
+        """:meth:`warm` in a background thread (a prefill starts it at start-up)."""
+        t = threading.Thread(target=self.warm, args=(profile,), daemon=True, name="hawk-transform-warm")
+        t.start()
+        return t
