@@ -203,10 +203,12 @@ def kernel_transform(kv: cpu_kernel.KernelViews, src: np.ndarray, src_block_size
 
 
 def transform_source(source, src_blocks, src_block_size: int, plan: TransferPlan, out: torch.Tensor,
-                     layer_range: tuple[int, int] | None = None, impl: str | None = None) -> torch.Tensor:
+                     layer_range: tuple[int, int] | None = None, impl: str | None = None,
+                     memo: dict | None = None) -> torch.Tensor:
     """:func:`transform_kv` from a :class:`~vllm_hawk.layout.vllm_kv.TransformSource`:
     on the CPU through its kernel views (built once; vLLM's packed AMX layout read in
-    place), elsewhere through ``source.select`` (zero-copy views, or a gather)."""
+    place), elsewhere through ``source.select`` (zero-copy views, or a gather).
+    ``memo``: a dict kept across the layer groups of one request (per-tile arguments)."""
     impl = impl or envs.transform_impl()
     src = np.asarray(src_blocks, dtype=np.int64).reshape(-1)
     if impl != "torch" and out.device.type == "cpu":
@@ -219,7 +221,12 @@ def transform_source(source, src_blocks, src_block_size: int, plan: TransferPlan
             spec = plan.layout.spec
             if source.num_layers != spec.num_layers:
                 raise ValueError(f"transform: {source.num_layers} layers given, plan has {spec.num_layers}")
-            kernel_transform(kv, src, src_block_size, plan, out, layer_range)
+            args = None if memo is None else memo.get("tile_args")
+            if args is None:
+                args = kernel_tile_args(plan, src, src_block_size)
+                if memo is not None:
+                    memo["tile_args"] = args
+            kernel_transform(kv, src, src_block_size, plan, out, layer_range, args)
             return out
     layers, ids = source.select(src)
     return transform_kv(layers, ids, src_block_size, plan, out, impl, layer_range=layer_range)
