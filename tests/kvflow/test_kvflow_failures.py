@@ -80,13 +80,13 @@ def fake_submit(td, monkeypatch, *, fail: bool, settle_after: float | None):
 
 # --------------------------------------------------------------------------- finding 1
 def test_release_before_kvready_cancels_and_frees_the_ring_at_once(monkeypatch):
-    real = sources_mod.transform_kv
+    real = sources_mod.transform_source
 
     def slow_transform(*a, **k):
         time.sleep(1.0)
         return real(*a, **k)
 
-    monkeypatch.setattr(sources_mod, "transform_kv", slow_transform)
+    monkeypatch.setattr(sources_mod, "transform_source", slow_transform)
     with endpoints(lease_s=60.0) as (_cache, pre, dec, _dev, _td, finished):
         pre.add_request("slow", [1, 2], 2 * BS)
         with pytest.raises(PeerFailed, match="no reply"):

@@ -93,12 +93,17 @@ def make_source(cfg: HawkConfig, kv: LocalKV):
         from vllm_hawk.layout.device_profiles import load_profile
 
         src = TileTransformSource(kv.views, kv.layout, load_profile(cfg.device_profile))
-        t0 = time.monotonic()  # compile the kernels now, not inside the first pulls' deadlines
-        try:
-            src.warm(src.profile)
-        except Exception as e:  # noqa: BLE001 - the first request compiles instead
-            logger.warning("HawkConnector prefill: transform warm-up failed: %s", e)
-        logger.info("HawkConnector prefill: transform kernels ready in %.1f s", time.monotonic() - t0)
+
+        def warm() -> None:  # in the background: the kernels compile (or load) while the engine starts
+            t0 = time.monotonic()
+            try:
+                src.warm(src.profile)
+            except Exception as e:  # noqa: BLE001 - the first request compiles instead
+                logger.warning("HawkConnector prefill: transform warm-up failed: %s", e)
+                return
+            logger.info("HawkConnector prefill: transform kernels ready in %.1f s", time.monotonic() - t0)
+
+        threading.Thread(target=warm, daemon=True, name="hawk-transform-warm").start()
         return src
     if cfg.mode == "staged":
         return RingGatherSource(kv.region_map, kv.layout, kv.storages)

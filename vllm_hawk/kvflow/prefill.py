@@ -58,6 +58,19 @@ class _Req:
 
 
 @dataclass
+class _Stream:
+    """A request served by layer groups: its bytes are planned and reserved once (by the
+    first group served), each group is produced and announced on its own."""
+
+    requested: set = field(default_factory=set)  # first_layer of every group asked for
+    inflight: int = 0  # groups queued or being served
+    served: int = 0  # groups whose KVReady went out
+    prep: object = None
+    offset: int = -1  # ring offset once reserved
+    lock: threading.Lock = field(default_factory=threading.Lock)
+
+
+@dataclass
 class PrefillStats:
     served: int = 0
     released: int = 0
@@ -95,6 +108,7 @@ class PrefillEndpoint:
         self._early: collections.OrderedDict[str, tuple] = collections.OrderedDict()  # rid -> (msg, reply, until)
         self._early_release: collections.OrderedDict[str, float] = collections.OrderedDict()  # rid -> until
         self._gone: collections.OrderedDict[str, str] = collections.OrderedDict()  # rid -> "released"|"expired"
+        self._streams: dict[str, _Stream] = {}  # requests served by layer groups
         self.ring: RingBuffer | None = None
         self._exported: list[int] = []
         self._stop = threading.Event()
@@ -175,9 +189,20 @@ class PrefillEndpoint:
 
     def on_kv_request(self, peer: str, msg: KVRequest, reply):
         rid = msg.req_id
+        grouped = bool(msg.num_layers or msg.first_layer)
         with self._lock:
+            st = self._streams.get(rid)
             if rid in self._pending or rid in self._served:
-                return ErrorMsg(code="bad_message", detail="request already in flight", req_id=rid)
+                if not grouped or st is None or msg.first_layer in st.requested or rid in self._cancelled:
+                    return ErrorMsg(code="bad_message", detail="request already in flight", req_id=rid)
+                err = self._check_layers(msg)
+                if err:
+                    self.stats.refused += 1
+                    return ErrorMsg(code="layout_mismatch", detail=err[:1000], req_id=rid)
+                st.requested.add(msg.first_layer)  # a further layer group of a request being served
+                st.inflight += 1
+                self._pending.add(rid)
+                return self._submit_serve(msg, reply)
             req = self._requests.get(rid)
             if req is None:
                 gone = self._gone.get(rid)
@@ -193,23 +218,43 @@ class PrefillEndpoint:
                 logger.debug("prefill: KVRequest for %s came before the engine's hand-over; waiting", rid)
             else:
                 dropped = None
-                err = self._check(msg, req) or self.source.check(msg)
+                err = self._check(msg, req) or (self._check_layers(msg) if grouped else "") or self.source.check(msg)
                 if err:
                     self.stats.refused += 1
                     return ErrorMsg(code="layout_mismatch", detail=err[:1000], req_id=rid)
                 self._pending.add(rid)
+                if grouped:
+                    self._streams[rid] = _Stream(requested={msg.first_layer}, inflight=1)
         if req is None:
             if dropped is not None:
                 drid, (_m, dreply, _u) = dropped
                 dreply(ErrorMsg(code="unknown_request", detail="no finished prefill with this id", req_id=drid))
             return None
+        with self._lock:
+            return self._submit_serve(msg, reply)
+
+    def _submit_serve(self, msg: KVRequest, reply):
+        """Queue ``msg`` for a worker (lock held); undo the pending mark if the pool is closed."""
         try:
             self._pool.submit(self._serve, msg, reply)
         except RuntimeError:  # pool shut down
-            with self._lock:
-                self._pending.discard(rid)
-            return ErrorMsg(code="internal", detail="prefill endpoint is closing", req_id=rid)
+            st = self._streams.get(msg.req_id)
+            if st is not None:
+                st.inflight -= 1
+            if st is None or (st.inflight == 0 and st.served == 0):
+                self._pending.discard(msg.req_id)
+                self._streams.pop(msg.req_id, None)
+            return ErrorMsg(code="internal", detail="prefill endpoint is closing", req_id=msg.req_id)
         return None
+
+    def _check_layers(self, msg: KVRequest) -> str:
+        """'' when ``msg``'s layer group can be served, else why not."""
+        if not getattr(self.source, "layer_groups", False):
+            return f"this prefill's source ({self.source.name}) does not serve layer groups"
+        L = msg.dst_layout.num_layers
+        if msg.num_layers <= 0 or msg.first_layer + msg.num_layers > L:
+            return f"layer group {msg.first_layer} + {msg.num_layers} is not inside the {L} layers"
+        return ""
 
     def on_release(self, peer: str, msg: Release, reply):
         rid = msg.req_id
@@ -240,6 +285,11 @@ class PrefillEndpoint:
 
     # ------------------------------------------------------------------ P4-P7
     def _serve(self, msg: KVRequest, reply) -> None:
+        with self._lock:
+            st = self._streams.get(msg.req_id)
+        if st is not None:
+            self._serve_group(msg, reply, st)
+            return
         rid = msg.req_id
         reserved = False
         try:
@@ -253,15 +303,7 @@ class PrefillEndpoint:
             prep = self.source.prepare(msg, src, self.export_base)
             off = 0
             if prep.nbytes:
-                timeout = self.claim_wait_s  # a far-future deadline must not hold the worker
-                if msg.deadline_ms:
-                    timeout = min(timeout, max(0.0, msg.deadline_ms / 1000.0 - time.time()))
-                try:
-                    off = self.ring.reserve(rid, prep.nbytes, timeout)  # P5
-                except RingClosed as e:
-                    raise _Refuse("internal", f"prefill endpoint is closing: {e}") from None
-                except BufferFull as e:
-                    raise _Refuse("no_space", str(e)) from None
+                off = self._reserve(msg, prep.nbytes)  # P5
                 reserved = True
                 if self._is_cancelled(rid):
                     raise _Cancelled()
@@ -295,16 +337,99 @@ class PrefillEndpoint:
                     self.stats.cancelled += 1
                 else:
                     self.stats.refused += 1
-            if cancelled:  # no reply: nobody waits for it
-                logger.warning("prefill: %s released by the decode before its KVReady (%s); range freed",
-                               rid, "cancelled" if isinstance(e, _Cancelled) else f"{type(e).__name__}: {e}")
-                self._notify(rid, False)
-                return
-            if isinstance(e, _Refuse):
-                reply(ErrorMsg(code=e.code, detail=str(e)[:1000], req_id=rid))
-            else:
-                logger.exception("prefill: serving %s failed", rid)
-                reply(ErrorMsg(code="internal", detail=f"{type(e).__name__}: {str(e)[:900]}", req_id=rid))
+            self._fail_reply(rid, e, cancelled, reply)
+
+    def _reserve(self, msg: KVRequest, nbytes: int) -> int:
+        timeout = self.claim_wait_s  # a far-future deadline must not hold the worker
+        if msg.deadline_ms:
+            timeout = min(timeout, max(0.0, msg.deadline_ms / 1000.0 - time.time()))
+        try:
+            return self.ring.reserve(msg.req_id, nbytes, timeout)
+        except RingClosed as e:
+            raise _Refuse("internal", f"prefill endpoint is closing: {e}") from None
+        except BufferFull as e:
+            raise _Refuse("no_space", str(e)) from None
+
+    def _fail_reply(self, rid: str, e: Exception, cancelled: bool, reply) -> None:
+        if cancelled:  # no reply: nobody waits for it
+            logger.warning("prefill: %s released by the decode before its KVReady (%s); range freed",
+                           rid, "cancelled" if isinstance(e, _Cancelled) else f"{type(e).__name__}: {e}")
+            self._notify(rid, False)
+            return
+        if isinstance(e, _Refuse):
+            reply(ErrorMsg(code=e.code, detail=str(e)[:1000], req_id=rid))
+        else:
+            logger.exception("prefill: serving %s failed", rid)
+            reply(ErrorMsg(code="internal", detail=f"{type(e).__name__}: {str(e)[:900]}", req_id=rid))
+
+    def _serve_group(self, msg: KVRequest, reply, st: _Stream) -> None:
+        """One layer group of a request (P4-P7 for layers first_layer..+num_layers). The
+        first group served plans and reserves the whole request's range; each group
+        fills its own bytes and sends its own KVReady. The range is freed by Release
+        (P8), or here when the last group in flight fails or is cancelled while no
+        KVReady of the request is out."""
+        rid = msg.req_id
+        lo, hi = msg.first_layer, msg.first_layer + msg.num_layers
+        try:
+            with self._lock:
+                req = self._requests.get(rid)
+            if req is None:
+                raise _Refuse("unknown_request", "request dropped by the engine")
+            if self._is_cancelled(rid):
+                raise _Cancelled()
+            src = req.src_blocks[msg.first_block:msg.first_block + len(msg.dst_block_ids)]
+            with st.lock:  # the first group plans and reserves for all
+                if st.prep is None:
+                    prep = self.source.prepare(msg, src, self.export_base)
+                    if not prep.nbytes or prep.fill_layers is None:
+                        raise _Refuse("layout_mismatch", "this source does not serve layer groups")
+                    st.offset = self._reserve(msg, prep.nbytes)  # P5
+                    st.prep = prep
+                    if self.observer is not None:
+                        self.observer(rid, msg, src)
+            prep, off = st.prep, st.offset
+            if self._is_cancelled(rid):
+                raise _Cancelled()
+            t0 = time.perf_counter()
+            prep.fill_layers(self.ring.base_addr + off, self.ring.view(off, prep.nbytes), lo, hi)  # P4 + P6
+            self._note_produce(rid, time.perf_counter() - t0, add=True)
+            segs = prep.segments_layers(off, lo, hi)
+            out = KVReady(req_id=rid, ring_offset=off, total_nbytes=sum(s.nbytes for s in segs), segments=segs,
+                          lease_ms=int(self.lease_s * 1000))
+            with self._lock:
+                if rid in self._cancelled:
+                    raise _Cancelled()
+                st.inflight -= 1
+                st.served += 1
+                if st.inflight == 0:
+                    self._pending.discard(rid)
+                self._served[rid] = time.monotonic()
+                if st.served == 1:
+                    self.stats.served += 1
+            reply(out)  # P7 for this group
+        except Exception as e:  # noqa: BLE001 - every failure becomes a typed reply
+            with self._lock:
+                st.inflight -= 1
+                last = st.inflight == 0
+                cancelled = rid in self._cancelled
+                free = last and st.offset >= 0 and (cancelled or st.served == 0)
+                if last:
+                    self._pending.discard(rid)
+                if cancelled and last:  # the decode gave up and sent Release: done with it (P9)
+                    self._cancelled.discard(rid)
+                    self._served.pop(rid, None)
+                    self._requests.pop(rid, None)
+                    self._remember_gone_locked(rid, "released")
+                    self.stats.cancelled += 1
+                elif not cancelled:
+                    self.stats.refused += 1
+                if free:
+                    st.offset = -1
+            if free:
+                self.ring.release(rid)  # P8
+            if cancelled and not last:
+                return  # the last group still in flight finishes the cancel
+            self._fail_reply(rid, e, cancelled, reply)
 
     def _check(self, msg: KVRequest, req: _Req) -> str:
         """'' when the request's token and block counts can be served, else why not."""
@@ -324,10 +449,10 @@ class PrefillEndpoint:
             return f"destination block id {max(ids)} >= {MAX_DST_BLOCK_ID}"
         return ""
 
-    def _note_produce(self, rid: str, seconds: float) -> None:
+    def _note_produce(self, rid: str, seconds: float, add: bool = False) -> None:
         with self._lock:
             t = self.stats.produce_s
-            t[rid] = seconds
+            t[rid] = seconds + (t.get(rid, 0.0) if add else 0.0)
             if len(t) > 1024:
                 t.pop(next(iter(t)))
 
@@ -341,6 +466,7 @@ class PrefillEndpoint:
             return rid in self._cancelled
 
     def _remember_gone_locked(self, rid: str, why: str) -> None:
+        self._streams.pop(rid, None)
         self._gone[rid] = why
         self._gone.move_to_end(rid)
         if len(self._gone) > MAX_GONE:

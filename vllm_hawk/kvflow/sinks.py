@@ -331,6 +331,36 @@ class TTSink:
         return Landing(list(zip(local, remote, ops.nbytes.tolist())), lambda: {}, None,
                        tuple(int(b) for b in plan.dst_blocks), figures)
 
+    # ------------------------------------------------------------------ layer groups
+    layer_groups = True  # serves fetches by layer group (land_groups)
+
+    def group_ranges(self, plan, lo: int, hi: int) -> list[tuple[int, int, int]]:
+        """(bank, byte offset in G', nbytes) of layers lo..hi-1 in each bank's segment."""
+        tb = self.tt_layout.spec.tile_nbytes
+        out = []
+        for b in range(self.num_banks):
+            per_slot = int(plan.bank_counts[b]) * tb
+            if per_slot:
+                out.append((b, int(plan.segment_offset[b]) + 2 * lo * per_slot, 2 * (hi - lo) * per_slot))
+        return out
+
+    def check_group(self, ready: KVReady, plan, export_nbytes: int, lo: int, hi: int, ring_offset: int) -> str:
+        """'' when a layer group's KVReady is exactly that group's slice of the plan, at
+        the request's ring offset (the same for every group), inside the exported ring."""
+        if ready.ring_offset != ring_offset:
+            return f"layer group {lo}..{hi - 1} at ring offset {ready.ring_offset}, the request's is {ring_offset}"
+        want = [(b, ring_offset + o, n) for b, o, n in self.group_ranges(plan, lo, hi)]
+        got = [(s.bank, s.offset_bytes, s.nbytes) for s in ready.segments]
+        if got != want:
+            return f"KVReady segments do not match layer group {lo}..{hi - 1} (got {got[:3]}..., want {want[:3]}...)"
+        if ring_offset + plan.total_nbytes > export_nbytes:
+            return "KVReady range lies outside the prefill's exported ring"
+        return ""
+
+    def land_groups(self, req_id: str, plan, claim_wait_s: float) -> "GroupLanding":
+        """D2 once for a request fetched by layer groups: claim receive memory (staged)."""
+        return GroupLanding(self, req_id, plan, claim_wait_s)
+
     def idle(self) -> bool:
         return self.pool is None or self.pool.is_idle()
 
@@ -342,3 +372,49 @@ class TTSink:
         if self._own_pool and self.pool is not None:
             self.pool.close()
         self.pool = None
+
+
+class GroupLanding:
+    """One request landed layer group by layer group (see :meth:`TTSink.land_groups`):
+    ``entries(ready, remote_base, lo, hi)`` pairs one group's READs (D3-D5),
+    ``complete`` / ``free`` / ``dst_blocks`` / ``figures`` as in :class:`Landing`."""
+
+    def __init__(self, sink: TTSink, req_id: str, plan, claim_wait_s: float) -> None:
+        self.sink, self.req_id, self.plan = sink, req_id, plan
+        self.figures = {"tile_dtype": sink.layout.dtype, "banks": sink.num_banks}
+        self.recv = None
+        if sink.mode == "staged":
+            self.recv = sink.pool.acquire(req_id, plan.recv_nbytes_per_bank, claim_wait_s)
+            self.free = lambda: sink.pool.release(req_id)
+            self.dst_blocks: tuple[int, ...] = ()
+        else:
+            self.free = None
+            self.dst_blocks = tuple(int(b) for b in plan.dst_blocks)
+            self._ops = plan.rdma if sink.mode == "direct" else plan.per_tile_ops()
+            self._local = sink.pages.addresses(self._ops.bank, self._ops.dst_offset, self._ops.nbytes)
+            tb = sink.tt_layout.spec.tile_nbytes
+            per_slot = plan.bank_counts[self._ops.bank] * tb
+            self._slot = (self._ops.src_offset - plan.segment_offset[self._ops.bank]) // np.maximum(per_slot, 1)
+
+    def entries(self, ready: KVReady, remote_base: int, lo: int, hi: int) -> list[Entry]:
+        if self.recv is not None:  # each bank's group slice lands at its place in the bank's receive buffer
+            return [(self.recv.addr(b) + o - int(self.plan.segment_offset[b]), remote_base + ready.ring_offset + o, n)
+                    for b, o, n in self.sink.group_ranges(self.plan, lo, hi)]
+        sel = (self._slot >= 2 * lo) & (self._slot < 2 * hi)
+        remote = remote_base + ready.ring_offset + self._ops.src_offset[sel]
+        return list(zip(self._local[sel].tolist(), remote.tolist(), self._ops.nbytes[sel].tolist()))
+
+    def complete(self) -> dict:
+        """D6-D7 once every group has landed (staged: intra-bank copies, then free)."""
+        if self.recv is None:
+            return {}
+        sink, t0, n_copy = self.sink, time.monotonic(), 0
+        try:
+            for b in range(sink.num_banks):
+                o = self.plan.intra_bank.for_bank(b)
+                if len(o):
+                    sink.device.copy_in_bank(b, o.src_offset + self.recv.device_offset, o.dst_offset, o.nbytes)
+                    n_copy += len(o)
+        finally:
+            sink.pool.release(self.req_id)
+        return {"copy_s": time.monotonic() - t0, "intra_bank_ops": n_copy}

@@ -16,9 +16,14 @@ Every field is bounded at decode time (non-negative ints, string and list length
 :func:`validate` adds the cross-field checks. Byte offsets in ``KVReady`` are relative
 to the exported region's base address (``HelloAck.export_base_addr``).
 
-Version 2 (this one): ``HelloAck.ring_*`` became ``export_*`` (it may describe a whole
-exported cache, not a ring) and ``KVRequest.first_block`` selects which of the
-request's source blocks are sent (the decode may already hold a prefix).
+Version 2: ``HelloAck.ring_*`` became ``export_*`` (it may describe a whole exported
+cache, not a ring) and ``KVRequest.first_block`` selects which of the request's source
+blocks are sent (the decode may already hold a prefix).
+
+Version 3 (this one): ``KVRequest.first_layer`` / ``num_layers`` ask for one layer group
+of a request (layer-group pipelining: the decode sends one KVRequest per group at once
+and reads group i while the prefill transforms group i+1); a KVReady then covers only
+that group's bytes, and one Release ends the whole request.
 """
 from __future__ import annotations
 
@@ -27,7 +32,7 @@ from typing import Annotated, Literal, Union
 import msgspec
 from msgspec import Meta, Struct
 
-PROTOCOL_VERSION = 2
+PROTOCOL_VERSION = 3
 
 MAX_SEGMENTS = 4096  # per KVReady: N_ch banks x layers x K/V stays well below this
 MAX_BLOCK_IDS = 1 << 16
@@ -120,7 +125,10 @@ class KVRequest(_Base, tag="kv_request"):
     """D1. num_tokens: the request's prefilled tokens the decode needs; first_block: the
     first of the request's source blocks to send (the decode holds the ones before it);
     dst_block_ids: the decode's blocks for source blocks ``first_block, first_block+1,
-    ...`` in order; deadline_ms: unix ms after which the decode gives up (0 = none)."""
+    ...`` in order; deadline_ms: unix ms after which the decode gives up (0 = none); first_layer,
+    num_layers: only layers ``first_layer .. first_layer + num_layers - 1`` (one layer
+    group; num_layers 0 = the whole request). Every group of a request carries the same
+    blocks and layout; the prefill produces the request's bytes once, group by group."""
 
     req_id: ReqId
     dst_layout: LayoutDesc
@@ -128,6 +136,8 @@ class KVRequest(_Base, tag="kv_request"):
     dst_block_ids: Annotated[list[U32], Meta(max_length=MAX_BLOCK_IDS)] = []
     first_block: Annotated[int, Meta(ge=0, le=2**31)] = 0
     deadline_ms: U64 = 0
+    first_layer: Annotated[int, Meta(ge=0, le=1 << 16)] = 0
+    num_layers: Annotated[int, Meta(ge=0, le=1 << 16)] = 0
 
 
 class KVReady(_Base, tag="kv_ready"):
