@@ -255,22 +255,6 @@ def test_prefill_close_does_not_wait_out_a_blocked_reserve():
         fut.cancel()
 
 
-# --------------------------------------------------------------------------- finding 8
-def test_pipelined_fetch_checks_every_chunk_before_sending_any():
-    with endpoints() as (_cache, pre, dec, _dev, _td, _finished):
-        pre.add_request("p#0", [1], BS)
-        pre.add_request("p#1", [2, 3], 2 * BS)
-        bad_chunks = ([("p#0", BS, [4]), ("p#1", 2 * BS, [5])],  # 1 block for 2 blocks of tokens
-                      [("p#0", BS, [4]), ("p#1", 2 * BS, [5, 999])],  # outside the pool
-                      [("p#0", BS, [4]), ("p#1", 2 * BS, [4, 5])])  # overlaps chunk 0
-        for chunks in bad_chunks:
-            with pytest.raises(ValueError):
-                dec.fetch_pipelined(chunks, "staged")
-        snap = pre.snapshot()
-        assert snap["requests"] == 2 and snap["pending"] == 0 and snap["served"] == snap["refused"] == 0, snap
-        dec.fetch_pipelined([("p#0", BS, [4]), ("p#1", 2 * BS, [5, 6])], "staged")  # still serves
-
-
 # --------------------------------------------------------------------------- finding 9
 def test_prefill_endpoint_that_cannot_bind_leaves_nothing_behind():
     cache = PagedKVCache(L, 4, H, BS, D)

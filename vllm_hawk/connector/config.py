@@ -49,6 +49,10 @@ field                  default             meaning
 ``ring_nbytes``        ``64 MiB``          prefill ring (staged, GN-HAWK) and decode receive
                                            buffers (staged), bytes
 ``max_pulls``          ``2``               decode: pulls running at once (worker threads)
+``layer_groups``       ``1``               decode, GN-HAWK: split each pull into this many
+                                           layer groups; the prefill transforms group i+1
+                                           while the decode READs group i (one KVRequest
+                                           and KVReady per group, one Release); 1 = off
 =====================  ==================  ==================================================
 
 Validated once at start-up; an error names the field, the bad value and what is allowed.
@@ -84,6 +88,7 @@ class HawkConfig:
     handshake_timeout_s: float = 5.0
     ring_nbytes: int = 64 << 20
     max_pulls: int = 2
+    layer_groups: int = 1
 
     @property
     def secret_bytes(self) -> bytes | None:
@@ -148,6 +153,7 @@ def parse_config(extra: Mapping[str, Any] | None, *, dp_rank: int = 0) -> HawkCo
         out[name] = float(_number(name, out[name], integer=False, low=0.1))
     out["ring_nbytes"] = _number("ring_nbytes", out["ring_nbytes"], integer=True, low=1 << 16)
     out["max_pulls"] = _number("max_pulls", out["max_pulls"], integer=True, low=1, high=64)
+    out["layer_groups"] = _number("layer_groups", out["layer_groups"], integer=True, low=1, high=64)
 
     profile = out["device_profile"]
     if profile != VLLM_PROFILE:

@@ -280,7 +280,8 @@ class HawkConnectorWorker:
             end = spec.first_block + len(spec.local_block_ids)  # the blocks this pull ends at
             num_tokens = min(spec.remote_num_tokens, end * self.kv.layout.block_size)
             res = self._endpoint(spec).fetch(spec.remote_request_id, num_tokens, self.sink,
-                                             spec.local_block_ids, first_block=spec.first_block)
+                                             spec.local_block_ids, first_block=spec.first_block,
+                                             layer_groups=self.cfg.layer_groups)
             fig.update(ok=True, nbytes=res.nbytes, entries=res.entries, segments=res.segments,
                        request_ms=round(1e3 * res.request_s, 3), transfer_ms=round(1e3 * res.transfer_s, 3),
                        copy_ms=round(1e3 * res.copy_s, 3),

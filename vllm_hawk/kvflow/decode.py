@@ -211,89 +211,6 @@ class DecodeEndpoint:
             res.release_s = time.monotonic() - t4
         return res
 
-    def fetch_pipelined(self, chunks, sink: KVSink, *, timeout_s: float | None = None,
-                        release: bool = True) -> FetchResult:
-        """Overlap the prefill's work on chunk i+1 with the transfer of chunk i.
-
-        ``chunks``: [(req_id, num_tokens, dst_blocks)], each a request the prefill holds
-        on its own (consecutive token ranges of one sequence). Every chunk is planned
-        before any D1 goes out; then all D1s go out at once and each chunk's READ batch is
-        submitted as soon as its KVReady arrives. Same cleanup guarantees as ``fetch``."""
-        timeout = self.pull_timeout_s if timeout_s is None else timeout_s
-        t0 = time.monotonic()
-        deadline = t0 + timeout
-        chunks = [(rid, int(n), self._check_dst(rid, int(n), sink, dst, 0)) for rid, n, dst in chunks]
-        if not chunks or len({c[0] for c in chunks}) != len(chunks):
-            raise ValueError("pipelined fetch needs at least one chunk and distinct request ids")
-        all_dst = np.concatenate([c[2] for c in chunks])
-        if np.unique(all_dst).size != all_dst.size:
-            raise ValueError("pipelined fetch: the chunks' destination blocks must be distinct")
-        plans = [sink.plan(dst) for _r, _n, dst in chunks]
-        res = FetchResult(",".join(c[0] for c in chunks), f"{sink.mode}-pipelined")
-        futs = [self.client.call_async(self._kv_request(rid, n, sink, dst, 0, timeout)) for rid, n, dst in chunks]
-        flights: list[_Flight] = []
-        try:
-            for (rid, _n, dst), plan, fut in zip(chunks, plans, futs):
-                try:
-                    ready = fut.result(max(1e-3, deadline - time.monotonic()))
-                except Exception as e:  # noqa: BLE001 - timeout or cancelled
-                    raise PeerFailed(f"request {rid}: no KVReady in time ({type(e).__name__})", rid) from e
-                if not isinstance(ready, KVReady) or ready.req_id != rid:
-                    raise PeerFailed(f"request {rid}: prefill answered {ready!r:.300}", rid)
-                t_ready, hello = time.monotonic(), self.client.hello
-                if not res.request_s:
-                    res.request_s = t_ready - t0  # first KVReady
-                rdeadline, note = _read_deadline(ready, t_ready, deadline)
-                landing = self._land(rid, ready, plan, sink, hello, rdeadline, note, release_on_fail=False)
-                try:
-                    h = self.transport.submit("read", hello.transfer_endpoint, landing.entries)
-                except Exception:
-                    if landing.free is not None:
-                        landing.free()
-                    raise
-                flights.append(_Flight(rid, dst, landing, h, ready, t_ready, rdeadline, note))
-                res.entries += len(landing.entries)
-                res.nbytes += sum(e[2] for e in landing.entries)
-                res.segments += len(ready.segments)
-            for f in flights:
-                try:
-                    self.transport.wait(f.handle, max(0.0, f.read_deadline - time.monotonic()))
-                except (TransferFailed, TransferTimeout) as e:
-                    raise PeerFailed(f"request {f.rid}: transfer failed: {e}{f.note}", f.rid) from e
-        except Exception as e:
-            settle_end = time.monotonic() + SETTLE_WAIT_S
-            unsafe: list[int] = []
-            for f in flights:
-                unsafe += self._abandon(f, deadline, settle_end)
-            for fut in futs:
-                fut.cancel()
-            for rid, _n, _d in chunks:  # also cancels chunks the prefill is still serving
-                self._release_quietly(rid, ok=False)
-            if unsafe:
-                raise TransferUnsettled(f"pipelined fetch {res.req_id}: {e}; READs did not drain within "
-                                        f"{SETTLE_WAIT_S} s and may still write destination blocks {unsafe}: "
-                                        "do not use them", chunks[0][0], tuple(unsafe)) from e
-            if isinstance(e, KVFlowError):
-                raise
-            raise PeerFailed(f"pipelined fetch {res.req_id}: {e}", chunks[0][0]) from e
-        t3 = time.monotonic()
-        res.transfer_s = t3 - t0 - res.request_s  # first KVReady -> last batch done
-        errors = []
-        for f in flights:  # every landing completes (and frees) even if one copy fails
-            try:
-                res.extra.update(f.landing.complete())
-            except Exception as e:  # noqa: BLE001
-                errors.append(e)
-        if errors:
-            raise errors[0]
-        t4 = time.monotonic()
-        res.copy_s, res.total_s = t4 - t3, t4 - t0
-        if release:
-            for f in flights:
-                self._release_done(f.rid, f.ready, f.t_ready, deadline, f.dst)
-            res.release_s = time.monotonic() - t4
-        return res
-
     def _fetch_groups(self, req_id, num_tokens, sink, dst, first_block, groups, timeout, t0, release) -> FetchResult:
         """:meth:`fetch` by layer groups: every group's D1 at once; D2 (receive memory)
         once at the first KVReady; each group's READ batch as its KVReady arrives; D6-D8
@@ -347,7 +264,7 @@ class DecodeEndpoint:
             if unsafe:
                 raise TransferUnsettled(f"request {req_id}: {e}; READs did not drain within {SETTLE_WAIT_S} s and "
                                         f"may still write destination blocks {unsafe}: do not use them", req_id,
-                                        tuple(unsafe)) from e
+                                        tuple(unsafe), _AllSettled(handles)) from e
             if isinstance(e, KVFlowError):
                 raise
             if isinstance(e, (TransferFailed, TransferTimeout)):
