@@ -381,7 +381,8 @@ class GroupLanding:
 
     def __init__(self, sink: TTSink, req_id: str, plan, claim_wait_s: float) -> None:
         self.sink, self.req_id, self.plan = sink, req_id, plan
-        self.figures = {"tile_dtype": sink.layout.dtype, "banks": sink.num_banks}
+        self.figures = {"tile_dtype": sink.layout.dtype, "banks": sink.num_banks,
+                        "bytes_per_bank": [int(n) for n in plan.segment_nbytes]}
         self.recv = None
         if sink.mode == "staged":
             self.recv = sink.pool.acquire(req_id, plan.recv_nbytes_per_bank, claim_wait_s)
