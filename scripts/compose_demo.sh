@@ -93,7 +93,8 @@ stop_dockerd() {
         kill -0 "$pid" 2>/dev/null && { log "dockerd $pid did not stop in 30 s: SIGKILL"; kill -9 "$pid"; }
     fi
     # dockerd leaves its netns (nsfs) and overlay mounts under its roots: unmount them
-    grep -F " $D/" /proc/self/mountinfo | awk '{print $5}' | sort -r | while read -r m; do umount -l "$m" 2>/dev/null || true; done
+    { grep -F " $D/" /proc/self/mountinfo || true; } | awk '{print $5}' | sort -r |
+        while read -r m; do umount -l "$m" 2>/dev/null || true; done
     started_dockerd=""
     log "dockerd stop: $(since "$t") s"
 }

@@ -14,7 +14,7 @@ down (``ip link set down``), :meth:`TwoHosts.mend` brings it back.
     with TwoHosts() as net, NetnsCluster(model, work, net=net, ...) as c:
         ...  # c.proxy_url on 127.0.0.1, prefill/decode in their namespaces
 
-Setting up and tearing down take well under a second (DESIGN.md section 9).
+Setting up and tearing down take well under a second (0.2 s measured).
 """
 from __future__ import annotations
 
