@@ -116,7 +116,8 @@ start_dockerd() {
     mkdir -p "$D"
     if docker info >/dev/null 2>&1; then log "dockerd already running on $DOCKER_HOST"; return 0; fi
     [ "$(id -u)" = 0 ] || { log "starting dockerd needs root"; return 1; }
-    dockerd --data-root "$D/root" --exec-root "$D/exec" -H "$DOCKER_HOST" --pidfile "$D/dockerd.pid" \
+    # own session: a Ctrl-C in the terminal must not stop it before `compose down` has run
+    setsid dockerd --data-root "$D/root" --exec-root "$D/exec" -H "$DOCKER_HOST" --pidfile "$D/dockerd.pid" \
         --bridge=none --iptables=false --ip-forward=false >"$D/dockerd.log" 2>&1 &
     started_dockerd=1
     for _ in $(seq 150); do docker info >/dev/null 2>&1 && return 0; sleep 0.2; done
