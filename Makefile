@@ -47,8 +47,7 @@ lint: env  ## ruff, configured in pyproject.toml
 	@$(STAGE) lint $(dir $(PY))ruff check .
 
 test: env ttnn-env kernel-deps ttsim-env lint  ## the whole suite, as CI runs it
-	@$(STAGE) pytest $(PY) -m pytest -q -p no:cacheprovider -m "not compose" $(PYTEST_ARGS) tests
-	@$(STAGE) compose $(PY) -m pytest -q -s -p no:cacheprovider -m compose $(PYTEST_ARGS) tests/twohost
+	@$(STAGE) pytest $(PY) -m pytest -q -p no:cacheprovider $(PYTEST_ARGS) tests
 
 # The pure tests: no vLLM engine, no simulator, no kernel build, no Docker, no root or apt (markers
 # are set per folder in tests/conftest.py).
