@@ -424,13 +424,21 @@ def run_job(script: str, *, shares=(), env: dict[str, str] | None = None, cwd: s
             shutil.rmtree(jobdir, ignore_errors=True)
 
 
+def _die_with_parent() -> None:
+    """In the QEMU child: SIGKILL when the process that started it dies, however it dies
+    (a killed pytest must not leave a guest running)."""
+    import ctypes
+    PR_SET_PDEATHSIG = 1
+    ctypes.CDLL(None, use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)
+
+
 def _boot(cmd: list[str], jobdir: Path, timeout_s: float, echo: bool, keep_out: bool) -> GuestResult:
     t0 = time.monotonic()
     lines: list[str] = []
     marks: dict[str, float] = {}
     rc_seen: list[int] = []
     proc = subprocess.Popen(cmd, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
-                            stderr=subprocess.STDOUT, start_new_session=True)
+                            stderr=subprocess.STDOUT, start_new_session=True, preexec_fn=_die_with_parent)
 
     def reader() -> None:
         assert proc.stdout is not None

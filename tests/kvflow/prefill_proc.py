@@ -27,7 +27,7 @@ def _child(cfg: dict, conn) -> None:
             super()._serve(msg, reply)
 
     cache = PagedKVCache(*cfg["shape"]).fill_random(cfg["seed"])
-    t = make_transport(cfg.get("transport", "mooncake"))
+    t = make_transport(cfg.get("transport", "mooncake"), **cfg.get("transport_options", {}))
     ep = DyingPrefill(cache, t, make_compat(*cfg["compat"]), mode=cfg.get("mode", "hawk"),
                       ring_nbytes=cfg.get("ring_nbytes", 2 << 20), secret=cfg.get("secret"),
                       reserve_timeout_s=cfg.get("reserve_timeout_s", 10.0))

@@ -1,4 +1,5 @@
-"""Algorithm 1 between two real processes over Mooncake TCP on 127.0.0.1.
+"""Algorithm 1 between two real processes over Mooncake TCP on 127.0.0.1 (or, with
+HAWK_TEST_MOONCAKE_OPTIONS, e.g. RDMA on soft-RoCE in the QEMU guest stage).
 
 The prefill runs in a spawned child (:mod:`prefill_proc`); this process is the decode
 with an emulated p150a. 100 requests with random lengths and block tables (some
@@ -9,6 +10,8 @@ within a bounded time and leaks nothing; bad handshakes and hostile frames are r
 from __future__ import annotations
 
 import concurrent.futures as cf
+import json
+import os
 import time
 
 import numpy as np
@@ -36,8 +39,10 @@ SRC_BLOCKS, POOL_BLOCKS, SEED = 64, 48, 11
 COMPAT_ARGS = ("tiny", "bfloat16", BS, "vllm-flash-nhd", "tt-paged", "p150a")
 COMPAT = make_compat(*COMPAT_ARGS)
 SECRET = b"kvflow-test-secret-0123456789abcdef"
+#: Mooncake options for both sides, as JSON (tests/guest sets protocol rdma on rxe0).
+MOONCAKE_OPTIONS = json.loads(os.environ.get("HAWK_TEST_MOONCAKE_OPTIONS") or "{}")
 CFG = {"shape": (L, SRC_BLOCKS, H, BS, D), "seed": SEED, "compat": COMPAT_ARGS, "secret": SECRET,
-       "ring_nbytes": 2 << 20}
+       "ring_nbytes": 2 << 20, "transport_options": MOONCAKE_OPTIONS}
 
 
 @pytest.fixture(scope="module")
@@ -55,7 +60,7 @@ def prefill():
 @pytest.fixture(scope="module")
 def decode(prefill):
     dev = EmulatedDevice("p150a", 8 << 20)
-    t = make_transport("mooncake")
+    t = make_transport("mooncake", **MOONCAKE_OPTIONS)
     decs = {}
     try:
         for dtype in ("bfloat16", "bfloat8_b"):
@@ -170,7 +175,7 @@ def test_malformed_and_forged_messages_are_rejected_without_crashing(prefill, de
 def test_prefill_dying_mid_flight_errors_in_bounded_time_and_leaks_nothing(when):
     p = start_prefill(CFG)
     dev = EmulatedDevice("p150a", 8 << 20)
-    t = make_transport("mooncake")
+    t = make_transport("mooncake", **MOONCAKE_OPTIONS)
     dec = None
     try:
         dec = DecodeEndpoint(dev, TTKVCacheSpec(L, POOL_BLOCKS, H, BS, D, "bfloat16"), t, p.endpoint, COMPAT,
