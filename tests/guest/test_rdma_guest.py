@@ -31,7 +31,7 @@ BENCH_MIB, BENCH_REPS = 16, 3
 JOB = r"""
 set -u
 R=@REPO@; VPY=@VPY@
-export PYTHONPATH=$R:/tmp/pv GLOG_minloglevel=1 HAWK_TEST_MOONCAKE_OPTIONS='@OPTIONS@'
+export PYTHONPATH=$R:/tmp/pv GLOG_minloglevel=1 HAWK_TEST_START_TIMEOUT_S=300 HAWK_TEST_MOONCAKE_OPTIONS='@OPTIONS@'
 mkdir -p /tmp/pv && ln -sf /usr/lib/python3/dist-packages/pyverbs /tmp/pv/
 C=/sys/class/infiniband/rxe0/ports/1/hw_counters
 up() { cut -d' ' -f1 /proc/uptime; }
@@ -68,6 +68,28 @@ CASES = ["rxe_up", "transport_tests", "rdma_bench", "engine_tcp_unforced",
          "transport_tcp_really_tcp", "transport_rdma_really_rdma_after_a_tcp_engine", "dmabuf_mr_refused"]
 
 
+def _job() -> str:
+    return (JOB.replace("@REPO@", str(REPO)).replace("@VPY@", str(VENV_PY))
+            .replace("@OPTIONS@", json.dumps(OPTIONS)).replace("@BENCH_MIB@", str(BENCH_MIB))
+            .replace("@BENCH_REPS@", str(BENCH_REPS)))
+
+
+def _shares() -> list[str]:
+    base = Path(os.path.realpath(VENV_PY)).parent.parent  # the interpreter's own prefix (pyenv)
+    return [str(REPO), sys.prefix, str(base)]
+
+
+@pytest.mark.skipif(os.environ.get("HAWK_GUEST_KVFLOW") != "1",
+                    reason="opt-in (HAWK_GUEST_KVFLOW=1): Algorithm 1 over rxe0 imports torch in two "
+                           "processes under TCG, past the 10-minute CI budget on 2 cores")
+def test_kvflow_two_process_over_rxe():
+    images()
+    res = run("RDMA stage / kvflow", _job(), shares=_shares(), timeout_s=1200,
+              env={"HAWK_KVFLOW": "1", "HAWK_KVFLOW_ONLY": "1"})
+    ok, detail = case_lines(res.output).get("kvflow_two_process", (False, "did not run"))
+    assert ok, detail + "\n" + res.output[-3000:]
+
+
 @pytest.fixture(scope="module")
 def guest_run():
     imgs = images()
@@ -77,12 +99,7 @@ def guest_run():
     except Exception:  # noqa: BLE001
         ok = False
     require(ok, "mooncake is not importable in this venv")
-    venv = Path(sys.prefix)
-    base = Path(os.path.realpath(VENV_PY)).parent.parent  # the interpreter's own prefix (pyenv)
-    job = (JOB.replace("@REPO@", str(REPO)).replace("@VPY@", str(VENV_PY))
-           .replace("@OPTIONS@", json.dumps(OPTIONS)).replace("@BENCH_MIB@", str(BENCH_MIB))
-           .replace("@BENCH_REPS@", str(BENCH_REPS)))
-    res = run("RDMA stage", job, shares=[str(REPO), str(venv), str(base)], timeout_s=480, mem_mib=3072)
+    res = run("RDMA stage", _job(), shares=_shares(), timeout_s=540, mem_mib=3072)
     for m in re.finditer(r"^TIME (\S+) (\S+)", res.output, re.M):
         TIMES.append(f"  RDMA stage / {m.group(1)}: {m.group(2)} s in the guest")
     for m in re.finditer(r"^RESULT bench (.*)$", res.output, re.M):

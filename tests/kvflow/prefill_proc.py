@@ -70,7 +70,9 @@ class PrefillProcess:
         self.proc.join(timeout=5)
 
 
-def start_prefill(cfg: dict, start_timeout_s: float = 60.0) -> PrefillProcess:
+def start_prefill(cfg: dict, start_timeout_s: float | None = None) -> PrefillProcess:
+    # a slow machine (the QEMU TCG guest stage imports torch at a few MB/s) may raise it
+    start_timeout_s = start_timeout_s or float(os.environ.get("HAWK_TEST_START_TIMEOUT_S", "60"))
     ctx = mp.get_context("spawn")
     parent, child = ctx.Pipe()
     p = ctx.Process(target=_child, args=(cfg, child), daemon=True)
