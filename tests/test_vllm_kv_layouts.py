@@ -1,10 +1,14 @@
 """Source KV layouts of vLLM 0.32 (vllm_hawk.layout.vllm_kv).
 
 * pure-torch tests: round trips, byte ranges against strides, the AMX order against a
-  scalar port of the C++ index arithmetic, factory errors;
-* kernel test: vLLM's own ``cpu_attn_reshape_and_cache`` writes, the adapter reads;
+  scalar port of the C++ index arithmetic (runs on every host), the transform over the
+  AMX layout (gathered) equals the transform over the vec layout, factory errors;
+* kernel test: vLLM's own ``cpu_attn_reshape_and_cache`` writes, the adapter reads (the
+  amx case wherever AMX works here);
 * engine proof (@pytest.mark.vllm): the tiny Llama prefilled by a real in-process vLLM
-  engine; the adapter's K/V for the request's blocks equal HF transformers' K/V.
+  engine, once as the AMX policy decides here (``HAWK_CPU_AMX=auto``) and once with
+  ``HAWK_CPU_AMX=off`` (non-AMX layout on every host); the adapter's K/V for the
+  request's blocks equal HF transformers' K/V.
 """
 
 from __future__ import annotations
@@ -18,6 +22,7 @@ from vllm_hawk.layout.vllm_kv import (
     CpuAttnKVLayout,
     FlashAttnKVLayout,
     SourceKVLayout,
+    TransformSource,
     block_byte_ranges,
     detect_cpu_attn_isa,
     make_layer_caches,
@@ -73,8 +78,11 @@ def test_cpu_vec_stores_k_transposed():
 
 
 def _amx_scalar_offsets(block, dim):
-    """Element offsets inside a (block, head) slab, ported from the C++ loops of vLLM's
-    ``AttentionImpl<ISA::AMX>::reshape_and_cache`` (bf16: 64-byte tile rows)."""
+    """Element offsets inside a (block, head) slab, ported from the C++ loops of vLLM 0.32
+    ``csrc/cpu/cpu_attn_amx.hpp``, ``AttentionImpl<ISA::AMX>::reshape_and_cache`` (bf16:
+    64-byte tile rows). K: token group ``t // 16``, 32-bit words ``j`` of the token 16
+    words apart. V: head-dim groups of 16 (``block * 16`` elements apart), token pairs
+    ``t // 2`` 32 elements apart, the pair's two tokens interleaved."""
     k_off = torch.empty(block, dim, dtype=torch.long)
     v_off = torch.empty(block, dim, dtype=torch.long)
     tok_per_group = 64 // 4  # tokens per K group
@@ -92,8 +100,10 @@ def _amx_scalar_offsets(block, dim):
     return k_off, v_off
 
 
-def test_cpu_amx_matches_cpp_index_arithmetic():
-    block, dim = 64, 32
+@pytest.mark.parametrize("block,dim", [(64, 32), (32, 64), (128, 128)])
+def test_cpu_amx_matches_cpp_index_arithmetic(block, dim):
+    """The layout model of vLLM's AMX KV cache, derived from its source; runs on every host
+    (no AMX needed), whatever the CPU."""
     lay = CpuAttnKVLayout(H, block, dim, isa="amx")
     cache = torch.zeros(2, H, block, 2 * dim, dtype=torch.bfloat16)
     k, v = _rand_kv(1, block=block, dim=dim)
@@ -111,12 +121,23 @@ def test_cpu_refuses_unknown_isa_and_fp8():
 
 
 @pytest.mark.parametrize("isa,block,dim", [("vec", 32, 32), ("vec", 128, 64),
-                                           ("vec16", 32, 48), ("vec16", 16, 64)])
+                                           ("vec16", 32, 48), ("vec16", 16, 64),
+                                           ("amx", 32, 32), ("amx", 64, 128)])
 def test_cpu_layout_matches_vllm_kernel(isa, block, dim):
-    """vLLM's C++ cpu_attn_reshape_and_cache writes; the adapter reads it back exactly."""
+    """vLLM's C++ cpu_attn_reshape_and_cache writes; the adapter reads it back exactly.
+
+    amx: wherever AMX works here (probe in a child process); elsewhere the source-derived
+    model (test_cpu_amx_matches_cpp_index_arithmetic) covers the layout."""
     from vllm_fixtures import require_vllm
 
     require_vllm()
+    if isa == "amx":
+        from vllm_hawk.cpu_amx import decide
+
+        d = decide("auto")
+        if not d.use_amx:
+            pytest.skip(f"vLLM's AMX kernel cannot run here ({d.reason}); the layout model "
+                        "derived from vLLM's source is tested instead")
     from vllm.platforms import current_platform
 
     current_platform.import_kernels()
@@ -220,23 +241,36 @@ def test_shape_mismatch_is_reported():
 PROMPT_LEN = 70  # 3 blocks of 32, the last one partial
 
 
-@pytest.fixture(scope="module")
-def prefilled():
-    """One in-process vLLM engine: tiny Llama, block 32, one prompt prefilled."""
-    from vllm_fixtures import (attention_layers, capture_block_ids, inprocess_llm,
-                               tiny_model_path)
+@pytest.fixture(scope="module", params=["auto", "off"])
+def prefilled(request):
+    """One in-process vLLM engine per ``HAWK_CPU_AMX`` mode: tiny bf16 Llama, block 32,
+    one prompt prefilled. ``auto``: the AMX layout wherever AMX works here; ``off``: the
+    non-AMX layout on every host (the policy applied in this process, as the launchers
+    do in each engine process)."""
+    from vllm_fixtures import attention_layers, capture_block_ids, inprocess_llm, require_vllm, tiny_model_path
 
+    from vllm_hawk.cpu_amx import apply_cpu_amx_policy, reset_cpu_amx_policy
+
+    require_vllm()
     path = tiny_model_path()
-    with inprocess_llm(path, block_size=32, enable_prefix_caching=False) as llm:
-        from vllm import SamplingParams
+    reset_cpu_amx_policy()
+    try:
+        with pytest.MonkeyPatch.context() as mp:
+            mp.setenv("HAWK_CPU_AMX", request.param)
+            decision = apply_cpu_amx_policy()
+            with inprocess_llm(path, block_size=32, enable_prefix_caching=False) as llm:
+                from vllm import SamplingParams
 
-        captured = capture_block_ids(llm)
-        g = torch.Generator().manual_seed(0)
-        prompt = torch.randint(2, 1024, (PROMPT_LEN,), generator=g).tolist()
-        llm.generate({"prompt_token_ids": prompt}, SamplingParams(max_tokens=1, temperature=0))
-        ((block_ids,),) = captured.values()  # one request, one KV cache group
-        layers = attention_layers(llm)
-        yield dict(path=path, prompt=prompt, block_ids=block_ids, layers=layers)
+                captured = capture_block_ids(llm)
+                g = torch.Generator().manual_seed(0)
+                prompt = torch.randint(2, 1024, (PROMPT_LEN,), generator=g).tolist()
+                llm.generate({"prompt_token_ids": prompt}, SamplingParams(max_tokens=1, temperature=0))
+                ((block_ids,),) = captured.values()  # one request, one KV cache group
+                layers = attention_layers(llm)
+                yield dict(path=path, prompt=prompt, block_ids=block_ids, layers=layers,
+                           amx=decision)
+    finally:
+        reset_cpu_amx_policy()
 
 
 @pytest.fixture(scope="module")
@@ -266,8 +300,10 @@ def test_engine_layer_metadata(prefilled):
         assert (lay.num_kv_heads, lay.block_size, lay.head_dim) == (4, 32, 32)
         assert lay.dtype == torch.bfloat16
         assert lay.isa == detect_cpu_attn_isa(torch.bfloat16, 32, 32)
-        if not torch.cpu._is_avx512_supported():
-            assert lay.isa == "vec"  # the AVX2 kernel on these machines
+        if prefilled["amx"].use_amx:
+            assert lay.isa == "amx" and not lay.strided
+        else:  # HAWK_CPU_AMX=off, or AMX absent/unusable: the x86 vector kernel
+            assert lay.isa == "vec" and lay.strided
 
 
 @pytest.mark.vllm
@@ -285,7 +321,10 @@ def test_engine_kv_cache_matches_transformers(prefilled, hf_kv):
         assert (K[:, :T] - ref_k).abs().max() <= tol_k
         assert (V[:, :T] - ref_v).abs().max() <= tol_v
         assert K[:, T:].abs().max() == 0 and V[:, T:].abs().max() == 0  # unwritten slots
-        # Reading K as row-major [N, D] (i.e. ignoring the transpose) must NOT match.
+        # What the transform reads (zero-copy views for vec, a gather for amx) is the same.
+        (views,), sel = TransformSource([lay], [layer.kv_cache]).select(prefilled["block_ids"])
+        assert torch.equal(views[0][sel], k) and torch.equal(views[1][sel], v)
+        # Reading K as row-major [N, D] (ignoring the vec transpose / amx packing) must NOT match.
         slabs = layer.kv_cache[ids].reshape(len(ids), lay.num_kv_heads, 2, N, D)
         wrong_k = _tokens(slabs[:, :, 0])
         assert (wrong_k[:, :T] - ref_k).abs().max() > 10 * tol_k
@@ -301,11 +340,49 @@ def test_kv_views_equal_read_blocks_without_copying(case):
     ids = torch.tensor([4, 1, 5])
     lay.write_blocks(cache, ids, *_rand_kv(3))
     k_all, v_all = lay.kv_views(cache)
-    assert k_all.data_ptr() >= cache.data_ptr() and k_all.untyped_storage().data_ptr() == cache.untyped_storage().data_ptr()
+    assert k_all.data_ptr() >= cache.data_ptr()
+    assert k_all.untyped_storage().data_ptr() == cache.untyped_storage().data_ptr()
     k, v = lay.read_blocks(cache, ids)
     assert torch.equal(k_all[ids], k) and torch.equal(v_all[ids], v)
 
 
 def test_kv_views_refuses_amx():
-    with pytest.raises(NotImplementedError, match="amx"):
+    with pytest.raises(NotImplementedError, match="isa='amx'.*TransformSource"):
         CpuAttnKVLayout(H, N, D, isa="amx").kv_views(make_layer_caches(1, 2, H, N, 2 * D, layout="LBHNC")[0])
+
+
+@pytest.mark.parametrize("dst_dtype", ["bfloat16", "bfloat8_b"])
+def test_transform_of_amx_source_equals_vec_source(dst_dtype):
+    """The same logical K/V stored as vLLM's amx and vec layouts give byte-identical G'
+    (amx: TransformSource gathers the request's blocks; vec: zero-copy views)."""
+    from vllm_hawk.layout.device_profiles import load_profile
+    from vllm_hawk.layout.formats import tile_format
+    from vllm_hawk.layout.tt_kv_cache import TTKVCacheLayout, TTKVCacheSpec
+    from vllm_hawk.transform import make_plan, transform_kv
+
+    layers, blocks, block = 2, 9, 64
+    src_ids = [7, 2, 5, 3]
+    sources = {}
+    for isa in ("amx", "vec"):
+        lay = CpuAttnKVLayout(H, block, D, isa=isa)
+        caches = make_layer_caches(layers, blocks, H, block, 2 * D, layout="LBHNC")
+        sources[isa] = (lay, caches, TransformSource([lay] * layers, caches))
+    for li in range(layers):
+        k, v = _rand_kv(blocks, block=block, seed=10 + li)
+        for lay, caches, _ in sources.values():
+            lay.write_blocks(caches[li], torch.arange(blocks), k, v)
+    assert not sources["amx"][2].zero_copy and sources["vec"][2].zero_copy
+    assert not torch.equal(sources["amx"][1][0], sources["vec"][1][0])  # different bytes
+    prof = load_profile("p150a")
+    tb = tile_format(dst_dtype).tile_nbytes
+    spec = TTKVCacheSpec(num_layers=layers, num_blocks=8, num_kv_heads=H, block_size=block,
+                         head_dim=D, dtype=dst_dtype)
+    layout = TTKVCacheLayout(spec, prof.num_banks, prof.aligned_page(tb), ((0, 0),) * layers)
+    plan = make_plan(layout, [1, 4, 6, 0], "staged")
+    out = {}
+    for isa, (_, _, src) in sources.items():
+        views, ids = src.select(src_ids)
+        out[isa] = transform_kv(views, ids, block, plan)
+        if isa == "amx":
+            assert ids.tolist() == [0, 1, 2, 3] and views[0][0].shape == (4, H, block, D)
+    assert torch.equal(out["amx"], out["vec"])

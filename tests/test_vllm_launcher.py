@@ -72,8 +72,12 @@ def test_cli_version_via_launcher():
 
 @pytest.mark.vllm
 def test_serve_tiny_model_answers_completions(tmp_path):
-    """``serve`` through the launcher (spawned engine core) answers /v1/completions."""
-    from vllm_fixtures import free_port, http_json, require_vllm, tiny_model_path, wait_http_ok
+    """``serve`` through the launcher (spawned engine core and worker) answers
+    /v1/completions with a bf16 model, on hosts with working, broken or no AMX (the
+    launcher's AMX policy: one line in the log where AMX is advertised)."""
+    from vllm_fixtures import http_json, require_vllm, tiny_model_path, wait_http_ok
+
+    from vllm_hawk.testing.local_cluster import free_port
 
     require_vllm()
     model = tiny_model_path()
@@ -105,6 +109,11 @@ def test_serve_tiny_model_answers_completions(tmp_path):
         assert isinstance(choice["text"], str)
         assert body["usage"]["completion_tokens"] == 5
         assert body["usage"]["prompt_tokens"] >= 3
+        log.seek(0)
+        amx_lines = [ln for ln in log.read().splitlines() if "vllm_hawk:" in ln and "AMX" in ln]
+        import torch
+
+        assert len(amx_lines) == (1 if torch.cpu._is_amx_tile_supported() else 0), amx_lines
     finally:
         _stop(proc)
         log.close()
@@ -129,7 +138,7 @@ def test_tiny_model_is_deterministic_and_cached(tmp_path, monkeypatch):
     pytest.importorskip("transformers")
     from transformers import AutoTokenizer
 
-    from vllm_hawk.tiny_model import build_tiny_llama
+    from vllm_hawk.testing.tiny_model import build_tiny_llama
 
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")
     params = dict(hidden=64, layers=1, heads=2, kv_heads=1, head_dim=32, vocab=512)

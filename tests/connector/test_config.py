@@ -21,7 +21,7 @@ def test_defaults_are_documented_and_valid(monkeypatch):
     ("side_channel_port", 0, "side_channel_port"),
     ("side_channel_port", "17600", "integer"),
     ("lease_s", -1, "lease_s"),
-    ("transfer_timeout_s", True, "number"),
+    ("pull_timeout_s", True, "number"),
     ("device_profile", "h100", "device_profile"),
     ("shared_secret", "short", "shared_secret"),
     ("rdma_device", "mlx5_0", "mooncake-rdma"),

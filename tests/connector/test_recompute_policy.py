@@ -19,14 +19,14 @@ SCRIPT = textwrap.dedent("""
     ensure_vllm_dist()
     from vllm import LLM, SamplingParams
     from vllm.config import KVTransferConfig
-    from vllm_hawk.tiny_model import build_tiny_llama
+    from vllm_hawk.testing.tiny_model import build_tiny_llama
 
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0)); dead_port = s.getsockname()[1]
     ktc = KVTransferConfig(kv_connector="HawkConnector", kv_connector_module_path="vllm_hawk.connector",
                            kv_role="kv_consumer", kv_load_failure_policy="recompute",
                            kv_connector_extra_config={"handshake_timeout_s": 1.0,
-                                                      "transfer_timeout_s": 3.0})
+                                                      "pull_timeout_s": 3.0})
     llm = LLM(model=str(build_tiny_llama(dtype="float32")), dtype="float32", enforce_eager=True,
               max_model_len=512, block_size=32, max_num_seqs=4, seed=0, kv_transfer_config=ktc,
               enable_prefix_caching=False)
@@ -59,7 +59,7 @@ def test_recompute_policy_recovers_from_a_dead_prefill(tmp_path):
     out = subprocess.run([sys.executable, "-c", SCRIPT], capture_output=True, text=True,
                          timeout=400, env=env, cwd=tmp_path)
     assert out.returncode == 0, out.stderr[-4000:]
-    line = next(l for l in out.stdout.splitlines() if l.startswith("RESULT "))
+    line = next(x for x in out.stdout.splitlines() if x.startswith("RESULT "))
     res = json.loads(line[7:])
     assert res["got"] == res["want"] and res["finish"] == "length"
     assert res["took_s"] < 30

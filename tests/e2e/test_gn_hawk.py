@@ -10,7 +10,7 @@ One cluster per configuration (module-scoped, one after the other, ~45 s to star
 * with ``HAWK_GN_E2E_FULL=1`` also ``n150-bf16-direct`` and ``p150a-bfp8-staged``.
 
 Checked for every transfer: the decode's KV blocks hold exactly ``tilize_pack`` of the
-prefill's K/V for those blocks (both sides dump them, ``HAWK_CONNECTOR_DUMP_DIR``).
+prefill's K/V for those blocks (both sides dump them, ``HAWK_DEBUG_DIR``).
 
 References for the tokens:
 
@@ -41,7 +41,6 @@ import urllib.parse
 from pathlib import Path
 
 import pytest
-
 from test_pd_serving import _post, greedy_divergence
 
 pytestmark = pytest.mark.vllm
@@ -79,8 +78,8 @@ def gn(request, tmp_path_factory):
     if ensure_vllm_dist() is None:
         pytest.skip("vLLM is not installed")
     pytest.importorskip("mooncake.engine")
-    from vllm_hawk.proxy.local import LocalCluster
-    from vllm_hawk.tiny_model import build_tiny_llama
+    from vllm_hawk.testing.local_cluster import LocalCluster
+    from vllm_hawk.testing.tiny_model import build_tiny_llama
 
     cfg = CONFIGS[request.param]
     work = tmp_path_factory.mktemp(request.param)
@@ -88,11 +87,11 @@ def gn(request, tmp_path_factory):
     c = LocalCluster(build_tiny_llama(dtype="bfloat16"), work, dtype="bfloat16", block_size=BLOCK,
                      max_model_len=1024,
                      decode_tt={"device": cfg["device"], "kv_dtype": cfg["kv_dtype"]},
-                     extra_config={"transfer_timeout_s": 20.0, "handshake_timeout_s": 3.0,
+                     extra_config={"pull_timeout_s": 20.0, "handshake_timeout_s": 3.0,
                                    "mode": cfg["mode"], "ring_nbytes": 16 << 20},
                      prefill_config={"lease_s": 30.0},
                      extra_args=["--no-enable-prefix-caching"],
-                     extra_env={"HAWK_CONNECTOR_DUMP_DIR": str(dump)})
+                     extra_env={"HAWK_DEBUG_DIR": str(dump)})
     t0 = time.monotonic()
     c.start()
     c.hawk_name, c.hawk_cfg, c.hawk_dump = request.param, cfg, dump
@@ -167,7 +166,7 @@ def test_outputs_and_kv_bytes(gn, record_property):
 
 
 def _usage(url: str) -> float:
-    from vllm_hawk.proxy.local import scrape_metrics
+    from vllm_hawk.testing.local_cluster import scrape_metrics
 
     return scrape_metrics(url).get("vllm:kv_cache_usage_perc", -1.0)
 
@@ -226,7 +225,7 @@ def test_abort_leaks_nothing(gn):
     assert after["decode"]["device_buffers"] == bufs
     _check_new_transfers(gn)
     # a request whose prefill is unknown fails, and leaves nothing behind either
-    from vllm_hawk.proxy.local import free_port
+    from vllm_hawk.testing.local_cluster import free_port
 
     params = {"do_remote_prefill": True, "do_remote_decode": False, "remote_engine_id": "gone",
               "remote_request_id": "cmpl-gone-0", "remote_block_ids": [1, 2],

@@ -1,7 +1,7 @@
 """Disaggregated serving end to end: prefill vLLM + decode vLLM (HawkConnector, GG-Direct
 over Mooncake TCP) + ``hawk proxy``, one module-scoped trio shared by the tests.
 
-The model is the offline tiny Llama in float32 (DESIGN s5: bf16 random models have
+The model is the offline tiny Llama in float32 (docs/vllm-cpu.md: bf16 random models have
 exact top-2 ties). The single-engine reference is the decode server itself, asked
 without ``kv_transfer_params``. Where outputs differ, the reference's top-2 logprob
 gap at the first differing position must be below ``TIE_MARGIN`` (a tie), and ties
@@ -65,12 +65,12 @@ def cluster(tmp_path_factory):
     if ensure_vllm_dist() is None:
         pytest.skip("vLLM is not installed")
     pytest.importorskip("mooncake.engine")
-    from vllm_hawk.proxy.local import LocalCluster
-    from vllm_hawk.tiny_model import build_tiny_llama
+    from vllm_hawk.testing.local_cluster import LocalCluster
+    from vllm_hawk.testing.tiny_model import build_tiny_llama
 
     model = build_tiny_llama(dtype="float32")
     c = LocalCluster(model, tmp_path_factory.mktemp("pd"), block_size=BLOCK,
-                     extra_config={"transfer_timeout_s": 10.0, "handshake_timeout_s": 3.0},
+                     extra_config={"pull_timeout_s": 10.0, "handshake_timeout_s": 3.0},
                      prefill_config={"lease_s": 30.0})
     c.start()
     try:
@@ -157,7 +157,7 @@ def test_streaming_and_chat_through_proxy(cluster):
 
 
 def _usage(url: str) -> float:
-    from vllm_hawk.proxy.local import scrape_metrics
+    from vllm_hawk.testing.local_cluster import scrape_metrics
 
     return scrape_metrics(url).get("vllm:kv_cache_usage_perc", -1.0)
 
@@ -189,7 +189,7 @@ def test_client_disconnect_frees_blocks_on_both_sides(cluster):
 
 
 def test_dead_prefill_fails_the_request_and_decode_keeps_serving(cluster):
-    from vllm_hawk.proxy.local import free_port, scrape_metrics
+    from vllm_hawk.testing.local_cluster import free_port, scrape_metrics
 
     failed0 = scrape_metrics(cluster.decode_url).get("vllm:hawk_failed_transfers_total", 0.0)
     params = {"do_remote_prefill": True, "do_remote_decode": False,
@@ -218,7 +218,7 @@ def test_dead_prefill_fails_the_request_and_decode_keeps_serving(cluster):
 
 
 def test_metrics_in_prometheus(cluster):
-    from vllm_hawk.proxy.local import scrape_metrics
+    from vllm_hawk.testing.local_cluster import scrape_metrics
 
     _complete(cluster.proxy_url, [0] + list(range(3, 70)))
     d = scrape_metrics(cluster.decode_url)
@@ -231,7 +231,7 @@ def test_metrics_in_prometheus(cluster):
 
 
 def test_proxy_propagates_upstream_errors_and_health(cluster):
-    from vllm_hawk.proxy.local import http_get
+    from vllm_hawk.testing.local_cluster import http_get
 
     status, out = _post(cluster.proxy_url + "/v1/completions",
                         {"model": "nope", "prompt": "x", "max_tokens": 2})
@@ -245,7 +245,7 @@ def test_vllm_bench_serve_targets_the_proxy(cluster):
     import sys
     from pathlib import Path
 
-    from vllm_hawk.tiny_model import build_tiny_llama
+    from vllm_hawk.testing.tiny_model import build_tiny_llama
 
     root = Path(__file__).resolve().parents[2]
     out = subprocess.run(

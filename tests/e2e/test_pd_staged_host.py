@@ -6,7 +6,6 @@ from __future__ import annotations
 import time
 
 import pytest
-
 from test_pd_serving import BLOCK, TIE_MARGIN, _complete, _post, _prompts, greedy_divergence
 
 pytestmark = pytest.mark.vllm
@@ -20,13 +19,13 @@ def cluster(tmp_path_factory):
 
     if ensure_vllm_dist() is None:
         pytest.skip("vLLM is not installed")
-    from vllm_hawk.proxy.local import LocalCluster
-    from vllm_hawk.tiny_model import build_tiny_llama
+    from vllm_hawk.testing.local_cluster import LocalCluster
+    from vllm_hawk.testing.tiny_model import build_tiny_llama
 
     c = LocalCluster(build_tiny_llama(dtype="float32"), tmp_path_factory.mktemp("pd-staged"),
                      block_size=BLOCK,
                      extra_config={"transport": "host-staged", "mode": "staged",
-                                   "ring_nbytes": 8 << 20, "transfer_timeout_s": 10.0},
+                                   "ring_nbytes": 8 << 20, "pull_timeout_s": 10.0},
                      prefill_config={"lease_s": LEASE_S})
     c.start()
     try:
@@ -37,7 +36,7 @@ def cluster(tmp_path_factory):
 
 
 def test_staged_host_outputs_match_single_engine(cluster):
-    from vllm_hawk.proxy.local import scrape_metrics
+    from vllm_hawk.testing.local_cluster import scrape_metrics
 
     prompts = _prompts()[::3]
     disagg = [_complete(cluster.proxy_url, p) for p in prompts]
@@ -52,7 +51,7 @@ def test_staged_host_outputs_match_single_engine(cluster):
 
 
 def test_lease_expiry_frees_prefill_blocks(cluster):
-    from vllm_hawk.proxy.local import scrape_metrics
+    from vllm_hawk.testing.local_cluster import scrape_metrics
 
     before = scrape_metrics(cluster.prefill_url).get("vllm:hawk_expired_leases_total", 0.0)
     status, out = _post(cluster.prefill_url + "/v1/completions",

@@ -52,7 +52,7 @@ async def _start_fake(fake: Fake) -> web.AppRunner:
     await runner.setup()
     site = web.TCPSite(runner, "127.0.0.1", 0)
     await site.start()
-    fake.url = f"http://127.0.0.1:{site._server.sockets[0].getsockname()[1]}"
+    fake.url = f"http://127.0.0.1:{runner.addresses[0][1]}"
     return runner
 
 
@@ -60,9 +60,8 @@ async def _with_proxy(prefill: list[Fake], decode: list[Fake], fn, extra_prefill
     runners = [await _start_fake(f) for f in prefill + decode]
     proxy = Proxy([f.url for f in prefill] + list(extra_prefill),
                   [f.url for f in decode] + list(extra_decode))
-    from vllm_hawk.proxy.local import free_port
-    port = free_port()
-    prunner = await serve(proxy, "127.0.0.1", port)
+    prunner = await serve(proxy, "127.0.0.1", 0)  # port 0: the kernel picks, we read it back
+    port = prunner.addresses[0][1]
     try:
         async with aiohttp.ClientSession() as s:
             return await fn(s, f"http://127.0.0.1:{port}")
@@ -127,7 +126,7 @@ def test_upstream_errors_keep_their_status():
 
 
 def test_unreachable_upstream_is_502_naming_it_and_deep_health_is_503():
-    from vllm_hawk.proxy.local import free_port
+    from vllm_hawk.testing.local_cluster import free_port
 
     dead = f"http://127.0.0.1:{free_port()}"
 

@@ -1,9 +1,4 @@
-import os
-import sys
-
-sys.path.insert(0, os.path.dirname(__file__))
-
-from guest_helpers import TIMES  # noqa: E402
+from guest_helpers import TIMES
 
 
 def pytest_terminal_summary(terminalreporter):

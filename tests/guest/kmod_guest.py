@@ -24,8 +24,7 @@ import sys
 import time
 import traceback
 
-from vllm_hawk.npu.tt_kmd.registration import (TT_PEERMEM_IOCTL_REGISTER, TtPeermemDevice,
-                                               TtPeermemRegister)
+from vllm_hawk.npu.tt_kmd.registration import TT_PEERMEM_IOCTL_REGISTER, TtPeermemDevice, TtPeermemRegister
 
 KiB, MiB = 1 << 10, 1 << 20
 MODDIR = sys.argv[1] if len(sys.argv) > 1 else "."

@@ -55,6 +55,7 @@ def run_case(name: str, fn, *args) -> None:
 # ------------------------------------------------------------------------------- bench
 def bench(nmib: int, reps: int) -> str:
     from peer import pattern, start_peer
+
     from vllm_hawk.transport import make_transport
 
     n = nmib * MiB
@@ -228,10 +229,10 @@ def protocols() -> None:
 def dmabuf_mr() -> str:
     sys.path.insert(0, str(HERE))
     from kmod_guest import Buf  # udmabuf over a memfd
-
-    from vllm_hawk.npu.tt_kmd import registration as reg
     from pyverbs.device import Context
     from pyverbs.pd import PD
+
+    from vllm_hawk.npu.tt_kmd import registration as reg
 
     buf = Buf("shmem", 4 * MiB)
 

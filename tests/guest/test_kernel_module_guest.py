@@ -8,7 +8,6 @@ dmesg, a W/D taint, or debugfs counters that do not balance before the clean unl
 from __future__ import annotations
 
 import pytest
-
 from guest_helpers import REPO, build_modules, case_lines, images, run
 
 CASES = ["load_modules", "disallowed_exporter", "lifecycle_shmem_4k", "lifecycle_hugetlb_2m",

@@ -21,7 +21,6 @@ import sys
 from pathlib import Path
 
 import pytest
-
 from guest_helpers import REPO, TIMES, case_lines, images, require, run
 
 VENV_PY = Path(sys.executable)

@@ -1,7 +1,8 @@
 """A prefill endpoint in its own process (spawn), driven over a multiprocessing pipe.
 
 The child builds a seeded :class:`PagedKVCache`, a transport and a
-:class:`PrefillEndpoint`, reports ``(protocol endpoint, cache base addr)`` and then
+:class:`PrefillEndpoint` with the source ``cfg["kind"]`` (hawk | staged | vllm),
+reports ``(protocol endpoint, cache base addr)`` and then
 serves commands: ``("add", req_id, src_blocks, num_tokens)``, ``("snapshot",)``,
 ``("exit",)``. A request id starting with ``die-in-transform`` makes the child exit
 abruptly while serving it (a prefill dying mid-flight).
@@ -16,8 +17,10 @@ from vllm_hawk.child_process import stop_pipe_process
 
 
 def _child(cfg: dict, conn) -> None:
-    from vllm_hawk.kvflow import PagedKVCache, PrefillEndpoint
+    from vllm_hawk.kvflow import PrefillEndpoint
     from vllm_hawk.protocol import make_compat
+    from vllm_hawk.testing.endpoints import make_source
+    from vllm_hawk.testing.paged_cache import PagedKVCache
     from vllm_hawk.transport import make_transport
 
     class DyingPrefill(PrefillEndpoint):
@@ -28,9 +31,11 @@ def _child(cfg: dict, conn) -> None:
 
     cache = PagedKVCache(*cfg["shape"]).fill_random(cfg["seed"])
     t = make_transport(cfg.get("transport", "mooncake"), **cfg.get("transport_options", {}))
-    ep = DyingPrefill(cache, t, make_compat(*cfg["compat"]), mode=cfg.get("mode", "hawk"),
+    compat = make_compat(*cfg["compat"])
+    kind = cfg.get("kind", "hawk")
+    ep = DyingPrefill(make_source(cache, kind, compat.device_profile), t, compat,
                       ring_nbytes=cfg.get("ring_nbytes", 2 << 20), secret=cfg.get("secret"),
-                      reserve_timeout_s=cfg.get("reserve_timeout_s", 10.0))
+                      claim_wait_s=cfg.get("claim_wait_s", 10.0))
     conn.send((ep.endpoint, cache.base_addr))
     try:
         while True:

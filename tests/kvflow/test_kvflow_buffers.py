@@ -7,7 +7,8 @@ import threading
 import time
 
 import pytest
-from hypothesis import given, strategies as st
+from hypothesis import given
+from hypothesis import strategies as st
 
 from vllm_hawk.kvflow import BankBufferPool, BufferFull, RingAllocator, RingBuffer, RingClosed
 from vllm_hawk.npu.emulated import EmulatedDevice

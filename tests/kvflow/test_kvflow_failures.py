@@ -11,17 +11,18 @@ import msgspec
 import numpy as np
 import pytest
 import zmq
+from test_kvflow_inprocess import BS, COMPAT, D, H, L, assert_pool_holds
 
 import vllm_hawk.kvflow.decode as decode_mod
-import vllm_hawk.kvflow.prefill as prefill_mod
-from test_kvflow_inprocess import BS, COMPAT, D, H, L, assert_pool_holds
-from vllm_hawk.kvflow import (DecodeEndpoint, KVFlowError, KVPageAddresses, PagedKVCache, PeerFailed,
-                              PrefillEndpoint, TransferUnsettled, VllmDecodeEndpoint)
+import vllm_hawk.kvflow.sources as sources_mod
+from vllm_hawk.kvflow import KVPageAddresses, PeerFailed, TransferUnsettled
 from vllm_hawk.layout.interleave import OutOfDeviceMemory
 from vllm_hawk.layout.tt_kv_cache import TTKVCacheSpec
 from vllm_hawk.npu.bank_buffer import BankBufferError
 from vllm_hawk.npu.emulated import EmulatedDevice
 from vllm_hawk.protocol import KVRequest, RemoteError
+from vllm_hawk.testing.endpoints import TTDecode, VllmDecode, prefill_endpoint
+from vllm_hawk.testing.paged_cache import PagedKVCache
 from vllm_hawk.transport import TransferHandle, make_transport
 
 
@@ -41,12 +42,12 @@ def endpoints(pool_blocks: int = 32, recv: int = 128 << 10, dec_kw: dict | None 
     tp, td = make_transport("inprocess"), make_transport("inprocess")
     finished: list[tuple[str, bool]] = []
     pre_kw.setdefault("ring_nbytes", 1 << 20)
-    pre = PrefillEndpoint(cache, tp, COMPAT, on_finished=lambda r, ok: finished.append((r, ok)), **pre_kw)
+    pre = prefill_endpoint(cache, tp, COMPAT, on_finished=lambda r, ok: finished.append((r, ok)), **pre_kw)
     dev = EmulatedDevice("p150a", 8 << 20)
     dec = None
     try:
-        dec = DecodeEndpoint(dev, TTKVCacheSpec(L, pool_blocks, H, BS, D, "bfloat16"), td, pre.endpoint, COMPAT,
-                             recv_nbytes_per_bank=recv, timeout_s=10, **(dec_kw or {}))
+        dec = TTDecode(dev, TTKVCacheSpec(L, pool_blocks, H, BS, D, "bfloat16"), td, pre.endpoint, COMPAT,
+                       recv_nbytes_per_bank=recv, timeout_s=10, **(dec_kw or {}))
         yield cache, pre, dec, dev, td, finished
     finally:
         if dec is not None:
@@ -79,13 +80,13 @@ def fake_submit(td, monkeypatch, *, fail: bool, settle_after: float | None):
 
 # --------------------------------------------------------------------------- finding 1
 def test_release_before_kvready_cancels_and_frees_the_ring_at_once(monkeypatch):
-    real = prefill_mod.transform_kv
+    real = sources_mod.transform_kv
 
     def slow_transform(*a, **k):
         time.sleep(1.0)
         return real(*a, **k)
 
-    monkeypatch.setattr(prefill_mod, "transform_kv", slow_transform)
+    monkeypatch.setattr(sources_mod, "transform_kv", slow_transform)
     with endpoints(lease_s=60.0) as (_cache, pre, dec, _dev, _td, finished):
         pre.add_request("slow", [1, 2], 2 * BS)
         with pytest.raises(PeerFailed, match="no reply"):
@@ -114,15 +115,15 @@ def test_read_deadline_is_capped_by_the_prefill_lease(monkeypatch):
 
 
 def test_release_after_lease_expiry_says_the_kv_may_be_corrupt(monkeypatch):
-    with endpoints(lease_s=1.0) as (_cache, pre, dec, _dev, _td, finished):
+    with endpoints(lease_s=1.0) as (_cache, pre, dec, dev, _td, finished):
         pre.add_request("late", [1], BS)
-        real_copy = dec._copy_in
+        real_copy = dev.copy_in_bank
 
-        def slow_copy(plan, recv):
-            real_copy(plan, recv)
+        def slow_copy(*a):
+            real_copy(*a)
             wait_until(lambda: pre.snapshot()["expired"] == 1, 10.0)  # the lease runs out meanwhile
 
-        monkeypatch.setattr(dec, "_copy_in", slow_copy)
+        monkeypatch.setattr(dev, "copy_in_bank", slow_copy)
         with pytest.raises(PeerFailed, match=r"lease of 1000 ms ran out.*may be corrupt"):
             dec.fetch("late", BS, [2], "staged", timeout_s=30.0)
         # finding 7: the engine heard that the request's blocks are free
@@ -188,8 +189,8 @@ def test_decode_endpoint_frees_its_kv_pool_when_the_receive_pool_does_not_fit():
     td = make_transport("inprocess")
     try:
         with pytest.raises(OutOfDeviceMemory):
-            DecodeEndpoint(dev, TTKVCacheSpec(L, 8, H, BS, D, "bfloat16"), td, "tcp://127.0.0.1:1", COMPAT,
-                           recv_nbytes_per_bank=4 << 20, register_pool=True)
+            TTDecode(dev, TTKVCacheSpec(L, 8, H, BS, D, "bfloat16"), td, "tcp://127.0.0.1:1", COMPAT,
+                     recv_nbytes_per_bank=4 << 20)
         assert dev.live_buffers() == [] and len(td._regions) == 0
     finally:
         td.close()
@@ -199,10 +200,10 @@ def test_decode_endpoint_frees_its_kv_pool_when_the_receive_pool_does_not_fit():
 def test_fetch_after_the_prefill_restarts_uses_the_new_ring():
     cache = PagedKVCache(L, 48, H, BS, D).fill_random(9)
     tp1, td = make_transport("inprocess"), make_transport("inprocess")
-    pre1 = PrefillEndpoint(cache, tp1, COMPAT, ring_nbytes=1 << 20)
+    pre1 = prefill_endpoint(cache, tp1, COMPAT, ring_nbytes=1 << 20)
     dev = EmulatedDevice("p150a", 8 << 20)
-    dec = DecodeEndpoint(dev, TTKVCacheSpec(L, 16, H, BS, D, "bfloat16"), td, pre1.endpoint, COMPAT,
-                         recv_nbytes_per_bank=128 << 10, timeout_s=10)
+    dec = TTDecode(dev, TTKVCacheSpec(L, 16, H, BS, D, "bfloat16"), td, pre1.endpoint, COMPAT,
+                   recv_nbytes_per_bank=128 << 10, timeout_s=10)
     tp2 = pre2 = None
     try:
         pre1.add_request("a", [1], BS)
@@ -211,7 +212,7 @@ def test_fetch_after_the_prefill_restarts_uses_the_new_ring():
         pre1.close()
         tp1.close()
         tp2 = make_transport("inprocess")
-        pre2 = PrefillEndpoint(cache, tp2, COMPAT, ring_nbytes=2 << 20, bind=pre1.endpoint)  # restarted
+        pre2 = prefill_endpoint(cache, tp2, COMPAT, ring_nbytes=2 << 20, bind=pre1.endpoint)  # restarted
         for mode in ("staged", "direct"):
             pre2.add_request(f"b-{mode}", [4, 5], 2 * BS)
             dec.fetch(f"b-{mode}", 2 * BS, [6, 7], mode)
@@ -227,8 +228,8 @@ def test_fetch_after_the_prefill_restarts_uses_the_new_ring():
 
 
 # --------------------------------------------------------------------------- finding 6
-def test_prefill_reserve_wait_is_capped_by_reserve_timeout_not_the_far_deadline():
-    with endpoints(reserve_timeout_s=0.3) as (_cache, pre, dec, _dev, _td, _finished):
+def test_prefill_reserve_wait_is_capped_by_claim_wait_not_the_far_deadline():
+    with endpoints(claim_wait_s=0.3) as (_cache, pre, dec, _dev, _td, _finished):
         pre.add_request("a", list(range(10)), 10 * BS)  # 640 KiB of the 1 MiB ring
         pre.add_request("b", list(range(10, 20)), 10 * BS)
         dec.fetch("a", 10 * BS, list(range(10)), "direct", release=False)
@@ -239,11 +240,11 @@ def test_prefill_reserve_wait_is_capped_by_reserve_timeout_not_the_far_deadline(
 
 
 def test_prefill_close_does_not_wait_out_a_blocked_reserve():
-    with endpoints(reserve_timeout_s=60.0) as (_cache, pre, dec, _dev, _td, _finished):
+    with endpoints(claim_wait_s=60.0) as (_cache, pre, dec, _dev, _td, _finished):
         pre.add_request("a", list(range(10)), 10 * BS)
         pre.add_request("b", list(range(10, 20)), 10 * BS)
         dec.fetch("a", 10 * BS, list(range(10)), "direct", release=False)
-        # No deadline: the worker waits up to reserve_timeout_s (60 s) for ring space.
+        # No deadline: the worker waits up to claim_wait_s (60 s) for ring space.
         fut = dec.client.call_async(KVRequest(req_id="b", dst_layout=dec.desc, num_tokens=10 * BS,
                                               dst_block_ids=list(range(10, 20))))
         assert wait_until(lambda: pre.snapshot()["pending"] == 1, 5.0)
@@ -274,12 +275,12 @@ def test_pipelined_fetch_checks_every_chunk_before_sending_any():
 def test_prefill_endpoint_that_cannot_bind_leaves_nothing_behind():
     cache = PagedKVCache(L, 4, H, BS, D)
     t1, t2 = make_transport("inprocess"), make_transport("inprocess")
-    pre = PrefillEndpoint(cache, t1, COMPAT, ring_nbytes=1 << 20)
+    pre = prefill_endpoint(cache, t1, COMPAT, ring_nbytes=1 << 20)
     try:
         threads = {t.name for t in threading.enumerate()}
-        for mode in ("hawk", "vllm"):
+        for kind in ("hawk", "staged", "vllm"):
             with pytest.raises(zmq.ZMQError):
-                PrefillEndpoint(cache, t2, COMPAT, mode=mode, ring_nbytes=1 << 20, bind=pre.endpoint)
+                prefill_endpoint(cache, t2, COMPAT, kind, ring_nbytes=1 << 20, bind=pre.endpoint)
             assert t2._regions.regions() == []
             assert wait_until(lambda: {t.name for t in threading.enumerate()} <= threads, 5.0)
     finally:
@@ -307,8 +308,8 @@ def test_prefill_bounds_the_peer_layout_before_planning(field, value, match):
 def test_vllm_mode_refuses_a_peer_cache_of_another_shape():
     cache = PagedKVCache(L, 8, H, BS, D)
     tp, td = make_transport("inprocess"), make_transport("inprocess")
-    pre = PrefillEndpoint(cache, tp, COMPAT, mode="vllm")
-    dec = VllmDecodeEndpoint(PagedKVCache(L, 8, H, BS, 2 * D), td, pre.endpoint, COMPAT)
+    pre = prefill_endpoint(cache, tp, COMPAT, "vllm")
+    dec = VllmDecode(PagedKVCache(L, 8, H, BS, 2 * D), td, pre.endpoint, COMPAT)
     try:
         pre.add_request("v", [1], BS)
         with pytest.raises(PeerFailed, match="layout_mismatch.*head_dim"):
@@ -321,7 +322,7 @@ def test_vllm_mode_refuses_a_peer_cache_of_another_shape():
 
 
 # --------------------------------------------------------------------------- KV-pool registration
-def test_kv_pool_is_registered_only_when_direct_mode_is_used():
+def test_kv_pool_is_registered_only_by_a_direct_sink():
     with endpoints() as (cache, pre, dec, dev, td, _finished):
         assert len(td._regions) == dev.num_banks  # staged: only the receive buffers
         pre.add_request("s", [1], BS)
@@ -331,11 +332,7 @@ def test_kv_pool_is_registered_only_when_direct_mode_is_used():
         dec.fetch("d", BS, [4], "direct")
         assert len(td._regions) > dev.num_banks
         assert_pool_holds(dec, cache, [3], BS, [4])
-    with endpoints(dec_kw={"register_pool": False}) as (_cache, pre, dec, dev, td, _finished):
-        pre.add_request("d", [3], BS)
-        with pytest.raises(KVFlowError, match="register_pool=False"):
-            dec.fetch("d", BS, [4], "direct")
-        assert pre.snapshot()["pending"] == 0 and pre.snapshot()["served"] == 0  # nothing was sent
+        dec.sinks.pop("direct").close()  # closing the direct sink unregisters the KV pages
         assert len(td._regions) == dev.num_banks
 
 

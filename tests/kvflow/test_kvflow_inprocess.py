@@ -7,12 +7,13 @@ import numpy as np
 import pytest
 import torch
 
-from vllm_hawk.kvflow import (DecodeEndpoint, PagedKVCache, PeerFailed, PrefillEndpoint,
-                             VllmDecodeEndpoint)
+from vllm_hawk.kvflow import PeerFailed, PrefillEndpoint
 from vllm_hawk.layout.formats import tilize_pack
 from vllm_hawk.layout.tt_kv_cache import TTKVCacheSpec
 from vllm_hawk.npu.emulated import EmulatedDevice
 from vllm_hawk.protocol import KVReady, Segment, make_compat
+from vllm_hawk.testing.endpoints import TTDecode, VllmDecode, gn_host_fix, make_source, prefill_endpoint
+from vllm_hawk.testing.paged_cache import PagedKVCache
 from vllm_hawk.transport import TransferFailed, make_transport
 
 L, H, BS, D = 2, 2, 64, 64
@@ -30,7 +31,7 @@ def reference(cache: PagedKVCache, layer: int, kv: int, src_blocks, num_tokens: 
     return tilize_pack(out.reshape(H, n_dst, bs, D).transpose(0, 1), dtype)
 
 
-def assert_pool_holds(dec: DecodeEndpoint, cache, src_blocks, num_tokens, dst_blocks):
+def assert_pool_holds(dec: TTDecode, cache, src_blocks, num_tokens, dst_blocks):
     for layer in range(L):
         for kv in range(2):
             want = reference(cache, layer, kv, src_blocks, num_tokens, dec.layout.spec.dtype)
@@ -41,12 +42,12 @@ def assert_pool_holds(dec: DecodeEndpoint, cache, src_blocks, num_tokens, dst_bl
 def pair():
     cache = PagedKVCache(L, 48, H, BS, D).fill_random(3)
     tp, td = make_transport("inprocess"), make_transport("inprocess")
-    pre = PrefillEndpoint(cache, tp, COMPAT, ring_nbytes=1 << 20, reserve_timeout_s=0.2)
+    pre = prefill_endpoint(cache, tp, COMPAT, ring_nbytes=1 << 20, claim_wait_s=0.2)
     dev = EmulatedDevice("p150a", 8 << 20)
     decs = {}
     try:
         for dtype in ("bfloat16", "bfloat8_b"):
-            decs[dtype] = DecodeEndpoint(dev, TTKVCacheSpec(L, 32, H, BS, D, dtype), td, pre.endpoint, COMPAT,
+            decs[dtype] = TTDecode(dev, TTKVCacheSpec(L, 32, H, BS, D, dtype), td, pre.endpoint, COMPAT,
                                          recv_nbytes_per_bank=128 << 10, timeout_s=10)
         yield cache, pre, decs, dev, tp, td
     finally:
@@ -83,15 +84,16 @@ def test_gg_and_gn_host_baselines_move_the_same_kv():
     cache = PagedKVCache(L, 48, H, BS, D).fill_random(5)
     for kind in ("inprocess", "host_staged"):
         tp, td = make_transport(kind), make_transport(kind)
-        pre = PrefillEndpoint(cache, tp, COMPAT, mode="vllm")
+        pre = prefill_endpoint(cache, tp, COMPAT, "vllm")
         dst_cache = PagedKVCache(L, 40, H, BS, D)
-        dec = VllmDecodeEndpoint(dst_cache, td, pre.endpoint, COMPAT)
+        dec = VllmDecode(dst_cache, td, pre.endpoint, COMPAT)
         dev = EmulatedDevice("p150a", 8 << 20)
         layout, bufs = dev.allocate_kv_cache(TTKVCacheSpec(L, 32, H, BS, D, "bfloat8_b"))
         try:
             src, dst, tt_dst, n = [4, 5, 6, 20, 9], [1, 2, 30, 31, 7], [3, 4, 5, 9, 10], 300
             pre.add_request("g", src, n)
-            res = dec.fetch("g", n, dst, fix=(dev, layout, bufs, tt_dst))
+            res = dec.fetch("g", n, dst)
+            gn_host_fix(dst_cache, dst, dev, layout, bufs, tt_dst)
             assert res.entries == 4 * L  # runs consecutive on both sides: 4,5->1,2  6->30  20->31  9->7
             for layer in range(L):
                 assert torch.equal(dst_cache.layers[layer][dst], cache.layers[layer][src])
@@ -104,6 +106,8 @@ def test_gg_and_gn_host_baselines_move_the_same_kv():
             pre.close()
             tp.close()
             td.close()
+            for b in bufs:
+                dev.free_buffer(b)
 
 
 class ForgingPrefill(PrefillEndpoint):
@@ -134,11 +138,11 @@ class ForgingPrefill(PrefillEndpoint):
 def test_forged_kvready_is_refused_and_nothing_is_held(forge):
     cache = PagedKVCache(L, 16, H, BS, D).fill_random(1)
     tp, td = make_transport("inprocess"), make_transport("inprocess")
-    pre = ForgingPrefill(cache, tp, COMPAT, ring_nbytes=1 << 20)
+    pre = ForgingPrefill(make_source(cache, "hawk"), tp, COMPAT, ring_nbytes=1 << 20)
     pre.forge = forge
     dev = EmulatedDevice("p150a", 8 << 20)
-    dec = DecodeEndpoint(dev, TTKVCacheSpec(L, 16, H, BS, D, "bfloat16"), td, pre.endpoint, COMPAT,
-                         recv_nbytes_per_bank=64 << 10, timeout_s=5)
+    dec = TTDecode(dev, TTKVCacheSpec(L, 16, H, BS, D, "bfloat16"), td, pre.endpoint, COMPAT,
+                   recv_nbytes_per_bank=64 << 10, timeout_s=5)
     try:
         before = torch.cat([dec.read_blocks(0, 0, [1, 2])])
         pre.add_request("f", [1, 2], 128)

@@ -20,7 +20,8 @@ def test_transfer_bench_smoke(tmp_path, capsys):
     assert rc == 0 and png.stat().st_size > 0
     res = json.loads(out.read_text())
     rows = {(r["row"], r["dtype"]) for r in res["rows"]}
-    assert rows == {(r, "bfloat16") for r in transfer_bench.ROWS} | {(r, "bfloat8_b") for r in transfer_bench.HAWK_BFP8_ROWS}
+    assert rows == ({(r, "bfloat16") for r in transfer_bench.ROWS}
+                    | {(r, "bfloat8_b") for r in transfer_bench.HAWK_BFP8_ROWS})
     by = {(r["row"], r["dtype"]): r for r in res["rows"]}
     assert by[("GN-HAWK staged", "bfloat16")]["bytes_moved"] == by[("GG-Direct", "bfloat16")]["bytes_moved"]
     assert by[("GN-HAWK staged", "bfloat8_b")]["bytes_moved"] * 2048 == \

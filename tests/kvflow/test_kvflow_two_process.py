@@ -18,15 +18,17 @@ import numpy as np
 import pytest
 import torch
 import zmq
-
 from prefill_proc import start_prefill
 from test_kvflow_inprocess import reference
-from vllm_hawk.kvflow import DecodeEndpoint, PagedKVCache, PeerFailed
+
+from vllm_hawk.kvflow import PeerFailed
 from vllm_hawk.kvflow.decode import RELEASE_TIMEOUT_S, SETTLE_WAIT_S
 from vllm_hawk.layout.tt_kv_cache import TTKVCacheSpec
 from vllm_hawk.npu.emulated import EmulatedDevice
-from vllm_hawk.protocol import (Envelope, IncompatiblePeer, KVRequest, ProtocolClient, make_compat)
+from vllm_hawk.protocol import Envelope, IncompatiblePeer, KVRequest, ProtocolClient, make_compat
 from vllm_hawk.protocol.envelope import MAGIC
+from vllm_hawk.testing.endpoints import TTDecode
+from vllm_hawk.testing.paged_cache import PagedKVCache
 from vllm_hawk.transport import TransferFailed, make_transport
 
 try:
@@ -64,7 +66,7 @@ def decode(prefill):
     decs = {}
     try:
         for dtype in ("bfloat16", "bfloat8_b"):
-            decs[dtype] = DecodeEndpoint(dev, TTKVCacheSpec(L, POOL_BLOCKS, H, BS, D, dtype), t, prefill.endpoint,
+            decs[dtype] = TTDecode(dev, TTKVCacheSpec(L, POOL_BLOCKS, H, BS, D, dtype), t, prefill.endpoint,
                                          COMPAT, secret=SECRET, recv_nbytes_per_bank=192 << 10, timeout_s=30)
         yield decs, dev, t
     finally:
@@ -138,8 +140,8 @@ def test_mismatched_handshake_is_refused(prefill, decode):
     live = len(dev.live_buffers())
     bad = make_compat("tiny", "bfloat16", 128, "vllm-flash-nhd", "tt-paged", "p150a")
     with pytest.raises(IncompatiblePeer, match="block_size differs"):
-        DecodeEndpoint(dev, TTKVCacheSpec(L, 8, H, BS, D, "bfloat16"), t, prefill.endpoint, bad,
-                       secret=SECRET, recv_nbytes_per_bank=0, timeout_s=5)
+        TTDecode(dev, TTKVCacheSpec(L, 8, H, BS, D, "bfloat16"), t, prefill.endpoint, bad,
+                 secret=SECRET, recv_nbytes_per_bank=0, timeout_s=5)
     assert len(dev.live_buffers()) == live  # the failed endpoint freed its pool
 
 
@@ -178,8 +180,8 @@ def test_prefill_dying_mid_flight_errors_in_bounded_time_and_leaks_nothing(when)
     t = make_transport("mooncake", **MOONCAKE_OPTIONS)
     dec = None
     try:
-        dec = DecodeEndpoint(dev, TTKVCacheSpec(L, POOL_BLOCKS, H, BS, D, "bfloat16"), t, p.endpoint, COMPAT,
-                             secret=SECRET, recv_nbytes_per_bank=192 << 10, timeout_s=30)
+        dec = TTDecode(dev, TTKVCacheSpec(L, POOL_BLOCKS, H, BS, D, "bfloat16"), t, p.endpoint, COMPAT,
+                       secret=SECRET, recv_nbytes_per_bank=192 << 10, timeout_s=30)
         regions = len(t._regions)
         rid = "die-in-transform" if when == "in_transform" else "r-dies"
         p.add(rid, [1, 2, 3], 3 * BS)

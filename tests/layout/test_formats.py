@@ -6,7 +6,8 @@ import struct
 import numpy as np
 import pytest
 import torch
-from hypothesis import given, strategies as st
+from hypothesis import given
+from hypothesis import strategies as st
 
 from vllm_hawk.layout.formats import FORMATS, pack_tiles, tilize_pack, unpack_tiles, unpack_untilize
 from vllm_hawk.layout.tiles import num_tiles, tilize, untilize
@@ -59,7 +60,8 @@ def test_tiles_row_major_with_leading_dims_and_padding():
     assert torch.equal(untilize(tilize(x), x.shape), x)
 
 
-@pytest.mark.parametrize("dtype,nbytes", [("float32", 4096), ("bfloat16", 2048), ("bfloat8_b", 1088), ("bfloat4_b", 576)])
+@pytest.mark.parametrize("dtype,nbytes", [("float32", 4096), ("bfloat16", 2048), ("bfloat8_b", 1088),
+                                          ("bfloat4_b", 576)])
 def test_tile_sizes(dtype, nbytes):
     assert tilize_pack(torch.randn(64, 64), dtype).shape == (4, nbytes)
 

@@ -12,8 +12,11 @@ def test_profiles(name, banks, align):
     assert len(p.bank_offsets) == banks
     if p.arch.startswith("wormhole"):
         assert p.bank_size_bytes == 1 << 30 and p.bank_offsets[1] == 0x40000000
+        assert p.dram_unreserved_base == 0x100040  # measured on ttsim (tests/ttsim)
     else:
         assert p.bank_size_bytes == 0xFF000000
+        assert p.dram_unreserved_base == 0x100080
+    assert p.usable_bank_bytes == p.bank_size_bytes - p.dram_unreserved_base
     assert name in available_profiles()
 
 
@@ -21,13 +24,21 @@ def test_profile_errors_name_file_and_field(tmp_path):
     with pytest.raises(ValueError, match="available"):
         load_profile("p999")
     bad = tmp_path / "bad.yaml"
-    bad.write_text("name: x\narch: blackhole\nnum_banks: 2\nbank_size_bytes: 4096\n"
+    bad.write_text("name: x\narch: blackhole\nnum_banks: 2\nbank_size_bytes: 4096\ndram_unreserved_base: 0\n"
                    "dram_alignment_bytes: 48\nbank_offsets: [0, 0]\nbank_channels: [0, 1]\n")
     with pytest.raises(ValueError, match=r"bad.yaml.*dram_alignment_bytes"):
         load_profile(bad)
-    bad.write_text("name: x\narch: blackhole\nnum_banks: 2\nbank_size_bytes: 4096\n"
+    bad.write_text("name: x\narch: blackhole\nnum_banks: 2\nbank_size_bytes: 4096\ndram_unreserved_base: 0\n"
                    "dram_alignment_bytes: 64\nbank_offsets: [0]\nbank_channels: [0, 1]\n")
     with pytest.raises(ValueError, match="bank_offsets"):
+        load_profile(bad)
+    bad.write_text("name: x\narch: blackhole\nnum_banks: 2\nbank_size_bytes: 4096\ndram_unreserved_base: 0x48\n"
+                   "dram_alignment_bytes: 64\nbank_offsets: [0, 0]\nbank_channels: [0, 1]\n")
+    with pytest.raises(ValueError, match=r"bad.yaml.*dram_unreserved_base.*0x48"):
+        load_profile(bad)
+    bad.write_text("name: x\narch: blackhole\nnum_banks: 2\nbank_size_bytes: 4096\n"
+                   "dram_alignment_bytes: 64\nbank_offsets: [0, 0]\nbank_channels: [0, 1]\n")
+    with pytest.raises(ValueError, match=r"bad.yaml.*missing field 'dram_unreserved_base'"):
         load_profile(bad)
 
 
@@ -56,7 +67,30 @@ def test_lockstep_sizes_first_fit_and_merge():
 def test_oom_message_says_what_was_asked_and_free():
     a = LockstepAllocator(load_profile("n150"), bank_size_bytes=64 << 10)
     a.allocate(12 * 30, 2048)  # 30 pages per bank = 61440 B
-    with pytest.raises(OutOfDeviceMemory, match=r"cannot allocate 6144 B per bank x 12 banks.*4096 B free per bank"):
+    with pytest.raises(OutOfDeviceMemory,
+                       match=r"cannot allocate 6144 B per bank x 12 banks.*4096 B free per bank of 65536"):
         a.allocate(36, 2048)
     with pytest.raises(ValueError, match="no allocation"):
         a.free(12345)
+
+
+def test_device_allocator_starts_at_the_unreserved_base():
+    for name, base in (("p150a", 0x100080), ("n150", 0x100040)):
+        p = load_profile(name)
+        a = LockstepAllocator.for_device(p)
+        assert a.allocate(p.num_banks, 2048).address == base
+        assert a.capacity == p.bank_size_bytes - base == p.usable_bank_bytes
+
+
+def test_first_fit_takes_the_lowest_hole_even_when_a_tighter_one_exists():
+    """tt-metal 0.81.1 (measured on ttsim): a 2 KiB buffer goes into the low 64 KiB hole,
+    not the higher 4 KiB one."""
+    a = LockstepAllocator(load_profile("p150a"), 1 << 20)
+    big = a.allocate_per_bank(64 << 10)
+    a.allocate_per_bank(1024)
+    small = a.allocate_per_bank(4096)
+    a.allocate_per_bank(1024)
+    a.free(big.address)
+    a.free(small.address)
+    assert a.allocate_per_bank(2048).address == big.address
+    assert [(x, z, u) for x, z, u in a.blocks()][:2] == [(0, 2048, True), (2048, (64 << 10) - 2048, False)]

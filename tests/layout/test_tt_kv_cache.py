@@ -9,7 +9,7 @@ from vllm_hawk.npu.emulated import EmulatedDevice
 
 
 def test_worked_case_blackhole_bfp8_block64_dim128():
-    """DESIGN.md s4: each (block, head) is 8 tiles, one per bank."""
+    """docs/tenstorrent-layout.md, worked case: each (block, head) is 8 tiles, one per bank."""
     spec = TTKVCacheSpec(1, 4, 2, 64, 128, "bfloat8_b")
     assert spec.tiles_per_block == 2 * 8 and spec.tile_nbytes == 1088
     tiles = spec.tile_index(3, 1, np.arange(64)[:, None], np.arange(128)[None, :])
@@ -44,3 +44,12 @@ def test_locate_finds_the_element_written_through_pages(profile, dtype):
     for b in bufs:
         dev.free_buffer(b)
     assert dev.allocator.used_bytes() == 0
+
+
+def test_tile_constants_match_formats():
+    """tt_kv_cache restates tile geometry to stay torch-free (the ttnn side env has no torch)."""
+    from vllm_hawk.layout import formats, tiles
+    from vllm_hawk.layout import tt_kv_cache as m
+
+    assert (m.TILE, m.FACE, m.BFP_EXP_NBYTES) == (tiles.TILE, tiles.FACE, formats.BFP_EXP_NBYTES)
+    assert m.TILE_NBYTES == {d: formats.tile_format(d).tile_nbytes for d in m.KV_DTYPES}

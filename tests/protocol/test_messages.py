@@ -6,11 +6,30 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from vllm_hawk.protocol import (ERROR_CODES, PROTOCOL_VERSION, Ack, AuthError, CompatFields,
-                                Envelope, ErrorMsg, FrameError, Hello, HelloAck, KVReady,
-                                KVRequest, LayoutDesc, ProtocolError, Release, Segment,
-                                compat_diff, compat_hash, decode, describe_diff, encode,
-                                make_compat)
+from vllm_hawk.protocol import (
+    ERROR_CODES,
+    PROTOCOL_VERSION,
+    Ack,
+    AuthError,
+    CompatFields,
+    Envelope,
+    ErrorMsg,
+    FrameError,
+    Hello,
+    HelloAck,
+    KVReady,
+    KVRequest,
+    LayoutDesc,
+    ProtocolError,
+    Release,
+    Segment,
+    compat_diff,
+    compat_hash,
+    decode,
+    describe_diff,
+    encode,
+    make_compat,
+)
 
 LAYOUT = LayoutDesc(name="tt-paged", dtype="bfloat8_b", block_size=64, num_layers=4,
                     num_kv_heads=4, head_dim=128, num_banks=8, tile_nbytes=1088,
@@ -23,7 +42,7 @@ def all_messages():
     return [
         Hello(compat=COMPAT, compat_hash=h, client_id="decode-0"),
         HelloAck(compat_hash=h, server_id="prefill-0", transfer_endpoint="127.0.0.1:15001",
-                 ring_base_addr=0x7F0000000000, ring_nbytes=1 << 30),
+                 export_base_addr=0x7F0000000000, export_nbytes=1 << 30),
         KVRequest(req_id="req-1", dst_layout=LAYOUT, num_tokens=4096,
                   dst_block_ids=list(range(64)), deadline_ms=1_800_000_000_000),
         KVReady(req_id="req-1", ring_offset=4096, total_nbytes=8 * 1088,

@@ -11,10 +11,23 @@ import zmq
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from vllm_hawk.protocol import (Ack, Envelope, ErrorMsg, Hello, IncompatiblePeer, KVReady,
-                                KVRequest, LayoutDesc, ProtocolClient, ProtocolServer,
-                                ProtocolTimeout, RemoteError, Segment, compat_hash,
-                                make_compat)
+from vllm_hawk.protocol import (
+    Ack,
+    Envelope,
+    ErrorMsg,
+    Hello,
+    IncompatiblePeer,
+    KVReady,
+    KVRequest,
+    LayoutDesc,
+    ProtocolClient,
+    ProtocolServer,
+    ProtocolTimeout,
+    RemoteError,
+    Segment,
+    compat_hash,
+    make_compat,
+)
 from vllm_hawk.protocol.envelope import MAGIC
 
 LAYOUT = LayoutDesc(name="tt-paged", dtype="bfloat8_b", block_size=64, num_layers=2,
@@ -87,7 +100,7 @@ def _assert_still_serving(server, secret):
 
 def test_handshake_request_release(server, client):
     ack = client.handshake()
-    assert ack.transfer_endpoint == "127.0.0.1:15999" and ack.ring_nbytes == RING_NBYTES
+    assert ack.transfer_endpoint == "127.0.0.1:15999" and ack.export_nbytes == RING_NBYTES
     ready = client.request_kv(_kvreq("r1"))
     assert [s.bank for s in ready.segments] == list(range(8))
     client.release("r1")
@@ -118,7 +131,7 @@ def test_request_before_handshake_refused(server, client):
 
 
 @pytest.mark.parametrize("field,value", [("block_size", 128), ("dtype", "float16"),
-                                         ("device_profile", "n150"), ("protocol_version", 2),
+                                         ("device_profile", "n150"), ("protocol_version", 99),
                                          ("dst_layout", "tt-bf16-12bank")])
 def test_handshake_mismatch_names_field(server, secret, field, value):
     theirs = msgspec.structs.replace(COMPAT, **{field: value})

@@ -2,10 +2,10 @@
 bytes a tilize-and-pack of the request's logical KV gives (staged and direct modes)."""
 import ctypes
 
-import numpy as np
 import pytest
 import torch
-from hypothesis import given, strategies as st
+from hypothesis import given
+from hypothesis import strategies as st
 
 from vllm_hawk.layout.formats import tilize_pack
 from vllm_hawk.layout.tt_kv_cache import TTKVCacheSpec
@@ -59,7 +59,8 @@ def cases(draw):
     dst_blocks = draw(st.permutations(range(n_dst + 6)))[:n_dst]
     src_blocks = draw(st.permutations(range(n_src + 4)))[:n_src]
     src_dtype = draw(st.sampled_from([torch.float32, torch.bfloat16]))
-    return profile, bs, src_bs, head_dim, heads, dtype, mode, dst_blocks, src_blocks, src_dtype, draw(st.integers(0, 2**31))
+    seed = draw(st.integers(0, 2**31))
+    return profile, bs, src_bs, head_dim, heads, dtype, mode, dst_blocks, src_blocks, src_dtype, seed
 
 
 @pytest.mark.parametrize("impl", ["cpu_kernel", "torch"])

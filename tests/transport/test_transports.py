@@ -11,10 +11,9 @@ import threading
 import time
 
 import pytest
-
 from peer import pattern, start_peer
-from vllm_hawk.transport import (RegionError, TransferFailed, TransferState, TransferTimeout,
-                                 Transport, make_transport)
+
+from vllm_hawk.transport import RegionError, TransferFailed, TransferState, TransferTimeout, Transport, make_transport
 
 KINDS = ["inprocess", "host_staged", "mooncake"]
 PEER_NBYTES = 8 << 20

@@ -34,7 +34,7 @@ def _run(out: Path, *args: str, timeout: float = 400) -> dict:
 
 @pytest.fixture(scope="session")
 def tiny_model() -> str:
-    from vllm_hawk.tiny_model import build_tiny_llama
+    from vllm_hawk.testing.tiny_model import build_tiny_llama
 
     return str(build_tiny_llama())
 

@@ -37,7 +37,6 @@ LLM_KW = dict(dtype="bfloat16", block_size=BLOCK_SIZE, max_model_len=512, max_nu
 
 def _generate(llm):
     from vllm import SamplingParams
-
     from vllm_fixtures import capture_block_ids
 
     blocks = capture_block_ids(llm)
@@ -62,8 +61,8 @@ def _blocks_of(captured: dict, request_id: str) -> list[int]:
 
 def run_reference(model: str) -> dict:
     import torch
-
     from vllm_fixtures import attention_layers, inprocess_llm
+
     from vllm_hawk.layout.vllm_kv import source_layout_from_layer
 
     with inprocess_llm(model, **LLM_KW) as llm:
@@ -81,8 +80,8 @@ def run_reference(model: str) -> dict:
 
 def run_tt(model: str, device: str, kv_dtype: str, abort: bool) -> dict:
     import torch
-
     from vllm_fixtures import engine_core, inprocess_llm
+
     from vllm_hawk.tt_plugin import registry
     from vllm_hawk.tt_plugin.attention import TTPagedAttentionImpl
 

@@ -50,18 +50,19 @@ DEFAULT_SIZES = (10, 40, 160, 640)
 # ---------------------------------------------------------------------------- prefill process
 def _prefill_main(cfg: dict, conn) -> None:
     os.environ.setdefault("MC_FORCE_TCP", "1")
-    from vllm_hawk.kvflow import PagedKVCache, PrefillEndpoint
     from vllm_hawk.protocol import make_compat
+    from vllm_hawk.testing.endpoints import prefill_endpoint
+    from vllm_hawk.testing.paged_cache import PagedKVCache
     from vllm_hawk.transport import make_transport
 
     cache = PagedKVCache(*cfg["shape"]).fill_random(cfg["seed"])
     compat = make_compat(*cfg["compat"])
     transports = {"hawk": make_transport("mooncake"), "gg_direct": make_transport("mooncake"),
                   "gg_host": make_transport("host_staged", chunk_nbytes=cfg["host_chunk"])}
-    eps = {"hawk": PrefillEndpoint(cache, transports["hawk"], compat, mode="hawk", ring_nbytes=cfg["ring_nbytes"],
-                                   reserve_timeout_s=60),
-           "gg_direct": PrefillEndpoint(cache, transports["gg_direct"], compat, mode="vllm"),
-           "gg_host": PrefillEndpoint(cache, transports["gg_host"], compat, mode="vllm")}
+    eps = {"hawk": prefill_endpoint(cache, transports["hawk"], compat, "hawk", ring_nbytes=cfg["ring_nbytes"],
+                                    claim_wait_s=60, lease_s=600),
+           "gg_direct": prefill_endpoint(cache, transports["gg_direct"], compat, "vllm", lease_s=600),
+           "gg_host": prefill_endpoint(cache, transports["gg_host"], compat, "vllm", lease_s=600)}
     conn.send({k: e.endpoint for k, e in eps.items()})
     try:
         while True:
@@ -71,7 +72,7 @@ def _prefill_main(cfg: dict, conn) -> None:
                 eps[name].add_request(rid, src, n)
                 conn.send(None)
             elif cmd[0] == "transform_s":
-                conn.send(eps["hawk"].transform_seconds(cmd[1]))
+                conn.send(eps["hawk"].produce_seconds(cmd[1]))
             elif cmd[0] == "snapshot":
                 conn.send({k: e.snapshot() for k, e in eps.items()})
             else:
@@ -107,12 +108,13 @@ class _Prefill:
 def run(model: str = "llama-3.1-70b", tp: int = 4, device_profile: str = "p150a", block_size: int = 64,
         sizes_mb=DEFAULT_SIZES, repeats: int = 5, rows=ROWS, per_tile_cap_s: float = 10.0,
         fragmented: bool = False, seed: int = 0, chunks: int = 4) -> dict:
-    from vllm_hawk.kvflow import DecodeEndpoint, PagedKVCache, VllmDecodeEndpoint
     from vllm_hawk.layout.device_profiles import load_profile
     from vllm_hawk.layout.model_shapes import load_model_shape
     from vllm_hawk.layout.tt_kv_cache import TTKVCacheSpec
     from vllm_hawk.npu.emulated import EmulatedDevice
     from vllm_hawk.protocol import make_compat
+    from vllm_hawk.testing.endpoints import TTDecode, VllmDecode, gn_host_fix
+    from vllm_hawk.testing.paged_cache import PagedKVCache
     from vllm_hawk.transport import make_transport
 
     shape = load_model_shape(model)
@@ -141,14 +143,13 @@ def run(model: str = "llama-3.1-70b", tp: int = 4, device_profile: str = "p150a"
     try:
         hawk = {}
         for dt in ("bfloat16", "bfloat8_b"):
-            hawk[dt] = DecodeEndpoint(dev, spec[dt], mc, pre.endpoints["hawk"], compat,
-                                      recv_nbytes_per_bank=recv_per_bank if dt == "bfloat16" else 0,
-                                      pool=hawk["bfloat16"].pool if dt != "bfloat16" else None, timeout_s=600)
+            hawk[dt] = TTDecode(dev, spec[dt], mc, pre.endpoints["hawk"], compat, recv_nbytes_per_bank=recv_per_bank,
+                                pool=hawk["bfloat16"].pool if dt != "bfloat16" else None, timeout_s=600)
             closers.append(hawk[dt].close)
         dcache = PagedKVCache(shape.num_layers, cache_blocks, heads, block_size, shape.head_dim)
-        gg_direct = VllmDecodeEndpoint(dcache, mc, pre.endpoints["gg_direct"], compat, timeout_s=600)
+        gg_direct = VllmDecode(dcache, mc, pre.endpoints["gg_direct"], compat, timeout_s=600)
         closers.append(gg_direct.close)
-        gg_host = VllmDecodeEndpoint(dcache, hs, pre.endpoints["gg_host"], compat, timeout_s=600)
+        gg_host = VllmDecode(dcache, hs, pre.endpoints["gg_host"], compat, timeout_s=600)
         closers.append(gg_host.close)
 
         cases = [(r, "bfloat16", mb) for mb in sizes_mb for r in rows]
@@ -162,8 +163,15 @@ def run(model: str = "llama-3.1-70b", tp: int = 4, device_profile: str = "p150a"
             tokens = n * block_size
             if row in ("GG-Host", "GN-Host"):
                 pre.call("add", "gg_host", rid, src, tokens)
-                fix = (dev, hawk[dtype].layout, hawk[dtype].kv_buffers, dst) if row == "GN-Host" else None
-                return gg_host.fetch(rid, tokens, dst, fix=fix)
+                r = gg_host.fetch(rid, tokens, dst)
+                if row == "GN-Host":  # the layout fix after arrival, into the device's KV pool
+                    t0 = time.monotonic()
+                    gn_host_fix(dcache, dst, dev, hawk[dtype].layout, hawk[dtype].bufs, dst)
+                    fix_s = time.monotonic() - t0
+                    r.copy_s += fix_s
+                    r.total_s += fix_s
+                    r.extra["fix_transform_s"] = fix_s
+                return r
             if row == "GG-Direct":
                 pre.call("add", "gg_direct", rid, src, tokens)
                 return gg_direct.fetch(rid, tokens, dst)
@@ -284,8 +292,8 @@ def plot(result: dict, path: str) -> str:
     w = 0.8 / len(series)
     for k, (row, dt) in enumerate(series):
         ys = [(_get(rows, row, dt, mb) or {}).get("norm_gg_host", np.nan) for mb in sizes]
-        label = f"{row} ({'bf16' if dt == 'bfloat16' else 'bfp8'})" + (" [time-capped: extrapolated]" if row == "per-tile" and any(
-            (_get(rows, row, dt, mb) or {}).get("capped") for mb in sizes) else "")
+        capped = row == "per-tile" and any((_get(rows, row, dt, mb) or {}).get("capped") for mb in sizes)
+        label = f"{row} ({'bf16' if dt == 'bfloat16' else 'bfp8'})" + (" [time-capped: extrapolated]" if capped else "")
         ax.bar(np.arange(len(sizes)) + (k - (len(series) - 1) / 2) * w, ys, w, label=label)
     ax.set_xticks(np.arange(len(sizes)), [f"{mb} MB" for mb in sizes])
     ax.set_yscale("log")

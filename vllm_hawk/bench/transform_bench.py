@@ -17,8 +17,8 @@ import torch
 
 from vllm_hawk.bench.common import median_seconds, print_table, progress, write_json
 from vllm_hawk.layout.model_shapes import load_model_shape
-from vllm_hawk.layout.report import build_layout
 from vllm_hawk.layout.vllm_kv import CpuAttnKVLayout, FlashAttnKVLayout, make_layer_caches
+from vllm_hawk.layout_report import build_layout
 from vllm_hawk.transform import make_plan, transform_kv
 
 SOURCES = ("flash", "cpu")
@@ -63,7 +63,6 @@ def run(model, tp, device_profile, block_size, sizes_mb, dtypes, sources, repeat
                      "gprime_mb": plan.total_nbytes / 1e6, "transform_ms": t_tf * 1e3, "copy_ms": t_copy * 1e3,
                      "transform_gbps": nbytes / t_tf / 1e9, "copy_gbps": nbytes / t_copy / 1e9,
                      "ratio": t_copy / t_tf})
-        del views
     progress(len(cases), len(cases), "done")
     return rows
 

@@ -9,7 +9,9 @@ Use it by module path::
 or, with the ``vllm.general_plugins`` entry point installed (``hawk_connector =
 vllm_hawk.connector:register``), by name alone (``"kv_connector": "HawkConnector"``).
 Settings: :mod:`vllm_hawk.connector.config`. Modules: ``connector`` (facade),
-``scheduler``, ``worker``, ``metadata``, ``plan`` (pure block-run planning), ``stats``.
+``scheduler``, ``worker``, ``metadata``, ``describe`` (what the KV caches are), ``debug``
+(``HAWK_DEBUG_DIR``), ``stats``;
+Algorithm 1 itself is :mod:`vllm_hawk.kvflow`.
 
 Importing this package imports vLLM only through :mod:`vllm_hawk.connector.connector`,
 loaded lazily, so ``register`` stays cheap in every vLLM process.
@@ -23,8 +25,12 @@ def register() -> None:
     """``vllm.general_plugins`` entry point: make ``"kv_connector": "HawkConnector"`` work.
 
     vLLM calls general plugins in every process (API server, engine core, workers),
-    possibly more than once: registering again is a no-op.
+    possibly more than once: registering again is a no-op. Also applies the AMX policy
+    (``HAWK_CPU_AMX``, :mod:`vllm_hawk.cpu_amx`) in that process.
     """
+    from vllm_hawk.cpu_amx import apply_from_plugin
+
+    apply_from_plugin()
     from vllm.distributed.kv_transfer.kv_connector.factory import KVConnectorFactory
 
     if CONNECTOR_NAME not in KVConnectorFactory._registry:

@@ -36,14 +36,18 @@ field                  default             meaning
 ``shared_secret``      ``None``            side-channel HMAC key (>= 16 bytes); when unset
                                            the environment variable ``HAWK_SHARED_SECRET``
                                            is used if present, else no authentication
-``lease_s``            ``60.0``            prefill: a finished request's blocks are freed
-                                           after this many seconds if no decode asks for
-                                           them (expired lease)
-``transfer_timeout_s`` ``20.0``            decode: deadline for one pull (side channel
-                                           round trips + READ batch); prefill: how long a
-                                           claimed request's blocks stay pinned
+``lease_s``            ``60.0``            prefill (the **lease**): a finished request's
+                                           KV is held this long for its decode, from the
+                                           hand-over and again from its KVReady; without
+                                           a Release it is freed (expired lease)
+``pull_timeout_s``     ``20.0``            decode (the **pull deadline**): one pull, side
+                                           channel round trips + READ batch + copies
+``claim_wait_s``       ``5.0``             both (the **claim wait**): longest wait for
+                                           buffer space (prefill ring, decode receive
+                                           buffers) before a request is refused
 ``handshake_timeout_s`` ``5.0``            decode: deadline for the first Hello to a prefill
-``ring_nbytes``        ``64 MiB``          prefill, ``staged`` mode: ring buffer size
+``ring_nbytes``        ``64 MiB``          prefill ring (staged, GN-HAWK) and decode receive
+                                           buffers (staged), bytes
 ``max_pulls``          ``2``               decode: pulls running at once (worker threads)
 =====================  ==================  ==================================================
 
@@ -51,14 +55,14 @@ Validated once at start-up; an error names the field, the bad value and what is 
 """
 from __future__ import annotations
 
-import os
 from dataclasses import dataclass, fields
 from typing import Any, Mapping
+
+from vllm_hawk import envs
 
 TRANSPORTS = ("mooncake-tcp", "mooncake-rdma", "host-staged")
 MODES = ("direct", "staged")
 VLLM_PROFILE = "vllm"
-SECRET_ENV = "HAWK_SHARED_SECRET"
 
 
 class HawkConfigError(ValueError):
@@ -75,7 +79,8 @@ class HawkConfig:
     device_profile: str = VLLM_PROFILE
     shared_secret: str | None = None
     lease_s: float = 60.0
-    transfer_timeout_s: float = 20.0
+    pull_timeout_s: float = 20.0
+    claim_wait_s: float = 5.0
     handshake_timeout_s: float = 5.0
     ring_nbytes: int = 64 << 20
     max_pulls: int = 2
@@ -94,6 +99,7 @@ class HawkConfig:
 
 
 _KNOWN = {f.name: f for f in fields(HawkConfig)}
+_RENAMED = {"transfer_timeout_s": "pull_timeout_s"}
 
 
 def _err(name: str, value: Any, want: str) -> HawkConfigError:
@@ -114,6 +120,9 @@ def parse_config(extra: Mapping[str, Any] | None, *, dp_rank: int = 0) -> HawkCo
     """Validate ``kv_connector_extra_config`` and return the settings (see module doc)."""
     extra = dict(extra or {})
     unknown = sorted(set(extra) - set(_KNOWN))
+    for old, new in _RENAMED.items():
+        if old in extra:
+            raise HawkConfigError(f"kv_connector_extra_config.{old} was renamed to {new!r}")
     if unknown:
         raise HawkConfigError(f"kv_connector_extra_config has unknown field(s) {unknown}; "
                               f"known fields: {sorted(_KNOWN)}")
@@ -135,7 +144,7 @@ def parse_config(extra: Mapping[str, Any] | None, *, dp_rank: int = 0) -> HawkCo
                    "transport='mooncake-rdma'")
     out["side_channel_port"] = _number("side_channel_port", out["side_channel_port"],
                                        integer=True, low=1, high=65535 - dp_rank) + dp_rank
-    for name in ("lease_s", "transfer_timeout_s", "handshake_timeout_s"):
+    for name in ("lease_s", "pull_timeout_s", "claim_wait_s", "handshake_timeout_s"):
         out[name] = float(_number(name, out[name], integer=False, low=0.1))
     out["ring_nbytes"] = _number("ring_nbytes", out["ring_nbytes"], integer=True, low=1 << 16)
     out["max_pulls"] = _number("max_pulls", out["max_pulls"], integer=True, low=1, high=64)
@@ -149,7 +158,7 @@ def parse_config(extra: Mapping[str, Any] | None, *, dp_rank: int = 0) -> HawkCo
 
     secret = out["shared_secret"]
     if secret is None:
-        secret = os.environ.get(SECRET_ENV) or None
+        secret = envs.shared_secret()
     if secret is not None:
         if not isinstance(secret, str) or len(secret.encode()) < 16:
             raise _err("shared_secret", "<hidden>", "must be a string of at least 16 bytes")

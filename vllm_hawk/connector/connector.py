@@ -16,10 +16,12 @@ import logging
 from typing import TYPE_CHECKING, Any
 
 import torch
-from vllm.distributed.kv_transfer.kv_connector.v1.base import (KVConnectorBase_V1,
-                                                                KVConnectorMetadata,
-                                                                KVConnectorRole,
-                                                                KVConnectorTransferResults)
+from vllm.distributed.kv_transfer.kv_connector.v1.base import (
+    KVConnectorBase_V1,
+    KVConnectorMetadata,
+    KVConnectorRole,
+    KVConnectorTransferResults,
+)
 from vllm.v1.metrics.cache_hit_source import CacheHitSource
 
 from vllm_hawk.connector.config import parse_config

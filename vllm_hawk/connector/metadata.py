@@ -19,8 +19,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
-from vllm.distributed.kv_transfer.kv_connector.v1.base import (KVConnectorMetadata,
-                                                                KVConnectorWorkerMetadata)
+from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorMetadata, KVConnectorWorkerMetadata
 
 REQUIRED_REMOTE_KEYS = ("remote_engine_id", "remote_request_id", "remote_block_ids",
                         "remote_num_tokens", "remote_host", "remote_port")

@@ -21,8 +21,7 @@ import time
 from typing import TYPE_CHECKING, Any
 
 from vllm_hawk.connector.config import HawkConfig
-from vllm_hawk.connector.metadata import (HawkConnectorMetadata, HawkWorkerMeta, RecvSpec,
-                                          SendSpec)
+from vllm_hawk.connector.metadata import HawkConnectorMetadata, HawkWorkerMeta, RecvSpec, SendSpec
 
 if TYPE_CHECKING:
     from vllm.v1.core.kv_cache_manager import KVCacheBlocks

@@ -25,9 +25,12 @@ import copy
 from dataclasses import dataclass
 from typing import Any
 
-from vllm.distributed.kv_transfer.kv_connector.v1.metrics import (KVConnectorPromMetrics,
-                                                                  KVConnectorStats, PromMetric,
-                                                                  PromMetricT)
+from vllm.distributed.kv_transfer.kv_connector.v1.metrics import (
+    KVConnectorPromMetrics,
+    KVConnectorStats,
+    PromMetric,
+    PromMetricT,
+)
 
 _SERIES = ("transfer_s", "nbytes", "segments", "operations")
 _COUNTS = ("failed", "expired", "released")

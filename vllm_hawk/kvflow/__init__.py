@@ -1,21 +1,39 @@
-"""HAWK's Algorithm 1 between two processes, independent of vLLM.
+"""HAWK's Algorithm 1 between two processes: the one implementation vLLM, the tests and
+the benchmarks run.
 
-* :class:`RingBuffer` / :class:`RingAllocator` — the prefill's registered ring (P5, P8)
-* :class:`BankBufferPool` — the decode's per-bank receive buffers (D2-D5, D8)
-* :class:`PagedKVCache` — a vLLM-layout (FlashAttention NHD) paged KV cache in torch
-* :class:`PrefillEndpoint` — P1-P9 over a transport + protocol server
-* :class:`DecodeEndpoint` — D1-D8 into an emulated (or real) Tenstorrent KV pool;
-  :class:`VllmDecodeEndpoint` — the GG-* / GN-Host baselines' decode side
+prefill: :class:`PrefillEndpoint` (P1-P9: leases, ring, cancels) serving from a
+:mod:`source <vllm_hawk.kvflow.sources>` — :class:`VllmBlockSource` (GG-Direct),
+:class:`RingGatherSource` (staged), :class:`TileTransformSource` (GN-HAWK).
+
+decode: :class:`DecodeEndpoint` (D1-D8: deadlines, READ batch, settle/quarantine,
+Release) landing in a :mod:`sink <vllm_hawk.kvflow.sinks>` — :class:`VllmPagedSink`,
+:class:`VllmStagedSink`, :class:`TTSink` (bank buffers or KV pages).
+
+buffers: :class:`RingBuffer` (prefill ring, decode receive ring), :class:`BankBufferPool`
+(per-bank receive buffers); :mod:`~vllm_hawk.kvflow.streams`: vLLM caches as
+:class:`KVRegionMap` and the stream pairing of their block runs.
 """
 from vllm_hawk.kvflow.bank_pool import BankBufferPool, RecvSlice
-from vllm_hawk.kvflow.decode import (FETCH_MODES, DecodeDevice, DecodeEndpoint, FetchResult, KVPageAddresses,
-                                     VllmDecodeEndpoint, layout_desc)
+from vllm_hawk.kvflow.decode import DecodeEndpoint, FetchResult
 from vllm_hawk.kvflow.errors import BufferFull, KVFlowError, PeerFailed, RingClosed, TransferUnsettled
-from vllm_hawk.kvflow.paged_cache import PagedKVCache, block_runs
 from vllm_hawk.kvflow.prefill import PrefillEndpoint
 from vllm_hawk.kvflow.ring import RingAllocator, RingBuffer
+from vllm_hawk.kvflow.sinks import (
+                                    SINK_MODES,
+                                    KVPageAddresses,
+                                    KVSink,
+                                    Landing,
+                                    TTSink,
+                                    VllmPagedSink,
+                                    VllmStagedSink,
+                                    layout_desc,
+                                    vllm_sink,
+)
+from vllm_hawk.kvflow.sources import KVSource, RingGatherSource, TileTransformSource, VllmBlockSource, vllm_layout_desc
+from vllm_hawk.kvflow.streams import KVRegionMap, LayerRegion
 
-__all__ = ["BankBufferPool", "BufferFull", "DecodeDevice", "DecodeEndpoint", "FETCH_MODES", "FetchResult",
-           "KVFlowError", "KVPageAddresses", "PagedKVCache", "PeerFailed", "PrefillEndpoint", "RecvSlice",
-           "RingAllocator", "RingBuffer", "RingClosed", "TransferUnsettled", "VllmDecodeEndpoint", "block_runs",
-           "layout_desc"]
+__all__ = ["BankBufferPool", "BufferFull", "DecodeEndpoint", "FetchResult", "KVFlowError", "KVPageAddresses",
+           "KVRegionMap", "KVSink", "KVSource", "Landing", "LayerRegion", "PeerFailed", "PrefillEndpoint",
+           "RecvSlice", "RingAllocator", "RingBuffer", "RingClosed", "RingGatherSource", "SINK_MODES", "TTSink",
+           "TileTransformSource", "TransferUnsettled", "VllmBlockSource", "VllmPagedSink", "VllmStagedSink",
+           "layout_desc", "vllm_layout_desc", "vllm_sink"]

@@ -28,8 +28,10 @@ class TransferUnsettled(PeerFailed):
     """A failed direct (or per-tile) fetch whose READs had not drained within the bound:
     they may still write into the KV pages of ``unsafe_blocks`` (destination block ids).
     Those blocks must not be used (or reused for another request) until the transport is
-    closed or the device's KV pool is reset."""
+    closed or the device's KV pool is reset. ``settled`` (a ``threading.Event``, when
+    known) is set once the batch has drained: the blocks are safe from then on."""
 
-    def __init__(self, msg: str, req_id: str = "", unsafe_blocks: tuple[int, ...] = ()) -> None:
+    def __init__(self, msg: str, req_id: str = "", unsafe_blocks: tuple[int, ...] = (), settled=None) -> None:
         super().__init__(msg, req_id)
         self.unsafe_blocks = tuple(unsafe_blocks)
+        self.settled = settled

@@ -1,17 +1,17 @@
 """Tenstorrent device profiles: DRAM banks, alignment and usable size per bank.
 
-Profiles are YAML files in ``configs/devices/<name>.yaml`` (override the folder with
-``HAWK_CONFIG_DIR``); :func:`load_profile` takes a name or a path. Units: bytes.
+Profiles are YAML files shipped in the package, ``vllm_hawk/layout/profiles/devices/<name>.yaml``
+(user folders named by ``HAWK_CONFIG_DIR`` are searched first, see
+:mod:`vllm_hawk.layout.profiles`); :func:`load_profile` takes a name or a path. Units: bytes.
 """
 from __future__ import annotations
 
 import os
 from dataclasses import dataclass
-from pathlib import Path
 
 import yaml
 
-_REPO_CONFIGS = Path(__file__).resolve().parents[2] / "configs"
+from vllm_hawk.layout import profiles
 
 
 @dataclass(frozen=True)
@@ -19,7 +19,11 @@ class DeviceProfile:
     """DRAM organisation of one Tenstorrent chip.
 
     num_banks: DRAM banks that interleaved buffers span (p150a 8, p100 7, n150 12).
-    bank_size_bytes: usable bytes per bank. dram_alignment_bytes: page alignment (A).
+    bank_size_bytes: bytes of each bank's DRAM view (soc descriptor ``dram_bank_size``).
+    dram_unreserved_base: first byte tt-metal's allocator may hand out in every bank (the
+    bytes below are reserved by tt-metal's HAL: 0x100080 Blackhole, 0x100040 Wormhole,
+    measured on ttsim); usable bytes per bank = bank_size_bytes - dram_unreserved_base.
+    dram_alignment_bytes: page alignment (A).
     bank_offsets: byte offset of each bank inside its channel (Wormhole odd banks: 1 GiB).
     bank_channels: GDDR channel of each bank.
     """
@@ -31,7 +35,13 @@ class DeviceProfile:
     dram_alignment_bytes: int
     bank_offsets: tuple[int, ...]
     bank_channels: tuple[int, ...]
+    dram_unreserved_base: int = 0
     chips: int = 1
+
+    @property
+    def usable_bank_bytes(self) -> int:
+        """Bytes per bank tt-metal's DRAM allocator manages (no trace region)."""
+        return self.bank_size_bytes - self.dram_unreserved_base
 
     def aligned_page(self, page_nbytes: int) -> int:
         """Page size rounded up to the DRAM alignment (bytes)."""
@@ -39,27 +49,19 @@ class DeviceProfile:
         return -(-page_nbytes // a) * a
 
 
-def config_dir() -> Path:
-    return Path(os.environ.get("HAWK_CONFIG_DIR", _REPO_CONFIGS))
-
-
 def available_profiles() -> list[str]:
-    return sorted(p.stem for p in (config_dir() / "devices").glob("*.yaml"))
+    """Names of every device profile: shipped ones and those in ``HAWK_CONFIG_DIR``."""
+    return profiles.available("devices")
 
 
-_FIELDS = {"name": str, "arch": str, "num_banks": int, "bank_size_bytes": int,
+_FIELDS = {"name": str, "arch": str, "num_banks": int, "bank_size_bytes": int, "dram_unreserved_base": int,
            "dram_alignment_bytes": int, "bank_offsets": list, "bank_channels": list}
 
 
 def load_profile(name_or_path: str | os.PathLike) -> DeviceProfile:
     """Load a profile by name (``p150a``) or by YAML path. Errors name the file and field."""
-    path = Path(name_or_path)
-    if path.suffix not in (".yaml", ".yml") and "/" not in str(name_or_path):
-        path = config_dir() / "devices" / f"{name_or_path}.yaml"
-        if not path.exists():
-            raise ValueError(f"unknown device profile {str(name_or_path)!r}; "
-                             f"available in {config_dir() / 'devices'}: {available_profiles()}")
-    raw = yaml.safe_load(path.read_text())
+    path, text = profiles.read("devices", name_or_path)
+    raw = yaml.safe_load(text)
     if not isinstance(raw, dict):
         raise ValueError(f"{path}: expected a mapping of profile fields")
     for field, typ in _FIELDS.items():
@@ -73,11 +75,17 @@ def load_profile(name_or_path: str | os.PathLike) -> DeviceProfile:
             raise ValueError(f"{path}: field {field!r} has {len(raw[field])} entries, num_banks is {nb}")
     if nb <= 0 or raw["bank_size_bytes"] <= 0:
         raise ValueError(f"{path}: num_banks and bank_size_bytes must be positive")
+    base = raw["dram_unreserved_base"]
+    if not 0 <= base < raw["bank_size_bytes"]:
+        raise ValueError(f"{path}: field 'dram_unreserved_base' must be in [0, bank_size_bytes), got {base:#x}")
     a = raw["dram_alignment_bytes"]
     if a <= 0 or a & (a - 1):
         raise ValueError(f"{path}: dram_alignment_bytes must be a power of two, got {a}")
+    if base % a:
+        raise ValueError(f"{path}: field 'dram_unreserved_base' {base:#x} is not a multiple of "
+                         f"dram_alignment_bytes {a}")
     return DeviceProfile(
         name=raw["name"], arch=raw["arch"], num_banks=nb, bank_size_bytes=raw["bank_size_bytes"],
         dram_alignment_bytes=a, bank_offsets=tuple(raw["bank_offsets"]),
-        bank_channels=tuple(raw["bank_channels"]), chips=int(raw.get("chips", 1)),
+        bank_channels=tuple(raw["bank_channels"]), dram_unreserved_base=base, chips=int(raw.get("chips", 1)),
     )

@@ -4,9 +4,16 @@ An interleaved buffer of ``num_pages`` pages puts page i in bank ``i % nb`` at b
 ``address + (i // nb) * aligned_page`` of that bank (tt-metal ``Buffer::page_address``).
 The allocator is lockstep (tt-metal ``BankManager``): ONE free list covers all banks, so
 a buffer occupies the same address range in every bank, ``ceil(num_pages / nb) *
-aligned_page`` bytes per bank, even in banks that hold fewer of its pages. DRAM is
-allocated bottom-up, first fit (``FreeListOpt::SearchPolicy::FIRST``). This is why a
-buffer that fills one bank more than the others starves every later allocation.
+aligned_page`` bytes per bank, even in banks that hold fewer of its pages. This is why
+a buffer that fills one bank more than the others starves every later allocation.
+
+DRAM is allocated bottom-up, first fit: the lowest-address free block that fits, at its
+low end; freed blocks merge with free neighbours. Checked address for address, through
+Out of Memory and reuse, against tt-metal (ttnn 0.81.1) on ttsim (tests/ttsim). (tt-metal's
+sources also carry a size-segregated "best" search in ``FreeListOpt``; 0.81.1 does not
+place DRAM buffers that way: a 2 MiB buffer goes into a low 11 MiB hole, not a higher
+3 MiB one.) The device allocator manages ``[profile.dram_unreserved_base, bank size)`` of
+every bank (:meth:`LockstepAllocator.for_device`). Units: bytes.
 """
 from __future__ import annotations
 
@@ -36,15 +43,29 @@ class Allocation:
 
 
 class LockstepAllocator:
-    """First-fit, bottom-up free list shared by all banks of one device (bytes)."""
+    """tt-metal's DRAM free list shared by all banks of one device (bytes).
 
-    def __init__(self, profile: DeviceProfile, bank_size_bytes: int | None = None):
+    Manages ``[base, bank_size)`` in every bank (``bank_size`` defaults to the profile's);
+    returned addresses are absolute byte offsets in each bank.
+    """
+
+    def __init__(self, profile: DeviceProfile, bank_size_bytes: int | None = None, *, base: int = 0):
         self.profile = profile
         self.num_banks = profile.num_banks
         self.alignment = profile.dram_alignment_bytes
         self.bank_size = bank_size_bytes if bank_size_bytes is not None else profile.bank_size_bytes
-        self._free: list[tuple[int, int]] = [(0, self.bank_size)]  # sorted (start, size)
+        if not 0 <= base < self.bank_size:
+            raise ValueError(f"LockstepAllocator: base {base:#x} outside a {self.bank_size:#x}-byte bank")
+        self.base = base
+        self.capacity = self.bank_size - base  # bytes managed per bank
+        self._free: list[tuple[int, int]] = [(base, self.capacity)]  # sorted (start, size)
         self._used: dict[int, int] = {}  # address -> size_per_bank
+
+    @classmethod
+    def for_device(cls, profile: DeviceProfile, bank_size_bytes: int | None = None) -> "LockstepAllocator":
+        """The allocator of a device's DRAM, as tt-metal's: it manages
+        ``[profile.dram_unreserved_base, bank_size_bytes or profile.bank_size_bytes)``."""
+        return cls(profile, bank_size_bytes, base=profile.dram_unreserved_base)
 
     def allocate(self, num_pages: int, page_nbytes: int) -> Allocation:
         """Reserve an interleaved buffer; raises :class:`OutOfDeviceMemory` if it does not fit."""
@@ -55,19 +76,20 @@ class LockstepAllocator:
 
     def allocate_per_bank(self, size_per_bank: int) -> Allocation:
         """Reserve ``size_per_bank`` bytes (rounded up to alignment) at one address in all banks."""
-        size = -(-size_per_bank // self.alignment) * self.alignment
-        for i, (start, free) in enumerate(self._free):
-            if free >= size:
-                if free == size:
-                    del self._free[i]
-                else:
-                    self._free[i] = (start + size, free - size)
-                self._used[start] = size
-                return Allocation(start, size)
-        raise OutOfDeviceMemory(
-            f"{self.profile.name}: cannot allocate {size} B per bank x {self.num_banks} banks "
-            f"(lockstep): largest free block is {self.largest_free()} B in every bank, "
-            f"{self.free_bytes()} B free per bank of {self.bank_size} B")
+        size = max(-(-size_per_bank // self.alignment) * self.alignment, self.alignment)
+        i = next((k for k, (_, free) in enumerate(self._free) if free >= size), None)
+        if i is None:
+            raise OutOfDeviceMemory(
+                f"{self.profile.name}: cannot allocate {size} B per bank x {self.num_banks} banks "
+                f"(lockstep): largest free block is {self.largest_free()} B in every bank, "
+                f"{self.free_bytes()} B free per bank of {self.capacity} B")
+        start, free = self._free[i]
+        if free == size:
+            del self._free[i]
+        else:
+            self._free[i] = (start + size, free - size)
+        self._used[start] = size
+        return Allocation(start, size)
 
     def free(self, address: int) -> None:
         size = self._used.pop(address, None)
@@ -91,3 +113,9 @@ class LockstepAllocator:
 
     def used_bytes(self) -> int:
         return sum(self._used.values())
+
+    def blocks(self) -> list[tuple[int, int, bool]]:
+        """Every block in address order: (address, size, allocated), as tt-metal's
+        memory view lists them (addresses absolute)."""
+        out = [(a, z, False) for a, z in self._free] + [(a, z, True) for a, z in self._used.items()]
+        return sorted(out)

@@ -1,7 +1,9 @@
 """KV shapes of a model, per device after tensor parallelism.
 
-Model files live in ``configs/models/<name>.yaml`` (fields num_layers, num_kv_heads,
-head_dim). With TP ranks > KV heads, vLLM replicates KV heads: each rank holds one.
+Model files are shipped in the package, ``vllm_hawk/layout/profiles/models/<name>.yaml``
+(fields num_layers, num_kv_heads, head_dim; ``HAWK_CONFIG_DIR`` adds user folders, see
+:mod:`vllm_hawk.layout.profiles`). With TP ranks > KV heads, vLLM replicates KV heads:
+each rank holds one.
 """
 from __future__ import annotations
 
@@ -10,7 +12,7 @@ from pathlib import Path
 
 import yaml
 
-from vllm_hawk.layout.device_profiles import config_dir
+from vllm_hawk.layout import profiles
 
 
 @dataclass(frozen=True)
@@ -32,15 +34,16 @@ class ModelShape:
         return self.num_layers * 2 * self.kv_heads_per_rank(tp) * self.head_dim * elem_nbytes
 
 
+def available_models() -> list[str]:
+    """Names of every model shape: shipped ones and those in ``HAWK_CONFIG_DIR``."""
+    return profiles.available("models")
+
+
 def load_model_shape(name_or_path: str) -> ModelShape:
-    path = Path(name_or_path)
-    if path.suffix not in (".yaml", ".yml") and "/" not in str(name_or_path):
-        path = config_dir() / "models" / f"{name_or_path}.yaml"
-        if not path.exists():
-            have = sorted(p.stem for p in (config_dir() / "models").glob("*.yaml"))
-            raise ValueError(f"unknown model {name_or_path!r}; available in {path.parent}: {have}")
-    raw = yaml.safe_load(path.read_text()) or {}
+    """Load a model's KV shapes by name (``llama-3.1-70b``) or by YAML path."""
+    path, text = profiles.read("models", name_or_path)
+    raw = yaml.safe_load(text) or {}
     for field in ("num_layers", "num_kv_heads", "head_dim"):
         if not isinstance(raw.get(field), int) or raw[field] <= 0:
             raise ValueError(f"{path}: field {field!r} must be a positive integer, got {raw.get(field)!r}")
-    return ModelShape(str(raw.get("name", path.stem)), raw["num_layers"], raw["num_kv_heads"], raw["head_dim"])
+    return ModelShape(str(raw.get("name", Path(path).stem)), raw["num_layers"], raw["num_kv_heads"], raw["head_dim"])

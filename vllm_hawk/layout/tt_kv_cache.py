@@ -16,8 +16,13 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from vllm_hawk.layout.formats import BFP_EXP_NBYTES, tile_format
-from vllm_hawk.layout.tiles import FACE, TILE
+# Tile geometry, restated here so this module needs only numpy: the ttnn backend imports it
+# in the Python 3.12 side environment, which has no torch. tests/layout/test_tt_kv_cache.py
+# checks these equal vllm_hawk.layout.tiles / formats.
+TILE = 32  # tile edge (elements)
+FACE = 16  # face edge (elements)
+BFP_EXP_NBYTES = 64  # shared-exponent bytes at the head of a block-float tile
+TILE_NBYTES = {"bfloat16": 2048, "bfloat8_b": 1088, "bfloat4_b": 576}  # bytes per 32x32 tile
 
 KV_DTYPES = ("bfloat16", "bfloat8_b", "bfloat4_b")
 K, V = 0, 1
@@ -46,7 +51,7 @@ class TTKVCacheSpec:
 
     @property
     def tile_nbytes(self) -> int:
-        return tile_format(self.dtype).tile_nbytes
+        return TILE_NBYTES[self.dtype]
 
     @property
     def tiles_per_block(self) -> int:

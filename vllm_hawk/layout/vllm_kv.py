@@ -18,7 +18,11 @@ depends on the backend:
 Every adapter exposes the same interface (``SourceKVLayout``): ``read_blocks`` /
 ``write_blocks`` give K and V as ``[n_blocks, num_kv_heads, block_size, head_dim]`` in
 logical token order; ``block_byte_ranges`` gives the byte runs of one block inside a
-layer's cache for block-run copies. Offsets and sizes called ``*_bytes``/byte ranges
+layer's cache for block-run copies; ``kv_views`` gives the whole layer as zero-copy
+logical views where the layout is strided (``strided``). :class:`TransformSource` is
+what the prefill transform reads for a request, for every layout: those views, or — for
+the packed CPU_ATTN ``amx`` layout, which no strided view expresses — the request's
+blocks gathered into logical tensors. Offsets and sizes called ``*_bytes``/byte ranges
 are in bytes; everything else is in elements.
 
 Pure torch; vLLM is imported only by :func:`detect_cpu_attn_isa` and
@@ -28,12 +32,15 @@ Pure torch; vLLM is imported only by :func:`detect_cpu_attn_isa` and
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import ClassVar, Protocol, runtime_checkable
+from typing import ClassVar, Protocol, Sequence, runtime_checkable
 
+import numpy as np
 import torch
 
 __all__ = [
     "SourceKVLayout",
+    "TransformSource",
+    "as_transform_source",
     "CpuAttnKVLayout",
     "FlashAttnKVLayout",
     "CPU_ATTN_ISAS",
@@ -55,6 +62,7 @@ class SourceKVLayout(Protocol):
     block_size: int
     head_dim: int
     dtype: torch.dtype
+    strided: bool  # kv_views works (the layout is a strided view of the cache)
 
     def read_blocks(
         self, layer_cache: torch.Tensor, block_ids: torch.Tensor
@@ -154,6 +162,8 @@ class _Base:
         self._check_cache(layer_cache)
         return block_byte_ranges(layer_cache, block_id)
 
+    strided: ClassVar[bool] = True
+
     @property
     def block_nbytes(self) -> int:
         """Bytes of K+V of one block of one layer (dense, no padding)."""
@@ -194,6 +204,14 @@ class CpuAttnKVLayout(_Base):
       V row-major ``[N, D]``.
     * ``amx`` (bf16 with AMX): K ``[N/16, D/2, 16, 2]`` (token groups of 16, dim pairs
       packed as 32-bit words), V ``[D/16, N/2, 16, 2]`` (16-dim groups, token pairs packed).
+      Derived from vLLM 0.32 ``csrc/cpu/cpu_attn_amx.hpp``,
+      ``AttentionImpl<ISA::AMX>::reshape_and_cache``: K is written as 32-bit words
+      (``quadword_num = head_dim / 2``) at word ``group_idx * 16 * quadword_num +
+      group_offset + j * 16`` (``token_num_per_group = AMX_TILE_ROW_BYTES / 4 = 16``); V
+      token pairs (``token_num_per_sub_group = 2``) at element ``sub_group_idx * 2 * 16 +
+      sub_group_offset + i * block_size * 16 + 2 * j`` for head-dim group i (16 dims, j
+      in it). No strided view expresses this order (a token or a dim is split over two
+      axes), so ``kv_views`` refuses it and :class:`TransformSource` gathers instead.
 
     ``isa=None`` asks vLLM which ISA it would pick (:func:`detect_cpu_attn_isa`).
     fp8 KV caches and the neon/vsx/vxe/rvv kernels are refused.
@@ -201,6 +219,11 @@ class CpuAttnKVLayout(_Base):
 
     isa: str | None = None
     name: ClassVar[str] = "CPU_ATTN"
+
+    @property
+    def strided(self) -> bool:  # type: ignore[override]
+        """True for vec/vec16 (``kv_views`` works), False for the packed amx layout."""
+        return self.isa in ("vec", "vec16")
 
     def __post_init__(self) -> None:
         if self.isa is None:
@@ -250,10 +273,13 @@ class CpuAttnKVLayout(_Base):
 
     def kv_views(self, layer_cache):
         """K, V of the WHOLE layer as logical [num_blocks, H, N, D] views (no copy): the
-        transform's input. Only ``vec``/``vec16``: the amx packing is not a strided view."""
+        transform's input. Only ``vec``/``vec16``: the amx packing is not a strided view
+        (use :class:`TransformSource`, which gathers the requested blocks instead)."""
         self._check_cache(layer_cache)
-        if self.isa not in ("vec", "vec16"):
-            raise NotImplementedError(f"kv_views: the {self.isa} layout is not expressible as a strided view")
+        if not self.strided:
+            raise NotImplementedError(
+                f"kv_views: CPU_ATTN isa={self.isa!r} is not expressible as a strided view; "
+                "read it through TransformSource (gathers the requested blocks)")
         nb, h, N, D = layer_cache.shape[0], self.num_kv_heads, self.block_size, self.head_dim
         slabs = layer_cache.reshape(nb, h, 2 * N * D)
         return slabs[..., :N * D].view(nb, h, D, N).transpose(-1, -2), slabs[..., N * D:].view(nb, h, N, D)
@@ -268,6 +294,57 @@ class CpuAttnKVLayout(_Base):
             ids.numel(), self.num_kv_heads, self.block_size, 2 * self.head_dim
         )
         layer_cache[ids] = slabs
+
+
+# --------------------------------------------------------------------------- transform input
+
+class TransformSource:
+    """What the prefill transform reads for one request, whatever the source layout.
+
+    ``select(block_ids)`` returns ``(layers, ids)``: per layer logical ``(K, V)``
+    ``[*, num_kv_heads, block_size, head_dim]`` and the block ids to index them with
+    (``transform_kv(layers, ids, ...)``). When every layer's layout is strided (vec,
+    vec16, FLASH_ATTN) these are the whole layers' zero-copy ``kv_views`` and the ids
+    unchanged; otherwise (CPU_ATTN amx) K and V of just those blocks, gathered into new
+    tensors by ``read_blocks`` (one copy of ``len(block_ids)`` blocks per layer), and ids
+    ``0..n-1``. ``TransformSource.of_views(views)`` wraps ready-made strided views.
+    """
+
+    def __init__(self, adapters: Sequence[SourceKVLayout] = (), caches: Sequence[torch.Tensor] = (),
+                 views: Sequence[tuple[torch.Tensor, torch.Tensor]] | None = None) -> None:
+        if len(adapters) != len(caches):
+            raise ValueError(f"TransformSource: {len(adapters)} adapters for {len(caches)} caches")
+        self.adapters, self.caches = list(adapters), list(caches)
+        if views is None and all(a.strided for a in self.adapters):
+            views = [a.kv_views(c) for a, c in zip(self.adapters, self.caches)]
+        self.views = None if views is None else list(views)
+
+    @classmethod
+    def of_views(cls, views: Sequence[tuple[torch.Tensor, torch.Tensor]]) -> "TransformSource":
+        return cls(views=views)
+
+    @property
+    def zero_copy(self) -> bool:
+        """True when ``select`` returns views of the caches (no gather)."""
+        return self.views is not None
+
+    @property
+    def num_layers(self) -> int:
+        return len(self.views) if self.views is not None else len(self.caches)
+
+    def select(self, block_ids) -> tuple[list[tuple[torch.Tensor, torch.Tensor]], np.ndarray]:
+        """(per-layer logical (K, V), ids into them) for the blocks ``block_ids`` (1-D)."""
+        ids = np.asarray(block_ids, dtype=np.int64).reshape(-1)
+        if self.views is not None:
+            return self.views, ids
+        idx = torch.from_numpy(ids)
+        layers = [a.read_blocks(c, idx) for a, c in zip(self.adapters, self.caches)]
+        return layers, np.arange(ids.size, dtype=np.int64)
+
+
+def as_transform_source(x) -> TransformSource:
+    """A :class:`TransformSource` as is; a list of per-layer (K, V) strided views wrapped."""
+    return x if isinstance(x, TransformSource) else TransformSource.of_views(x)
 
 
 # --------------------------------------------------------------------------- FLASH_ATTN

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import itertools
 import mmap
+import sys
 import threading
 
 import numpy as np
@@ -23,25 +24,32 @@ from vllm_hawk.layout.tt_kv_cache import TTKVCacheLayout, TTKVCacheSpec
 from vllm_hawk.npu.bank_buffer import BankBufferError, DeviceBuffer
 
 DEFAULT_EMULATED_BANK_BYTES = 256 << 20  # emulated banks are smaller than real ones
+# Python's mmap module names MAP_NORESERVE only from 3.13; 0x4000 is its Linux value.
+_MAP_NORESERVE = getattr(mmap, "MAP_NORESERVE", 0x4000 if sys.platform.startswith("linux") else 0)
 
 
 class EmulatedDevice:
     """A Tenstorrent chip emulated in host memory.
 
-    bank_size_bytes: emulated bytes per bank (default 256 MiB, at most the profile's
-    usable bank size). Memory is reserved lazily by the OS: untouched pages cost nothing.
+    bank_size_bytes: allocatable bytes per bank (default 256 MiB, at most the profile's
+    ``usable_bank_bytes``; pass that for a full-size device). As on tt-metal, the
+    allocator hands out ``[base, base + bank_size_bytes)`` with ``base =
+    profile.dram_unreserved_base``; byte ``a`` of a bank's host region is device address
+    ``a`` and the reserved bytes below ``base`` stay unused. Memory is reserved lazily by
+    the OS (MAP_NORESERVE): untouched pages cost nothing.
     """
 
     def __init__(self, profile: DeviceProfile | str = "p150a", bank_size_bytes: int | None = None):
         self.profile = load_profile(profile) if isinstance(profile, str) else profile
-        size = bank_size_bytes or min(DEFAULT_EMULATED_BANK_BYTES, self.profile.bank_size_bytes)
-        if size > self.profile.bank_size_bytes:
-            raise ValueError(f"bank_size_bytes {size} exceeds {self.profile.name}'s usable bank "
-                             f"size {self.profile.bank_size_bytes}")
-        self.bank_size = size
-        self.allocator = LockstepAllocator(self.profile, size)
-        self._maps = [mmap.mmap(-1, size, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
-                      for _ in range(self.profile.num_banks)]
+        size = bank_size_bytes or min(DEFAULT_EMULATED_BANK_BYTES, self.profile.usable_bank_bytes)
+        if not 0 < size <= self.profile.usable_bank_bytes:
+            raise ValueError(f"bank_size_bytes {size} must be in (0, {self.profile.usable_bank_bytes}]: "
+                             f"{self.profile.name}'s usable bytes per bank (bank_size_bytes - dram_unreserved_base)")
+        self.bank_size = size  # allocatable bytes per bank
+        self.bank_nbytes = self.profile.dram_unreserved_base + size  # mapped bytes per bank
+        self.allocator = LockstepAllocator.for_device(self.profile, self.bank_nbytes)
+        flags = mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS | _MAP_NORESERVE
+        self._maps = [mmap.mmap(-1, self.bank_nbytes, flags=flags) for _ in range(self.profile.num_banks)]
         self.banks = [np.frombuffer(m, dtype=np.uint8) for m in self._maps]  # one uint8 array per bank
         self._buffers: dict[int, DeviceBuffer] = {}
         self._mapped: set[int] = set()

@@ -8,10 +8,25 @@ Optional shared-secret authentication (HMAC-SHA256, replay protection): see
 from vllm_hawk.protocol.client import IncompatiblePeer, ProtocolClient, ProtocolTimeout, RemoteError
 from vllm_hawk.protocol.compat import compat_diff, compat_hash, describe_diff, make_compat
 from vllm_hawk.protocol.envelope import AuthError, Envelope, FrameError, Header
-from vllm_hawk.protocol.messages import (ERROR_CODES, PROTOCOL_VERSION, Ack, CompatFields,
-                                         ErrorMsg, Hello, HelloAck, KVReady, KVRequest,
-                                         LayoutDesc, Message, ProtocolError, Release, Segment,
-                                         decode, encode, validate)
+from vllm_hawk.protocol.messages import (
+                                         ERROR_CODES,
+                                         PROTOCOL_VERSION,
+                                         Ack,
+                                         CompatFields,
+                                         ErrorMsg,
+                                         Hello,
+                                         HelloAck,
+                                         KVReady,
+                                         KVRequest,
+                                         LayoutDesc,
+                                         Message,
+                                         ProtocolError,
+                                         Release,
+                                         Segment,
+                                         decode,
+                                         encode,
+                                         validate,
+)
 from vllm_hawk.protocol.server import ProtocolHandler, ProtocolServer, ServerStats
 
 __all__ = [

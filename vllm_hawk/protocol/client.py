@@ -18,9 +18,8 @@ import zmq
 
 from vllm_hawk.protocol.compat import compat_hash
 from vllm_hawk.protocol.envelope import DEFAULT_MAX_MESSAGE_NBYTES, Envelope, FrameError
+from vllm_hawk.protocol.messages import CompatFields, ErrorMsg, Hello, HelloAck, KVReady, KVRequest, Message, Release
 from vllm_hawk.protocol.wakeup import Wakeup
-from vllm_hawk.protocol.messages import (CompatFields, ErrorMsg, Hello, HelloAck, KVReady,
-                                         KVRequest, Message, Release)
 
 logger = logging.getLogger(__name__)
 
@@ -99,17 +98,17 @@ class ProtocolClient:
         return ack
 
     def request_kv(self, msg: KVRequest, timeout_s: float | None = None) -> KVReady:
-        """D1 -> P7. Checks that every segment lies inside the server's ring."""
+        """D1 -> P7. Checks that every segment lies inside the server's exported region."""
         out = self.call(msg, timeout_s)
         if not isinstance(out, KVReady) or out.req_id != msg.req_id:
             raise RemoteError(ErrorMsg(code="bad_message", detail="KVRequest answered with "
                                        f"{type(out).__name__} for another request"),
                               self.endpoint)
-        ring = self.hello.ring_nbytes if self.hello else 0
+        ring = self.hello.export_nbytes if self.hello else 0
         for i, s in enumerate(out.segments):
             if s.offset_bytes + s.nbytes > ring:
                 raise RemoteError(ErrorMsg(code="bad_message", detail=f"segment {i} lies "
-                                           f"outside the {ring}-byte ring"), self.endpoint)
+                                           f"outside the {ring}-byte exported region"), self.endpoint)
         return out
 
     def release(self, req_id: str, ok: bool = True, timeout_s: float | None = None) -> None:

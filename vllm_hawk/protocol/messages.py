@@ -5,14 +5,20 @@ Decode (client) -> prefill (server):
   ``KVRequest``  D1: send me request ``req_id``'s KV for this destination layout
   ``Release``    D8: I have read it; free the ring region (reply ``Ack``) — P8
 Prefill -> decode (always as the reply to one request):
-  ``HelloAck``   transfer endpoint + registered ring buffer (base address, size)
-  ``KVReady``    P7: the request's G' sits in the ring, one segment per destination bank
+  ``HelloAck``   transfer endpoint + the exported region (base address, size): the
+                 registered ring, or the whole KV cache for a source served in place
+  ``KVReady``    P7: where the request's bytes are: G' in the ring, one segment per
+                 destination bank; or per-layer streams of the source blocks
   ``Ack``        Release done
   ``ErrorMsg``   typed refusal (``code``) with a human-readable ``detail``
 
 Every field is bounded at decode time (non-negative ints, string and list lengths);
 :func:`validate` adds the cross-field checks. Byte offsets in ``KVReady`` are relative
-to the ring buffer's registered base address (``HelloAck.ring_base_addr``).
+to the exported region's base address (``HelloAck.export_base_addr``).
+
+Version 2 (this one): ``HelloAck.ring_*`` became ``export_*`` (it may describe a whole
+exported cache, not a ring) and ``KVRequest.first_block`` selects which of the
+request's source blocks are sent (the decode may already hold a prefix).
 """
 from __future__ import annotations
 
@@ -21,7 +27,7 @@ from typing import Annotated, Literal, Union
 import msgspec
 from msgspec import Meta, Struct
 
-PROTOCOL_VERSION = 1
+PROTOCOL_VERSION = 2
 
 MAX_SEGMENTS = 4096  # per KVReady: N_ch banks x layers x K/V stays well below this
 MAX_BLOCK_IDS = 1 << 16
@@ -99,31 +105,36 @@ class Hello(_Base, tag="hello"):
 
 
 class HelloAck(_Base, tag="hello_ack"):
-    """transfer_endpoint: the prefill transport's ``endpoint``; ring_*: registered ring
-    buffer (host virtual address and size in bytes) that KVReady offsets refer to."""
+    """transfer_endpoint: the prefill transport's ``endpoint``; export_*: the registered
+    region KVReady offsets refer to (host virtual address and size in bytes): the ring,
+    or the exported KV cache when the prefill serves blocks in place (GG-Direct)."""
 
     compat_hash: Hash
     server_id: Name
     transfer_endpoint: Name
-    ring_base_addr: U64
-    ring_nbytes: U64
+    export_base_addr: U64
+    export_nbytes: U64
 
 
 class KVRequest(_Base, tag="kv_request"):
-    """D1. num_tokens: tokens to transfer; dst_block_ids: decode KV-pool blocks (direct
-    mode targets them); deadline_ms: unix ms after which the decode gives up (0 = none)."""
+    """D1. num_tokens: the request's prefilled tokens the decode needs; first_block: the
+    first of the request's source blocks to send (the decode holds the ones before it);
+    dst_block_ids: the decode's blocks for source blocks ``first_block, first_block+1,
+    ...`` in order; deadline_ms: unix ms after which the decode gives up (0 = none)."""
 
     req_id: ReqId
     dst_layout: LayoutDesc
     num_tokens: Annotated[int, Meta(ge=0, le=2**31)]
     dst_block_ids: Annotated[list[U32], Meta(max_length=MAX_BLOCK_IDS)] = []
+    first_block: Annotated[int, Meta(ge=0, le=2**31)] = 0
     deadline_ms: U64 = 0
 
 
 class KVReady(_Base, tag="kv_ready"):
     """P7. The request occupies ``total_nbytes`` bytes from ``ring_offset`` (bytes from
-    the ring base); ``segments`` list G' per bank. lease_ms: how long the prefill keeps
-    the region without a Release (0 = until Release)."""
+    the export base; 0 when served in place); ``segments`` list the bytes per bank (G')
+    or per layer (vLLM streams). lease_ms: how long from this message the prefill keeps
+    the bytes without a Release (0 = until Release)."""
 
     req_id: ReqId
     ring_offset: U64
@@ -190,5 +201,5 @@ def validate(msg: Message) -> None:
             if b0 < a1:
                 raise ProtocolError(f"segments overlap at offset {b0}")
     elif isinstance(msg, HelloAck):
-        if msg.ring_base_addr + msg.ring_nbytes > 2**63 - 1:
-            raise ProtocolError("ring range overflows 63 bits")
+        if msg.export_base_addr + msg.export_nbytes > 2**63 - 1:
+            raise ProtocolError("exported range overflows 63 bits")

@@ -21,9 +21,18 @@ import zmq
 
 from vllm_hawk.protocol.compat import compat_hash, describe_diff
 from vllm_hawk.protocol.envelope import DEFAULT_MAX_MESSAGE_NBYTES, AuthError, Envelope, FrameError
+from vllm_hawk.protocol.messages import (
+    Ack,
+    CompatFields,
+    ErrorMsg,
+    Hello,
+    HelloAck,
+    KVReady,
+    KVRequest,
+    Message,
+    Release,
+)
 from vllm_hawk.protocol.wakeup import Wakeup
-from vllm_hawk.protocol.messages import (Ack, CompatFields, ErrorMsg, Hello, HelloAck, KVReady,
-                                         KVRequest, Message, Release)
 
 logger = logging.getLogger(__name__)
 
@@ -34,7 +43,7 @@ class ProtocolHandler(Protocol):
     """What the prefill side plugs into :class:`ProtocolServer`."""
 
     def hello_info(self) -> tuple[str, int, int]:
-        """``(transfer_endpoint, ring_base_addr, ring_nbytes)`` for HelloAck."""
+        """``(transfer_endpoint, export_base_addr, export_nbytes)`` for HelloAck."""
 
     def on_kv_request(self, peer: str, msg: KVRequest, reply: Reply) -> Message | None:
         """D1 -> P1-P7: return KVReady/ErrorMsg now, or None and call ``reply`` later."""
@@ -212,7 +221,7 @@ class ProtocolServer:
         self._sessions[identity] = msg.client_id or sender
         endpoint, base, nbytes = self._handler.hello_info()
         return HelloAck(compat_hash=self._hash, server_id=self.server_id,
-                        transfer_endpoint=endpoint, ring_base_addr=base, ring_nbytes=nbytes)
+                        transfer_endpoint=endpoint, export_base_addr=base, export_nbytes=nbytes)
 
 
 class _OnceReply:

@@ -10,12 +10,11 @@ Source elements: bf16 (uint16 bits) or float32 (uint32 bits). Target codes: see 
 """
 from __future__ import annotations
 
+import importlib.util
 import threading
 
 import numpy as np
 import torch
-
-import importlib.util
 
 # numba is imported on first use, not with this module: vLLM 0.32's CPU worker scans
 # every loaded module when it registers its kernel overrides (model-runner init) and

@@ -19,14 +19,13 @@ from __future__ import annotations
 
 from typing import Sequence
 
-import os
-
 import numpy as np
 import torch
 
+from vllm_hawk import envs
 from vllm_hawk.layout.formats import pack_tiles
-from vllm_hawk.transform import cpu_kernel
 from vllm_hawk.layout.tiles import TILE, TILE_ELEMS, tile_view
+from vllm_hawk.transform import cpu_kernel
 from vllm_hawk.transform.plan import TransferPlan, block_runs
 
 
@@ -121,7 +120,7 @@ def transform_kv(
         raise ValueError(f"transform_kv: out must be uint8 [{plan.total_nbytes}]")
     tb, counts = spec.tile_nbytes, plan.bank_counts
     nb, n2l, n_tiles = len(counts), 2 * spec.num_layers, plan.tiles_per_tensor
-    impl = impl or os.environ.get("HAWK_TRANSFORM_IMPL", "auto")
+    impl = impl or envs.transform_impl()
     if impl not in ("auto", "cpu_kernel", "torch"):
         raise ValueError(f"transform impl must be auto, cpu_kernel or torch, got {impl!r}")
     if impl == "cpu_kernel" or (impl == "auto" and cpu_kernel.available(k0) and out.device.type == "cpu"):

@@ -12,9 +12,18 @@ from __future__ import annotations
 
 from typing import Any
 
-from vllm_hawk.transport.base import (Entry, Kind, RegionError, RegionTable, TransferFailed,
-                                      TransferHandle, TransferState, TransferTimeout, Transport,
-                                      TransportError)
+from vllm_hawk.transport.base import (
+    Entry,
+    Kind,
+    RegionError,
+    RegionTable,
+    TransferFailed,
+    TransferHandle,
+    TransferState,
+    TransferTimeout,
+    Transport,
+    TransportError,
+)
 
 TRANSPORT_KINDS = ("mooncake", "host_staged", "inprocess")
 

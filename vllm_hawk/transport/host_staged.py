@@ -30,7 +30,16 @@ import threading
 from dataclasses import dataclass
 from typing import Sequence
 
-from vllm_hawk.transport.base import (Entry, Kind, RegionTable, TransferHandle, TransferState, begin_transfer, closed_transfer, wait_handle)
+from vllm_hawk.transport.base import (
+    Entry,
+    Kind,
+    RegionTable,
+    TransferHandle,
+    TransferState,
+    begin_transfer,
+    closed_transfer,
+    wait_handle,
+)
 
 logger = logging.getLogger(__name__)
 

@@ -12,7 +12,15 @@ import itertools
 import threading
 from typing import Sequence
 
-from vllm_hawk.transport.base import (Entry, Kind, RegionTable, TransferHandle, TransferState, begin_transfer, wait_handle)
+from vllm_hawk.transport.base import (
+    Entry,
+    Kind,
+    RegionTable,
+    TransferHandle,
+    TransferState,
+    begin_transfer,
+    wait_handle,
+)
 
 _ids = itertools.count(1)
 _peers: dict[str, "InProcessTransport"] = {}

@@ -4,7 +4,7 @@ The engine is started with ``initialize(local_host, "P2PHANDSHAKE", protocol,
 device_name)`` (no metadata server); peers are named ``host:rpc_port``.
 
 Why the calls are used the way they are (checked on Mooncake 0.3.13.post1, see
-DESIGN.md section 6):
+docs/mooncake.md in the repository):
 
 * The engine's blocking calls (``batch_transfer_sync_*`` and
   ``get_batch_transfer_status``) spin a core until done; the only non-spinning status
@@ -40,7 +40,18 @@ import time
 from dataclasses import dataclass, field
 from typing import Sequence
 
-from vllm_hawk.transport.base import (Entry, Kind, RegionError, RegionTable, TransferHandle, TransferState, TransportError, begin_transfer, closed_transfer, wait_handle)
+from vllm_hawk.transport.base import (
+    Entry,
+    Kind,
+    RegionError,
+    RegionTable,
+    TransferHandle,
+    TransferState,
+    TransportError,
+    begin_transfer,
+    closed_transfer,
+    wait_handle,
+)
 
 logger = logging.getLogger(__name__)
 

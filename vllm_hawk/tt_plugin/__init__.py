@@ -6,15 +6,18 @@ Two backends, chosen explicitly with ``HAWK_TT_PLATFORM`` (see :mod:`.config` fo
 * ``emulated``: runs on the CPU (:mod:`.platform`). The KV cache lives in an emulated
   Tenstorrent device's DRAM banks in the device's paged tile layout (bf16 or bfloat8_b)
   and decode attention reads it in that layout (:mod:`.attention`, :mod:`.kv_cache`).
-* ``ttnn``: real hardware through ttnn, following tt-metal's ``tt_transformers`` models
-  (:mod:`.ttnn_backend`). Import-guarded; it has NOT been run (no hardware here).
+* ``ttnn``: a Tenstorrent device through ttnn, following tt-metal's ``tt_transformers``
+  models (:mod:`.ttnn_backend`). Import-guarded. Its KV-cache side (allocation, page
+  table, bank-buffer API, landing G') runs on Tenstorrent's simulator in CI (tests/ttsim);
+  decode attention needs SFPI-compiled kernels and is not runnable here; not run on hardware.
 
 KV connectors find the running engine's cache with :func:`get_kv_cache` (see
 :mod:`.registry`). Activation without installing the entry point (tests, a checkout on
 ``PYTHONPATH``): :func:`ensure_entry_point`, or the launcher
 ``python -m vllm_hawk.tt_plugin --tt-platform emulated [--tt-device n150] serve MODEL ...``.
 
-This module imports neither vLLM nor torch: vLLM loads it during platform detection.
+This module imports neither vLLM nor torch: vLLM loads it during platform detection
+(``register`` imports torch, for the AMX policy).
 """
 from __future__ import annotations
 
@@ -25,7 +28,8 @@ import os
 import sys
 from pathlib import Path
 
-from vllm_hawk.tt_plugin.config import ENV_PLATFORM, TTPluginConfig, TTPluginConfigError
+from vllm_hawk import envs
+from vllm_hawk.tt_plugin.config import TTPluginConfig, TTPluginConfigError
 
 __all__ = ["register", "ensure_entry_point", "entry_point_path", "get_kv_cache", "ENTRY_POINT_GROUP",
            "ENTRY_POINT_NAME"]
@@ -47,7 +51,11 @@ def register() -> str | None:
     """The ``vllm.platform_plugins`` hook: the platform class path, or None when
     ``HAWK_TT_PLATFORM`` is unset/off. An invalid ``HAWK_TT_*`` value selects a platform
     that raises on construction with the variable's name (vLLM would otherwise swallow
-    the error and run its stock platform)."""
+    the error and run its stock platform). Applies the AMX policy (``HAWK_CPU_AMX``,
+    :mod:`vllm_hawk.cpu_amx`) first: vLLM calls this in every process it starts."""
+    from vllm_hawk.cpu_amx import apply_from_plugin
+
+    apply_from_plugin()
     try:
         cfg = TTPluginConfig.from_env()
     except TTPluginConfigError as e:
@@ -116,8 +124,7 @@ def entry_point_path(directory: str | os.PathLike | None = None) -> str | None:
     if any(ep.value == ENTRY_POINT_VALUE and not isinstance(ep.dist, _EntryPointDistribution)
            for ep in md.entry_points(group=ENTRY_POINT_GROUP)):
         return None
-    cache = os.environ.get("HAWK_CACHE", os.path.join(os.path.expanduser("~"), ".cache", "vllm-hawk"))
-    d = Path(directory) if directory is not None else Path(cache) / "tt_entry_point"
+    d = Path(directory) if directory is not None else envs.cache_dir() / "tt_entry_point"
     info = d / "vllm_hawk_tt_plugin-0.dist-info"
     info.mkdir(parents=True, exist_ok=True)
     (info / "METADATA").write_text("Metadata-Version: 2.1\nName: vllm-hawk-tt-plugin\nVersion: 0\n")

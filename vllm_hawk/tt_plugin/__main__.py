@@ -6,13 +6,15 @@
 The ``--tt-*`` flags (before the vLLM command) set the matching ``HAWK_TT_*`` variables
 (see ``vllm_hawk.tt_plugin.config``); everything else goes to ``vllm`` unchanged. The
 entry point is made visible even when the package is not installed, here and in the
-processes vLLM spawns (they re-import this module as ``__mp_main__``).
+processes vLLM spawns (they re-import this module as ``__mp_main__``); so is the AMX
+decision (``HAWK_CPU_AMX``, :mod:`vllm_hawk.cpu_amx`), made in ``main()``.
 """
 from __future__ import annotations
 
 import os
 import sys
 
+from vllm_hawk.cpu_amx import apply_inherited_decision
 from vllm_hawk.tt_plugin import ensure_entry_point, entry_point_path
 from vllm_hawk.tt_plugin.config import ENV_DEVICE, ENV_KV_DTYPE, ENV_PLATFORM, TTPluginConfig
 
@@ -50,6 +52,7 @@ def main(argv: list[str] | None = None) -> int:
 
 
 ensure_entry_point()  # also on re-import as __mp_main__ in spawned processes
+apply_inherited_decision()
 
 if __name__ == "__main__":
     sys.exit(main())

@@ -22,10 +22,15 @@ from dataclasses import dataclass
 from typing import ClassVar
 
 import torch
-
-from vllm.v1.attention.backend import (AttentionBackend, AttentionImpl, AttentionLayer,
-                                       AttentionMetadataBuilder, AttentionType,
-                                       CommonAttentionMetadata, MultipleOf)
+from vllm.v1.attention.backend import (
+    AttentionBackend,
+    AttentionImpl,
+    AttentionLayer,
+    AttentionMetadataBuilder,
+    AttentionType,
+    CommonAttentionMetadata,
+    MultipleOf,
+)
 from vllm.v1.kv_cache_interface import AttentionSpec, KVCacheLayout
 
 from vllm_hawk.layout.formats import tile_format

@@ -4,7 +4,8 @@ The plugin is OFF unless ``HAWK_TT_PLATFORM`` names a backend, so installing the
 never changes what vLLM does on a GPU node. Every variable, its values and its default:
 
 ``HAWK_TT_PLATFORM``    ``emulated`` | ``ttnn`` (unset, empty, ``0``, ``off``: plugin inactive)
-``HAWK_TT_DEVICE``      device profile name or YAML path (``configs/devices``), default ``p150a``
+``HAWK_TT_DEVICE``      device profile name (shipped in ``vllm_hawk/layout/profiles/devices``, or
+                        in ``HAWK_CONFIG_DIR``) or YAML path, default ``p150a``
 ``HAWK_TT_KV_DTYPE``    tile format of the KV cache: ``bfloat16`` (default) | ``bfloat8_b``.
                         vLLM's ``kv_cache_dtype`` must stay ``auto`` or ``bfloat16``: it is a
                         closed set of names that has no block-float entry.
@@ -16,9 +17,10 @@ Pure: no vLLM import, so it can be checked anywhere.
 """
 from __future__ import annotations
 
-import os
 from dataclasses import dataclass
 from typing import Mapping
+
+from vllm_hawk import envs
 
 ENV_PLATFORM = "HAWK_TT_PLATFORM"
 ENV_DEVICE = "HAWK_TT_DEVICE"
@@ -55,7 +57,7 @@ class TTPluginConfig:
     @classmethod
     def from_env(cls, env: Mapping[str, str] | None = None) -> "TTPluginConfig":
         """Parse the environment (default ``os.environ``); raises TTPluginConfigError."""
-        env = os.environ if env is None else env
+        env = envs.tt_env(env)
         raw = env.get(ENV_PLATFORM, "").strip().lower()
         backend = None if raw in _OFF else raw
         if backend is not None and backend not in BACKENDS:

@@ -26,7 +26,7 @@ import torch
 
 from vllm_hawk.layout.formats import BFP_EXP_NBYTES, pack_tiles, unpack_tiles
 from vllm_hawk.layout.tiles import FACE, FACE_ROWS_PER_TILE, TILE, TILE_ELEMS, untilize
-from vllm_hawk.layout.tt_kv_cache import K, V, TTKVCacheLayout, TTKVCacheSpec
+from vllm_hawk.layout.tt_kv_cache import K, TTKVCacheSpec, V
 from vllm_hawk.npu.bank_buffer import DeviceBuffer
 
 __all__ = ["TTPagedKVCache", "face_row_bytes", "kv_budget_blocks", "paged_attention"]

@@ -21,7 +21,6 @@ import dataclasses
 import logging
 
 import torch
-
 from vllm.v1.worker.cpu_model_runner import CPUModelRunner
 from vllm.v1.worker.cpu_worker import CPUWorker
 

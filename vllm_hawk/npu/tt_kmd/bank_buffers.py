@@ -36,7 +36,6 @@ from vllm_hawk.npu.tt_kmd.topology import (
 )
 
 
-
 @dataclass
 class _BankWindow:
     """A bank's 4 GiB window aimed at NOC ``window_base``, mmap'd at ``va`` for ``length`` bytes."""

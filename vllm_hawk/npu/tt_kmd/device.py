@@ -26,9 +26,9 @@ from typing import Protocol, runtime_checkable
 from vllm_hawk.npu.tt_kmd import ioctl as abi
 from vllm_hawk.npu.tt_kmd import sysfs
 from vllm_hawk.npu.tt_kmd.topology import (
+    PCI_VENDOR_ID_TENSTORRENT,
     Arch,
     NocEndpoint,
-    PCI_VENDOR_ID_TENSTORRENT,
     arch_from_pci_device_id,
     require_blackhole,
 )

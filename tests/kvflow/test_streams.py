@@ -7,15 +7,21 @@ import random
 import pytest
 import torch
 
-from vllm_hawk.connector.plan import (KVRegionMap, LayerRegion, gather_copies, pair_stream,
-                                      region_map_from_caches, ring_segments, source_segments)
+from vllm_hawk.kvflow.streams import (
+    KVRegionMap,
+    LayerRegion,
+    gather_copies,
+    pair_stream,
+    region_map_from_caches,
+    ring_segments,
+    source_segments,
+)
 from vllm_hawk.layout.vllm_kv import KV_CACHE_LAYOUTS, block_byte_ranges, make_layer_caches
 
 
 def _caches(layout="LBHNC", num_blocks=12, layers=3, fill=True):
     caches = make_layer_caches(layers, num_blocks, 2, 4, 8, torch.float32, layout)
     if fill:
-        base = caches[0]
         # distinct value everywhere: write through the strided views
         for i, c in enumerate(caches):
             c.copy_(torch.arange(c.numel(), dtype=torch.float32).view(c.shape) + 1e4 * (i + 1))

@@ -8,8 +8,8 @@ same files, so a built model is reused (cache key = every parameter + a format t
     path = build_tiny_llama("/tmp/models")          # -> /tmp/models/tiny-llama-h256-...
     vllm serve <path> --enforce-eager --dtype bfloat16
 
-Defaults match DESIGN.md s5: hidden 256, 4 layers, 8 heads, 4 KV heads, head_dim 32,
-vocab 1024 — about 1.4 M parameters, a few MB on disk.
+Defaults (docs/vllm-cpu.md, "Tests and demos"): hidden 256, 4 layers, 8 heads, 4 KV heads,
+head_dim 32, vocab 1024 — about 1.4 M parameters, a few MB on disk.
 """
 
 from __future__ import annotations
@@ -20,6 +20,8 @@ import random
 import shutil
 import tempfile
 from pathlib import Path
+
+from vllm_hawk import envs
 
 __all__ = ["build_tiny_llama", "default_model_root", "BOS", "EOS"]
 
@@ -60,8 +62,7 @@ def _training_text(lines: int = 4000) -> list[str]:
 
 def default_model_root() -> Path:
     """``$HAWK_CACHE/models`` (default ``~/.cache/vllm-hawk/models``)."""
-    cache = os.environ.get("HAWK_CACHE") or os.path.join(Path.home(), ".cache", "vllm-hawk")
-    return Path(cache) / "models"
+    return envs.cache_dir() / "models"
 
 
 def _params(hidden, layers, heads, kv_heads, head_dim, vocab, dtype, seed) -> dict:

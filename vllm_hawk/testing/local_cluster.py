@@ -33,6 +33,9 @@ Progress = Callable[[str, float], None]  # (what is starting, seconds so far)
 
 
 def free_port() -> int:
+    """A port free right now, for components that cannot bind port 0 and report it back:
+    vLLM's API server, and the connector's side channel (the scheduler advertises its port
+    in ``kv_transfer_params`` before the worker binds). Everything else binds port 0."""
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]

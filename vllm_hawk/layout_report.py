@@ -10,9 +10,9 @@ import json
 
 import numpy as np
 
-from vllm_hawk.layout.device_profiles import load_profile
+from vllm_hawk.layout.device_profiles import available_profiles, load_profile
 from vllm_hawk.layout.interleave import LockstepAllocator
-from vllm_hawk.layout.model_shapes import load_model_shape
+from vllm_hawk.layout.model_shapes import available_models, load_model_shape
 from vllm_hawk.layout.tt_kv_cache import KV_DTYPES, TTKVCacheLayout, TTKVCacheSpec
 from vllm_hawk.transform.plan import make_plan
 
@@ -20,7 +20,7 @@ from vllm_hawk.transform.plan import make_plan
 def build_layout(model: str, tp: int, device: str, dtype: str, block_size: int, cache_blocks: int) -> TTKVCacheLayout:
     shape, profile = load_model_shape(model), load_profile(device)
     spec = TTKVCacheSpec(shape.num_layers, cache_blocks, shape.kv_heads_per_rank(tp), block_size, shape.head_dim, dtype)
-    alloc = LockstepAllocator(profile)
+    alloc = LockstepAllocator.for_device(profile)
     addrs = tuple((alloc.allocate(spec.tiles_per_tensor, spec.tile_nbytes).address,
                    alloc.allocate(spec.tiles_per_tensor, spec.tile_nbytes).address) for _ in range(spec.num_layers))
     return TTKVCacheLayout(spec, profile.num_banks, profile.aligned_page(spec.tile_nbytes), addrs)
@@ -68,7 +68,8 @@ def _mib(n: float) -> str:
 
 def print_report(r: dict) -> None:
     print(f"HAWK layout: {r['model']} TP={r['tp']} ({r['kv_heads_per_rank']} KV heads/rank, {r['num_layers']} layers, "
-          f"head_dim {r['head_dim']}) -> {r['device']} ({r['num_banks']} DRAM banks), {r['dtype']}, block {r['block_size']}")
+          f"head_dim {r['head_dim']}) -> {r['device']} ({r['num_banks']} DRAM banks), {r['dtype']}, "
+          f"block {r['block_size']}")
     print(f"request: {r['tokens']} tokens = {r['blocks']} blocks; {r['tiles_per_block']} tiles of {r['tile_nbytes']} B "
           f"per block per tensor")
     print(f"bytes: source (vLLM bf16) {_mib(r['source_bf16_bytes'])} -> target G' {_mib(r['target_bytes'])} "
@@ -77,7 +78,8 @@ def print_report(r: dict) -> None:
     for b in r["banks"]:
         print(f"{b['bank']:>4} {b['tiles']:>9,} {b['bytes']:>14,} {b['segment_offset']:>14,}")
     print()
-    hdr = f"{'placement':<18} {'mode':<7} {'ops/tile':>9} {'RDMA ops':>9} {'mean op':>12} {'intra-bank':>10} {'recv/bank':>12}"
+    hdr = (f"{'placement':<18} {'mode':<7} {'ops/tile':>9} {'RDMA ops':>9} {'mean op':>12} {'intra-bank':>10} "
+           f"{'recv/bank':>12}")
     print(hdr)
     print("-" * len(hdr))
     for p in r["plans"]:
@@ -90,9 +92,12 @@ def print_report(r: dict) -> None:
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="hawk layout", description=__doc__.splitlines()[0])
-    ap.add_argument("--model", default="llama-3.1-70b", help="configs/models/<name>.yaml or a path")
+    ap.add_argument("--model", default="llama-3.1-70b",
+                    help=f"model name ({', '.join(available_models())}; HAWK_CONFIG_DIR adds more) or a YAML path")
     ap.add_argument("--tp", type=int, default=4)
-    ap.add_argument("--device", default="p150a", help="configs/devices/<name>.yaml or a path")
+    ap.add_argument("--device", default="p150a",
+                    help=f"device profile ({', '.join(available_profiles())}; HAWK_CONFIG_DIR adds more) "
+                         "or a YAML path")
     ap.add_argument("--dtype", default="bfloat8_b", choices=KV_DTYPES)
     ap.add_argument("--block-size", type=int, default=64)
     ap.add_argument("--tokens", type=int, default=4096)

@@ -1,5 +1,6 @@
-"""A vLLM-layout paged KV cache held in torch (the prefill's cache; the decode's cache in
-the GPU-to-GPU baselines).
+"""A vLLM-layout paged KV cache held in torch, for tests and benchmarks (the engine's own
+cache takes its place when vLLM runs): the prefill's cache, and the decode's cache in
+the GPU-to-GPU baselines.
 
 Per layer a FlashAttention cache ``[num_blocks, num_kv_heads, block_size, 2*head_dim]``
 (channels ``[:D]`` K, ``[D:]`` V), all layers views of ONE buffer in vLLM's default
@@ -12,10 +13,12 @@ from __future__ import annotations
 
 import torch
 
+from vllm_hawk.kvflow.sources import vllm_layout_desc
+from vllm_hawk.kvflow.streams import KVRegionMap, LayerRegion
 from vllm_hawk.layout.vllm_kv import FlashAttnKVLayout, make_layer_caches
-from vllm_hawk.transform.plan import block_runs  # noqa: F401 - the one helper, re-exported here
+from vllm_hawk.protocol import LayoutDesc
 
-__all__ = ["LAYOUT_NAME", "PagedKVCache", "block_runs"]
+__all__ = ["LAYOUT_NAME", "PagedKVCache"]
 
 LAYOUT_NAME = "vllm-flash-nhd"
 
@@ -63,3 +66,19 @@ class PagedKVCache:
         """Byte offset of (layer, block) from ``base_addr``."""
         return layer * self.layer_nbytes + block * self.block_nbytes
 
+    @property
+    def region_map(self) -> KVRegionMap:
+        """Per layer: block 0's address, the block stride, one run of ``block_nbytes``."""
+        bn = self.block_nbytes
+        return KVRegionMap(tuple(LayerRegion(self.base_addr + i * self.layer_nbytes, bn, ((0, bn),))
+                                 for i in range(self.num_layers)), self.num_blocks)
+
+    @property
+    def storages(self) -> list[tuple[int, int]]:
+        """The one buffer holding every layer: ``[(addr, nbytes)]``."""
+        return [(self.base_addr, self.nbytes)]
+
+    @property
+    def desc(self) -> LayoutDesc:
+        return vllm_layout_desc(self.region_map, LAYOUT_NAME, str(self.dtype).removeprefix("torch."),
+                                self.block_size, self.num_kv_heads, self.head_dim)

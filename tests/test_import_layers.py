@@ -1,0 +1,55 @@
+"""The folders tell the data flow: layout -> transform -> kvflow -> transport / protocol,
+with connector, tt_plugin and proxy as adapters on top. No module imports a layer above
+its own (checked on the source, so a lazy import inside a function counts too)."""
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+PKG = Path(__file__).resolve().parents[1] / "vllm_hawk"
+# Each package may import only these (besides itself).
+ALLOWED = {
+    "layout": set(),
+    "transform": {"layout"},
+    "npu": {"layout"},
+    "transport": set(),
+    "protocol": set(),
+    "kvflow": {"layout", "transform", "npu", "transport", "protocol"},
+}
+
+
+def _imports(path: Path) -> set[str]:
+    out = set()
+    for node in ast.walk(ast.parse(path.read_text(), str(path))):
+        if isinstance(node, ast.ImportFrom) and node.module and node.module.startswith("vllm_hawk."):
+            out.add(node.module.split(".")[1])
+        elif isinstance(node, ast.Import):
+            out |= {a.name.split(".")[1] for a in node.names if a.name.startswith("vllm_hawk.")}
+    return out
+
+
+def test_no_import_runs_upward():
+    bad = []
+    for pkg, allowed in ALLOWED.items():
+        for f in sorted((PKG / pkg).rglob("*.py")):
+            for target in _imports(f) - allowed - {pkg, "envs"}:
+                bad.append(f"{f.relative_to(PKG.parent)} imports vllm_hawk.{target}")
+    assert not bad, "\n".join(bad)
+
+
+def test_runtime_modules_do_not_import_the_testing_package():
+    bad = [str(f.relative_to(PKG.parent)) for f in sorted(PKG.rglob("*.py"))
+           if "testing" not in f.relative_to(PKG).parts[:1] and f.parent.name != "bench"
+           and "testing" in _imports(f)]
+    assert not bad, f"runtime modules import vllm_hawk.testing: {bad}"
+
+
+def test_every_hawk_variable_is_read_in_envs():
+    bad = []
+    for f in sorted(PKG.rglob("*.py")):
+        if f.name == "envs.py":
+            continue
+        for i, line in enumerate(f.read_text().splitlines(), 1):
+            if "environ" in line and '"HAWK_' in line or "getenv(\"HAWK_" in line:
+                bad.append(f"{f.relative_to(PKG.parent)}:{i}: {line.strip()}")
+    assert not bad, "read HAWK_* variables through vllm_hawk.envs:\n" + "\n".join(bad)

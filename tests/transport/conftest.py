@@ -1,5 +1,0 @@
-import os
-import sys
-
-# peer.py is imported by spawned children too: make this folder importable for them.
-sys.path.insert(0, os.path.dirname(__file__))

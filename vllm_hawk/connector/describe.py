@@ -1,0 +1,118 @@
+"""What this engine's KV cache is, as the connector tells Algorithm 1 (:mod:`vllm_hawk.kvflow`).
+
+* a plain vLLM engine (prefill, or a GG decode): the per-layer caches vLLM hands to
+  ``register_kv_caches``, read through the source-layout adapters of
+  :mod:`vllm_hawk.layout.vllm_kv` into a :class:`~vllm_hawk.kvflow.KVRegionMap`
+  (where each block's bytes are), the buffers to register, and zero-copy logical K/V
+  views ``[num_blocks, heads, block_size, head_dim]`` for the GN-HAWK transform;
+* an engine on the Tenstorrent platform plugin (GN-HAWK decode): the plugin's device KV
+  cache (:mod:`vllm_hawk.tt_plugin.registry`; the tensors vLLM passes are placeholders).
+
+Both sides derive the handshake's compatibility fields here, so a P/D pair that
+disagrees (model, dtype, block size, source layout, device profile) is refused by name.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from vllm_hawk.connector.config import VLLM_PROFILE, HawkConfig, HawkConfigError
+from vllm_hawk.kvflow.sources import vllm_layout_desc
+from vllm_hawk.kvflow.streams import KVRegionMap, region_map_from_caches
+from vllm_hawk.protocol import CompatFields, LayoutDesc, make_compat
+
+SRC_ANY = "vllm-any"  # GN-HAWK: the prefill converts from whatever vLLM layout it has
+
+
+@dataclass
+class LocalKV:
+    """This engine's KV cache as the connector sees it."""
+
+    compat: CompatFields
+    layout: LayoutDesc
+    region_map: KVRegionMap | None = None  # vLLM caches
+    storages: list[tuple[int, int]] = field(default_factory=list)  # (addr, nbytes) of each buffer
+    views: object = None  # vLLM caches: a TransformSource (what the GN-HAWK transform reads)
+    tt_cache: object = None  # Tenstorrent plugin: its TTPagedKVCache
+
+
+def _layer_key(name: str) -> tuple:
+    return tuple(int(p) if p.isdigit() else p for p in name.split("."))
+
+
+def model_id(vllm_config, num_layers: int, num_kv_heads: int, head_dim: int) -> str:
+    hf = vllm_config.model_config.hf_config
+    return (f"{getattr(hf, 'model_type', '?')}:L{num_layers}:KV{num_kv_heads}:D{head_dim}"
+            f":V{getattr(hf, 'vocab_size', 0)}")
+
+
+def tt_compat(model: str, dtype: str, block_size: int, profile: str) -> CompatFields:
+    """Compatibility fields of both sides of a GN-HAWK pair (device profile ``profile``)."""
+    return make_compat(model=model[:256], dtype=dtype, block_size=block_size, src_layout=SRC_ANY,
+                       dst_layout=f"tt-paged/{profile}"[:256], device_profile=profile)
+
+
+def describe_vllm_caches(kv_caches: dict, vllm_config, cfg: HawkConfig) -> LocalKV:
+    """Region map, buffers, views, compatibility fields and layout of vLLM's KV caches."""
+    from vllm_hawk.layout.vllm_kv import TransformSource, source_layout_from_layer
+
+    ctx = vllm_config.compilation_config.static_forward_context
+    names = sorted(kv_caches, key=_layer_key)
+    caches, templates, adapters = [], [], []
+    for name in names:
+        cache = kv_caches[name]
+        if isinstance(cache, (list, tuple)):
+            cache = cache[0]
+        layer = ctx.get(name)
+        if layer is None or not hasattr(layer, "attn_backend"):
+            raise NotImplementedError(f"HawkConnector: KV cache {name!r} is not an attention layer")
+        adapter = source_layout_from_layer(layer, cache)
+        caches.append(cache)
+        templates.append(adapter.block_byte_ranges(cache, 0))
+        adapters.append(adapter)
+    views = TransformSource(adapters, caches)  # zero-copy views, or a gather for amx
+    region_map = region_map_from_caches(caches, templates)
+    seen: dict[int, int] = {}
+    for c in caches:
+        st = c.untyped_storage()
+        seen[st.data_ptr()] = st.nbytes()
+    a0 = adapters[0]
+    isa = getattr(a0, "isa", None)
+    src_layout = f"{a0.name}{'/' + isa if isa else ''}/{region_map.signature()}"
+    mid = model_id(vllm_config, len(names), a0.num_kv_heads, a0.head_dim)
+    dtype = str(a0.dtype).removeprefix("torch.")
+    if cfg.device_profile != VLLM_PROFILE:  # GN-HAWK: the prefill transforms for the decode
+        compat = tt_compat(mid, dtype, a0.block_size, cfg.device_profile)
+    else:
+        compat = make_compat(model=mid[:256], dtype=dtype, block_size=a0.block_size, src_layout=src_layout[:256],
+                             dst_layout=f"vllm-paged/{src_layout}"[:256], device_profile=cfg.device_profile)
+    layout = vllm_layout_desc(region_map, f"vllm-paged/{a0.name}", dtype, a0.block_size, a0.num_kv_heads,
+                              a0.head_dim)
+    return LocalKV(compat, layout, region_map, sorted(seen.items()), views)
+
+
+def describe_tt_cache(cache, vllm_config, cfg: HawkConfig) -> LocalKV:
+    """Decode on the Tenstorrent platform plugin: compat fields and layout of its device
+    KV cache (the sink registers its own memory)."""
+    from vllm_hawk.kvflow.sinks import layout_desc
+
+    s = cache.spec
+    dev = cache.device.profile.name
+    if dev != cfg.device_profile:
+        raise HawkConfigError(f"kv_connector_extra_config.device_profile={cfg.device_profile!r} but "
+                              f"this engine's Tenstorrent device is {dev!r}")
+    dtype = str(vllm_config.model_config.dtype).removeprefix("torch.")
+    compat = tt_compat(model_id(vllm_config, s.num_layers, s.num_kv_heads, s.head_dim), dtype, s.block_size,
+                       cfg.device_profile)
+    return LocalKV(compat, layout_desc(cache.layout), tt_cache=cache)
+
+
+def tt_cache_of(vllm_config):
+    """The engine's Tenstorrent KV cache when it runs the platform plugin, else None."""
+    try:
+        from vllm_hawk.tt_plugin import registry
+    except Exception:  # noqa: BLE001 - plugin not importable: not a Tenstorrent engine
+        return None
+    try:
+        return registry.get_kv_cache(vllm_config)
+    except (LookupError, ValueError):
+        return None

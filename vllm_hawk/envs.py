@@ -1,0 +1,113 @@
+"""Every ``HAWK_*`` environment variable the package reads, read here and nowhere else.
+
+Each reader validates its value and raises :class:`HawkEnvError` naming the variable
+and the value at fault. Pure: imports neither torch nor vLLM.
+
+=========================  ======================  ============================================
+variable                   default                 meaning
+=========================  ======================  ============================================
+``HAWK_CACHE``             ``~/.cache/vllm-hawk``  cached environments and build products
+                                                   (venvs, tiny models, guest images, ttsim)
+``HAWK_CONFIG_DIR``        unset                   folders (``os.pathsep``-separated) with
+                                                   ``devices/*.yaml`` / ``models/*.yaml``,
+                                                   searched before the packaged profiles
+``HAWK_SHARED_SECRET``     unset                   side-channel HMAC key when
+                                                   ``kv_connector_extra_config.shared_secret``
+                                                   is not set
+``HAWK_TRANSFORM_IMPL``    ``auto``                prefill transform kernel: ``auto`` (the
+                                                   numba CPU kernel on CPU tensors, torch
+                                                   elsewhere), ``torch``, ``cpu_kernel``
+``HAWK_DEBUG_DIR``         unset                   the ONE debug switch: the connector writes
+                                                   its state (``state-<role>-<pid>.json``, twice
+                                                   a second) and, for GN-HAWK, the K/V it sends
+                                                   and the bank bytes it lands
+                                                   (``prefill-<req>.pt``, ``decode-<req>.pt``)
+                                                   there; nothing of it runs when unset
+``HAWK_CPU_AMX``           ``auto``                whether vLLM's CPU kernels may use Intel
+                                                   AMX: ``auto`` (only if a probe in a child
+                                                   process runs AMX tile instructions without
+                                                   SIGILL), ``on`` (the same probe; start-up
+                                                   fails if it does not), ``off`` (never, no
+                                                   probe); see :mod:`vllm_hawk.cpu_amx`
+``HAWK_TT_PLATFORM``       unset                   Tenstorrent decode plugin: ``emulated`` |
+                                                   ``ttnn``; unset = plugin off
+``HAWK_TT_DEVICE``         ``p150a``               device profile name or YAML path
+``HAWK_TT_KV_DTYPE``       ``bfloat16``            KV dtype in the Tenstorrent cache
+                                                   (``bfloat16`` | ``bfloat8_b``)
+``HAWK_TT_BANK_MIB``       ``256``                 emulated DRAM per bank (MiB)
+``HAWK_TT_KV_FRACTION``    ``0.5``                 share of each bank for the KV cache
+=========================  ======================  ============================================
+
+The ``HAWK_TT_*`` values are validated by :class:`vllm_hawk.tt_plugin.config.TTPluginConfig`
+(errors name the variable). Internal, set by vllm_hawk for the processes it and vLLM
+start: ``HAWK_CPU_AMX_DECIDED`` carries the AMX decision of the first process of a tree
+to the processes it spawns, so the probe runs once per tree.
+
+Scripts and tests have their own (not read by the package): ``HAWK_TTSIM_DIR`` and
+``HAWK_SFPI_DIR`` (``scripts/ttsim_env.sh``), ``HAWK_GN_E2E_FULL`` and
+``HAWK_HYPOTHESIS_PROFILE`` (tests).
+"""
+from __future__ import annotations
+
+import os
+from pathlib import Path
+from typing import Mapping
+
+__all__ = ["CPU_AMX", "CPU_AMX_DECIDED", "CPU_AMX_MODES", "HawkEnvError", "TT_VARS", "cache_dir", "config_dirs",
+           "cpu_amx_mode", "debug_dir", "shared_secret", "transform_impl", "tt_env"]
+
+CPU_AMX = "HAWK_CPU_AMX"
+CPU_AMX_MODES = ("auto", "on", "off")
+CPU_AMX_DECIDED = "HAWK_CPU_AMX_DECIDED"
+TRANSFORM_IMPLS = ("auto", "torch", "cpu_kernel")
+TT_VARS = ("HAWK_TT_PLATFORM", "HAWK_TT_DEVICE", "HAWK_TT_KV_DTYPE", "HAWK_TT_BANK_MIB", "HAWK_TT_KV_FRACTION")
+
+
+class HawkEnvError(ValueError):
+    """A ``HAWK_*`` variable holds a value vllm_hawk cannot use; the message names it."""
+
+
+def cache_dir() -> Path:
+    """``HAWK_CACHE``: where cached environments and build products live."""
+    return Path(os.environ.get("HAWK_CACHE") or Path.home() / ".cache" / "vllm-hawk")
+
+
+def config_dirs() -> list[Path]:
+    """``HAWK_CONFIG_DIR``: user profile folders, searched in order before the packaged ones."""
+    return [Path(p) for p in os.environ.get("HAWK_CONFIG_DIR", "").split(os.pathsep) if p]
+
+
+def shared_secret() -> str | None:
+    """``HAWK_SHARED_SECRET``: the side-channel key when the connector config has none."""
+    return os.environ.get("HAWK_SHARED_SECRET") or None
+
+
+def transform_impl() -> str:
+    """``HAWK_TRANSFORM_IMPL``: ``auto`` (default), ``torch`` or ``cpu_kernel``."""
+    raw = os.environ.get("HAWK_TRANSFORM_IMPL", "")
+    value = raw.strip().lower() or "auto"
+    if value not in TRANSFORM_IMPLS:
+        raise HawkEnvError(f"HAWK_TRANSFORM_IMPL={raw!r}: expected one of {', '.join(TRANSFORM_IMPLS)}")
+    return value
+
+
+def debug_dir() -> Path | None:
+    """``HAWK_DEBUG_DIR``: the debug output folder, or None (debug output off)."""
+    d = os.environ.get("HAWK_DEBUG_DIR")
+    return Path(d) if d else None
+
+
+def cpu_amx_mode(environ: Mapping[str, str] | None = None) -> str:
+    """``HAWK_CPU_AMX``: ``auto`` (default, also when unset or empty), ``on`` or ``off``."""
+    env = os.environ if environ is None else environ
+    raw = env.get(CPU_AMX, "")
+    value = raw.strip().lower() or "auto"
+    if value not in CPU_AMX_MODES:
+        raise HawkEnvError(f"{CPU_AMX}={raw!r}: expected one of {', '.join(CPU_AMX_MODES)}")
+    return value
+
+
+def tt_env(environ: Mapping[str, str] | None = None) -> dict[str, str]:
+    """The ``HAWK_TT_*`` variables that are set (``environ``: default ``os.environ``)."""
+    env = os.environ if environ is None else environ
+    return {k: env[k] for k in TT_VARS if k in env}

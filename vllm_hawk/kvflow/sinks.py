@@ -1,0 +1,344 @@
+"""Decode-side sinks of Algorithm 1: where a request's KV lands (D2-D7).
+
+:class:`~vllm_hawk.kvflow.decode.DecodeEndpoint` owns the protocol, deadlines, the
+READ batch and every failure path; a sink only knows its memory. Three sinks:
+
+* :class:`VllmPagedSink` (GG-Direct): a vLLM paged cache; the READs land in its blocks.
+* :class:`VllmStagedSink` (staged, GG-Host): a vLLM paged cache behind a registered
+  receive ring; the READs land in the ring, then copies move the bytes into the blocks.
+* :class:`TTSink` (GN-HAWK): a Tenstorrent KV pool through the bank-buffer API: per-bank
+  receive buffers then intra-bank copies (``staged``), READs straight into the KV pages
+  (``direct``), or one READ per tile (``per_tile``, the design the paper rejects).
+
+``land`` returns a :class:`Landing`: the batch's entries, ``complete`` (D6-D7, then the
+receive buffers are free) and ``free`` (receive buffers only, for a failed batch once it
+has settled) — ``free`` is None when the READs write KV pages directly, and then
+``dst_blocks`` are the pages a failed batch may still write.
+"""
+from __future__ import annotations
+
+import ctypes
+import time
+from dataclasses import dataclass, field
+from typing import Callable, Protocol, Sequence
+
+import numpy as np
+
+from vllm_hawk.kvflow.bank_pool import BankBufferPool
+from vllm_hawk.kvflow.ring import RingBuffer
+from vllm_hawk.kvflow.streams import KVRegionMap, LayerRegion, pair_stream, ring_segments
+from vllm_hawk.layout.tt_kv_cache import TTKVCacheLayout
+from vllm_hawk.npu.bank_buffer import BankBufferAPI, BankBufferError, DeviceBuffer
+from vllm_hawk.protocol import KVReady, LayoutDesc
+from vllm_hawk.transform import make_plan
+
+Entry = tuple[int, int, int]  # (local_addr, remote_addr, nbytes)
+SINK_MODES = ("staged", "direct", "per_tile")
+
+
+@dataclass
+class Landing:
+    """One request's READ batch and what to do after it (see module doc)."""
+
+    entries: list[Entry]
+    complete: Callable[[], dict]
+    free: Callable[[], None] | None
+    dst_blocks: tuple[int, ...] = ()
+    figures: dict = field(default_factory=dict)
+
+
+class KVSink(Protocol):
+    layout: LayoutDesc  # sent in the KVRequest
+    mode: str
+
+    def plan(self, dst_blocks: np.ndarray):
+        """This sink's transfer plan for destination blocks (raises ValueError on bad ids)."""
+
+    def check_ready(self, ready: KVReady, plan, export_nbytes: int) -> str:
+        """'' when KVReady's segments are exactly what the plan expects, else why not."""
+
+    def land(self, req_id: str, ready: KVReady, plan, remote_base: int, claim_wait_s: float) -> Landing:
+        """D2-D5: claim receive memory (may raise BufferFull) and pair the segments."""
+
+    def close(self) -> None: ...
+
+
+def merged_ranges(ranges: list[tuple[int, int]]) -> list[tuple[int, int]]:
+    """(addr, nbytes) ranges merged where adjacent or overlapping, sorted."""
+    out: list[list[int]] = []
+    for a, n in sorted(ranges):
+        if out and a <= out[-1][0] + out[-1][1]:
+            out[-1][1] = max(out[-1][1], a + n - out[-1][0])
+        else:
+            out.append([a, n])
+    return [(a, n) for a, n in out]
+
+
+class _Registered:
+    """Regions registered with a transport by a sink, unregistered on close."""
+
+    def __init__(self, transport) -> None:
+        self.transport, self.addrs = transport, []
+
+    def add(self, ranges) -> None:
+        for a, n in merged_ranges(list(ranges)):
+            self.transport.register(a, n)
+            self.addrs.append(a)
+
+    def close(self) -> None:
+        for a in self.addrs:
+            try:
+                self.transport.unregister(a)
+            except Exception:  # noqa: BLE001 - transport closed already
+                pass
+        self.addrs = []
+
+
+# --------------------------------------------------------------------------- vLLM caches
+
+def _vllm_check(ready: KVReady, region_map: KVRegionMap, n: int, export_nbytes: int) -> str:
+    if any(s.offset_bytes + s.nbytes > export_nbytes for s in ready.segments):
+        return "a segment lies outside the prefill's exported region"
+    want = n * region_map.block_nbytes
+    if ready.total_nbytes != want:
+        return f"KVReady covers {ready.total_nbytes} bytes, {n} blocks need {want}"
+    return ""
+
+
+class VllmPagedSink:
+    """GG-Direct: READs into a vLLM paged cache's blocks. region_map: the cache;
+    storages: its buffers ``(addr, nbytes)``, registered with ``transport`` now."""
+
+    mode = "direct"
+
+    def __init__(self, region_map: KVRegionMap, layout: LayoutDesc, transport,
+                 storages: Sequence[tuple[int, int]]) -> None:
+        self.region_map, self.layout = region_map, layout
+        self._reg = _Registered(transport)
+        try:
+            self._reg.add(storages)
+        except BaseException:
+            self._reg.close()
+            raise
+
+    def plan(self, dst_blocks: np.ndarray) -> np.ndarray:
+        self.region_map.check_blocks(dst_blocks.tolist())
+        return dst_blocks
+
+    def check_ready(self, ready: KVReady, plan, export_nbytes: int) -> str:
+        return _vllm_check(ready, self.region_map, len(plan), export_nbytes)
+
+    def land(self, req_id, ready, plan, remote_base, claim_wait_s) -> Landing:
+        entries = pair_stream(ready.segments, remote_base, self.region_map, plan.tolist(), 0)
+        return Landing(entries, lambda: {}, None, tuple(int(b) for b in plan))
+
+    def close(self) -> None:
+        self._reg.close()
+
+
+def _stream_buffer_map(dmap: KVRegionMap, n: int, base: int) -> KVRegionMap:
+    """A map whose ``n`` blocks are the layer streams laid contiguously from ``base``."""
+    layers, off = [], base
+    for r in dmap.layers:
+        bn = r.block_nbytes
+        layers.append(LayerRegion(off, bn, ((0, bn),)))
+        off += n * bn
+    return KVRegionMap(tuple(layers), n)
+
+
+class VllmStagedSink(VllmPagedSink):
+    """Staged: READs into a registered receive ring (``recv_nbytes`` bytes), then copies
+    into the cache's blocks. The cache itself is not registered."""
+
+    mode = "staged"
+
+    def __init__(self, region_map: KVRegionMap, layout: LayoutDesc, transport, recv_nbytes: int) -> None:
+        super().__init__(region_map, layout, transport, ())
+        self.recv = RingBuffer(recv_nbytes, transport)
+
+    def land(self, req_id, ready, plan, remote_base, claim_wait_s) -> Landing:
+        dmap, n = self.region_map, len(plan)
+        off = self.recv.reserve(req_id, n * dmap.block_nbytes, claim_wait_s)
+        try:
+            base = self.recv.base_addr + off
+            entries = pair_stream(ready.segments, remote_base, _stream_buffer_map(dmap, n, base), list(range(n)), 0)
+        except BaseException:
+            self.recv.release(req_id)
+            raise
+
+        def complete() -> dict:
+            t0 = time.monotonic()
+            try:
+                copies = pair_stream(ring_segments(dmap, n, 0), base, dmap, plan.tolist(), 0)
+                for dst, src, nb in copies:
+                    ctypes.memmove(dst, src, nb)
+            finally:
+                self.recv.release(req_id)
+            return {"copy_s": time.monotonic() - t0, "copies": len(copies)}
+
+        return Landing(entries, complete, lambda: self.recv.release(req_id))
+
+    def close(self) -> None:
+        self.recv.close()
+        super().close()
+
+
+def vllm_sink(region_map: KVRegionMap, layout: LayoutDesc, transport, mode: str, storages, recv_nbytes: int):
+    """The sink for a vLLM decode cache in ``mode`` (``direct`` | ``staged``)."""
+    if mode == "staged":
+        return VllmStagedSink(region_map, layout, transport, recv_nbytes)
+    return VllmPagedSink(region_map, layout, transport, storages)
+
+
+# --------------------------------------------------------------------------- Tenstorrent
+
+def layout_desc(layout: TTKVCacheLayout, name: str = "tt-paged") -> LayoutDesc:
+    s = layout.spec
+    return LayoutDesc(name=name, dtype=s.dtype, block_size=s.block_size, num_layers=s.num_layers,
+                      num_kv_heads=s.num_kv_heads, head_dim=s.head_dim, num_banks=layout.num_banks,
+                      tile_nbytes=s.tile_nbytes, page_nbytes=layout.aligned_page)
+
+
+class KVPageAddresses:
+    """Host virtual addresses of a Tenstorrent KV pool's pages, via the bank-buffer API.
+
+    ``buffers``: the pool's device buffers (K0, V0, K1, ...). Each is mapped with
+    ``map_buffer_dma`` unless it already is (those mapped here are unmapped by
+    :meth:`close`); a byte at device offset ``o`` of bank ``b`` inside buffer ``buf``
+    lives at ``get_buffer_address_bank(buf, b) + (o - buf.address)``.
+    """
+
+    def __init__(self, device: BankBufferAPI, buffers) -> None:
+        self.device = device
+        self._mapped_here: list[DeviceBuffer] = []
+        bufs = sorted(buffers, key=lambda b: b.address)
+        nb = device.get_device_num_bank()
+        try:
+            for buf in bufs:
+                try:
+                    device.get_buffer_address_bank(buf, 0)
+                except BankBufferError:  # not mapped yet
+                    device.map_buffer_dma(buf)
+                    self._mapped_here.append(buf)
+            self.starts = np.array([b.address for b in bufs], dtype=np.int64)
+            self.host = np.array([[device.get_buffer_address_bank(buf, b) for b in range(nb)] for buf in bufs],
+                                 dtype=np.int64).reshape(len(bufs), nb)
+            self.sizes = np.array([[device.get_buffer_size_bank(buf, b) for b in range(nb)] for buf in bufs],
+                                  dtype=np.int64).reshape(len(bufs), nb)
+        except BaseException:
+            self.close()
+            raise
+
+    def regions(self) -> list[tuple[int, int]]:
+        """(host address, nbytes) of every buffer's region in every bank."""
+        return list(zip(self.host.reshape(-1).tolist(), self.sizes.reshape(-1).tolist()))
+
+    def addresses(self, bank: np.ndarray, dst_offset: np.ndarray, nbytes: np.ndarray) -> np.ndarray:
+        """Host addresses of ops ``(bank, device offset in the bank, nbytes)``; each op must
+        lie inside one buffer (raises ``ValueError`` otherwise)."""
+        bank, off, n = (np.asarray(x, dtype=np.int64) for x in (bank, dst_offset, nbytes))
+        k = np.searchsorted(self.starts, off, side="right") - 1
+        kk = np.maximum(k, 0)
+        ok = (k >= 0) & (bank >= 0) & (bank < self.host.shape[1])
+        bb = np.where(ok, bank, 0)
+        ok &= off + n <= self.starts[kk] + self.sizes[kk, bb]
+        if not ok.all():
+            i = int(np.argmin(ok))
+            raise ValueError(f"KV page op {i} (bank {int(bank[i])}, offset {int(off[i])}, {int(n[i])} bytes) "
+                             "lies outside the KV pool's buffers")
+        return self.host[kk, bb] + (off - self.starts[kk])
+
+    def close(self) -> None:
+        for buf in self._mapped_here:
+            try:
+                self.device.unmap_buffer_dma(buf)
+            except Exception:  # noqa: BLE001 - freed already
+                pass
+        self._mapped_here = []
+
+
+class TTSink:
+    """GN-HAWK: a Tenstorrent KV pool (``layout``, ``kv_buffers`` K0, V0, K1, ...) on a
+    device with the bank-buffer API plus ``copy_in_bank``.
+
+    mode ``staged``: a :class:`BankBufferPool` of ``recv_nbytes_per_bank`` bytes per bank
+    (or ``pool``, shared) is registered; ``direct`` / ``per_tile``: the KV pool's bank
+    regions are mapped and registered with ``transport`` now. A registered KV pool is
+    exposed to the transport's peers. A failing ``__init__`` leaves nothing registered."""
+
+    def __init__(self, device, layout: TTKVCacheLayout, kv_buffers, transport, mode: str = "staged", *,
+                 recv_nbytes_per_bank: int = 16 << 20, pool: BankBufferPool | None = None) -> None:
+        if mode not in SINK_MODES:
+            raise ValueError(f"Tenstorrent sink mode must be one of {SINK_MODES}, got {mode!r}")
+        self.device, self.tt_layout, self.kv_buffers, self.mode = device, layout, list(kv_buffers), mode
+        self.layout = layout_desc(layout)
+        self.num_banks = layout.num_banks
+        self.pool, self._own_pool = pool, False
+        self.pages: KVPageAddresses | None = None
+        self._reg = _Registered(transport)
+        try:
+            if mode == "staged":
+                if pool is None:
+                    self.pool = BankBufferPool(device, recv_nbytes_per_bank, transport)
+                    self._own_pool = True
+            else:
+                self.pages = KVPageAddresses(device, self.kv_buffers)
+                self._reg.add(self.pages.regions())
+        except BaseException:
+            self.close()
+            raise
+
+    def plan(self, dst_blocks: np.ndarray):
+        return make_plan(self.tt_layout, dst_blocks, "staged" if self.mode == "staged" else "direct")
+
+    def check_ready(self, ready: KVReady, plan, export_nbytes: int) -> str:
+        """The segments must be exactly the plan's: one per non-empty bank, in bank order,
+        contiguous from ``ring_offset``, inside the exported ring."""
+        want = [(int(b), ready.ring_offset + int(plan.segment_offset[b]), int(plan.segment_nbytes[b]))
+                for b in range(self.num_banks) if plan.segment_nbytes[b]]
+        got = [(s.bank, s.offset_bytes, s.nbytes) for s in ready.segments]
+        if got != want or ready.total_nbytes != plan.total_nbytes:
+            return f"KVReady segments do not match the transfer plan (got {got[:3]}..., want {want[:3]}...)"
+        if ready.ring_offset + ready.total_nbytes > export_nbytes:
+            return "KVReady range lies outside the prefill's exported ring"
+        return ""
+
+    def land(self, req_id, ready, plan, remote_base, claim_wait_s) -> Landing:
+        per_bank = [0] * self.num_banks
+        for s in ready.segments:
+            per_bank[s.bank] += s.nbytes
+        figures = {"bytes_per_bank": per_bank, "tile_dtype": self.layout.dtype, "banks": self.num_banks}
+        if self.mode == "staged":  # pair each segment with its bank's receive buffer
+            recv = self.pool.acquire(req_id, plan.recv_nbytes_per_bank, claim_wait_s)
+            entries = [(recv.addr(s.bank), remote_base + s.offset_bytes, s.nbytes) for s in ready.segments]
+
+            def complete() -> dict:  # D6-D7: intra-bank copies into the KV pages
+                t0, n_copy = time.monotonic(), 0
+                try:
+                    for b in range(self.num_banks):
+                        o = plan.intra_bank.for_bank(b)
+                        if len(o):
+                            self.device.copy_in_bank(b, o.src_offset + recv.device_offset, o.dst_offset, o.nbytes)
+                            n_copy += len(o)
+                finally:
+                    self.pool.release(req_id)
+                return {"copy_s": time.monotonic() - t0, "intra_bank_ops": n_copy}
+
+            return Landing(entries, complete, lambda: self.pool.release(req_id), figures=figures)
+        ops = plan.rdma if self.mode == "direct" else plan.per_tile_ops()
+        local = self.pages.addresses(ops.bank, ops.dst_offset, ops.nbytes).tolist()
+        remote = (remote_base + ready.ring_offset + ops.src_offset).tolist()
+        return Landing(list(zip(local, remote, ops.nbytes.tolist())), lambda: {}, None,
+                       tuple(int(b) for b in plan.dst_blocks), figures)
+
+    def idle(self) -> bool:
+        return self.pool is None or self.pool.is_idle()
+
+    def close(self) -> None:
+        self._reg.close()
+        if self.pages is not None:
+            self.pages.close()
+            self.pages = None
+        if self._own_pool and self.pool is not None:
+            self.pool.close()
+        self.pool = None

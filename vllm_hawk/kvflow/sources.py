@@ -1,0 +1,211 @@
+"""Prefill-side sources of Algorithm 1: how a request's KV bytes are produced (P4-P6).
+
+:class:`~vllm_hawk.kvflow.prefill.PrefillEndpoint` owns leases, the ring, cancels and
+replies; a source only knows its bytes. Three sources:
+
+* :class:`VllmBlockSource` (GG-Direct): the vLLM cache is exported as it is; KVReady
+  lists the source blocks' per-layer byte runs in place (``bank`` = layer). No ring.
+* :class:`RingGatherSource` (staged, GG-Host): the blocks' layer streams are gathered
+  into a ring range, one segment per layer.
+* :class:`TileTransformSource` (GN-HAWK): the blocks are transformed into G'
+  ``[N_ch, -1, tile_chunk]`` for the decode's Tenstorrent layout, straight into a ring
+  range, one segment per destination bank.
+
+A source's ``check`` bounds everything sized from the peer's layout before any plan;
+``prepare`` returns a :class:`Prepared` (ring bytes needed, 0 = served in place) whose
+``fill(addr, view)`` writes the bytes at a ring range and ``segments(offset)`` lists
+them (offsets from the export base).
+"""
+from __future__ import annotations
+
+import ctypes
+from dataclasses import dataclass
+from typing import Callable, Protocol, Sequence
+
+import numpy as np
+
+from vllm_hawk.kvflow.streams import KVRegionMap, gather_copies, ring_segments, source_segments
+from vllm_hawk.layout.device_profiles import DeviceProfile
+from vllm_hawk.layout.formats import tile_format
+from vllm_hawk.layout.tt_kv_cache import KV_DTYPES, TTKVCacheLayout, TTKVCacheSpec
+from vllm_hawk.layout.vllm_kv import as_transform_source
+from vllm_hawk.protocol import KVRequest, LayoutDesc, Segment
+from vllm_hawk.transform import make_plan, transform_kv
+
+MAX_BANKS = 64  # bound on a peer's num_banks when its device profile is unknown here
+MAX_PAGE_NBYTES = 1 << 20  # likewise for page_nbytes
+
+
+@dataclass
+class Prepared:
+    """One request's bytes, planned. ``nbytes``: ring bytes needed (0: served in place);
+    ``fill(addr, view)``: write them at ring address ``addr`` (``view``: uint8 tensor over
+    the range); ``segments(offset)``: where they are, offsets from the export base."""
+
+    nbytes: int
+    fill: Callable[[int, object], None]
+    segments: Callable[[int], list[Segment]]
+
+
+class KVSource(Protocol):
+    """What a :class:`~vllm_hawk.kvflow.prefill.PrefillEndpoint` serves from."""
+
+    name: str
+    uses_ring: bool  # True: bytes are produced into a ring range per request
+
+    def exports(self) -> list[tuple[int, int]]:
+        """``(addr, nbytes)`` regions to register when ``uses_ring`` is False."""
+
+    def check(self, msg: KVRequest) -> str:
+        """'' when ``msg``'s destination layout can be served, else why not."""
+
+    def prepare(self, msg: KVRequest, src_blocks: np.ndarray, export_base: int) -> Prepared:
+        """Plan the bytes of source blocks ``src_blocks`` (already the requested ones)."""
+
+
+def vllm_layout_desc(region_map: KVRegionMap, name: str, dtype: str, block_size: int,
+                     num_kv_heads: int, head_dim: int) -> LayoutDesc:
+    """The LayoutDesc of a vLLM paged cache (``num_banks`` 1; ``tile_nbytes`` = bytes of one
+    block of one layer, ``page_nbytes`` = the block stride)."""
+    r0 = region_map.layers[0]
+    return LayoutDesc(name=name[:256], dtype=dtype, block_size=block_size, num_layers=len(region_map.layers),
+                      num_kv_heads=num_kv_heads, head_dim=head_dim, num_banks=1, tile_nbytes=r0.block_nbytes,
+                      page_nbytes=r0.block_stride_nbytes)
+
+
+def _shape_mismatch(mine: LayoutDesc, theirs: LayoutDesc, fields: Sequence[str]) -> str:
+    for f in fields:
+        if getattr(mine, f) != getattr(theirs, f):
+            return f"destination {f} is {getattr(theirs, f)!r}, this prefill has {getattr(mine, f)!r}"
+    return ""
+
+
+class _VllmStreams:
+    """Shared by the two vLLM-layout sources: the decode must have the same block bytes."""
+
+    def __init__(self, region_map: KVRegionMap, layout: LayoutDesc, storages: Sequence[tuple[int, int]]) -> None:
+        self.region_map, self.layout, self.storages = region_map, layout, list(storages)
+
+    def check(self, msg: KVRequest) -> str:
+        d = msg.dst_layout
+        err = _shape_mismatch(self.layout, d, ("num_layers", "num_kv_heads", "head_dim", "block_size", "dtype",
+                                               "tile_nbytes"))
+        if err:
+            return err
+        if d.num_banks != 1:
+            return f"destination has {d.num_banks} banks: a Tenstorrent layout needs device_profile set on both sides"
+        return ""
+
+
+class VllmBlockSource(_VllmStreams):
+    """GG-Direct: the cache's buffers (``storages``: ``(addr, nbytes)``) are exported and
+    KVReady points at the blocks in place."""
+
+    name = "vllm-blocks"
+    uses_ring = False
+
+    def exports(self) -> list[tuple[int, int]]:
+        return self.storages
+
+    def prepare(self, msg: KVRequest, src_blocks: np.ndarray, export_base: int) -> Prepared:
+        segs = source_segments(self.region_map, src_blocks.tolist(), export_base)
+        return Prepared(0, lambda addr, view: None, lambda off: segs)
+
+
+class RingGatherSource(_VllmStreams):
+    """Staged: the blocks' layer streams are copied into a ring range (P6)."""
+
+    name = "ring-gather"
+    uses_ring = True
+
+    def exports(self) -> list[tuple[int, int]]:
+        return []
+
+    def prepare(self, msg: KVRequest, src_blocks: np.ndarray, export_base: int) -> Prepared:
+        ids = src_blocks.tolist()
+        self.region_map.check_blocks(ids)
+        n = len(ids)
+
+        def fill(addr: int, view) -> None:
+            for dst, src, nb in gather_copies(self.region_map, ids, addr):
+                ctypes.memmove(dst, src, nb)
+
+        return Prepared(n * self.region_map.block_nbytes, fill, lambda off: ring_segments(self.region_map, n, off))
+
+
+def spec_from_desc(desc: LayoutDesc, num_blocks: int) -> TTKVCacheSpec:
+    return TTKVCacheSpec(desc.num_layers, num_blocks, desc.num_kv_heads, desc.block_size, desc.head_dim, desc.dtype)
+
+
+def tt_layout_of(desc: LayoutDesc, num_blocks: int) -> TTKVCacheLayout:
+    """A Tenstorrent KV layout with the peer's geometry (bank bases 0: plans are relative)."""
+    return TTKVCacheLayout(spec_from_desc(desc, num_blocks), desc.num_banks, desc.page_nbytes,
+                           ((0, 0),) * desc.num_layers)
+
+
+class TileTransformSource:
+    """GN-HAWK: the vLLM cache's blocks, transformed into G' for the decode's tile layout (P4+P6).
+
+    views: a :class:`~vllm_hawk.layout.vllm_kv.TransformSource` (zero-copy logical views
+    ``[num_blocks, heads, block_size, head_dim]`` per layer, or a gather of the request's
+    blocks for packed layouts such as CPU AMX), or per-layer (K, V) views; layout: this cache's
+    shape as a LayoutDesc (layers, heads, head_dim, block_size); profile: the device
+    profile named in the handshake (None: unknown here, peers bounded by MAX_BANKS /
+    MAX_PAGE_NBYTES)."""
+
+    name = "tile-transform"
+    uses_ring = True
+
+    def __init__(self, views, layout: LayoutDesc, profile: DeviceProfile | None) -> None:
+        self.views, self.layout, self.profile = as_transform_source(views), layout, profile
+
+    def exports(self) -> list[tuple[int, int]]:
+        return []
+
+    def check(self, msg: KVRequest) -> str:
+        d = msg.dst_layout
+        err = _shape_mismatch(self.layout, d, ("num_layers", "num_kv_heads", "head_dim", "block_size"))
+        if err:
+            return err
+        if d.dtype not in KV_DTYPES or tile_format(d.dtype).tile_nbytes != d.tile_nbytes:
+            return f"destination dtype {d.dtype!r} with {d.tile_nbytes}-byte tiles is not supported"
+        if d.page_nbytes < d.tile_nbytes or d.block_size % 32 or d.head_dim % 32:
+            return "destination page/block/head_dim do not describe a TILE layout"
+        p = self.profile
+        if p is not None:
+            if d.num_banks != p.num_banks:
+                return f"destination has {d.num_banks} banks; device profile {p.name!r} has {p.num_banks}"
+            if d.page_nbytes != p.aligned_page(d.tile_nbytes):
+                return (f"destination page of {d.page_nbytes} bytes; device profile {p.name!r} pages "
+                        f"{d.tile_nbytes}-byte tiles into {p.aligned_page(d.tile_nbytes)} bytes")
+        elif d.num_banks > MAX_BANKS or d.page_nbytes > MAX_PAGE_NBYTES:
+            return (f"destination has {d.num_banks} banks and {d.page_nbytes}-byte pages; with its device "
+                    f"profile unknown here the limits are {MAX_BANKS} and {MAX_PAGE_NBYTES}")
+        return ""
+
+    def prepare(self, msg: KVRequest, src_blocks: np.ndarray, export_base: int) -> Prepared:
+        d = msg.dst_layout
+        dst = np.asarray(msg.dst_block_ids, dtype=np.int64)
+        plan = make_plan(tt_layout_of(d, int(dst.max()) + 1), dst, "staged")
+
+        def fill(addr: int, view) -> None:
+            layers, ids = self.views.select(src_blocks)  # gathers only for packed layouts (amx)
+            transform_kv(layers, ids, self.layout.block_size, plan, out=view)
+
+        def segments(off: int) -> list[Segment]:
+            return [Segment(int(b), off + int(plan.segment_offset[b]), int(plan.segment_nbytes[b]))
+                    for b in range(d.num_banks) if plan.segment_nbytes[b]]
+
+        return Prepared(int(plan.total_nbytes), fill, segments)
+
+    def warm(self, profile: DeviceProfile) -> None:
+        """Compile the transform kernels (numba: seconds on first use) before the first
+        request: one block of each tile dtype into a scratch buffer."""
+        layers, ids = self.views.select([0])
+        for dtype in ("bfloat16", "bfloat8_b"):
+            tb = tile_format(dtype).tile_nbytes
+            d = LayoutDesc(name="tt-paged", dtype=dtype, block_size=self.layout.block_size,
+                           num_layers=self.layout.num_layers, num_kv_heads=self.layout.num_kv_heads,
+                           head_dim=self.layout.head_dim, num_banks=profile.num_banks, tile_nbytes=tb,
+                           page_nbytes=profile.aligned_page(tb))
+            transform_kv(layers, ids, self.layout.block_size, make_plan(tt_layout_of(d, 1), [0], "staged"))

@@ -1,0 +1,180 @@
+"""Test and benchmark wiring of :mod:`vllm_hawk.kvflow` around torch caches (no vLLM).
+
+Nothing here moves bytes on its own: each helper builds the same sources, sinks and
+endpoints the connector builds, and calls them.
+
+* :func:`prefill_endpoint` — a :class:`~vllm_hawk.kvflow.PrefillEndpoint` over a
+  :class:`~vllm_hawk.testing.paged_cache.PagedKVCache` with the source for ``kind``:
+  ``hawk`` (tile transform), ``staged`` (ring gather) or ``vllm`` (blocks in place);
+* :class:`TTDecode` — an emulated Tenstorrent KV pool, one sink per mode over it and a
+  :class:`~vllm_hawk.kvflow.DecodeEndpoint`;
+* :class:`VllmDecode` — a vLLM-layout decode cache with its sink and endpoint, and
+  :func:`gn_host_fix`, the GN-Host baseline's layout fix after arrival.
+"""
+from __future__ import annotations
+
+import ctypes
+
+import numpy as np
+
+from vllm_hawk.kvflow import (
+    DecodeEndpoint,
+    PrefillEndpoint,
+    RingGatherSource,
+    TileTransformSource,
+    TTSink,
+    VllmBlockSource,
+    vllm_sink,
+)
+from vllm_hawk.kvflow.sinks import KVPageAddresses, layout_desc
+from vllm_hawk.layout.device_profiles import load_profile
+from vllm_hawk.layout.tt_kv_cache import TTKVCacheSpec
+from vllm_hawk.transform import make_plan, transform_kv
+
+SOURCE_KINDS = ("hawk", "staged", "vllm")
+
+
+def make_source(cache, kind: str, device_profile: str | None = "p150a"):
+    if kind == "hawk":
+        return TileTransformSource(cache.kv_views(), cache.desc, load_profile(device_profile) if device_profile
+                                   else None)
+    if kind == "staged":
+        return RingGatherSource(cache.region_map, cache.desc, cache.storages)
+    if kind == "vllm":
+        return VllmBlockSource(cache.region_map, cache.desc, cache.storages)
+    raise ValueError(f"source kind must be one of {SOURCE_KINDS}, got {kind!r}")
+
+
+def prefill_endpoint(cache, transport, compat, kind: str = "hawk", **kw) -> PrefillEndpoint:
+    """A prefill endpoint serving ``cache`` (keyword arguments go to PrefillEndpoint)."""
+    return PrefillEndpoint(make_source(cache, kind, compat.device_profile if kind == "hawk" else None),
+                           transport, compat, **kw)
+
+
+class _Endpoint:
+    ep: DecodeEndpoint
+
+    @property
+    def client(self):
+        return self.ep.client
+
+    @property
+    def peer(self) -> str:
+        return self.ep.peer
+
+    @property
+    def export_base(self) -> int:
+        return self.ep.hello.export_base_addr
+
+    @property
+    def export_nbytes(self) -> int:
+        return self.ep.hello.export_nbytes
+
+    @property
+    def quarantined(self) -> list[str]:
+        return self.ep.quarantined
+
+    def pending_frees(self) -> int:
+        return self.ep.pending_frees()
+
+
+class TTDecode(_Endpoint):
+    """A decode with a Tenstorrent KV pool (``spec``) on ``device`` (emulated here).
+
+    Sinks are made per mode on first use (``staged`` owns a receive pool of
+    ``recv_nbytes_per_bank``, or uses ``pool``; ``direct`` and ``per_tile`` register the KV pages, one of
+    them at a time). Freed at :meth:`close`; a failing ``__init__`` frees the pool."""
+
+    def __init__(self, device, spec: TTKVCacheSpec, transport, endpoint: str, compat, *, secret=None,
+                 recv_nbytes_per_bank: int = 16 << 20, pool=None, timeout_s: float = 10.0,
+                 claim_wait_s: float = 5.0) -> None:
+        self.device, self.transport, self.recv, self.shared_pool = device, transport, recv_nbytes_per_bank, pool
+        self.sinks: dict[str, TTSink] = {}
+        self.ep = None
+        self.layout, self.bufs = device.allocate_kv_cache(spec)
+        try:
+            if recv_nbytes_per_bank:
+                self.sink("staged")
+            self.ep = DecodeEndpoint(transport, endpoint, compat, secret=secret, pull_timeout_s=timeout_s,
+                                     claim_wait_s=claim_wait_s)
+        except BaseException:
+            self.close()
+            raise
+
+    @property
+    def desc(self):
+        """The pool's LayoutDesc (what a KVRequest carries)."""
+        return layout_desc(self.layout)
+
+    @property
+    def pool(self):
+        return self.sinks["staged"].pool if "staged" in self.sinks else None
+
+    def sink(self, mode: str) -> TTSink:
+        if mode not in self.sinks:
+            for other in ("direct", "per_tile"):
+                if mode != "staged" and other in self.sinks:
+                    self.sinks.pop(other).close()
+            self.sinks[mode] = TTSink(self.device, self.layout, self.bufs, self.transport, mode,
+                                      recv_nbytes_per_bank=self.recv, pool=self.shared_pool)
+        return self.sinks[mode]
+
+    def fetch(self, req_id: str, num_tokens: int, dst_blocks, mode: str = "staged", **kw):
+        return self.ep.fetch(req_id, num_tokens, self.sink(mode), dst_blocks, **kw)
+
+    def fetch_pipelined(self, chunks, mode: str = "staged", **kw):
+        return self.ep.fetch_pipelined(chunks, self.sink(mode), **kw)
+
+    def read_blocks(self, layer: int, kv: int, blocks):
+        """Bytes of whole KV-pool blocks of tensor (layer, K=0|V=1): uint8 [tiles, tile_nbytes]."""
+        return self.device.read_tiles(self.layout, layer, kv, self.layout.block_tiles(blocks))
+
+    def close(self) -> None:
+        if self.ep is not None:
+            self.ep.close()
+            self.ep = None
+        for s in self.sinks.values():
+            s.close()
+        self.sinks = {}
+        for b in self.bufs:
+            self.device.free_buffer(b)
+        self.bufs = []
+
+
+class VllmDecode(_Endpoint):
+    """A decode with a vLLM-layout cache (``PagedKVCache``): GG-Direct (``direct``) or
+    GG-Host / staged (``staged``: receive ring of ``recv_nbytes``)."""
+
+    def __init__(self, cache, transport, endpoint: str, compat, *, mode: str = "direct", secret=None,
+                 timeout_s: float = 10.0, recv_nbytes: int = 64 << 20) -> None:
+        self.cache = cache
+        self.sink = vllm_sink(cache.region_map, cache.desc, transport, mode, cache.storages, recv_nbytes)
+        try:
+            self.ep = DecodeEndpoint(transport, endpoint, compat, secret=secret, pull_timeout_s=timeout_s)
+        except BaseException:
+            self.sink.close()
+            raise
+
+    def fetch(self, req_id: str, num_tokens: int, dst_blocks, **kw):
+        return self.ep.fetch(req_id, num_tokens, self.sink, dst_blocks, **kw)
+
+    def close(self) -> None:
+        self.ep.close()
+        self.sink.close()
+
+
+def gn_host_fix(cache, dst_blocks, device, layout, kv_buffers, tt_blocks) -> None:
+    """GN-Host's layout fix after arrival: blocks ``dst_blocks`` of the host cache are
+    tilized/packed (the HAWK transform, run on the decode side) and written into the
+    device's KV pool at ``tt_blocks``, at host addresses from the bank-buffer API."""
+    plan = make_plan(layout, np.asarray(tt_blocks, dtype=np.int64), "direct")
+    g = transform_kv(cache.kv_views(), np.asarray(dst_blocks, dtype=np.int64), cache.block_size, plan)
+    ops = plan.rdma
+    pages = KVPageAddresses(device, kv_buffers)
+    try:
+        local = pages.addresses(ops.bank, ops.dst_offset, ops.nbytes).tolist()
+        base = g.data_ptr()
+        for s, d, n in zip(ops.src_offset.tolist(), local, ops.nbytes.tolist()):
+            ctypes.memmove(d, base + s, n)
+    finally:
+        pages.close()
