@@ -1,4 +1,5 @@
-"""A prefill endpoint in its own process (spawn), driven over a multiprocessing pipe.
+"""A prefill endpoint in its own process (spawn; ``HAWK_TEST_MP_START=fork`` forks instead),
+driven over a multiprocessing pipe.
 
 The child builds a seeded :class:`PagedKVCache`, a transport and a
 :class:`PrefillEndpoint` with the source ``cfg["kind"]`` (hawk | staged | vllm),
@@ -76,9 +77,14 @@ class PrefillProcess:
 
 
 def start_prefill(cfg: dict, start_timeout_s: float | None = None) -> PrefillProcess:
-    # a slow machine (the QEMU TCG guest stage imports torch at a few MB/s) may raise it
+    """Start the child and wait for its endpoint.
+
+    Under QEMU TCG (the RDMA guest stage) ``import torch`` alone takes about two minutes,
+    so that stage sets ``HAWK_TEST_MP_START=fork``: the child inherits the test process's
+    imported modules (fork before the parent starts any thread: no transport yet) and
+    ``HAWK_TEST_START_TIMEOUT_S`` raises the start timeout."""
     start_timeout_s = start_timeout_s or float(os.environ.get("HAWK_TEST_START_TIMEOUT_S", "60"))
-    ctx = mp.get_context("spawn")
+    ctx = mp.get_context(os.environ.get("HAWK_TEST_MP_START", "spawn"))
     parent, child = ctx.Pipe()
     p = ctx.Process(target=_child, args=(cfg, child), daemon=True)
     p.start()
