@@ -23,7 +23,7 @@ not within the timeout, and says so.
 
 Needs (Debian 12): qemu-system-x86, debootstrap, busybox-static, cpio, zstd and the
 kernel image package linux-image-<kver> (scripts/kernel_deps.sh installs them). KVM is
-not used: TCG (`-accel tcg,thread=multi -cpu max`), see DESIGN.md section 10.
+not used: TCG (`-accel tcg,thread=multi -cpu max`), see docs/qemu-guest.md.
 
 Python API (stdlib only): ``ensure_images()``, ``run_job(script, shares=..., timeout_s=...)``
 returning a :class:`GuestResult`.

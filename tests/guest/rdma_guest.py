@@ -238,7 +238,7 @@ def dmabuf_mr() -> str:
         try:
             mr = reg.register_bank_dmabuf_mr(pd, Mapping(), device_name="rxe0")
             mr.close()
-            raise AssertionError("rxe0 registered a dma-buf MR: update DESIGN.md and the doctor")
+            raise AssertionError("rxe0 registered a dma-buf MR: update docs/qemu-guest.md and the doctor")
         except reg.DmaBufMRUnsupported as e:
             assert e.errno == errno.EOPNOTSUPP == 95, e
             assert "rxe0" in str(e) and "soft-RoCE" in str(e), e
