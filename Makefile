@@ -46,8 +46,11 @@ layout: env  ## how a Llama-3.1-70B request maps onto a p150a's DRAM banks
 lint: env  ## ruff, configured in pyproject.toml
 	@$(STAGE) lint $(dir $(PY))ruff check .
 
+# Two pytest stages, each with its own time: the docker-compose two-node run (tests/twohost,
+# marker `compose`), then everything else; the last closing line counts the main suite.
 test: env ttnn-env kernel-deps ttsim-env lint  ## the whole suite, as CI runs it
-	@$(STAGE) pytest $(PY) -m pytest -q -p no:cacheprovider $(PYTEST_ARGS) tests
+	@$(STAGE) compose $(PY) -m pytest -q -p no:cacheprovider -m compose $(PYTEST_ARGS) tests/twohost
+	@$(STAGE) pytest $(PY) -m pytest -q -p no:cacheprovider -m "not compose" $(PYTEST_ARGS) tests
 
 # The pure tests: no vLLM engine, no simulator, no kernel build, no Docker, no root or apt (markers
 # are set per folder in tests/conftest.py).
