@@ -109,13 +109,13 @@ class DecodeEndpoint:
     """
 
     def __init__(self, transport, endpoint: str, compat: CompatFields, *, secret: bytes | None = None,
-                 pull_timeout_s: float = 10.0, claim_wait_s: float = 5.0,
+                 auth: str | None = None, pull_timeout_s: float = 10.0, claim_wait_s: float = 5.0,
                  handshake_timeout_s: float | None = None) -> None:
         self.transport, self.pull_timeout_s, self.claim_wait_s = transport, pull_timeout_s, claim_wait_s
         self._lock = threading.Lock()
         self._pending_frees = 0
         self.quarantined: list[str] = []  # requests whose receive memory stays held (batch never settled)
-        self.client = ProtocolClient(endpoint, compat, secret=secret, timeout_s=pull_timeout_s)
+        self.client = ProtocolClient(endpoint, compat, secret=secret, auth=auth, timeout_s=pull_timeout_s)
         try:
             self.client.handshake(handshake_timeout_s or pull_timeout_s)
         except Exception:

@@ -16,9 +16,10 @@ Every field is bounded at decode time (non-negative ints, string and list length
 :func:`validate` adds the cross-field checks. Byte offsets in ``KVReady`` are relative
 to the exported region's base address (``HelloAck.export_base_addr``).
 
-Version 2 (this one): ``HelloAck.ring_*`` became ``export_*`` (it may describe a whole
-exported cache, not a ring) and ``KVRequest.first_block`` selects which of the
-request's source blocks are sent (the decode may already hold a prefix).
+Version 2: ``HelloAck.ring_*`` became ``export_*`` (it may describe a whole exported
+cache, not a ring) and ``KVRequest.first_block`` selects which of the request's source
+blocks are sent (the decode may already hold a prefix). Version 3 (this one): the
+envelope header names its recipient (magic ``HAWK/3``), the ``auth_failed`` refusal.
 """
 from __future__ import annotations
 
@@ -27,7 +28,7 @@ from typing import Annotated, Literal, Union
 import msgspec
 from msgspec import Meta, Struct
 
-PROTOCOL_VERSION = 2
+PROTOCOL_VERSION = 3
 
 MAX_SEGMENTS = 4096  # per KVReady: N_ch banks x layers x K/V stays well below this
 MAX_BLOCK_IDS = 1 << 16

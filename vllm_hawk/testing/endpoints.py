@@ -85,7 +85,7 @@ class TTDecode(_Endpoint):
     ``recv_nbytes_per_bank``, or uses ``pool``; ``direct`` and ``per_tile`` register the KV pages, one of
     them at a time). Freed at :meth:`close`; a failing ``__init__`` frees the pool."""
 
-    def __init__(self, device, spec: TTKVCacheSpec, transport, endpoint: str, compat, *, secret=None,
+    def __init__(self, device, spec: TTKVCacheSpec, transport, endpoint: str, compat, *, secret=None, auth=None,
                  recv_nbytes_per_bank: int = 16 << 20, pool=None, timeout_s: float = 10.0,
                  claim_wait_s: float = 5.0) -> None:
         self.device, self.transport, self.recv, self.shared_pool = device, transport, recv_nbytes_per_bank, pool
@@ -95,7 +95,7 @@ class TTDecode(_Endpoint):
         try:
             if recv_nbytes_per_bank:
                 self.sink("staged")
-            self.ep = DecodeEndpoint(transport, endpoint, compat, secret=secret, pull_timeout_s=timeout_s,
+            self.ep = DecodeEndpoint(transport, endpoint, compat, secret=secret, auth=auth, pull_timeout_s=timeout_s,
                                      claim_wait_s=claim_wait_s)
         except BaseException:
             self.close()
@@ -145,12 +145,12 @@ class VllmDecode(_Endpoint):
     """A decode with a vLLM-layout cache (``PagedKVCache``): GG-Direct (``direct``) or
     GG-Host / staged (``staged``: receive ring of ``recv_nbytes``)."""
 
-    def __init__(self, cache, transport, endpoint: str, compat, *, mode: str = "direct", secret=None,
+    def __init__(self, cache, transport, endpoint: str, compat, *, mode: str = "direct", secret=None, auth=None,
                  timeout_s: float = 10.0, recv_nbytes: int = 64 << 20) -> None:
         self.cache = cache
         self.sink = vllm_sink(cache.region_map, cache.desc, transport, mode, cache.storages, recv_nbytes)
         try:
-            self.ep = DecodeEndpoint(transport, endpoint, compat, secret=secret, pull_timeout_s=timeout_s)
+            self.ep = DecodeEndpoint(transport, endpoint, compat, secret=secret, auth=auth, pull_timeout_s=timeout_s)
         except BaseException:
             self.sink.close()
             raise

@@ -10,10 +10,27 @@ buffer (``ctypes.memmove``, standing in for a device<->host DMA) and sent as one
 request on a per-peer connection, with up to ``window`` pieces in flight.
 
 Each transport runs a small server thread that serves reads and writes of its
-registered regions and refuses anything outside them. There is no authentication on
-the data port: bind it to a private address (default 127.0.0.1).
+registered regions and refuses anything outside them.
+
+Authentication (``secret``): every connection proves the shared secret before the
+server reads a request — the server sends a greeting with a fresh nonce, the client
+answers HMAC-SHA256(k, "c" | server nonce | client nonce) with its own nonce, the server
+answers HMAC(k, "s" | client nonce | server nonce) (mutual: the client never moves
+memory for an impostor). ``k`` is derived from the secret for this use only. Without a
+secret the greeting says so and a client WITH one refuses the peer (and vice versa),
+with an error that names the mismatch.
+
+Resource bounds: a connection must authenticate within ``auth_timeout_s`` (2 s); at most
+``max_pending`` connections may be unauthenticated at once (the oldest is dropped for a
+new one, so an idle flood cannot lock peers out), at most ``max_connections``
+authenticated ones (more are refused, counted), and an authenticated connection idle
+for ``idle_timeout_s`` is closed. A request's range is checked before anything is
+allocated or read; an out-of-range WRITE is refused and the connection closed (its
+payload is never buffered). ``stats`` counts refusals by reason.
 
 Wire format (little endian), one TCP connection per (client, peer):
+  greeting ``<4sB3x32s>``: magic b"HKHA", flags (1 = authentication required), nonce;
+  auth     client ``<32s32s>`` nonce + MAC, server ``<32s>`` MAC (only with a secret);
   request  ``<4sB3xQQ``: magic b"HKHS", op (1 read, 2 write), remote_addr, nbytes;
            a write request is followed by ``nbytes`` payload bytes.
   response ``<B7xQ``: status (0 ok, 1 outside registered regions, 2 too large,
@@ -21,15 +38,21 @@ Wire format (little endian), one TCP connection per (client, peer):
 """
 from __future__ import annotations
 
+import collections
 import ctypes
+import hashlib
+import hmac
 import logging
+import os
 import queue
 import socket
 import struct
 import threading
+import time
 from dataclasses import dataclass
 from typing import Sequence
 
+from vllm_hawk.security import RateLimitedLog, Refusals, derive_key
 from vllm_hawk.transport.base import (
     Entry,
     Kind,
@@ -44,10 +67,18 @@ from vllm_hawk.transport.base import (
 logger = logging.getLogger(__name__)
 
 _MAGIC = b"HKHS"
+_GREET_MAGIC = b"HKHA"
+_GREETING = struct.Struct("<4sB3x32s")
+_CLIENT_AUTH = struct.Struct("<32s32s")
+_SERVER_AUTH = struct.Struct("<32s")
 _REQ = struct.Struct("<4sB3xQQ")
 _RESP = struct.Struct("<B7xQ")
 _OP_READ, _OP_WRITE = 1, 2
-_IDLE_TIMEOUT_S = 300.0
+_FLAG_AUTH = 1
+IDLE_TIMEOUT_S = 60.0
+AUTH_TIMEOUT_S = 2.0
+MAX_PENDING = 32
+_rlog = RateLimitedLog(logger)
 ST_OK, ST_OUT_OF_RANGE, ST_TOO_LARGE, ST_BAD_OP = 0, 1, 2, 3
 _STATUS_TEXT = {ST_OUT_OF_RANGE: "outside the peer's registered regions",
                 ST_TOO_LARGE: "piece larger than the peer accepts", ST_BAD_OP: "bad op"}
@@ -55,6 +86,14 @@ _STATUS_TEXT = {ST_OUT_OF_RANGE: "outside the peer's registered regions",
 
 class _PeerError(Exception):
     """Connection-level failure talking to a peer."""
+
+
+class _AuthFailed(_PeerError):
+    """The peer could not prove the shared secret (or the auth settings differ)."""
+
+
+def _mac(key: bytes, role: bytes, a: bytes, b: bytes) -> bytes:
+    return hmac.new(key, role + a + b, hashlib.sha256).digest()
 
 
 def _recv_exact(sock: socket.socket, view: memoryview) -> None:
@@ -87,14 +126,25 @@ class HostStagedTransport:
     chunk_nbytes: staging buffer size = largest piece sent (bytes).
     max_piece_nbytes: largest piece the server accepts (bytes).
     window: pieces in flight per connection. io_timeout_s: per socket operation.
+    secret: shared secret (>= 16 bytes) or None (no authentication, say so explicitly
+    by passing None); max_connections / max_pending / idle_timeout_s / auth_timeout_s:
+    the bounds of the module doc.
     """
 
     def __init__(self, bind_host: str = "127.0.0.1", port: int = 0, *,
                  advertise_host: str | None = None, chunk_nbytes: int = 4 << 20,
                  max_piece_nbytes: int = 64 << 20, window: int = 32,
-                 io_timeout_s: float = 10.0, max_connections: int = 64) -> None:
+                 io_timeout_s: float = 10.0, max_connections: int = 64, secret: bytes | None = None,
+                 max_pending: int = MAX_PENDING, idle_timeout_s: float = IDLE_TIMEOUT_S,
+                 auth_timeout_s: float = AUTH_TIMEOUT_S) -> None:
         if chunk_nbytes <= 0 or chunk_nbytes > max_piece_nbytes:
-            raise ValueError("need 0 < chunk_nbytes <= max_piece_nbytes")
+            raise ValueError(f"need 0 < chunk_nbytes <= max_piece_nbytes, got {chunk_nbytes}, {max_piece_nbytes}")
+        self._key = derive_key(secret, "host-staged") if secret is not None else None
+        self._max_pending = max(1, max_pending)
+        self._idle_timeout = idle_timeout_s
+        self._auth_timeout = auth_timeout_s
+        self._pending: collections.OrderedDict[socket.socket, float] = collections.OrderedDict()
+        self.stats = Refusals()
         self._regions = RegionTable()
         self._chunk = chunk_nbytes
         self._max_piece = max_piece_nbytes
@@ -147,7 +197,7 @@ class HostStagedTransport:
         with self._lock:
             workers = list(self._workers.values())
             self._workers.clear()
-            conns = list(self._server_conns) + list(self._client_socks)
+            conns = list(self._server_conns) + list(self._client_socks) + list(self._pending)
         for _t, q in workers:
             q.put(None)
         for c in conns:
@@ -183,7 +233,40 @@ class HostStagedTransport:
             raise _PeerError(f"connect failed: {e}") from e
         s.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
         s.settimeout(self._io_timeout)
+        try:
+            self._client_auth(s, peer)
+        except BaseException:
+            s.close()
+            raise
         return s
+
+    def _client_auth(self, s: socket.socket, peer: str) -> None:
+        greet = bytearray(_GREETING.size)
+        try:
+            _recv_exact(s, memoryview(greet))
+        except (OSError, ConnectionError) as e:
+            raise _AuthFailed(f"no greeting from {peer} ({e}): not a host-staged peer, or it dropped us "
+                              "(too many connections?)") from e
+        magic, flags, snonce = _GREETING.unpack(greet)
+        if magic != _GREET_MAGIC:
+            raise _AuthFailed(f"{peer} is not a host-staged peer of this version (greeting {bytes(magic)!r})")
+        needs = bool(flags & _FLAG_AUTH)
+        if needs and self._key is None:
+            raise _AuthFailed(f"{peer} requires the shared secret and this side has none (auth 'none')")
+        if not needs and self._key is not None:
+            raise _AuthFailed(f"{peer} runs without authentication (auth 'none') and this side has a shared "
+                              "secret: configure both sides alike")
+        if self._key is None:
+            return
+        cnonce = os.urandom(32)
+        s.sendall(_CLIENT_AUTH.pack(cnonce, _mac(self._key, b"c", snonce, cnonce)))
+        proof = bytearray(_SERVER_AUTH.size)
+        try:
+            _recv_exact(s, memoryview(proof))
+        except (OSError, ConnectionError) as e:
+            raise _AuthFailed(f"{peer} refused this side's proof of the shared secret: the secrets differ") from e
+        if not hmac.compare_digest(bytes(proof), _mac(self._key, b"s", cnonce, snonce)):
+            raise _AuthFailed(f"{peer} could not prove the shared secret: the secrets differ (or an impostor)")
 
     def _client_loop(self, peer: str, q: queue.Queue) -> None:
         _buf, staging_addr, staging = _staging(self._chunk)
@@ -204,7 +287,12 @@ class HostStagedTransport:
                         self._client_socks.add(sock)
                 self._run_job(sock, job, staging_addr, staging, memoryview(resp))
             except _RemoteRefused as e:
-                h.finish_failed(str(e))  # connection still in sync, keep it
+                h.finish_failed(str(e))
+                if e.closed and sock is not None:  # the peer closes after a refused WRITE
+                    with self._lock:
+                        self._client_socks.discard(sock)
+                    sock.close()
+                    sock = None
             except (OSError, _PeerError, ConnectionError) as e:
                 if sock is not None:
                     with self._lock:
@@ -228,6 +316,7 @@ class HostStagedTransport:
         pending: list[tuple[int, int]] = []  # (local_addr, nbytes) awaiting a response
         refused = 0
         first_refusal = ""
+        closed = False
         i = 0
         while i < len(pieces) or pending:
             if i < len(pieces) and len(pending) < self._window:
@@ -245,6 +334,9 @@ class HostStagedTransport:
             if status != ST_OK:
                 refused += 1
                 first_refusal = first_refusal or _STATUS_TEXT.get(status, f"status {status}")
+                if job.op == _OP_WRITE:  # the server closed the connection (payload not read)
+                    closed = True
+                    break
                 continue
             if job.op == _OP_READ:
                 if rn != nbytes:
@@ -253,7 +345,7 @@ class HostStagedTransport:
                 ctypes.memmove(local, staging_addr, nbytes)  # host staging -> device
         if refused:
             raise _RemoteRefused(f"peer refused {refused} of {len(pieces)} pieces: "
-                                 f"{first_refusal}")
+                                 f"{first_refusal}", closed)
 
     # ---------------------------------------------------------------- server side
     def _accept_loop(self) -> None:
@@ -261,17 +353,57 @@ class HostStagedTransport:
             try:
                 conn, _addr = self._listener.accept()
             except socket.timeout:
+                self._expire_pending()
                 continue
-            except OSError:
-                break
+            except OSError as e:
+                if self._closed.is_set():
+                    break
+                self.stats.count("accept_failed")  # e.g. EMFILE: out of file descriptors
+                _rlog("accept", "host-staged server %s: accept failed: %s", self._endpoint, e)
+                time.sleep(0.05)  # do not spin while the descriptors are gone
+                continue
             with self._lock:
-                if len(self._server_conns) >= self._max_conns or self._closed.is_set():
+                if self._closed.is_set():
                     conn.close()
                     continue
-                self._server_conns.add(conn)
-            conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+                if len(self._pending) >= self._max_pending:  # drop the oldest unauthenticated one
+                    old, _t = self._pending.popitem(last=False)
+                    self.stats.count("pending_evicted")
+                    _shutdown(old)
+                self._pending[conn] = time.monotonic()
+            self._expire_pending()
             threading.Thread(target=self._serve_conn, args=(conn,), daemon=True,
                              name=f"hawk-hs-serve-{self._endpoint}").start()
+
+    def _expire_pending(self) -> None:
+        """Unauthenticated connections older than ``auth_timeout_s`` (their threads also time out)."""
+        now = time.monotonic()
+        with self._lock:
+            while self._pending:
+                conn, t = next(iter(self._pending.items()))
+                if now - t < self._auth_timeout + 0.5:
+                    break
+                self._pending.popitem(last=False)
+                self.stats.count("auth_timeout")
+                _shutdown(conn)
+
+    def _server_auth(self, conn: socket.socket) -> bool:
+        """Greet, then (with a secret) check the client's proof and prove ours."""
+        conn.settimeout(self._auth_timeout)
+        snonce = os.urandom(32)
+        conn.sendall(_GREETING.pack(_GREET_MAGIC, _FLAG_AUTH if self._key else 0, snonce))
+        if self._key is None:
+            return True
+        buf = bytearray(_CLIENT_AUTH.size)
+        _recv_exact(conn, memoryview(buf))
+        cnonce, mac = _CLIENT_AUTH.unpack(buf)
+        if not hmac.compare_digest(mac, _mac(self._key, b"c", snonce, cnonce)):
+            self.stats.count("auth_failed")
+            _rlog("auth", "host-staged server %s: a connection failed authentication (wrong or no secret)",
+                  self._endpoint)
+            return False
+        conn.sendall(_SERVER_AUTH.pack(_mac(self._key, b"s", cnonce, snonce)))
+        return True
 
     def _serve_conn(self, conn: socket.socket) -> None:
         staging_buf = None
@@ -279,45 +411,83 @@ class HostStagedTransport:
         staging = memoryview(b"")
         hdr = bytearray(_REQ.size)
         hview = memoryview(hdr)
+        authed = False
         try:
+            conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+            ok = self._server_auth(conn)
+            with self._lock:
+                was_pending = self._pending.pop(conn, None) is not None
+                if ok and was_pending and len(self._server_conns) >= self._max_conns:
+                    self.stats.count("connections_full")
+                    _rlog("full", "host-staged server %s: %d connections: refusing another", self._endpoint,
+                          self._max_conns)
+                    ok = False
+                if ok and was_pending and not self._closed.is_set():
+                    self._server_conns.add(conn)
+                    authed = True
+            if not authed:
+                return
             while not self._closed.is_set():
-                conn.settimeout(_IDLE_TIMEOUT_S)  # idle connections close eventually
-                _recv_exact(conn, hview[:1])
+                conn.settimeout(self._idle_timeout)  # idle connections are closed
+                try:
+                    _recv_exact(conn, hview[:1])
+                except socket.timeout:
+                    self.stats.count("idle_closed")
+                    return
                 conn.settimeout(self._io_timeout)
                 _recv_exact(conn, hview[1:])
                 magic, op, remote, nbytes = _REQ.unpack(hdr)
                 if magic != _MAGIC or op not in (_OP_READ, _OP_WRITE):
-                    logger.warning("host-staged server: bad request header, closing connection")
+                    self.stats.count("bad_request")
+                    _rlog("bad", "host-staged server %s: bad request header, closing connection", self._endpoint)
                     conn.sendall(_RESP.pack(ST_BAD_OP, 0))
                     return
                 if nbytes > self._max_piece or nbytes == 0:
                     # A write payload we will not buffer: we cannot resync, so close.
+                    self.stats.count("too_large")
                     conn.sendall(_RESP.pack(ST_TOO_LARGE, 0))
                     return
+                if not self._regions.contains(remote, nbytes):  # before allocating or reading anything
+                    self.stats.count("out_of_range")
+                    _rlog("range", "host-staged server %s: refused a %s of %d bytes outside the registered "
+                          "regions", self._endpoint, "write" if op == _OP_WRITE else "read", nbytes)
+                    conn.sendall(_RESP.pack(ST_OUT_OF_RANGE, 0))
+                    if op == _OP_WRITE:
+                        return  # its payload follows and is never read: close
+                    continue
                 if len(staging) < nbytes:
                     staging_buf, staging_addr, staging = _staging(max(nbytes, 1 << 20))
                 if op == _OP_WRITE:
                     _recv_exact(conn, staging[:nbytes])  # TCP -> host staging
-                    if self._regions.contains(remote, nbytes):
+                    if self._regions.contains(remote, nbytes):  # unregistered meanwhile?
                         ctypes.memmove(remote, staging_addr, nbytes)  # staging -> device
                         conn.sendall(_RESP.pack(ST_OK, nbytes))
                     else:
                         conn.sendall(_RESP.pack(ST_OUT_OF_RANGE, 0))
                 else:
-                    if self._regions.contains(remote, nbytes):
-                        ctypes.memmove(staging_addr, remote, nbytes)  # device -> staging
-                        conn.sendall(_RESP.pack(ST_OK, nbytes))
-                        conn.sendall(staging[:nbytes])
-                    else:
-                        conn.sendall(_RESP.pack(ST_OUT_OF_RANGE, 0))
+                    ctypes.memmove(staging_addr, remote, nbytes)  # device -> staging
+                    conn.sendall(_RESP.pack(ST_OK, nbytes))
+                    conn.sendall(staging[:nbytes])
         except (OSError, ConnectionError):
             pass
         finally:
             del staging_buf
             with self._lock:
                 self._server_conns.discard(conn)
+                self._pending.pop(conn, None)
             conn.close()
 
 
+def _shutdown(conn: socket.socket) -> None:
+    try:
+        conn.shutdown(socket.SHUT_RDWR)
+    except OSError:
+        pass
+
+
 class _RemoteRefused(Exception):
-    """The peer answered but refused some pieces (connection stays usable)."""
+    """The peer answered but refused some pieces (``closed``: it closed the connection)."""
+
+    def __init__(self, msg: str, closed: bool = False) -> None:
+        super().__init__(msg)
+        self.closed = closed
