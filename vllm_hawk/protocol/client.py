@@ -22,6 +22,7 @@ import time
 import uuid
 
 import zmq
+from zmq.utils.monitor import parse_monitor_message  # imported now: opening files may fail under fd floods
 
 from vllm_hawk.protocol.compat import compat_hash
 from vllm_hawk.protocol.envelope import DEFAULT_MAX_MESSAGE_NBYTES, AuthError, Envelope, FrameError
@@ -264,8 +265,6 @@ class ProtocolClient:
             self._wakeup.close_receiver()
 
     def _drain_monitor(self) -> None:
-        from zmq.utils.monitor import parse_monitor_message
-
         for _ in range(256):
             try:
                 ev = parse_monitor_message(self._monitor.recv_multipart(zmq.NOBLOCK))

@@ -13,24 +13,29 @@ Each transport runs a small server thread that serves reads and writes of its
 registered regions and refuses anything outside them.
 
 Authentication (``secret``): every connection proves the shared secret before the
-server reads a request — the server sends a greeting with a fresh nonce, the client
-answers HMAC-SHA256(k, "c" | server nonce | client nonce) with its own nonce, the server
-answers HMAC(k, "s" | client nonce | server nonce) (mutual: the client never moves
-memory for an impostor). ``k`` is derived from the secret for this use only. Without a
-secret the greeting says so and a client WITH one refuses the peer (and vice versa),
-with an error that names the mismatch.
+server reads a request. The client speaks first, in its first packet: a fresh nonce, its
+clock (ms) and HMAC-SHA256(k, "c" | time | nonce); the server accepts it within a 30 s
+window and only once per nonce (bounded replay cache), then answers a status and
+HMAC(k, "s" | nonce | time), which the client checks (mutual: the client never moves
+memory for an impostor). ``k`` is derived from the secret for this use only. A mismatch
+(secret on one side only, or different secrets) fails the client's transfer with an
+error that names it.
 
-Resource bounds: a connection must authenticate within ``auth_timeout_s`` (2 s); at most
-``max_pending`` connections may be unauthenticated at once (the oldest is dropped for a
-new one, so an idle flood cannot lock peers out), at most ``max_connections``
-authenticated ones (more are refused, counted), and an authenticated connection idle
-for ``idle_timeout_s`` is closed. A request's range is checked before anything is
+Resource bounds: unauthenticated connections wait in the accept thread's selector, not
+in threads; one must authenticate within ``auth_timeout_s`` (2 s); at most
+``max_pending`` may wait at once and the oldest is dropped for a new one. Because a
+legitimate client's proof is already in its first packet, it is checked as soon as its
+connection is accepted, so an idle flood cannot lock peers out. At most
+``max_connections`` authenticated connections (more are refused, counted); one idle for
+``idle_timeout_s`` is closed. A request's range is checked before anything is
 allocated or read; an out-of-range WRITE is refused and the connection closed (its
 payload is never buffered). ``stats`` counts refusals by reason.
 
 Wire format (little endian), one TCP connection per (client, peer):
-  greeting ``<4sB3x32s>``: magic b"HKHA", flags (1 = authentication required), nonce;
-  auth     client ``<32s32s>`` nonce + MAC, server ``<32s>`` MAC (only with a secret);
+  hello    client ``<4sB3xQ32s32s>``: magic b"HKHA", flags (1 = has a secret), time (unix
+           ms), nonce, MAC (zeros without a secret);
+  answer   server ``<B7x32s>``: status (0 ok, 1 a secret is required, 2 authentication
+           failed, 3 this side has no secret), MAC (zeros without a secret);
   request  ``<4sB3xQQ``: magic b"HKHS", op (1 read, 2 write), remote_addr, nbytes;
            a write request is followed by ``nbytes`` payload bytes.
   response ``<B7xQ``: status (0 ok, 1 outside registered regions, 2 too large,
@@ -45,6 +50,7 @@ import hmac
 import logging
 import os
 import queue
+import selectors
 import socket
 import struct
 import threading
@@ -68,9 +74,15 @@ logger = logging.getLogger(__name__)
 
 _MAGIC = b"HKHS"
 _GREET_MAGIC = b"HKHA"
-_GREETING = struct.Struct("<4sB3x32s")
-_CLIENT_AUTH = struct.Struct("<32s32s")
-_SERVER_AUTH = struct.Struct("<32s")
+_HELLO = struct.Struct("<4sB3xQ32s32s")
+_ANSWER = struct.Struct("<B7x32s")
+AUTH_WINDOW_S = 30.0
+_AUTH_OK, _AUTH_REQUIRED, _AUTH_FAILED, _AUTH_NONE_HERE = 0, 1, 2, 3
+_ANSWER_TEXT = {_AUTH_REQUIRED: "requires the shared secret and this side has none (auth 'none')",
+                _AUTH_FAILED: "refused this side's proof of the shared secret: the secrets differ (or the clocks "
+                              "differ by more than 30 s)",
+                _AUTH_NONE_HERE: "runs without authentication (auth 'none') and this side has a shared secret: "
+                                 "configure both sides alike"}
 _REQ = struct.Struct("<4sB3xQQ")
 _RESP = struct.Struct("<B7xQ")
 _OP_READ, _OP_WRITE = 1, 2
@@ -143,7 +155,8 @@ class HostStagedTransport:
         self._max_pending = max(1, max_pending)
         self._idle_timeout = idle_timeout_s
         self._auth_timeout = auth_timeout_s
-        self._pending: collections.OrderedDict[socket.socket, float] = collections.OrderedDict()
+        self._pending: collections.OrderedDict[socket.socket, float] = collections.OrderedDict()  # accept thread only
+        self._seen: collections.OrderedDict[bytes, float] = collections.OrderedDict()  # nonces (accept thread only)
         self.stats = Refusals()
         self._regions = RegionTable()
         self._chunk = chunk_nbytes
@@ -157,7 +170,9 @@ class HostStagedTransport:
         self._server_conns: set[socket.socket] = set()
         self._client_socks: set[socket.socket] = set()
 
-        self._listener = socket.create_server((bind_host, port), backlog=64)
+        # A long accept queue: under a flood of idle connections a legitimate peer's SYN
+        # must wait in it (the accept thread drains it fast) rather than be dropped.
+        self._listener = socket.create_server((bind_host, port), backlog=1024)
         self._listener.settimeout(0.2)
         host = advertise_host or bind_host
         self._endpoint = f"{host}:{self._listener.getsockname()[1]}"
@@ -197,7 +212,7 @@ class HostStagedTransport:
         with self._lock:
             workers = list(self._workers.values())
             self._workers.clear()
-            conns = list(self._server_conns) + list(self._client_socks) + list(self._pending)
+            conns = list(self._server_conns) + list(self._client_socks)
         for _t, q in workers:
             q.put(None)
         for c in conns:
@@ -241,31 +256,20 @@ class HostStagedTransport:
         return s
 
     def _client_auth(self, s: socket.socket, peer: str) -> None:
-        greet = bytearray(_GREETING.size)
+        ts, nonce = int(time.time() * 1000), os.urandom(32)
+        flags = _FLAG_AUTH if self._key else 0
+        mac = _mac(self._key, b"c", ts.to_bytes(8, "little"), nonce) if self._key else bytes(32)
+        s.sendall(_HELLO.pack(_GREET_MAGIC, flags, ts, nonce, mac))
+        ans = bytearray(_ANSWER.size)
         try:
-            _recv_exact(s, memoryview(greet))
+            _recv_exact(s, memoryview(ans))
         except (OSError, ConnectionError) as e:
-            raise _AuthFailed(f"no greeting from {peer} ({e}): not a host-staged peer, or it dropped us "
-                              "(too many connections?)") from e
-        magic, flags, snonce = _GREETING.unpack(greet)
-        if magic != _GREET_MAGIC:
-            raise _AuthFailed(f"{peer} is not a host-staged peer of this version (greeting {bytes(magic)!r})")
-        needs = bool(flags & _FLAG_AUTH)
-        if needs and self._key is None:
-            raise _AuthFailed(f"{peer} requires the shared secret and this side has none (auth 'none')")
-        if not needs and self._key is not None:
-            raise _AuthFailed(f"{peer} runs without authentication (auth 'none') and this side has a shared "
-                              "secret: configure both sides alike")
-        if self._key is None:
-            return
-        cnonce = os.urandom(32)
-        s.sendall(_CLIENT_AUTH.pack(cnonce, _mac(self._key, b"c", snonce, cnonce)))
-        proof = bytearray(_SERVER_AUTH.size)
-        try:
-            _recv_exact(s, memoryview(proof))
-        except (OSError, ConnectionError) as e:
-            raise _AuthFailed(f"{peer} refused this side's proof of the shared secret: the secrets differ") from e
-        if not hmac.compare_digest(bytes(proof), _mac(self._key, b"s", cnonce, snonce)):
+            raise _AuthFailed(f"{peer} closed the connection before answering ({e}): not a host-staged peer "
+                              "of this version, or it is overloaded") from e
+        status, proof = _ANSWER.unpack(ans)
+        if status != _AUTH_OK:
+            raise _AuthFailed(f"{peer} {_ANSWER_TEXT.get(status, f'answered status {status}')}")
+        if self._key and not hmac.compare_digest(proof, _mac(self._key, b"s", nonce, ts.to_bytes(8, "little"))):
             raise _AuthFailed(f"{peer} could not prove the shared secret: the secrets differ (or an impostor)")
 
     def _client_loop(self, peer: str, q: queue.Queue) -> None:
@@ -349,60 +353,140 @@ class HostStagedTransport:
 
     # ---------------------------------------------------------------- server side
     def _accept_loop(self) -> None:
-        while not self._closed.is_set():
+        """Accept, and authenticate in a selector: nothing unauthenticated gets a thread."""
+        sel = selectors.DefaultSelector()
+        self._listener.setblocking(False)
+        sel.register(self._listener, selectors.EVENT_READ)
+        bufs: dict[socket.socket, bytearray] = {}
+        try:
+            while not self._closed.is_set():
+                events = sel.select(0.2)
+                # pending connections first: a legitimate proof is checked before more accepts
+                for key, _ev in sorted(events, key=lambda e: e[0].fileobj is self._listener):
+                    if key.fileobj is self._listener:
+                        self._accept_some(sel, bufs)
+                    else:
+                        self._pending_readable(sel, bufs, key.fileobj)
+                self._expire_pending(sel, bufs)
+        finally:
+            for c in list(bufs):
+                sel.unregister(c)
+                c.close()
+            sel.close()
+
+    def _accept_some(self, sel, bufs) -> None:
+        for _ in range(64):
             try:
                 conn, _addr = self._listener.accept()
-            except socket.timeout:
-                self._expire_pending()
-                continue
+            except (BlockingIOError, InterruptedError):
+                return
             except OSError as e:
-                if self._closed.is_set():
-                    break
                 self.stats.count("accept_failed")  # e.g. EMFILE: out of file descriptors
                 _rlog("accept", "host-staged server %s: accept failed: %s", self._endpoint, e)
                 time.sleep(0.05)  # do not spin while the descriptors are gone
-                continue
-            with self._lock:
-                if self._closed.is_set():
-                    conn.close()
-                    continue
-                if len(self._pending) >= self._max_pending:  # drop the oldest unauthenticated one
-                    old, _t = self._pending.popitem(last=False)
-                    self.stats.count("pending_evicted")
-                    _shutdown(old)
-                self._pending[conn] = time.monotonic()
-            self._expire_pending()
-            threading.Thread(target=self._serve_conn, args=(conn,), daemon=True,
-                             name=f"hawk-hs-serve-{self._endpoint}").start()
+                return
+            if len(self._pending) >= self._max_pending:  # drop the oldest unauthenticated one
+                old, _t = self._pending.popitem(last=False)
+                self.stats.count("pending_evicted")
+                self._drop_pending(sel, bufs, old)
+            conn.setblocking(False)
+            self._pending[conn] = time.monotonic()
+            bufs[conn] = bytearray()
+            sel.register(conn, selectors.EVENT_READ)
 
-    def _expire_pending(self) -> None:
-        """Unauthenticated connections older than ``auth_timeout_s`` (their threads also time out)."""
+    def _drop_pending(self, sel, bufs, conn) -> None:
+        self._pending.pop(conn, None)
+        bufs.pop(conn, None)
+        try:
+            sel.unregister(conn)
+        except (KeyError, ValueError):
+            pass
+        conn.close()
+
+    def _expire_pending(self, sel, bufs) -> None:
         now = time.monotonic()
-        with self._lock:
-            while self._pending:
-                conn, t = next(iter(self._pending.items()))
-                if now - t < self._auth_timeout + 0.5:
-                    break
-                self._pending.popitem(last=False)
-                self.stats.count("auth_timeout")
-                _shutdown(conn)
+        while self._pending:
+            conn, t = next(iter(self._pending.items()))
+            if now - t < self._auth_timeout:
+                break
+            self.stats.count("auth_timeout")
+            self._drop_pending(sel, bufs, conn)
 
-    def _server_auth(self, conn: socket.socket) -> bool:
-        """Greet, then (with a secret) check the client's proof and prove ours."""
-        conn.settimeout(self._auth_timeout)
-        snonce = os.urandom(32)
-        conn.sendall(_GREETING.pack(_GREET_MAGIC, _FLAG_AUTH if self._key else 0, snonce))
+    def _pending_readable(self, sel, bufs, conn) -> None:
+        buf = bufs[conn]
+        try:
+            data = conn.recv(_HELLO.size - len(buf))
+        except (BlockingIOError, InterruptedError):
+            return
+        except OSError:
+            data = b""
+        if not data:
+            self._drop_pending(sel, bufs, conn)
+            return
+        buf += data
+        if len(buf) < _HELLO.size:
+            return
+        self._pending.pop(conn, None)
+        bufs.pop(conn, None)
+        sel.unregister(conn)
+        status, proof = self._check_hello(bytes(buf))
+        try:
+            conn.setblocking(True)
+            conn.settimeout(self._auth_timeout)
+            conn.sendall(_ANSWER.pack(status, proof))
+        except OSError:
+            status = -1
+        admitted = False
+        if status == _AUTH_OK:
+            with self._lock:
+                if len(self._server_conns) >= self._max_conns:
+                    self.stats.count("connections_full")
+                    _rlog("full", "host-staged server %s: %d connections: refusing another", self._endpoint,
+                          self._max_conns)
+                elif not self._closed.is_set():
+                    self._server_conns.add(conn)
+                    admitted = True
+        if not admitted:
+            conn.close()
+            return
+        threading.Thread(target=self._serve_conn, args=(conn,), daemon=True,
+                         name=f"hawk-hs-serve-{self._endpoint}").start()
+
+    def _check_hello(self, raw: bytes) -> tuple[int, bytes]:
+        magic, flags, ts, nonce, mac = _HELLO.unpack(raw)
+        if magic != _GREET_MAGIC:
+            self.stats.count("bad_hello")
+            return _AUTH_FAILED, bytes(32)
         if self._key is None:
-            return True
-        buf = bytearray(_CLIENT_AUTH.size)
-        _recv_exact(conn, memoryview(buf))
-        cnonce, mac = _CLIENT_AUTH.unpack(buf)
-        if not hmac.compare_digest(mac, _mac(self._key, b"c", snonce, cnonce)):
+            if flags & _FLAG_AUTH:
+                self.stats.count("auth_mismatch")
+                return _AUTH_NONE_HERE, bytes(32)
+            return _AUTH_OK, bytes(32)
+        if not flags & _FLAG_AUTH:
+            self.stats.count("auth_missing")
+            _rlog("auth", "host-staged server %s: a peer without the shared secret connected", self._endpoint)
+            return _AUTH_REQUIRED, bytes(32)
+        tsb = ts.to_bytes(8, "little")
+        fresh = abs(time.time() * 1000 - ts) <= AUTH_WINDOW_S * 1000
+        if not (fresh and hmac.compare_digest(mac, _mac(self._key, b"c", tsb, nonce)) and self._first_use(nonce)):
             self.stats.count("auth_failed")
-            _rlog("auth", "host-staged server %s: a connection failed authentication (wrong or no secret)",
-                  self._endpoint)
+            _rlog("auth", "host-staged server %s: a connection failed authentication (wrong secret, stale or "
+                  "replayed proof)", self._endpoint)
+            return _AUTH_FAILED, bytes(32)
+        return _AUTH_OK, _mac(self._key, b"s", nonce, tsb)
+
+    def _first_use(self, nonce: bytes) -> bool:
+        """Replay cache: a nonce is accepted once within the window (bounded table)."""
+        now = time.monotonic()
+        seen = self._seen
+        while seen and next(iter(seen.values())) < now - 2 * AUTH_WINDOW_S:
+            seen.popitem(last=False)
+        if nonce in seen:
             return False
-        conn.sendall(_SERVER_AUTH.pack(_mac(self._key, b"s", cnonce, snonce)))
+        if len(seen) >= 1 << 16:
+            seen.popitem(last=False)
+            self.stats.count("replay_cache_evicted")
+        seen[nonce] = now
         return True
 
     def _serve_conn(self, conn: socket.socket) -> None:
@@ -411,22 +495,8 @@ class HostStagedTransport:
         staging = memoryview(b"")
         hdr = bytearray(_REQ.size)
         hview = memoryview(hdr)
-        authed = False
         try:
             conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-            ok = self._server_auth(conn)
-            with self._lock:
-                was_pending = self._pending.pop(conn, None) is not None
-                if ok and was_pending and len(self._server_conns) >= self._max_conns:
-                    self.stats.count("connections_full")
-                    _rlog("full", "host-staged server %s: %d connections: refusing another", self._endpoint,
-                          self._max_conns)
-                    ok = False
-                if ok and was_pending and not self._closed.is_set():
-                    self._server_conns.add(conn)
-                    authed = True
-            if not authed:
-                return
             while not self._closed.is_set():
                 conn.settimeout(self._idle_timeout)  # idle connections are closed
                 try:
@@ -474,15 +544,7 @@ class HostStagedTransport:
             del staging_buf
             with self._lock:
                 self._server_conns.discard(conn)
-                self._pending.pop(conn, None)
             conn.close()
-
-
-def _shutdown(conn: socket.socket) -> None:
-    try:
-        conn.shutdown(socket.SHUT_RDWR)
-    except OSError:
-        pass
 
 
 class _RemoteRefused(Exception):
