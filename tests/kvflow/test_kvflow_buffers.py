@@ -79,13 +79,22 @@ def test_ring_backpressure_waits_then_refuses_and_rejects_oversize():
         ring.release("nope")
 
 
-def test_ring_buffer_registers_only_its_range():
+def test_ring_buffer_registers_only_live_ranges():
     t = make_transport("inprocess")
     ring = RingBuffer(1 << 20, t)
-    assert t._regions.regions() == [(ring.base_addr, ring.capacity)]
+    assert t._regions.regions() == []  # nothing exposed while idle
+    a = ring.reserve("a", 5000)
+    b = ring.reserve("b", 100)
+    assert t._regions.regions() == [(ring.base_addr + a, 5000), (ring.base_addr + b, 100)]
+    ring.release("a")
+    assert t._regions.regions() == [(ring.base_addr + b, 100)]
     with pytest.raises(ValueError, match="outside"):
         ring.view(ring.capacity - 10, 20)
     ring.close()
+    assert t._regions.regions() == []
+    whole = RingBuffer(1 << 20, t, registration="whole")  # the previous behaviour, for the benchmark
+    assert t._regions.regions() == [(whole.base_addr, whole.capacity)]
+    whole.close()
     assert t._regions.regions() == []
     t.close()
 
@@ -94,8 +103,9 @@ def test_bank_pool_lockstep_slices_backpressure_and_cleanup():
     dev = EmulatedDevice("p150a", 4 << 20)
     t = make_transport("inprocess")
     pool = BankBufferPool(dev, 64 << 10, t)
-    assert len(t._regions) == dev.num_banks  # one registered region per bank
+    assert len(t._regions) == 0  # nothing registered while no slice is handed out
     a = pool.acquire("a", 40 << 10)
+    assert sorted(t._regions.regions()) == sorted((a.addr(b), 40 << 10) for b in range(dev.num_banks))
     assert a.device_offset == pool.buffer.address + a.offset
     assert [a.addr(b) - dev.bank_address(b) for b in range(dev.num_banks)] == [a.device_offset] * dev.num_banks
     with pytest.raises(BufferFull, match="pool full"):

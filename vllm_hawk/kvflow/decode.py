@@ -155,6 +155,15 @@ class DecodeEndpoint:
         res.request_s, res.segments = t1 - t0, len(ready.segments)
         rdeadline, note = _read_deadline(ready, t1, deadline)
         landing = self._land(req_id, ready, plan, sink, hello, rdeadline, note)
+        try:
+            return self._fetch_landed(req_id, res, ready, landing, dst, hello, t0, t1, rdeadline, deadline, note,
+                                      release, time_cap_s)
+        finally:
+            if landing.unexpose is not None:  # the batch is over (done, failed or abandoned)
+                landing.unexpose()
+
+    def _fetch_landed(self, req_id, res, ready, landing, dst, hello, t0, t1, rdeadline, deadline, note, release,
+                      time_cap_s) -> FetchResult:
         res.entries, res.nbytes = len(landing.entries), sum(e[2] for e in landing.entries)
         res.extra.update(landing.figures)
         peer = hello.transfer_endpoint
@@ -221,6 +230,8 @@ class DecodeEndpoint:
                 except Exception:
                     if landing.free is not None:
                         landing.free()
+                    if landing.unexpose is not None:
+                        landing.unexpose()
                     raise
                 flights.append(_Flight(rid, dst, landing, h, ready, t_ready, rdeadline, note))
                 res.entries += len(landing.entries)
@@ -247,6 +258,10 @@ class DecodeEndpoint:
             if isinstance(e, KVFlowError):
                 raise
             raise PeerFailed(f"pipelined fetch {res.req_id}: {e}", chunks[0][0]) from e
+        finally:
+            for f in flights:
+                if f.landing.unexpose is not None:
+                    f.landing.unexpose()
         t3 = time.monotonic()
         res.transfer_s = t3 - t0 - res.request_s  # first KVReady -> last batch done
         errors = []

@@ -23,8 +23,11 @@ Failure semantics, all here:
 * ring space is waited for at most ``claim_wait_s`` (and the request's deadline), then
   refused with ``no_space``.
 
-Only the ring (or, for a source served in place, the source's exports) is registered
-with the transport, so a peer's READ of anything else is refused by the transport.
+Only live requests' memory is registered with the transport (``registration=
+"per_request"``, :mod:`~vllm_hawk.kvflow.exposure`): a ring range from P5 to P8, or for a
+source served in place (GG-Direct) the request's block runs from KVReady to Release or
+lease expiry. A peer's READ of anything else is refused by the transport.
+``registration="whole"`` registers the ring (or the source's exports) once, as before.
 
 Ownership and bounds (peers are the side channel's authenticated sender ids):
 
@@ -50,6 +53,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from vllm_hawk.kvflow.errors import BufferFull, RingClosed
+from vllm_hawk.kvflow.exposure import Exposure, check_registration
 from vllm_hawk.kvflow.ring import RingBuffer
 from vllm_hawk.kvflow.sources import KVSource
 from vllm_hawk.protocol import Ack, CompatFields, ErrorMsg, KVReady, KVRequest, ProtocolServer, Release
@@ -100,7 +104,7 @@ class PrefillEndpoint:
                  bind: str = "tcp://127.0.0.1:0", secret: bytes | None = None, auth: str | None = None,
                  claim_wait_s: float = 5.0,
                  lease_s: float = 60.0, workers: int = 1, on_finished=None, observer=None,
-                 server_id: str = "") -> None:
+                 server_id: str = "", registration: str = "per_request") -> None:
         self.source, self.transport, self.compat = source, transport, compat
         self.claim_wait_s, self.lease_s = claim_wait_s, lease_s
         self.on_finished, self.observer = on_finished, observer
@@ -117,17 +121,19 @@ class PrefillEndpoint:
         self._gone: collections.OrderedDict[str, str] = collections.OrderedDict()  # rid -> "released"|"expired"
         self.ring: RingBuffer | None = None
         self._exported: list[int] = []
+        self.registration = check_registration(registration)
+        self.exposure = Exposure(transport)  # per-request registrations of a source served in place
         self._stop = threading.Event()
         self._pool: cf.ThreadPoolExecutor | None = None
         self._reaper: threading.Thread | None = None
         self.server: ProtocolServer | None = None
         try:
             if source.uses_ring:
-                self.ring = RingBuffer(ring_nbytes, transport)
+                self.ring = RingBuffer(ring_nbytes, transport, registration=registration)
                 self.export_base, self.export_nbytes = self.ring.base_addr, self.ring.capacity
             else:
                 regions = source.exports()
-                for a, n in regions:
+                for a, n in regions if registration == "whole" else ():
                     transport.register(a, n)
                     self._exported.append(a)
                 self.export_base = min(a for a, _ in regions)
@@ -277,6 +283,7 @@ class PrefillEndpoint:
             self.stats.released += 1
         if served and self.ring is not None:
             self.ring.release(rid)  # P8
+        self.exposure.release(rid)
         if not msg.ok:
             logger.warning("prefill: decode reported a failed transfer of %s", rid)
         self._notify(rid, msg.ok)  # P9: the blocks are free for the engine
@@ -317,6 +324,8 @@ class PrefillEndpoint:
             elif self.observer is not None:
                 self.observer(rid, msg, src)
             segs = prep.segments(off)
+            if not prep.nbytes and self.registration == "per_request":  # served in place: expose its runs
+                self.exposure.acquire(rid, [(self.export_base + s.offset_bytes, s.nbytes) for s in segs])
             out = KVReady(req_id=rid, ring_offset=off, total_nbytes=sum(s.nbytes for s in segs), segments=segs,
                           lease_ms=int(self.lease_s * 1000))
             with self._lock:  # the cancel check and the move to _served are one step
@@ -329,6 +338,7 @@ class PrefillEndpoint:
         except Exception as e:  # noqa: BLE001 - every failure becomes a typed reply
             if reserved:
                 self.ring.release(rid)  # P8
+            self.exposure.release(rid)
             with self._lock:
                 self._pending.discard(rid)
                 cancelled = rid in self._cancelled
@@ -430,6 +440,7 @@ class PrefillEndpoint:
             logger.warning("prefill: lease of %s expired without Release; freeing it", r)
             if self.ring is not None and r in self.ring.alloc.live():
                 self.ring.release(r)
+            self.exposure.release(r)
             self._notify(r, False)  # P9: the blocks are free for the engine
         return dead
 
@@ -455,6 +466,7 @@ class PrefillEndpoint:
             except Exception:  # noqa: BLE001 - transport closed already
                 pass
         self._exported = []
+        self.exposure.close()
 
 
 class _Cancelled(Exception):

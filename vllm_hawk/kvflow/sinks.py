@@ -14,6 +14,12 @@ READ batch and every failure path; a sink only knows its memory. Three sinks:
 receive buffers are free) and ``free`` (receive buffers only, for a failed batch once it
 has settled) — ``free`` is None when the READs write KV pages directly, and then
 ``dst_blocks`` are the pages a failed batch may still write.
+
+Registration (``registration``, :mod:`~vllm_hawk.kvflow.exposure`): with ``per_request``
+(default) a sink registers only what one fetch lands in, for that fetch: receive-ring
+ranges and bank-buffer slices while held, and for direct sinks the destination blocks'
+byte runs from ``land`` until the endpoint calls ``Landing.unexpose`` (after the batch).
+``whole`` registers the cache / pool / ring once at start, as before.
 """
 from __future__ import annotations
 
@@ -25,6 +31,7 @@ from typing import Callable, Protocol, Sequence
 import numpy as np
 
 from vllm_hawk.kvflow.bank_pool import BankBufferPool
+from vllm_hawk.kvflow.exposure import Exposure, check_registration
 from vllm_hawk.kvflow.ring import RingBuffer
 from vllm_hawk.kvflow.streams import KVRegionMap, LayerRegion, pair_stream, ring_segments
 from vllm_hawk.layout.tt_kv_cache import TTKVCacheLayout
@@ -45,6 +52,7 @@ class Landing:
     free: Callable[[], None] | None
     dst_blocks: tuple[int, ...] = ()
     figures: dict = field(default_factory=dict)
+    unexpose: Callable[[], None] | None = None  # unregister what land() registered (direct sinks)
 
 
 class KVSink(Protocol):
@@ -112,11 +120,14 @@ class VllmPagedSink:
     mode = "direct"
 
     def __init__(self, region_map: KVRegionMap, layout: LayoutDesc, transport,
-                 storages: Sequence[tuple[int, int]]) -> None:
+                 storages: Sequence[tuple[int, int]], registration: str = "per_request") -> None:
         self.region_map, self.layout = region_map, layout
+        self.registration = check_registration(registration)
         self._reg = _Registered(transport)
+        self.exposure = Exposure(transport)
         try:
-            self._reg.add(storages)
+            if registration == "whole":
+                self._reg.add(storages)
         except BaseException:
             self._reg.close()
             raise
@@ -130,9 +141,11 @@ class VllmPagedSink:
 
     def land(self, req_id, ready, plan, remote_base, claim_wait_s) -> Landing:
         entries = pair_stream(ready.segments, remote_base, self.region_map, plan.tolist(), 0)
-        return Landing(entries, lambda: {}, None, tuple(int(b) for b in plan))
+        return Landing(entries, lambda: {}, None, tuple(int(b) for b in plan),
+                       unexpose=_expose(self.exposure, self.registration, req_id, entries))
 
     def close(self) -> None:
+        self.exposure.close()
         self._reg.close()
 
 
@@ -152,9 +165,10 @@ class VllmStagedSink(VllmPagedSink):
 
     mode = "staged"
 
-    def __init__(self, region_map: KVRegionMap, layout: LayoutDesc, transport, recv_nbytes: int) -> None:
-        super().__init__(region_map, layout, transport, ())
-        self.recv = RingBuffer(recv_nbytes, transport)
+    def __init__(self, region_map: KVRegionMap, layout: LayoutDesc, transport, recv_nbytes: int,
+                 registration: str = "per_request") -> None:
+        super().__init__(region_map, layout, transport, (), registration)
+        self.recv = RingBuffer(recv_nbytes, transport, registration=registration)
 
     def land(self, req_id, ready, plan, remote_base, claim_wait_s) -> Landing:
         dmap, n = self.region_map, len(plan)
@@ -183,11 +197,20 @@ class VllmStagedSink(VllmPagedSink):
         super().close()
 
 
-def vllm_sink(region_map: KVRegionMap, layout: LayoutDesc, transport, mode: str, storages, recv_nbytes: int):
+def vllm_sink(region_map: KVRegionMap, layout: LayoutDesc, transport, mode: str, storages, recv_nbytes: int,
+              registration: str = "per_request"):
     """The sink for a vLLM decode cache in ``mode`` (``direct`` | ``staged``)."""
     if mode == "staged":
-        return VllmStagedSink(region_map, layout, transport, recv_nbytes)
-    return VllmPagedSink(region_map, layout, transport, storages)
+        return VllmStagedSink(region_map, layout, transport, recv_nbytes, registration)
+    return VllmPagedSink(region_map, layout, transport, storages, registration)
+
+
+def _expose(exposure: Exposure, registration: str, key: str, entries) -> Callable[[], None] | None:
+    """Register the local side of ``entries`` for ``key`` (per_request); the undo, or None."""
+    if registration != "per_request":
+        return None
+    exposure.acquire(key, [(loc, n) for loc, _rem, n in entries])
+    return lambda: exposure.release(key)
 
 
 # --------------------------------------------------------------------------- Tenstorrent
@@ -267,7 +290,8 @@ class TTSink:
     exposed to the transport's peers. A failing ``__init__`` leaves nothing registered."""
 
     def __init__(self, device, layout: TTKVCacheLayout, kv_buffers, transport, mode: str = "staged", *,
-                 recv_nbytes_per_bank: int = 16 << 20, pool: BankBufferPool | None = None) -> None:
+                 recv_nbytes_per_bank: int = 16 << 20, pool: BankBufferPool | None = None,
+                 registration: str = "per_request") -> None:
         if mode not in SINK_MODES:
             raise ValueError(f"Tenstorrent sink mode must be one of {SINK_MODES}, got {mode!r}")
         self.device, self.tt_layout, self.kv_buffers, self.mode = device, layout, list(kv_buffers), mode
@@ -275,15 +299,18 @@ class TTSink:
         self.num_banks = layout.num_banks
         self.pool, self._own_pool = pool, False
         self.pages: KVPageAddresses | None = None
+        self.registration = check_registration(registration)
         self._reg = _Registered(transport)
+        self.exposure = Exposure(transport)
         try:
             if mode == "staged":
                 if pool is None:
-                    self.pool = BankBufferPool(device, recv_nbytes_per_bank, transport)
+                    self.pool = BankBufferPool(device, recv_nbytes_per_bank, transport, registration=registration)
                     self._own_pool = True
             else:
                 self.pages = KVPageAddresses(device, self.kv_buffers)
-                self._reg.add(self.pages.regions())
+                if registration == "whole":
+                    self._reg.add(self.pages.regions())
         except BaseException:
             self.close()
             raise
@@ -328,13 +355,15 @@ class TTSink:
         ops = plan.rdma if self.mode == "direct" else plan.per_tile_ops()
         local = self.pages.addresses(ops.bank, ops.dst_offset, ops.nbytes).tolist()
         remote = (remote_base + ready.ring_offset + ops.src_offset).tolist()
-        return Landing(list(zip(local, remote, ops.nbytes.tolist())), lambda: {}, None,
-                       tuple(int(b) for b in plan.dst_blocks), figures)
+        entries = list(zip(local, remote, ops.nbytes.tolist()))
+        return Landing(entries, lambda: {}, None, tuple(int(b) for b in plan.dst_blocks), figures,
+                       unexpose=_expose(self.exposure, self.registration, req_id, entries))
 
     def idle(self) -> bool:
         return self.pool is None or self.pool.is_idle()
 
     def close(self) -> None:
+        self.exposure.close()
         self._reg.close()
         if self.pages is not None:
             self.pages.close()
