@@ -174,3 +174,31 @@ def test_ring_abort_wakes_waiters_and_refuses_new_reservations():
         ring.reserve("c", 10)
     ring.release("a")  # live ranges can still be released
     assert ring.is_empty()
+
+
+def test_exposure_refcounts_overlapping_requests_and_coarsens_within_domains():
+    import torch
+
+    from vllm_hawk.kvflow.exposure import Exposure, coarsened
+
+    t = make_transport("inprocess")
+    mem = torch.empty(1 << 20, dtype=torch.uint8)
+    base = mem.data_ptr()
+    ex = Exposure(t)
+    ex.acquire("a", [(base, 4096), (base + 8192, 4096)])
+    ex.acquire("b", [(base + 4096, 8192)])  # overlaps a's second run: reuses it, registers the gap only
+    assert t._regions.regions() == [(base, 4096), (base + 4096, 4096), (base + 8192, 4096)]
+    ex.release("a")
+    assert t._regions.regions() == [(base + 4096, 4096), (base + 8192, 4096)]  # b still holds these
+    ex.release("b")
+    assert t._regions.regions() == []
+    # more runs than max_ranges: the smallest gaps close, never across domains
+    runs = [(base + i * 100, 10) for i in range(10)] + [(base + 5000, 10)]
+    out = coarsened(runs, [(base, 1000), (base + 5000, 100)], 2)
+    assert out == [(base, 910), (base + 5000, 10)]
+    assert coarsened(runs, None, 2) == runs  # no domains: nothing is joined
+    ex.acquire("c", runs, domains=[(base, 1000), (base + 5000, 100)], max_ranges=2)
+    assert t._regions.regions() == out
+    ex.close()
+    assert t._regions.regions() == []
+    t.close()

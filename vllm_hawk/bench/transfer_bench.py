@@ -24,8 +24,12 @@ GN-HAWK pipelined  staged, the request split into ``--chunks`` consecutive chunk
 The comparison is at equal bytes: every row first runs with a bfloat16 target. GN-HAWK
 rows are then repeated with a bfloat8_b target, which moves ~47% fewer bytes because the
 prefill packs block floats: every row reports the bytes it moved next to its latency.
-The prefill's two Mooncake engines are separate, so the HAWK endpoint exposes ONLY its
-ring; the GG-Direct endpoint exposes the whole cache (as GPU-to-GPU connectors do).
+The prefill's two Mooncake engines are separate. ``--registration`` picks what each side
+registers with the transport: ``per_request`` (default: only a live request's ring range,
+block runs, receive slices or KV pages, for its transfer) or ``whole`` (the ring, the
+GG-Direct cache, the receive pools and the KV pool registered once at start — the code
+before per-request registration); ``both`` runs the two one after the other in this
+invocation and prints per-request / whole latency ratios per row and size.
 Block tables are contiguous runs (a fresh cache) unless ``--fragmented``.
 """
 from __future__ import annotations
@@ -59,10 +63,12 @@ def _prefill_main(cfg: dict, conn) -> None:
     compat = make_compat(*cfg["compat"])
     transports = {"hawk": make_transport("mooncake"), "gg_direct": make_transport("mooncake"),
                   "gg_host": make_transport("host_staged", chunk_nbytes=cfg["host_chunk"])}
+    reg = cfg.get("registration", "per_request")
     eps = {"hawk": prefill_endpoint(cache, transports["hawk"], compat, "hawk", ring_nbytes=cfg["ring_nbytes"],
-                                    claim_wait_s=60, lease_s=600),
-           "gg_direct": prefill_endpoint(cache, transports["gg_direct"], compat, "vllm", lease_s=600),
-           "gg_host": prefill_endpoint(cache, transports["gg_host"], compat, "vllm", lease_s=600)}
+                                    claim_wait_s=60, lease_s=600, registration=reg),
+           "gg_direct": prefill_endpoint(cache, transports["gg_direct"], compat, "vllm", lease_s=600,
+                                         registration=reg),
+           "gg_host": prefill_endpoint(cache, transports["gg_host"], compat, "vllm", lease_s=600, registration=reg)}
     conn.send({k: e.endpoint for k, e in eps.items()})
     try:
         while True:
@@ -74,7 +80,7 @@ def _prefill_main(cfg: dict, conn) -> None:
             elif cmd[0] == "transform_s":
                 conn.send(eps["hawk"].produce_seconds(cmd[1]))
             elif cmd[0] == "snapshot":
-                conn.send({k: e.snapshot() for k, e in eps.items()})
+                conn.send({k: {**e.snapshot(), "registrations": e.exposure.registrations} for k, e in eps.items()})
             else:
                 break
     finally:
@@ -107,7 +113,7 @@ class _Prefill:
 # ---------------------------------------------------------------------------- decode side
 def run(model: str = "llama-3.1-70b", tp: int = 4, device_profile: str = "p150a", block_size: int = 64,
         sizes_mb=DEFAULT_SIZES, repeats: int = 5, rows=ROWS, per_tile_cap_s: float = 10.0,
-        fragmented: bool = False, seed: int = 0, chunks: int = 4) -> dict:
+        fragmented: bool = False, seed: int = 0, chunks: int = 4, registration: str = "per_request") -> dict:
     from vllm_hawk.layout.device_profiles import load_profile
     from vllm_hawk.layout.model_shapes import load_model_shape
     from vllm_hawk.layout.tt_kv_cache import TTKVCacheSpec
@@ -127,7 +133,8 @@ def run(model: str = "llama-3.1-70b", tp: int = 4, device_profile: str = "p150a"
     compat_args = (shape.name, "bfloat16", block_size, "vllm-flash-nhd", "tt-paged", device_profile)
     host_chunk = 4 << 20
     pre = _Prefill({"shape": (shape.num_layers, cache_blocks, heads, block_size, shape.head_dim), "seed": seed,
-                    "compat": compat_args, "ring_nbytes": int(src_nbytes * 1.05) + (8 << 20), "host_chunk": host_chunk})
+                    "compat": compat_args, "ring_nbytes": int(src_nbytes * 1.05) + (8 << 20), "host_chunk": host_chunk,
+                    "registration": registration})
     compat = make_compat(*compat_args)
     mc, hs = make_transport("mooncake"), make_transport("host_staged", chunk_nbytes=host_chunk)
     spec = {dt: TTKVCacheSpec(shape.num_layers, cache_blocks, heads, block_size, shape.head_dim, dt)
@@ -144,12 +151,14 @@ def run(model: str = "llama-3.1-70b", tp: int = 4, device_profile: str = "p150a"
         hawk = {}
         for dt in ("bfloat16", "bfloat8_b"):
             hawk[dt] = TTDecode(dev, spec[dt], mc, pre.endpoints["hawk"], compat, recv_nbytes_per_bank=recv_per_bank,
-                                pool=hawk["bfloat16"].pool if dt != "bfloat16" else None, timeout_s=600)
+                                pool=hawk["bfloat16"].pool if dt != "bfloat16" else None, timeout_s=600,
+                                registration=registration)
             closers.append(hawk[dt].close)
         dcache = PagedKVCache(shape.num_layers, cache_blocks, heads, block_size, shape.head_dim)
-        gg_direct = VllmDecode(dcache, mc, pre.endpoints["gg_direct"], compat, timeout_s=600)
+        gg_direct = VllmDecode(dcache, mc, pre.endpoints["gg_direct"], compat, timeout_s=600,
+                               registration=registration)
         closers.append(gg_direct.close)
-        gg_host = VllmDecode(dcache, hs, pre.endpoints["gg_host"], compat, timeout_s=600)
+        gg_host = VllmDecode(dcache, hs, pre.endpoints["gg_host"], compat, timeout_s=600, registration=registration)
         closers.append(gg_host.close)
 
         cases = [(r, "bfloat16", mb) for mb in sizes_mb for r in rows]
@@ -229,7 +238,7 @@ def run(model: str = "llama-3.1-70b", tp: int = 4, device_profile: str = "p150a"
             "config": {"model": model, "tp": tp, "device": device_profile, "block_size": block_size,
                        "kv_heads_per_rank": heads, "num_layers": shape.num_layers, "head_dim": shape.head_dim,
                        "fragmented": fragmented, "per_tile_cap_s": per_tile_cap_s, "repeats": repeats,
-                       "cores": os.cpu_count()}}
+                       "cores": os.cpu_count(), "registration": registration}}
 
 
 def _get(rows, row, dtype, mb):
@@ -321,12 +330,16 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--per-tile-cap-s", type=float, default=10.0)
     ap.add_argument("--fragmented", action="store_true", help="random block tables instead of contiguous runs")
     ap.add_argument("--chunks", type=int, default=4, help="chunks of the GN-HAWK pipelined row")
+    ap.add_argument("--registration", default="per_request", choices=("per_request", "whole", "both"),
+                    help="what is registered with the transport (see the module doc); both: ratios per_request/whole")
     ap.add_argument("--out", default="results/bench_transfer.json")
     ap.add_argument("--plot", default="results/bench_transfer.png")
     a = ap.parse_args(argv)
     sizes = [int(s) if float(s).is_integer() else s for s in a.sizes_mb]
+    if a.registration == "both":
+        return _main_both(a, sizes)
     res = run(a.model, a.tp, a.device_profile, a.block_size, sizes, a.repeats, a.rows, a.per_tile_cap_s,
-              a.fragmented, chunks=a.chunks)
+              a.fragmented, chunks=a.chunks, registration=a.registration)
     cfg = res["config"]
     print(f"KV transfer, decode request -> KV in pool; {cfg['model']} TP={cfg['tp']} ({cfg['kv_heads_per_rank']} KV "
           f"heads, {cfg['num_layers']} layers) -> {cfg['device']} emulated, block {cfg['block_size']}, "
@@ -350,6 +363,33 @@ def main(argv: list[str] | None = None) -> int:
     print(f"wrote {path}")
     if a.plot:
         print(f"wrote {plot(res, a.plot)}")
+    return 0
+
+
+def _main_both(a, sizes) -> int:
+    """Whole-cache registration (the previous code) and per-request registration, one after
+    the other in this process: latency ratios per row, target dtype and size."""
+    out = {}
+    for reg in ("whole", "per_request"):
+        print(f"--- registration {reg}", flush=True)
+        out[reg] = run(a.model, a.tp, a.device_profile, a.block_size, sizes, a.repeats, a.rows, a.per_tile_cap_s,
+                       a.fragmented, chunks=a.chunks, registration=reg)
+    rows = []
+    for r in out["per_request"]["rows"]:
+        w = _get(out["whole"]["rows"], r["row"], r["dtype"], r["size_mb"])
+        if w:
+            rows.append({"row": r["row"], "dtype": r["dtype"], "size_mb": r["size_mb"], "whole_ms": w["latency_ms"],
+                         "per_request_ms": r["latency_ms"], "ratio": r["latency_ms"] / w["latency_ms"],
+                         "whole_all_ms": w["all_ms"], "per_request_all_ms": r["all_ms"]})
+    print(f"\nper-request vs whole-cache registration, median of {a.repeats}, Mooncake TCP loopback:")
+    print_table(rows, [("row", "row", ""), ("dtype", "target", ""), ("size_mb", "src MB", ""),
+                       ("whole_ms", "whole ms", ".1f"), ("per_request_ms", "per-request ms", ".1f"),
+                       ("ratio", "ratio", ".3f")])
+    snap = out["per_request"]["prefill_snapshot"]
+    print("prefill registrations made (per_request run): " +
+          ", ".join(f"{k} {v.get('registrations', 0)}" for k, v in snap.items()))
+    path = write_json(a.out, {"bench": "transfer-registration", "args": vars(a), "ratios": rows, **out})
+    print(f"wrote {path}")
     return 0
 
 

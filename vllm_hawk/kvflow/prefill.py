@@ -123,6 +123,7 @@ class PrefillEndpoint:
         self._exported: list[int] = []
         self.registration = check_registration(registration)
         self.exposure = Exposure(transport)  # per-request registrations of a source served in place
+        self._export_regions: list[tuple[int, int]] = []
         self._stop = threading.Event()
         self._pool: cf.ThreadPoolExecutor | None = None
         self._reaper: threading.Thread | None = None
@@ -133,6 +134,7 @@ class PrefillEndpoint:
                 self.export_base, self.export_nbytes = self.ring.base_addr, self.ring.capacity
             else:
                 regions = source.exports()
+                self._export_regions = list(regions)
                 for a, n in regions if registration == "whole" else ():
                     transport.register(a, n)
                     self._exported.append(a)
@@ -325,7 +327,8 @@ class PrefillEndpoint:
                 self.observer(rid, msg, src)
             segs = prep.segments(off)
             if not prep.nbytes and self.registration == "per_request":  # served in place: expose its runs
-                self.exposure.acquire(rid, [(self.export_base + s.offset_bytes, s.nbytes) for s in segs])
+                self.exposure.acquire(rid, [(self.export_base + s.offset_bytes, s.nbytes) for s in segs],
+                                      domains=self._export_regions)
             out = KVReady(req_id=rid, ring_offset=off, total_nbytes=sum(s.nbytes for s in segs), segments=segs,
                           lease_ms=int(self.lease_s * 1000))
             with self._lock:  # the cancel check and the move to _served are one step

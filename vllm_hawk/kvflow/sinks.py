@@ -121,7 +121,7 @@ class VllmPagedSink:
 
     def __init__(self, region_map: KVRegionMap, layout: LayoutDesc, transport,
                  storages: Sequence[tuple[int, int]], registration: str = "per_request") -> None:
-        self.region_map, self.layout = region_map, layout
+        self.region_map, self.layout, self.storages = region_map, layout, list(storages)
         self.registration = check_registration(registration)
         self._reg = _Registered(transport)
         self.exposure = Exposure(transport)
@@ -142,7 +142,7 @@ class VllmPagedSink:
     def land(self, req_id, ready, plan, remote_base, claim_wait_s) -> Landing:
         entries = pair_stream(ready.segments, remote_base, self.region_map, plan.tolist(), 0)
         return Landing(entries, lambda: {}, None, tuple(int(b) for b in plan),
-                       unexpose=_expose(self.exposure, self.registration, req_id, entries))
+                       unexpose=_expose(self.exposure, self.registration, req_id, entries, self.storages))
 
     def close(self) -> None:
         self.exposure.close()
@@ -205,11 +205,12 @@ def vllm_sink(region_map: KVRegionMap, layout: LayoutDesc, transport, mode: str,
     return VllmPagedSink(region_map, layout, transport, storages, registration)
 
 
-def _expose(exposure: Exposure, registration: str, key: str, entries) -> Callable[[], None] | None:
-    """Register the local side of ``entries`` for ``key`` (per_request); the undo, or None."""
+def _expose(exposure: Exposure, registration: str, key: str, entries, domains) -> Callable[[], None] | None:
+    """Register the local side of ``entries`` for ``key`` (per_request, coarsened inside
+    ``domains``: the cache's tensors or the banks' mappings); the undo, or None."""
     if registration != "per_request":
         return None
-    exposure.acquire(key, [(loc, n) for loc, _rem, n in entries])
+    exposure.acquire(key, [(loc, n) for loc, _rem, n in entries], domains=domains)
     return lambda: exposure.release(key)
 
 
@@ -299,6 +300,7 @@ class TTSink:
         self.num_banks = layout.num_banks
         self.pool, self._own_pool = pool, False
         self.pages: KVPageAddresses | None = None
+        self._domains: list[tuple[int, int]] = []
         self.registration = check_registration(registration)
         self._reg = _Registered(transport)
         self.exposure = Exposure(transport)
@@ -309,6 +311,7 @@ class TTSink:
                     self._own_pool = True
             else:
                 self.pages = KVPageAddresses(device, self.kv_buffers)
+                self._domains = merged_ranges(self.pages.regions())  # per bank when the buffers are adjacent
                 if registration == "whole":
                     self._reg.add(self.pages.regions())
         except BaseException:
@@ -357,7 +360,7 @@ class TTSink:
         remote = (remote_base + ready.ring_offset + ops.src_offset).tolist()
         entries = list(zip(local, remote, ops.nbytes.tolist()))
         return Landing(entries, lambda: {}, None, tuple(int(b) for b in plan.dst_blocks), figures,
-                       unexpose=_expose(self.exposure, self.registration, req_id, entries))
+                       unexpose=_expose(self.exposure, self.registration, req_id, entries, self._domains))
 
     def idle(self) -> bool:
         return self.pool is None or self.pool.is_idle()
