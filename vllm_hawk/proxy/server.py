@@ -312,12 +312,48 @@ class Proxy:
         return resp
 
 
+class _BoundedServer:
+    """aiohttp's protocol factory, keeping client connections below ``max_clients`` so
+    that file descriptors stay free for the upstream connections: at the bound, the
+    oldest connection that has not sent a whole request yet is dropped for the new one
+    (an idle or partial-header flood cannot lock clients out)."""
+
+    def __init__(self, inner: web.Server, max_clients: int) -> None:
+        self.inner, self.max_clients, self.evicted = inner, max_clients, 0
+
+    def __getattr__(self, name):
+        return getattr(self.inner, name)
+
+    def __call__(self, *args, **kwargs):
+        conns = self.inner.connections
+        if len(conns) >= self.max_clients:
+            idle = [h for h in conns if getattr(h, "_request_count", 1) == 0]
+            if idle:
+                self.evicted += 1
+                idle[0].force_close()
+        return self.inner(*args, **kwargs)
+
+
+def max_clients_for_fd_limit() -> int:
+    """Client connections the proxy keeps: 3/4 of the soft fd limit (the rest for the
+    upstream connections and the process itself)."""
+    try:
+        import resource
+
+        soft = resource.getrlimit(resource.RLIMIT_NOFILE)[0]
+    except (ImportError, ValueError, OSError):
+        return 1 << 16
+    return max(16, (soft if soft != resource.RLIM_INFINITY else 1 << 20) * 3 // 4)
+
+
 async def serve(proxy: Proxy, host: str, port: int) -> web.AppRunner:
     """Start the proxy in the running loop; returns the runner (``await runner.cleanup()``).
     ``keepalive_timeout`` is the header-read timeout too: aiohttp arms it when a connection
-    opens and a partial request does not reset it."""
+    opens and a partial request does not reset it. Client connections are bounded below
+    the fd limit (:class:`_BoundedServer`)."""
     runner = web.AppRunner(proxy.app(), handler_cancellation=True, access_log=None,
                            keepalive_timeout=proxy.limits.header_s)
     await runner.setup()
+    runner._server = _BoundedServer(runner._server, max_clients_for_fd_limit())  # TCPSite uses runner.server
     await web.TCPSite(runner, host, port).start()
     return runner
