@@ -69,16 +69,26 @@ Security
 --------
 Who may reach each port and what it exposes (threat model: README, "Threat model"):
 
-* side channel (``side_channel_host:side_channel_port``, ZMQ): with ``auth: curve`` a peer
-  without the secret cannot finish the ZMTP handshake; libzmq drops it after 1 s
-  (``HANDSHAKE_IVL``) whether it talks or idles, so unauthenticated connections cost one
-  fd for at most a second, and none of our code runs for them. ``auth: hmac`` checks
-  every message (forgeries are dropped) but any peer can open and HOLD connections:
-  about 4,100 idle ones exhaust a 4,096-fd limit and lock new decodes out, which
-  ``curve`` prevents (measured: ``tests/security/test_idle_floods.py``). Either way each
-  message carries an HMAC-SHA256 with a 30 s replay window and names its recipient.
-  When one side has a secret and the other none (or another, or a different ``auth``),
-  the decode's handshake fails at once with an error that says so.
+* side channel (``side_channel_host:side_channel_port``, ZMQ). CurveZMQ + ZAP against the
+  HMAC envelope alone, measured (``tests/security/test_idle_floods.py``: a prefill limited
+  to 256 fds, 400 connections held and reopened as they are dropped):
+
+  - ``auth: curve`` (default): a peer without the secret cannot finish the ZMTP handshake
+    (its CURVE key is derived from the secret; pyzmq's ZAP handler admits only that key);
+    libzmq drops it after 1 s (``HANDSHAKE_IVL``) whether it talks or idles, and none of
+    our code runs for it. New decodes were served in 1.0-1.1 s (silent flood) and
+    0.02-0.1 s (a flood speaking ZMTP/NULL); RSS +1 MiB. While the flood holds every fd,
+    libzmq retries ``accept`` in a busy loop (2-4 CPU seconds over the 3 s test): keep the
+    fd limit high (vLLM raises it to 65,535) so that this takes more than a second's worth
+    of connections.
+  - ``auth: hmac``: every message is checked (forgeries, replays and messages for another
+    prefill are dropped) but any peer completes the NULL handshake and HOLDS its
+    connection; 400 idle ZMQ peers lock new decodes out (not served within 2 s), as the
+    review's 4,100 did at 4,096 fds. Use it only where ``curve`` cannot be (no libsodium).
+
+  Both keep the message-level envelope: HMAC-SHA256, 30 s replay window, the recipient's
+  id. When one side has a secret and the other none (or another, or a different
+  ``auth``), the decode's handshake fails at once with an error that says so.
 * transfer engine (Mooncake): listens on two ports on EVERY interface, whatever
   ``side_channel_host`` says, without authentication (Mooncake has no setting for
   either; ``MC_MIN_RPC_PORT``/``MC_MAX_RPC_PORT`` only pick the port range). Anyone who

@@ -54,6 +54,8 @@ from vllm_hawk.transport import make_transport
 # Under "vllm." so that vLLM's log handlers and level apply.
 logger = logging.getLogger("vllm.hawk.worker")
 
+MAX_PEERS = 64  # decode: prefill side channels kept open at once; a pull to one more is refused (counted)
+
 
 # --------------------------------------------------------------------------- CPU affinity
 
@@ -257,6 +259,13 @@ class HawkConnectorWorker:
             with self._lock:
                 got = self._peers.get(ep)
             if got is None:
+                with self._lock:
+                    full = len(self._peers) >= MAX_PEERS
+                if full:
+                    with self._lock:
+                        self.stats.count("refused")
+                    raise PeerFailed(f"pull from prefill {spec.remote_engine_id} at {ep} refused: this decode already "
+                                     f"talks to {MAX_PEERS} prefills (kv_transfer_params name too many side channels)")
                 try:
                     got = DecodeEndpoint(self.transport, ep, self.kv.compat, secret=self.cfg.secret_bytes,
                                          auth=self.cfg.auth,
