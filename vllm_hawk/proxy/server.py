@@ -334,16 +334,21 @@ class _BoundedServer:
         return self.inner(*args, **kwargs)
 
 
+BACKLOG = 128  # asyncio accepts up to this many connections in one go (before any eviction closes)
+
+
 def max_clients_for_fd_limit() -> int:
-    """Client connections the proxy keeps: 3/4 of the soft fd limit (the rest for the
-    upstream connections and the process itself)."""
+    """Client connections the proxy keeps: the soft fd limit less one accept burst
+    (:data:`BACKLOG`, whose evictions close only on the next loop turn) twice, less 64 fds
+    for the upstream connections and the process itself; at least 16."""
     try:
         import resource
 
         soft = resource.getrlimit(resource.RLIMIT_NOFILE)[0]
     except (ImportError, ValueError, OSError):
         return 1 << 16
-    return max(16, (soft if soft != resource.RLIM_INFINITY else 1 << 20) * 3 // 4)
+    soft = soft if soft != resource.RLIM_INFINITY else 1 << 20
+    return max(16, soft - 2 * BACKLOG - 64)
 
 
 async def serve(proxy: Proxy, host: str, port: int) -> web.AppRunner:
@@ -355,5 +360,5 @@ async def serve(proxy: Proxy, host: str, port: int) -> web.AppRunner:
                            keepalive_timeout=proxy.limits.header_s)
     await runner.setup()
     runner._server = _BoundedServer(runner._server, max_clients_for_fd_limit())  # TCPSite uses runner.server
-    await web.TCPSite(runner, host, port).start()
+    await web.TCPSite(runner, host, port, backlog=BACKLOG).start()
     return runner
