@@ -12,7 +12,7 @@ PYTEST_ARGS ?=
 # Each stage prints its wall time: "[stage] NAME: N s".
 STAGE := bash scripts/stage.sh
 
-.PHONY: demo layout test test-fast test-security test-ttsim lint env ttnn-env ttsim-env kernel-deps which-python bench-transform clean-env
+.PHONY: demo compose-demo layout test test-fast test-security test-ttsim lint env ttnn-env ttsim-env kernel-deps which-python bench-transform clean-env
 
 which-python:  ## the interpreter every target uses
 	@echo $(PY)
@@ -34,19 +34,28 @@ ttsim-env: ttnn-env
 demo: env  ## the main job: prefill vLLM + decode vLLM + proxy on this machine, a few requests
 	$(PY) examples/pd_local/run_demo.py
 
+# The same GN-HAWK pair in Docker, one container per node on a user-defined network (examples/compose/):
+# builds what it needs (cached under $(HAWK_CACHE)/compose and $(HAWK_CACHE)/docker), runs the
+# checking client, tears everything down. Root: it installs docker.io and starts its own dockerd.
+compose-demo: env
+	bash scripts/compose_demo.sh demo
+
 layout: env  ## how a Llama-3.1-70B request maps onto a p150a's DRAM banks
 	$(PY) -m vllm_hawk.cli layout
 
 lint: env  ## ruff, configured in pyproject.toml
 	@$(STAGE) lint $(dir $(PY))ruff check .
 
+# Two pytest stages, each with its own time: the docker-compose two-node run (tests/twohost,
+# marker `compose`), then everything else; the last closing line counts the main suite.
 test: env ttnn-env kernel-deps ttsim-env lint  ## the whole suite, as CI runs it
-	@$(STAGE) pytest $(PY) -m pytest -q -p no:cacheprovider $(PYTEST_ARGS) tests
+	@$(STAGE) compose $(PY) -m pytest -q -p no:cacheprovider -m compose $(PYTEST_ARGS) tests/twohost
+	@$(STAGE) pytest $(PY) -m pytest -q -p no:cacheprovider -m "not compose" $(PYTEST_ARGS) tests
 
-# The pure tests: no vLLM engine, no simulator, no kernel build, no root or apt (markers
+# The pure tests: no vLLM engine, no simulator, no kernel build, no Docker, no root or apt (markers
 # are set per folder in tests/conftest.py).
 test-fast: env lint  ## minutes, not tens of minutes
-	@$(STAGE) pytest-fast $(PY) -m pytest -q -p no:cacheprovider -m "not (vllm or ttnn or ttsim or kernel or guest)" $(PYTEST_ARGS) tests
+	@$(STAGE) pytest-fast $(PY) -m pytest -q -p no:cacheprovider -m "not (vllm or ttnn or ttsim or kernel or guest or compose or netns)" $(PYTEST_ARGS) tests
 
 test-security: env  ## the attacker tests (tests/security): floods, fuzzing, each attack on real components
 	@$(STAGE) pytest-security $(PY) -m pytest -q -p no:cacheprovider --durations=0 $(PYTEST_ARGS) tests/security

@@ -2,7 +2,9 @@
 # Install what kernel_driver/ needs to build and check on Debian 12 (bookworm),
 # idempotently (skips whatever is already there). Run as root; non-interactive.
 #
-#   scripts/kernel_deps.sh          Debian 6.1 and 6.12 amd64 headers, sparse, gcc, make
+#   scripts/kernel_deps.sh          Debian 6.1 and 6.12 amd64 headers, sparse, gcc, make;
+#                                   for the QEMU guest stages: qemu-system-x86, debootstrap,
+#                                   busybox-static, cpio, zstd, xz-utils, the 6.12 image
 #
 # Where the headers come from: bookworm's main/security suites carry both the 6.1
 # series (linux-headers-amd64) and, since the 6.12 LTS backport into bookworm,
@@ -31,6 +33,14 @@ have_headers 6.12 || need+=(linux-headers-6.12-amd64)
 command -v sparse >/dev/null || need+=(sparse)
 command -v gcc >/dev/null || need+=(gcc)
 command -v make >/dev/null || need+=(make)
+# the QEMU guest stages (tests/guest, scripts/qemu_guest.py): boot the 6.12 image above
+command -v qemu-system-x86_64 >/dev/null || need+=(qemu-system-x86)
+command -v debootstrap >/dev/null || need+=(debootstrap)
+command -v cpio >/dev/null || need+=(cpio)
+command -v zstd >/dev/null || need+=(zstd)
+command -v xz >/dev/null || need+=(xz-utils)
+{ [ -x /bin/busybox ] && ! head -c 4096 /bin/busybox | grep -qa ld-linux; } || need+=(busybox-static)  # static: no PT_INTERP
+compgen -G "/boot/vmlinuz-6.12.*-amd64" >/dev/null || need+=(linux-image-6.12-amd64)
 # libasan/libubsan come with gcc-12's libgcc-12-dev on bookworm.
 
 if [ ${#need[@]} -eq 0 ]; then

@@ -140,3 +140,32 @@ def test_security_lines_say_mooncake_binds_every_interface(tmp_path: Path) -> No
     assert mc["status"] == "WARN" and "ALL interfaces" in mc["detail"] and "MC_MIN_RPC_PORT" in mc["fix"]
     assert checks["shared secret"]["status"] in ("OK", "WARN")
     assert rc == 0  # warnings never fail the role
+
+
+def _add_rxe(root: Path, name: str = "rxe0") -> None:
+    """A FAKE soft-RoCE device as rdma_rxe shows it in sysfs (checked in the QEMU guest)."""
+    dev = root / "sys/class/infiniband" / name
+    (dev / "ports/1").mkdir(parents=True)
+    (dev / "ports/1/state").write_text("4: ACTIVE\n")
+    (dev / "parent").write_text("eth0\n")
+    (dev / "node_desc").write_text("rxe\n")
+
+
+def test_fake_soft_roce_only_is_named_and_for_testing(tmp_path: Path) -> None:
+    root = make_fake_node(tmp_path)
+    import shutil
+    shutil.rmtree(root / "sys/class/infiniband/mlx5_0")
+    _add_rxe(root)
+    rc, out = run_doctor("--json", "--role", "decode", "--root", str(root))
+    rdma = by_name(out)["rdma devices"]
+    assert rdma["status"] == "WARN", rdma
+    assert "rxe0 is soft-RoCE (rdma_rxe) on eth0: software RDMA, for testing only" in rdma["detail"]
+    assert "EOPNOTSUPP, errno 95" in rdma["detail"] and "mlx5_ib" in rdma["fix"]
+
+
+def test_fake_soft_roce_next_to_a_real_nic_is_noted(tmp_path: Path) -> None:
+    root = make_fake_node(tmp_path)
+    _add_rxe(root)
+    rc, out = run_doctor("--json", "--role", "decode", "--root", str(root))
+    rdma = by_name(out)["rdma devices"]
+    assert rdma["status"] == "OK" and "rxe0 is soft-RoCE (rdma_rxe) on eth0, for testing only" in rdma["detail"]

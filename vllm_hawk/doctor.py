@@ -25,7 +25,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 
 from vllm_hawk.npu.tt_kmd import sysfs
-from vllm_hawk.npu.tt_kmd.registration import PYVERBS_INSTALL_HINT, TT_PEERMEM_MODULE_NAME
+from vllm_hawk.npu.tt_kmd.registration import PYVERBS_INSTALL_HINT, TT_PEERMEM_MODULE_NAME, soft_rdma_devices
 from vllm_hawk.npu.tt_kmd.topology import (
     BLACKHOLE_NUM_DRAM_CHANNELS,
     BLACKHOLE_TLB_4G_WINDOW_BYTES,
@@ -68,6 +68,17 @@ def _rdma_check(root: Path) -> Check:
             states.append(f"{dev}/{port.name}:{state.split(':')[-1].strip()}")
             active |= "ACTIVE" in state
     detail = ", ".join(states) or ", ".join(devices)
+    soft = soft_rdma_devices(str(root))
+    if soft and set(soft) == set(devices):
+        # rxe/siw move real RDMA verbs (Mooncake rdma works over them) but at tens of MB/s,
+        # and they cannot import dma-bufs: never a deployment's NIC
+        what = "; ".join(f"{d} is {k}" for d, k in soft.items())
+        return Check("rdma devices", WARN,
+                     f"{detail}: {what}: software RDMA, for testing only (no dma-buf MRs: "
+                     "ibv_reg_dmabuf_mr fails with EOPNOTSUPP, errno 95)",
+                     "install a RoCE/InfiniBand NIC (mlx5_ib, bnxt_re, irdma) for real transfers")
+    if soft:
+        detail += " (" + "; ".join(f"{d} is {k}, for testing only" for d, k in soft.items()) + ")"
     if not active:
         return Check("rdma devices", WARN, f"no ACTIVE port: {detail}", "bring a port up (cable, `ip link set up`)")
     return Check("rdma devices", OK, detail)

@@ -13,6 +13,8 @@
  *                    write "cycle ADDR SIZE": map then unmap
  *                    read: one line describing the last command's results
  *     clients        registered client names and versions
+ *     sgl            the current MR's DMA entries, "DMA_ADDR LEN" (hex, bytes)
+ *                    one per line; empty when no MR is mapped
  *     invalidations  invalidate callbacks received (count)
  *
  * The "NIC" is a platform device with a 64-bit DMA mask (dma-direct).
@@ -267,6 +269,22 @@ static int prov_clients_show(struct seq_file *m, void *unused)
 }
 DEFINE_SHOW_ATTRIBUTE(prov_clients);
 
+/* The mapped MR's entries, so a test can compare them with the pages it owns. */
+static int prov_sgl_show(struct seq_file *m, void *unused)
+{
+	struct scatterlist *sg;
+	unsigned int i;
+
+	mutex_lock(&prov_lock);
+	if (prov_mr_valid && prov_mr.mapped)
+		for_each_sg(prov_mr.sgt.sgl, sg, prov_mr.sgt.nents, i)
+			seq_printf(m, "%llx %x\n", (unsigned long long)sg_dma_address(sg),
+				   sg_dma_len(sg));
+	mutex_unlock(&prov_lock);
+	return 0;
+}
+DEFINE_SHOW_ATTRIBUTE(prov_sgl);
+
 static int __init prov_init(void)
 {
 	int ret;
@@ -282,6 +300,7 @@ static int __init prov_init(void)
 	prov_debugfs = debugfs_create_dir(KBUILD_MODNAME, NULL);
 	debugfs_create_file("control", 0600, prov_debugfs, NULL, &prov_control_fops);
 	debugfs_create_file("clients", 0444, prov_debugfs, NULL, &prov_clients_fops);
+	debugfs_create_file("sgl", 0400, prov_debugfs, NULL, &prov_sgl_fops);
 	debugfs_create_atomic_t("invalidations", 0444, prov_debugfs, &prov_invalidations);
 	pr_info("TEST provider of the MOFED peer-memory API loaded\n");
 	return 0;

@@ -42,8 +42,10 @@ def test_layout_bad_input_names_the_problem():
 
 def test_bench_transform_smoke(tmp_path):
     out = tmp_path / "t.json"
-    r = hawk("bench", "transform", "--sizes-mb", "1", "--repeats", "1", "--sources", "flash",
+    r = hawk("bench", "transform", "--sizes-mb", "1", "--repeats", "1", "--sources", "flash", "amx",
              "--out", str(out), timeout=300)
     assert r.returncode == 0, r.stderr
     rows = json.loads(out.read_text())["rows"]
-    assert {row["dtype"] for row in rows} == {"bfloat16", "bfloat8_b"} and all(row["ratio"] > 0 for row in rows)
+    assert {row["dtype"] for row in rows} == {"bfloat16", "bfloat8_b"}
+    assert {row["source"] for row in rows} == {"flash", "amx"}
+    assert all(row["kernel_ratio"] > 0 and row["e2e_ratio"] > 0 and row["cpu_ratio"] > 0 for row in rows)

@@ -72,6 +72,8 @@ def test_secret_file_is_as_good_as_inline(tmp_path, monkeypatch):
     ("shared_secret", "short", "shared_secret"),
     ("rdma_device", "mlx5_0", "mooncake-rdma"),
     ("max_pulls", 0, "max_pulls"),
+    ("layer_groups", 0, "layer_groups"),
+    ("layer_groups", 65, "layer_groups"),
 ])
 def test_bad_field_is_named(field, value, needle):
     with pytest.raises(HawkConfigError) as e:
@@ -102,3 +104,5 @@ def test_transport_arguments_and_dp_port_offset(monkeypatch):
     assert kind == "mooncake" and opts["protocol"] == "rdma" and opts["device_name"] == "mlx5_1"
     assert parse_config({"side_channel_port": 18000}, dp_rank=2).side_channel_port == 18002
     assert parse_config({"device_profile": "p150a"}).device_profile == "p150a"
+    cfg = parse_config({"layer_groups": 2, "auth": "hmac"})  # main's layer groups next to sec's auth
+    assert cfg.layer_groups == 2 and cfg.auth == "hmac" and cfg.secret_bytes is not None

@@ -53,7 +53,8 @@ MAX_TOKENS = 10
 BLOCK = 32
 
 CONFIGS = {
-    "p150a-bf16-staged": dict(device="p150a", kv_dtype="bfloat16", mode="staged"),
+    # layer_groups: the prefill transforms layer group i+1 while the decode reads group i
+    "p150a-bf16-staged": dict(device="p150a", kv_dtype="bfloat16", mode="staged", layer_groups=2),
     "n150-bfp8-direct": dict(device="n150", kv_dtype="bfloat8_b", mode="direct"),
 }
 if os.environ.get("HAWK_GN_E2E_FULL"):  # the other two corners (about 50 s each)
@@ -88,7 +89,8 @@ def gn(request, tmp_path_factory):
                      max_model_len=1024,
                      decode_tt={"device": cfg["device"], "kv_dtype": cfg["kv_dtype"]},
                      extra_config={"pull_timeout_s": 20.0, "handshake_timeout_s": 3.0,
-                                   "mode": cfg["mode"], "ring_nbytes": 16 << 20},
+                                   "mode": cfg["mode"], "ring_nbytes": 16 << 20,
+                                   "layer_groups": cfg.get("layer_groups", 1)},
                      prefill_config={"lease_s": 30.0},
                      extra_args=["--no-enable-prefix-caching"],
                      extra_env={"HAWK_DEBUG_DIR": str(dump)})
@@ -151,7 +153,9 @@ def test_outputs_and_kv_bytes(gn, record_property):
         assert checked[0]["blocks"] == -(-len(p) // BLOCK)
         fig = (d["kv_transfer_params"] or {}).get("hawk_transfer") or {}
         assert fig.get("ok") and fig.get("banks") == (12 if gn.hawk_cfg["device"] == "n150" else 8)
-        assert fig["segments"] == sum(1 for b in fig["bytes_per_bank"] if b)
+        groups = gn.hawk_cfg.get("layer_groups", 1)
+        assert fig.get("layer_groups", 1) == groups  # one KVReady per layer group, one segment per bank each
+        assert fig["segments"] == groups * sum(1 for b in fig["bytes_per_bank"] if b)
         stats.append((len(p), fig["nbytes"], fig["entries"], fig["total_ms"]))
         r = _complete(ref_url, p, logprobs=2)
         assert len(d["token_ids"]) == MAX_TOKENS

@@ -1,7 +1,7 @@
 """tt_peermem and its test provider build warning-free (W=1, sparse C=2, -Werror)
 against each supported Debian kernel series.
 
-Only the build is checked here: loading needs a kernel (see make qemu-smoke), and
+Only the build is checked here: loading runs in a QEMU guest (tests/guest), and
 the hardware path (a real NIC and a real Tenstorrent dma-buf) is never exercised
 in CI.
 """

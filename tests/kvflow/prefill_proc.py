@@ -1,4 +1,5 @@
-"""A prefill endpoint in its own process (spawn), driven over a multiprocessing pipe.
+"""A prefill endpoint in its own process (spawn; ``HAWK_TEST_MP_START=fork`` forks instead),
+driven over a multiprocessing pipe.
 
 The child builds a seeded :class:`PagedKVCache`, a transport and a
 :class:`PrefillEndpoint` with the source ``cfg["kind"]`` (hawk | staged | vllm),
@@ -30,7 +31,7 @@ def _child(cfg: dict, conn) -> None:
             super()._serve(msg, reply)
 
     cache = PagedKVCache(*cfg["shape"]).fill_random(cfg["seed"])
-    t = make_transport(cfg.get("transport", "mooncake"))
+    t = make_transport(cfg.get("transport", "mooncake"), **cfg.get("transport_options", {}))
     compat = make_compat(*cfg["compat"])
     kind = cfg.get("kind", "hawk")
     ep = DyingPrefill(make_source(cache, kind, compat.device_profile), t, compat,
@@ -75,8 +76,15 @@ class PrefillProcess:
         self.proc.join(timeout=5)
 
 
-def start_prefill(cfg: dict, start_timeout_s: float = 60.0) -> PrefillProcess:
-    ctx = mp.get_context("spawn")
+def start_prefill(cfg: dict, start_timeout_s: float | None = None) -> PrefillProcess:
+    """Start the child and wait for its endpoint.
+
+    Under QEMU TCG (the RDMA guest stage) ``import torch`` alone takes about two minutes,
+    so that stage sets ``HAWK_TEST_MP_START=fork``: the child inherits the test process's
+    imported modules (fork before the parent starts any thread: no transport yet) and
+    ``HAWK_TEST_START_TIMEOUT_S`` raises the start timeout."""
+    start_timeout_s = start_timeout_s or float(os.environ.get("HAWK_TEST_START_TIMEOUT_S", "60"))
+    ctx = mp.get_context(os.environ.get("HAWK_TEST_MP_START", "spawn"))
     parent, child = ctx.Pipe()
     p = ctx.Process(target=_child, args=(cfg, child), daemon=True)
     p.start()

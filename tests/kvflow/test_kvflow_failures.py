@@ -80,13 +80,13 @@ def fake_submit(td, monkeypatch, *, fail: bool, settle_after: float | None):
 
 # --------------------------------------------------------------------------- finding 1
 def test_release_before_kvready_cancels_and_frees_the_ring_at_once(monkeypatch):
-    real = sources_mod.transform_kv
+    real = sources_mod.transform_source
 
     def slow_transform(*a, **k):
         time.sleep(1.0)
         return real(*a, **k)
 
-    monkeypatch.setattr(sources_mod, "transform_kv", slow_transform)
+    monkeypatch.setattr(sources_mod, "transform_source", slow_transform)
     with endpoints(lease_s=60.0) as (_cache, pre, dec, _dev, _td, finished):
         pre.add_request("slow", [1, 2], 2 * BS)
         with pytest.raises(PeerFailed, match="no reply"):
@@ -253,22 +253,6 @@ def test_prefill_close_does_not_wait_out_a_blocked_reserve():
         pre.close()
         assert time.monotonic() - t0 < 20.0  # the ring abort woke the worker
         fut.cancel()
-
-
-# --------------------------------------------------------------------------- finding 8
-def test_pipelined_fetch_checks_every_chunk_before_sending_any():
-    with endpoints() as (_cache, pre, dec, _dev, _td, _finished):
-        pre.add_request("p#0", [1], BS)
-        pre.add_request("p#1", [2, 3], 2 * BS)
-        bad_chunks = ([("p#0", BS, [4]), ("p#1", 2 * BS, [5])],  # 1 block for 2 blocks of tokens
-                      [("p#0", BS, [4]), ("p#1", 2 * BS, [5, 999])],  # outside the pool
-                      [("p#0", BS, [4]), ("p#1", 2 * BS, [4, 5])])  # overlaps chunk 0
-        for chunks in bad_chunks:
-            with pytest.raises(ValueError):
-                dec.fetch_pipelined(chunks, "staged")
-        snap = pre.snapshot()
-        assert snap["requests"] == 2 and snap["pending"] == 0 and snap["served"] == snap["refused"] == 0, snap
-        dec.fetch_pipelined([("p#0", BS, [4]), ("p#1", 2 * BS, [5, 6])], "staged")  # still serves
 
 
 # --------------------------------------------------------------------------- finding 9

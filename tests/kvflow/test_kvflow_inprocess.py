@@ -180,21 +180,3 @@ def test_refusals_unknown_request_ring_too_small_and_reads_outside_the_ring(pair
                 td.wait(h, 5)
     finally:
         td.unregister(scratch.data_ptr())
-
-
-@pytest.mark.parametrize("mode", ["staged", "direct"])
-def test_pipelined_chunks_put_exact_bytes_in_the_pool(pair, mode):
-    cache, pre, decs, dev, *_ = pair
-    dec = decs["bfloat8_b"]
-    src, dst = [3, 4, 5, 6, 7], [10, 11, 2, 3, 30]
-    chunks = [("p#0", src[:2], dst[:2]), ("p#1", src[2:4], dst[2:4]), ("p#2", src[4:], dst[4:])]
-    for rid, s, _d in chunks:
-        pre.add_request(rid, s, len(s) * BS)
-    res = dec.fetch_pipelined([(rid, len(d) * BS, d) for rid, _s, d in chunks], mode)
-    assert res.nbytes == 5 * 16 * 1088 * L
-    assert_pool_holds(dec, cache, src, 5 * BS, dst)
-    assert dec.pool.is_idle() and pre.snapshot()["ring_used"] == 0 and pre.snapshot()["requests"] == 0
-    pre.add_request("q#0", [1], BS)  # a chunk the prefill refuses: everything is released
-    with pytest.raises(PeerFailed):
-        dec.fetch_pipelined([("q#0", BS, [1]), ("q#1", BS, [2])], mode, timeout_s=5)
-    assert dec.pool.is_idle() and pre.snapshot()["ring_used"] == 0

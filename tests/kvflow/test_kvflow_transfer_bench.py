@@ -27,7 +27,17 @@ def test_transfer_bench_smoke(tmp_path, capsys):
     assert by[("GN-HAWK staged", "bfloat8_b")]["bytes_moved"] * 2048 == \
         by[("GN-HAWK staged", "bfloat16")]["bytes_moved"] * 1088  # bfp8 moves 1088/2048 of the bytes
     assert by[("GG-Host", "bfloat16")]["norm_gg_host"] == 1.0
-    assert {t["target"].split(" ")[0] for t in res["targets"]} == {"GN-HAWK", "per-tile", "GN-Host"}
+    assert by[("GG-Direct", "bfloat16")]["norm_gg_direct"] == 1.0
+    assert all(r["cpu_ms"] > 0 for r in res["rows"])
+    assert {t["target"].split(" ")[0] for t in res["targets"]} == {"best", "per-tile", "GN-Host"}
     snap = res["prefill_snapshot"]
     assert all(s["requests"] == 0 and s["served"] == s["released"] for s in snap.values())
     assert "targets (ratios within this run)" in capsys.readouterr().out
+
+
+def test_outputs_follow_out_and_folders_are_created(tmp_path):
+    """A fresh clone has no results/: the JSON and the plot go where --out says."""
+    out = tmp_path / "new" / "x.json"
+    rc = transfer_bench.main(["--model", "llama-3.1-8b", "--tp", "8", "--sizes-mb", "1", "--repeats", "1",
+                              "--rows", "GG-Direct", "GN-HAWK pipelined", "--out", str(out)])
+    assert rc == 0 and out.exists() and (tmp_path / "new" / "x.png").exists()

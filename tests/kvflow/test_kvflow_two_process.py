@@ -1,4 +1,5 @@
-"""Algorithm 1 between two real processes over Mooncake TCP on 127.0.0.1.
+"""Algorithm 1 between two real processes over Mooncake TCP on 127.0.0.1 (or, with
+HAWK_TEST_MOONCAKE_OPTIONS, e.g. RDMA on soft-RoCE in the QEMU guest stage).
 
 The prefill runs in a spawned child (:mod:`prefill_proc`); this process is the decode
 with an emulated p150a. 100 requests with random lengths and block tables (some
@@ -9,6 +10,8 @@ within a bounded time and leaks nothing; bad handshakes and hostile frames are r
 from __future__ import annotations
 
 import concurrent.futures as cf
+import json
+import os
 import time
 
 import numpy as np
@@ -38,8 +41,10 @@ SRC_BLOCKS, POOL_BLOCKS, SEED = 64, 48, 11
 COMPAT_ARGS = ("tiny", "bfloat16", BS, "vllm-flash-nhd", "tt-paged", "p150a")
 COMPAT = make_compat(*COMPAT_ARGS)
 SECRET = b"kvflow-test-secret-0123456789abcdef"
+#: Mooncake options for both sides, as JSON (tests/guest sets protocol rdma on rxe0).
+MOONCAKE_OPTIONS = json.loads(os.environ.get("HAWK_TEST_MOONCAKE_OPTIONS") or "{}")
 CFG = {"shape": (L, SRC_BLOCKS, H, BS, D), "seed": SEED, "compat": COMPAT_ARGS, "secret": SECRET,
-       "ring_nbytes": 2 << 20}
+       "ring_nbytes": 2 << 20, "transport_options": MOONCAKE_OPTIONS}
 
 
 @pytest.fixture(scope="module")
@@ -57,7 +62,7 @@ def prefill():
 @pytest.fixture(scope="module")
 def decode(prefill):
     dev = EmulatedDevice("p150a", 8 << 20)
-    t = make_transport("mooncake")
+    t = make_transport("mooncake", **MOONCAKE_OPTIONS)
     decs = {}
     try:
         for dtype in ("bfloat16", "bfloat8_b"):
@@ -120,6 +125,40 @@ def test_100_requests_exact_bytes_and_buffers_back_to_free(prefill, decode, sour
     print(f"{i} requests in {time.monotonic() - t0:.2f} s")
 
 
+#: The cut-down case (the RDMA guest stage runs it over rxe0 under QEMU TCG, where the
+#: full 100 would not fit its budget): bf16, staged and direct, alone and two at once.
+FEW = [[("few-0", 640, "staged")], [("few-1", 640, "direct")], [("few-2", 300, "staged"), ("few-3", 500, "direct")]]
+#: the KV bytes FEW moves (bf16 source and pool: 2 bytes an element, K and V of every layer)
+FEW_NBYTES = sum(n for group in FEW for _r, n, _m in group) * L * 2 * H * D * 2
+
+
+def test_few_requests_staged_and_direct_bf16_exact_bytes(prefill, decode, source_cache):
+    decs, _dev, _t = decode
+    dec = decs["bfloat16"]
+    rng = np.random.default_rng(7)
+    before = prefill.snapshot()
+    with cf.ThreadPoolExecutor(2) as pool:
+        for group in FEW:
+            free_dst = rng.permutation(POOL_BLOCKS)
+            jobs = []
+            for rid, n, mode in group:
+                nb = -(-n // BS)
+                src, (dst, free_dst) = rng.permutation(SRC_BLOCKS)[:nb], (free_dst[:nb], free_dst[nb:])
+                prefill.add(rid, src, n)
+                jobs.append((rid, n, src, dst, mode))
+            futs = [pool.submit(dec.fetch, rid, n, dst, mode, timeout_s=120) for rid, n, _s, dst, mode in jobs]
+            for f in futs:
+                f.result(timeout=180)
+            for _rid, n, src, dst, _m in jobs:
+                _check(dec, source_cache, src, n, dst)
+            snap = prefill.snapshot()
+            assert snap["ring_used"] == 0 and snap["ring_live"] == 0 and snap["requests"] == 0, snap
+            assert dec.pool.is_idle()
+    after = prefill.snapshot()
+    assert after["served"] - before["served"] == after["released"] - before["released"] == 4, (before, after)
+    assert after["refused"] == after["expired"] == 0
+
+
 def test_reads_outside_the_ring_are_refused(prefill, decode):
     decs, dev, t = decode
     dec = decs["bfloat16"]
@@ -177,7 +216,7 @@ def test_malformed_and_forged_messages_are_rejected_without_crashing(prefill, de
 def test_prefill_dying_mid_flight_errors_in_bounded_time_and_leaks_nothing(when):
     p = start_prefill(CFG)
     dev = EmulatedDevice("p150a", 8 << 20)
-    t = make_transport("mooncake")
+    t = make_transport("mooncake", **MOONCAKE_OPTIONS)
     dec = None
     try:
         dec = TTDecode(dev, TTKVCacheSpec(L, POOL_BLOCKS, H, BS, D, "bfloat16"), t, p.endpoint, COMPAT,

@@ -115,6 +115,14 @@ def test_compat_hash_and_diff():
     assert COMPAT.protocol_version == PROTOCOL_VERSION
 
 
+def test_protocol_version_is_4_with_recipient_envelope_and_layer_groups():
+    # 4 = sec's recipient-bound envelope (HAWK/4, auth_failed) + main's layer-group fields.
+    from vllm_hawk.protocol.envelope import MAGIC, Header
+    assert PROTOCOL_VERSION == 4 and MAGIC == b"HAWK/4"
+    assert "recipient" in Header.__struct_fields__
+    assert {"first_layer", "num_layers"} <= set(KVRequest.__struct_fields__)
+
+
 @settings(max_examples=400, deadline=None)
 @given(st.binary(max_size=512))
 def test_fuzz_decode_raw_bytes(data):

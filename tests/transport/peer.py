@@ -3,11 +3,16 @@
 The child allocates ``nbytes`` of seeded random bytes, registers them and reports
 ``(endpoint, addr, nbytes)``; then it answers ``("get", offset, n)`` with the bytes at
 that offset (to verify writes) until ``("exit",)``.
+
+Children are spawned; ``HAWK_TEST_MP_START=forkserver`` forks them from one server that
+has imported the transport already (the QEMU TCG guest stage, where an interpreter start
+and ``import mooncake`` take ten seconds or more).
 """
 from __future__ import annotations
 
 import ctypes
 import multiprocessing as mp
+import os
 import random
 from dataclasses import dataclass
 
@@ -16,6 +21,15 @@ from vllm_hawk.child_process import stop_pipe_process
 
 def pattern(seed: int, nbytes: int) -> bytes:
     return random.Random(seed).randbytes(nbytes)
+
+
+def mp_context():
+    """The multiprocessing context for test children: $HAWK_TEST_MP_START, else spawn."""
+    method = os.environ.get("HAWK_TEST_MP_START", "spawn")
+    ctx = mp.get_context(method)
+    if method == "forkserver":
+        ctx.set_forkserver_preload([__name__, "vllm_hawk.transport.mooncake", "mooncake.engine"])
+    return ctx
 
 
 def _child(kind: str, options: dict, nbytes: int, seed: int, conn) -> None:
@@ -68,7 +82,7 @@ class PeerProcess:
 
 def start_peer(kind: str, nbytes: int, seed: int, options: dict | None = None,
                start_timeout_s: float = 60.0) -> PeerProcess:
-    ctx = mp.get_context("spawn")
+    ctx = mp_context()
     parent, child = ctx.Pipe()
     p = ctx.Process(target=_child, args=(kind, options or {}, nbytes, seed, child), daemon=True)
     p.start()

@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import ctypes
+import json
+import os
 import random
 import socket
 import threading
@@ -26,9 +28,16 @@ def _mooncake_available() -> bool:
     return True
 
 
+#: Mooncake constructor options for every mooncake transport here, as JSON. The RDMA guest
+#: stage (tests/guest) sets {"protocol": "rdma", "device_name": "rxe0", "local_host": IP}.
+MOONCAKE_OPTIONS = json.loads(os.environ.get("HAWK_TEST_MOONCAKE_OPTIONS") or "{}")
+
+
 def _options(kind: str) -> dict:
     # Small pieces so that the host-staged path exercises chunking and its window.
-    return {"chunk_nbytes": 256 << 10} if kind == "host_staged" else {}
+    if kind == "host_staged":
+        return {"chunk_nbytes": 256 << 10}
+    return dict(MOONCAKE_OPTIONS) if kind == "mooncake" else {}
 
 
 class LocalPeer:
@@ -221,7 +230,7 @@ def test_hanging_peer_times_out(hkind):
 
     th = threading.Thread(target=accept, daemon=True)
     th.start()
-    t = make_transport(hkind)
+    t = make_transport(hkind, **_options(hkind))
     buf = ctypes.create_string_buffer(4096)
     t.register(ctypes.addressof(buf), 4096)
     try:

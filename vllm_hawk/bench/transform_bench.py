@@ -1,40 +1,85 @@
-"""``hawk bench transform``: throughput of the prefill-side transform versus a plain torch
-copy of the same bytes on the same device, in one run.
+"""``hawk bench transform``: the prefill-side transform against a plain torch copy of the
+same bytes on the same device, in one run.
 
 Source: a synthetic vLLM 0.32 KV cache in bf16, all layers in one buffer as vLLM
 allocates it, read through the source-layout adapters: FlashAttention (NHD, what a GPU
-prefill holds) or the CPU backend (K transposed inside each block/head slab). The
-request's source and destination blocks are scattered over the caches.
+prefill holds), the CPU backend's ``vec`` layout (K transposed inside each block/head
+slab; ``vec16`` stores the same order) and its ``amx`` layout (packed; read in place by
+the CPU kernel). The request's source and destination blocks are scattered over the caches.
+
+Two timings per row, each as a ratio to the copy (copy time / transform time, so 1.0 =
+copy speed, higher is better; the median over repeats of the ratio within each repeat,
+where the copy, the kernel and the end-to-end transform run back to back):
+
+* ``kernel``: the transform kernel alone (plan, tile index and kernel views prepared);
+* ``e2e``: what the prefill runs per request (:class:`~vllm_hawk.kvflow.TileTransformSource`:
+  transfer plan, tile index, kernel) into a pre-faulted ring range.
+
 Throughput counts SOURCE bytes (the request's bf16 KV) for both the transform and the
-copy, so the ratio is independent of the target dtype's smaller size.
+copy, so the ratio is independent of the target dtype's smaller size. The copy uses
+torch's threads (``torch.get_num_threads()``), the kernel numba's; CPU time (user + sys)
+of each is reported with its ratio to the copy's.
 """
 from __future__ import annotations
 
 import argparse
+import os
+import resource
+import statistics
+import time
 
 import numpy as np
 import torch
 
-from vllm_hawk.bench.common import median_seconds, print_table, progress, write_json
+from vllm_hawk.bench.common import print_table, progress, write_json
 from vllm_hawk.layout.model_shapes import load_model_shape
-from vllm_hawk.layout.vllm_kv import CpuAttnKVLayout, FlashAttnKVLayout, make_layer_caches
+from vllm_hawk.layout.vllm_kv import CpuAttnKVLayout, FlashAttnKVLayout, TransformSource, make_layer_caches
 from vllm_hawk.layout_report import build_layout
-from vllm_hawk.transform import make_plan, transform_kv
+from vllm_hawk.transform import cpu_kernel, make_plan, transform_source
+from vllm_hawk.transform.kv_transform import kernel_tile_args, kernel_transform
 
-SOURCES = ("flash", "cpu")
+SOURCES = ("flash", "cpu", "amx")
 
 
-def source_views(kind: str, num_layers: int, num_blocks: int, heads: int, bs: int, dim: int, device):
-    """Per layer (K, V) logical views [num_blocks, heads, bs, dim] of a random bf16 cache."""
+def make_source(kind: str, num_layers: int, num_blocks: int, heads: int, bs: int, dim: int, device):
+    """A random bf16 cache of ``kind`` as the prefill reads it (a TransformSource)."""
     if kind == "flash":
         adapter, order = FlashAttnKVLayout(heads, bs, dim), "LBNHC"
     else:
-        adapter, order = CpuAttnKVLayout(heads, bs, dim, isa="vec"), "LBHNC"
+        adapter, order = CpuAttnKVLayout(heads, bs, dim, isa="vec" if kind == "cpu" else "amx"), "LBHNC"
     caches = make_layer_caches(num_layers, num_blocks, heads, bs, 2 * dim, layout=order, device=device)
     flat = torch.empty(0, dtype=torch.bfloat16, device=device).set_(
         caches[0].untyped_storage(), 0, (caches[0].untyped_storage().nbytes() // 2,))
     flat.copy_(torch.randn(flat.numel(), device=device))
-    return [adapter.kv_views(c) for c in caches]
+    return TransformSource([adapter] * num_layers, caches)
+
+
+def _once(fn) -> tuple[float, float]:
+    """(wall seconds, CPU seconds of this process) of one call."""
+    r0, t0 = resource.getrusage(resource.RUSAGE_SELF), time.perf_counter()
+    fn()
+    t1, r1 = time.perf_counter(), resource.getrusage(resource.RUSAGE_SELF)
+    return t1 - t0, r1.ru_utime - r0.ru_utime + r1.ru_stime - r0.ru_stime
+
+
+def _interleaved(fns: dict, repeats: int) -> dict:
+    """Each repeat runs every fn once, in turn (so load changes hit all of them alike).
+    Returns per name: median wall and CPU seconds and the per-repeat wall times."""
+    for f in fns.values():  # warm-up
+        f()
+    wall = {k: [] for k in fns}
+    cpu = {k: [] for k in fns}
+    for _ in range(repeats):
+        for k, f in fns.items():
+            w, c = _once(f)
+            wall[k].append(w)
+            cpu[k].append(c)
+    return {k: (statistics.median(wall[k]), statistics.median(cpu[k]), wall[k]) for k in fns}
+
+
+def _ratio(base: list[float], x: list[float]) -> float:
+    """Median over repeats of base/x (pairs from the same repeat)."""
+    return statistics.median(b / t for b, t in zip(base, x))
 
 
 def run(model, tp, device_profile, block_size, sizes_mb, dtypes, sources, repeats, device, seed=0):
@@ -42,27 +87,50 @@ def run(model, tp, device_profile, block_size, sizes_mb, dtypes, sources, repeat
     heads = shape.kv_heads_per_rank(tp)
     per_token = shape.kv_bytes_per_token(tp, 2)
     rng = np.random.default_rng(seed)
-    cases = [(s, d, m) for s in sources for d in dtypes for m in sizes_mb]
+    cases = [(s, d, m) for s in sources for m in sizes_mb for d in dtypes]
     rows = []
+    cache = {}
     for i, (src_kind, dtype, mb) in enumerate(cases):
         progress(i, len(cases), f"{src_kind} {dtype} {mb} MB")
         n_blocks = max(1, round(mb * 1e6 / per_token / block_size))
         cache_blocks = 2 * n_blocks + 2
-        views = source_views(src_kind, shape.num_layers, cache_blocks, heads, block_size, shape.head_dim, device)
+        key = (src_kind, mb)
+        if key not in cache:
+            cache.clear()
+            cache[key] = make_source(src_kind, shape.num_layers, cache_blocks, heads, block_size, shape.head_dim,
+                                     device)
+        source = cache[key]
         src_blocks = rng.permutation(cache_blocks)[:n_blocks]
+        dst_blocks = rng.permutation(cache_blocks)[:n_blocks]
         layout = build_layout(model, tp, device_profile, dtype, block_size, cache_blocks)
-        plan = make_plan(layout, rng.permutation(cache_blocks)[:n_blocks], "staged")
-        out = torch.empty(plan.total_nbytes, dtype=torch.uint8, device=device)
+        plan = make_plan(layout, dst_blocks, "staged")
+        out = torch.zeros(plan.total_nbytes, dtype=torch.uint8, device=device)  # pre-faulted, like the ring
         nbytes = int(n_blocks * block_size * per_token)
         a = torch.empty(nbytes, dtype=torch.uint8, device=device).random_(0, 255)
-        b = torch.empty_like(a)
+        b = torch.zeros_like(a)
         sync = torch.cuda.synchronize if a.is_cuda else (lambda: None)
-        t_copy = median_seconds(lambda: (b.copy_(a), sync()), repeats)
-        t_tf = median_seconds(lambda: (transform_kv(views, src_blocks, block_size, plan, out), sync()), repeats)
+
+        def e2e():  # what TileTransformSource.prepare + fill do
+            p = make_plan(layout, dst_blocks, "staged")
+            transform_source(source, src_blocks, block_size, p, out)
+            sync()
+
+        fns = {"copy": lambda: (b.copy_(a), sync()), "e2e": e2e}
+        kv = cpu_kernel.views_for(source) if device.type == "cpu" else None
+        if kv is not None:
+            args = kernel_tile_args(plan, src_blocks, block_size)
+            fns["kernel"] = lambda: kernel_transform(kv, src_blocks, block_size, plan, out, None, args)
+        reps = max(repeats, int(repeats * 40 / max(mb, 1)))  # small sizes: more repeats, same time
+        t = _interleaved(fns, reps)
+        if "kernel" not in t:
+            t["kernel"] = t["e2e"]
+        (t_copy, c_copy, w_copy), (t_k, _c, w_k), (t_e2e, c_e2e, w_e2e) = t["copy"], t["kernel"], t["e2e"]
         rows.append({"source": src_kind, "dtype": dtype, "size_mb": nbytes / 1e6, "blocks": n_blocks,
-                     "gprime_mb": plan.total_nbytes / 1e6, "transform_ms": t_tf * 1e3, "copy_ms": t_copy * 1e3,
-                     "transform_gbps": nbytes / t_tf / 1e9, "copy_gbps": nbytes / t_copy / 1e9,
-                     "ratio": t_copy / t_tf})
+                     "gprime_mb": plan.total_nbytes / 1e6, "repeats": reps, "copy_ms": t_copy * 1e3,
+                     "kernel_ms": t_k * 1e3, "e2e_ms": t_e2e * 1e3, "copy_gbps": nbytes / t_copy / 1e9,
+                     "kernel_gbps": nbytes / t_k / 1e9, "kernel_ratio": _ratio(w_copy, w_k),
+                     "e2e_ratio": _ratio(w_copy, w_e2e), "copy_cpu_ms": c_copy * 1e3,
+                     "e2e_cpu_ms": c_e2e * 1e3, "cpu_ratio": c_e2e / max(c_copy, 1e-9)})
     progress(len(cases), len(cases), "done")
     return rows
 
@@ -73,22 +141,30 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--tp", type=int, default=4)
     ap.add_argument("--device-profile", default="p150a")
     ap.add_argument("--block-size", type=int, default=64)
-    ap.add_argument("--sizes-mb", type=float, nargs="+", default=[10, 40, 160])
-    ap.add_argument("--dtypes", nargs="+", default=["bfloat16", "bfloat8_b"])
+    ap.add_argument("--sizes-mb", type=float, nargs="+", default=[10, 160])
+    ap.add_argument("--dtypes", nargs="+", default=["bfloat16", "bfloat8_b"],
+                    choices=["bfloat16", "bfloat8_b", "bfloat4_b"])
     ap.add_argument("--sources", nargs="+", default=list(SOURCES), choices=SOURCES)
     ap.add_argument("--repeats", type=int, default=5)
     ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     ap.add_argument("--out", default="results/bench_transform.json")
     a = ap.parse_args(argv)
-    rows = run(a.model, a.tp, a.device_profile, a.block_size, a.sizes_mb, a.dtypes, a.sources, a.repeats,
-               torch.device(a.device))
-    print(f"transform vs plain copy on {a.device} ({torch.get_num_threads()} threads), {a.model} TP={a.tp}, "
-          f"{a.device_profile}, block {a.block_size}; throughput in source (bf16) bytes")
+    dev = torch.device(a.device)
+    if dev.type == "cpu":
+        cpu_kernel.warm()
+    rows = run(a.model, a.tp, a.device_profile, a.block_size, a.sizes_mb, a.dtypes, a.sources, a.repeats, dev)
+    load = os.getloadavg()
+    print(f"transform vs plain copy of the same bytes on {a.device} ({torch.get_num_threads()} torch threads, "
+          f"{os.cpu_count()} cores, load average {load[0]:.2f}), {a.model} TP={a.tp}, {a.device_profile}, "
+          f"block {a.block_size}; ratio = copy time / transform time (1 = copy speed), median over >= "
+          f"{a.repeats} repeats of the ratio within each repeat")
     print_table(rows, [("source", "source", ""), ("dtype", "dtype", ""), ("size_mb", "MB", ".1f"),
-                       ("gprime_mb", "G' MB", ".1f"), ("transform_ms", "transform ms", ".2f"),
-                       ("copy_ms", "copy ms", ".2f"), ("transform_gbps", "transform GB/s", ".2f"),
-                       ("copy_gbps", "copy GB/s", ".2f"), ("ratio", "ratio", ".3f")])
+                       ("gprime_mb", "G' MB", ".1f"), ("copy_ms", "copy ms", ".2f"),
+                       ("kernel_ms", "kernel ms", ".2f"),
+                       ("e2e_ms", "e2e ms", ".2f"), ("copy_gbps", "copy GB/s", ".2f"),
+                       ("kernel_ratio", "kernel/copy", ".2f"), ("e2e_ratio", "e2e/copy", ".2f"),
+                       ("cpu_ratio", "CPU time/copy's", ".2f")])
     path = write_json(a.out, {"bench": "transform", "device": a.device, "threads": torch.get_num_threads(),
-                              "args": vars(a), "rows": rows})
+                              "load_average": load, "args": vars(a), "rows": rows})
     print(f"wrote {path}")
     return 0

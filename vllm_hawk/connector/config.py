@@ -32,7 +32,7 @@ field                  default             meaning
                                            whatever its ``mode``; the decode's ``mode``
                                            picks per-bank receive buffers + intra-bank copies
                                            (``staged``) or READs into the KV pages
-                                           (``direct``); see ``vllm_hawk.connector.tt``)
+                                           (``direct``); see :mod:`vllm_hawk.kvflow.sinks`)
 ``auth``               ``"curve"``         side-channel authentication, set the SAME on both
                                            sides: ``curve`` (CurveZMQ + ZAP at connection
                                            time, then the HMAC envelope per message),
@@ -60,6 +60,10 @@ field                  default             meaning
 ``ring_nbytes``        ``64 MiB``          prefill ring (staged, GN-HAWK) and decode receive
                                            buffers (staged), bytes
 ``max_pulls``          ``2``               decode: pulls running at once (worker threads)
+``layer_groups``       ``1``               decode, GN-HAWK: split each pull into this many
+                                           layer groups; the prefill transforms group i+1
+                                           while the decode READs group i (one KVRequest
+                                           and KVReady per group, one Release); 1 = off
 =====================  ==================  ==================================================
 
 Validated once at start-up; an error names the field, the bad value and what is allowed
@@ -139,6 +143,7 @@ class HawkConfig:
     handshake_timeout_s: float = 5.0
     ring_nbytes: int = 64 << 20
     max_pulls: int = 2
+    layer_groups: int = 1
     secret_bytes: bytes | None = field(default=None, repr=False, compare=False)  # resolved, not a field
 
     def transport_kind_and_options(self) -> tuple[str, dict[str, Any]]:
@@ -200,6 +205,7 @@ def parse_config(extra: Mapping[str, Any] | None, *, dp_rank: int = 0) -> HawkCo
         out[name] = float(_number(name, out[name], integer=False, low=0.1))
     out["ring_nbytes"] = _number("ring_nbytes", out["ring_nbytes"], integer=True, low=1 << 16)
     out["max_pulls"] = _number("max_pulls", out["max_pulls"], integer=True, low=1, high=64)
+    out["layer_groups"] = _number("layer_groups", out["layer_groups"], integer=True, low=1, high=64)
 
     profile = out["device_profile"]
     if profile != VLLM_PROFILE:

@@ -95,12 +95,17 @@ def make_source(cfg: HawkConfig, kv: LocalKV):
         from vllm_hawk.layout.device_profiles import load_profile
 
         src = TileTransformSource(kv.views, kv.layout, load_profile(cfg.device_profile))
-        t0 = time.monotonic()  # compile the kernels now, not inside the first pulls' deadlines
-        try:
-            src.warm(src.profile)
-        except Exception as e:  # noqa: BLE001 - the first request compiles instead
-            logger.warning("HawkConnector prefill: transform warm-up failed: %s", e)
-        logger.info("HawkConnector prefill: transform kernels ready in %.1f s", time.monotonic() - t0)
+
+        def warm() -> None:  # in the background: the kernels compile (or load) while the engine starts
+            t0 = time.monotonic()
+            try:
+                src.warm(src.profile)
+            except Exception as e:  # noqa: BLE001 - the first request compiles instead
+                logger.warning("HawkConnector prefill: transform warm-up failed: %s", e)
+                return
+            logger.info("HawkConnector prefill: transform kernels ready in %.1f s", time.monotonic() - t0)
+
+        threading.Thread(target=warm, daemon=True, name="hawk-transform-warm").start()
         return src
     if cfg.mode == "staged":
         return RingGatherSource(kv.region_map, kv.layout, kv.storages)
@@ -207,7 +212,11 @@ class HawkConnectorWorker:
     def start_load_kv(self, meta: HawkConnectorMetadata) -> None:
         if self.prefill is not None:
             for rid, spec in meta.reqs_to_send.items():
-                self.prefill.add_request(rid, spec.block_ids, spec.num_tokens, spec.lease_expiry)
+                try:
+                    self.prefill.add_request(rid, spec.block_ids, spec.num_tokens, spec.lease_expiry)
+                except ValueError as e:  # never hold blocks nobody can fetch
+                    logger.error("HawkConnector prefill: request %s not held: %s", rid, e)
+                    self._on_finished(rid, False)
         if self._pool is not None:
             for rid, spec in meta.reqs_to_recv.items():
                 with self._lock:
@@ -285,7 +294,8 @@ class HawkConnectorWorker:
             end = spec.first_block + len(spec.local_block_ids)  # the blocks this pull ends at
             num_tokens = min(spec.remote_num_tokens, end * self.kv.layout.block_size)
             res = self._endpoint(spec).fetch(spec.remote_request_id, num_tokens, self.sink,
-                                             spec.local_block_ids, first_block=spec.first_block)
+                                             spec.local_block_ids, first_block=spec.first_block,
+                                             layer_groups=self.cfg.layer_groups)
             fig.update(ok=True, nbytes=res.nbytes, entries=res.entries, segments=res.segments,
                        request_ms=round(1e3 * res.request_s, 3), transfer_ms=round(1e3 * res.transfer_s, 3),
                        copy_ms=round(1e3 * res.copy_s, 3),

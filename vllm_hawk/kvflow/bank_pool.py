@@ -9,11 +9,14 @@ bank (like the device's interleaved buffers) and ``nbytes_per_bank`` bytes in ea
 With ``registration="per_request"`` (default) only the slices handed out are registered
 with the transport (one region per bank, from ``acquire`` to ``release``); ``"whole"``
 registers each bank's region once, at start.
-``acquire`` waits up to a deadline for room (backpressure) and raises
+The buffers are written once at creation (first touch: page faults of host-backed
+memory happen then, not inside a transfer). ``acquire`` waits up to a deadline for room
+(backpressure) and raises
 :class:`BufferFull` after it; nothing is ever handed out twice.
 """
 from __future__ import annotations
 
+import ctypes
 import dataclasses
 import threading
 import time
@@ -59,6 +62,8 @@ class BankBufferPool:
             device.map_buffer_dma(self.buffer)
             self.bank_addrs = tuple(device.get_buffer_address_bank(self.buffer, b) for b in range(self.num_banks))
             self.size_per_bank = min(device.get_buffer_size_bank(self.buffer, b) for b in range(self.num_banks))
+            for a in self.bank_addrs:  # first touch now, so page faults stay out of the transfers
+                ctypes.memset(a, 0, self.size_per_bank)
             if transport is not None and registration == "whole":
                 for a in self.bank_addrs:
                     transport.register(a, self.size_per_bank)

@@ -30,6 +30,7 @@ import threading
 import time
 from dataclasses import dataclass, field
 
+import msgspec
 import numpy as np
 
 from vllm_hawk.kvflow.errors import BufferFull, KVFlowError, PeerFailed, TransferUnsettled
@@ -84,6 +85,26 @@ def _read_deadline(ready: KVReady, t_ready: float, deadline: float) -> tuple[flo
                  "after the lease the prefill frees the range and may reuse it)")
 
 
+def split_layers(num_layers: int, groups: int) -> list[tuple[int, int]]:
+    """``groups`` (at most ``num_layers``) consecutive layer ranges ``(lo, hi)`` of
+    near-equal size covering every layer."""
+    g = max(1, min(int(groups), num_layers))
+    cuts = [round(i * num_layers / g) for i in range(g + 1)]
+    return [(cuts[i], cuts[i + 1]) for i in range(g)]
+
+
+class _AllSettled:
+    """Several batches as one for the abandon path: ``settled.wait`` waits for all."""
+
+    def __init__(self, handles) -> None:
+        self.handles = list(handles)
+        self.settled = self
+
+    def wait(self, timeout: float) -> bool:
+        end = time.monotonic() + max(0.0, timeout)
+        return all(h.settled.wait(max(0.0, end - time.monotonic())) for h in self.handles)
+
+
 @dataclass
 class _Flight:
     """One request between KVReady and the end of its READ batch."""
@@ -132,17 +153,25 @@ class DecodeEndpoint:
 
     # ------------------------------------------------------------------ D1-D8
     def fetch(self, req_id: str, num_tokens: int, sink: KVSink, dst_blocks, *, first_block: int = 0,
-              timeout_s: float | None = None, release: bool = True, time_cap_s: float | None = None) -> FetchResult:
+              timeout_s: float | None = None, release: bool = True, time_cap_s: float | None = None,
+              layer_groups: int = 1) -> FetchResult:
         """Move source blocks ``first_block ..`` of request ``req_id`` (``num_tokens``
         prefilled tokens) into ``sink``'s blocks ``dst_blocks``.
 
         Returns when the KV is in place (and, with ``release``, the prefill freed it).
         ``time_cap_s`` (per-tile benchmark rows) stops submitting after that long and
-        reports the fraction done. Raises as the module doc says, with nothing held."""
+        reports the fraction done. ``layer_groups`` > 1 (sinks with ``layer_groups``,
+        i.e. Tenstorrent sinks): the request is asked for as that many layer groups at
+        once and each group's READs go out as soon as its KVReady arrives, so the
+        transfer of group i overlaps the prefill's transform of group i+1 (same
+        guarantees). Raises as the module doc says, with nothing held."""
         timeout = self.pull_timeout_s if timeout_s is None else timeout_s
         t0 = time.monotonic()
         deadline = t0 + timeout
         dst = self._check_dst(req_id, num_tokens, sink, dst_blocks, first_block)
+        groups = split_layers(sink.layout.num_layers, layer_groups)
+        if len(groups) > 1 and getattr(sink, "layer_groups", False) and time_cap_s is None:
+            return self._fetch_groups(req_id, num_tokens, sink, dst, first_block, groups, timeout, t0, release)
         plan = sink.plan(dst)
         res = FetchResult(req_id, sink.mode)
         msg = self._kv_request(req_id, num_tokens, sink, dst, first_block, timeout)
@@ -191,92 +220,80 @@ class DecodeEndpoint:
             res.release_s = time.monotonic() - t4
         return res
 
-    def fetch_pipelined(self, chunks, sink: KVSink, *, timeout_s: float | None = None,
-                        release: bool = True) -> FetchResult:
-        """Overlap the prefill's work on chunk i+1 with the transfer of chunk i.
-
-        ``chunks``: [(req_id, num_tokens, dst_blocks)], each a request the prefill holds
-        on its own (consecutive token ranges of one sequence). Every chunk is planned
-        before any D1 goes out; then all D1s go out at once and each chunk's READ batch is
-        submitted as soon as its KVReady arrives. Same cleanup guarantees as ``fetch``."""
-        timeout = self.pull_timeout_s if timeout_s is None else timeout_s
-        t0 = time.monotonic()
+    def _fetch_groups(self, req_id, num_tokens, sink, dst, first_block, groups, timeout, t0, release) -> FetchResult:
+        """:meth:`fetch` by layer groups: every group's D1 at once; D2 (receive memory)
+        once at the first KVReady; each group's READ batch as its KVReady arrives; D6-D8
+        once. On failure: every submitted batch is abandoned together (receive memory
+        freed once all settled; KV pages waited for and named if they did not drain)."""
         deadline = t0 + timeout
-        chunks = [(rid, int(n), self._check_dst(rid, int(n), sink, dst, 0)) for rid, n, dst in chunks]
-        if not chunks or len({c[0] for c in chunks}) != len(chunks):
-            raise ValueError("pipelined fetch needs at least one chunk and distinct request ids")
-        all_dst = np.concatenate([c[2] for c in chunks])
-        if np.unique(all_dst).size != all_dst.size:
-            raise ValueError("pipelined fetch: the chunks' destination blocks must be distinct")
-        plans = [sink.plan(dst) for _r, _n, dst in chunks]
-        res = FetchResult(",".join(c[0] for c in chunks), f"{sink.mode}-pipelined")
-        futs = [self.client.call_async(self._kv_request(rid, n, sink, dst, 0, timeout)) for rid, n, dst in chunks]
-        flights: list[_Flight] = []
+        plan = sink.plan(dst)
+        res = FetchResult(req_id, f"{sink.mode}-layer-groups")
+        res.extra["layer_groups"] = len(groups)
+        base = self._kv_request(req_id, num_tokens, sink, dst, first_block, timeout)
+        futs = [self.client.call_async(msgspec.structs.replace(base, first_layer=lo, num_layers=hi - lo))
+                for lo, hi in groups]
+        landing, handles, first = None, [], None
+        t_ready, rdeadline, note = t0, deadline, ""
         try:
-            for (rid, _n, dst), plan, fut in zip(chunks, plans, futs):
+            for (lo, hi), fut in zip(groups, futs):
                 try:
                     ready = fut.result(max(1e-3, deadline - time.monotonic()))
                 except Exception as e:  # noqa: BLE001 - timeout or cancelled
-                    raise PeerFailed(f"request {rid}: no KVReady in time ({type(e).__name__})", rid) from e
-                if not isinstance(ready, KVReady) or ready.req_id != rid:
-                    raise PeerFailed(f"request {rid}: prefill answered {ready!r:.300}", rid)
-                t_ready, hello = time.monotonic(), self.client.hello
-                if not res.request_s:
-                    res.request_s = t_ready - t0  # first KVReady
-                rdeadline, note = _read_deadline(ready, t_ready, deadline)
-                landing = self._land(rid, ready, plan, sink, hello, rdeadline, note, release_on_fail=False)
-                try:
-                    h = self.transport.submit("read", hello.transfer_endpoint, landing.entries)
-                except Exception:
-                    if landing.free is not None:
-                        landing.free()
-                    if landing.unexpose is not None:
-                        landing.unexpose()
-                    raise
-                flights.append(_Flight(rid, dst, landing, h, ready, t_ready, rdeadline, note))
-                res.entries += len(landing.entries)
-                res.nbytes += sum(e[2] for e in landing.entries)
+                    raise PeerFailed(f"request {req_id}: no KVReady for layers {lo}..{hi - 1} in time "
+                                     f"({type(e).__name__})", req_id) from e
+                if not isinstance(ready, KVReady) or ready.req_id != req_id:
+                    raise PeerFailed(f"request {req_id}: prefill answered {ready!r:.300}", req_id)
+                hello = self.client.hello
+                if first is None:
+                    t_ready = time.monotonic()
+                    first = ready
+                    res.request_s = t_ready - t0  # first group's KVReady
+                    rdeadline, note = _read_deadline(ready, t_ready, deadline)
+                err = sink.check_group(ready, plan, hello.export_nbytes, lo, hi, first.ring_offset)
+                if err:
+                    raise PeerFailed(f"request {req_id}: {err}", req_id)
+                if landing is None:
+                    wait = max(0.0, min(self.claim_wait_s, rdeadline - time.monotonic()))
+                    landing = sink.land_groups(req_id, plan, wait)  # D2
+                entries = landing.entries(ready, hello.export_base_addr, lo, hi)
+                handles.append(self.transport.submit("read", hello.transfer_endpoint, entries))
+                res.entries += len(entries)
+                res.nbytes += sum(e[2] for e in entries)
                 res.segments += len(ready.segments)
-            for f in flights:
-                try:
-                    self.transport.wait(f.handle, max(0.0, f.read_deadline - time.monotonic()))
-                except (TransferFailed, TransferTimeout) as e:
-                    raise PeerFailed(f"request {f.rid}: transfer failed: {e}{f.note}", f.rid) from e
+            for h in handles:
+                self.transport.wait(h, max(0.0, rdeadline - time.monotonic()))
         except Exception as e:
-            settle_end = time.monotonic() + SETTLE_WAIT_S
-            unsafe: list[int] = []
-            for f in flights:
-                unsafe += self._abandon(f, deadline, settle_end)
             for fut in futs:
                 fut.cancel()
-            for rid, _n, _d in chunks:  # also cancels chunks the prefill is still serving
-                self._release_quietly(rid, ok=False)
+            unsafe: list[int] = []
+            if landing is not None:
+                f = _Flight(req_id, dst, landing, _AllSettled(handles), first, t_ready, deadline, "")
+                unsafe = self._abandon(f, deadline, time.monotonic() + SETTLE_WAIT_S)
+            self._release_quietly(req_id, ok=False)  # also cancels groups the prefill is still serving
             if unsafe:
-                raise TransferUnsettled(f"pipelined fetch {res.req_id}: {e}; READs did not drain within "
-                                        f"{SETTLE_WAIT_S} s and may still write destination blocks {unsafe}: "
-                                        "do not use them", chunks[0][0], tuple(unsafe)) from e
+                raise TransferUnsettled(f"request {req_id}: {e}; READs did not drain within {SETTLE_WAIT_S} s and "
+                                        f"may still write destination blocks {unsafe}: do not use them", req_id,
+                                        tuple(unsafe), _AllSettled(handles)) from e
             if isinstance(e, KVFlowError):
                 raise
-            raise PeerFailed(f"pipelined fetch {res.req_id}: {e}", chunks[0][0]) from e
+            if isinstance(e, (TransferFailed, TransferTimeout)):
+                raise PeerFailed(f"request {req_id}: transfer from {self.peer} failed: {e}{note}", req_id) from e
+            raise PeerFailed(f"request {req_id}: {type(e).__name__}: {e}", req_id) from e
         finally:
-            for f in flights:
-                if f.landing.unexpose is not None:
-                    f.landing.unexpose()
+            if landing is not None and landing.unexpose is not None:  # every batch done or abandoned
+                landing.unexpose()
         t3 = time.monotonic()
         res.transfer_s = t3 - t0 - res.request_s  # first KVReady -> last batch done
-        errors = []
-        for f in flights:  # every landing completes (and frees) even if one copy fails
-            try:
-                res.extra.update(f.landing.complete())
-            except Exception as e:  # noqa: BLE001
-                errors.append(e)
-        if errors:
-            raise errors[0]
+        res.extra.update(landing.figures)
+        try:
+            res.extra.update(landing.complete())  # D6-D7 (frees the receive memory)
+        except Exception as e:
+            self._release_quietly(req_id, ok=False)
+            raise PeerFailed(f"request {req_id}: copying into the destination failed: {e}", req_id) from e
         t4 = time.monotonic()
         res.copy_s, res.total_s = t4 - t3, t4 - t0
-        if release:
-            for f in flights:
-                self._release_done(f.rid, f.ready, f.t_ready, deadline, f.dst)
+        if release:  # D8
+            self._release_done(req_id, first, t_ready, deadline, dst)
             res.release_s = time.monotonic() - t4
         return res
 

@@ -10,7 +10,9 @@ transform) the endpoint reserves the range first (P5). ``Release`` (D8) frees th
 
 Failure semantics, all here:
 
-* a KVRequest that beats the engine's hand-over waits up to :data:`EARLY_REQUEST_WAIT_S`;
+* a KVRequest that beats the engine's hand-over waits up to :data:`EARLY_REQUEST_WAIT_S`
+  (the layer groups of one request from the same decode wait together, and are all
+  served, in arrival order, once it comes);
 * a Release that beats the hand-over is remembered (bounded) and finishes the request
   when it arrives; one for a request held but never requested frees it (the decode had
   the prefix locally or was aborted);
@@ -26,7 +28,8 @@ Failure semantics, all here:
 Only live requests' memory is registered with the transport (``registration=
 "per_request"``, :mod:`~vllm_hawk.kvflow.exposure`): a ring range from P5 to P8, or for a
 source served in place (GG-Direct) the request's block runs from KVReady to Release or
-lease expiry. A peer's READ of anything else is refused by the transport.
+lease expiry (a request served by layer groups: one ring range for all its groups). A
+peer's READ of anything else is refused by the transport.
 ``registration="whole"`` registers the ring (or the source's exports) once, as before.
 
 Ownership and bounds (peers are the side channel's authenticated sender ids):
@@ -35,7 +38,8 @@ Ownership and bounds (peers are the side channel's authenticated sender ids):
   Release for that id from any other peer is refused (``unknown_request``, counted
   ``not_owner``), so a stranger cannot free ring space a decode is still reading;
 * early KVRequests are parked at most :data:`MAX_EARLY` at once and
-  :data:`MAX_EARLY_BLOCK_IDS` destination block ids in all (about 10 MB); beyond that a
+  :data:`MAX_EARLY_BLOCK_IDS` destination block ids in all (about 10 MB; each parked
+  KVRequest, layer groups included, counts at least one); beyond that a
   new one is refused at once (``early_full``); early Releases at most :data:`MAX_EARLY`
   (the oldest is forgotten, ``early_release_evicted``) for ``EARLY_RELEASE_S``;
 * every refusal is counted in ``stats.refusals`` (with the side channel's, see
@@ -78,6 +82,19 @@ class _Req:
 
 
 @dataclass
+class _Stream:
+    """A request served by layer groups: its bytes are planned and reserved once (by the
+    first group served), each group is produced and announced on its own."""
+
+    requested: set = field(default_factory=set)  # first_layer of every group asked for
+    inflight: int = 0  # groups queued or being served
+    served: int = 0  # groups whose KVReady went out
+    prep: object = None
+    offset: int = -1  # ring offset once reserved
+    lock: threading.Lock = field(default_factory=threading.Lock)
+
+
+@dataclass
 class PrefillStats:
     served: int = 0
     released: int = 0
@@ -114,11 +131,13 @@ class PrefillEndpoint:
         self._served: dict[str, float] = {}  # req_id -> monotonic time of its KVReady
         self._pending: set[str] = set()
         self._cancelled: set[str] = set()  # pending requests whose decode already sent Release
-        self._early: collections.OrderedDict[str, tuple] = collections.OrderedDict()  # rid -> (msg, reply, until, peer)
+        # rid -> ([(msg, reply)], until, peer): parked KVRequests (several: layer groups)
+        self._early: collections.OrderedDict[str, tuple] = collections.OrderedDict()
         self._early_ids = 0  # destination block ids held by _early
         self._early_release: collections.OrderedDict[str, float] = collections.OrderedDict()  # rid -> until
         self._rlog = RateLimitedLog(logger)
         self._gone: collections.OrderedDict[str, str] = collections.OrderedDict()  # rid -> "released"|"expired"
+        self._streams: dict[str, _Stream] = {}  # requests served by layer groups
         self.ring: RingBuffer | None = None
         self._exported: list[int] = []
         self.registration = check_registration(registration)
@@ -176,12 +195,13 @@ class PrefillEndpoint:
         if early_release:  # the decode released it before the hand-over: free at once
             self._notify(req_id, True)
         elif serve is not None:
-            msg, reply, _until, peer = serve
+            pairs, _until, peer = serve
             with self._lock:
-                self._early_ids -= len(msg.dst_block_ids)
-            out = self.on_kv_request(peer, msg, reply)
-            if out is not None:
-                reply(out)
+                self._early_ids -= sum(max(1, len(m.dst_block_ids)) for m, _r in pairs)
+            for msg, reply in pairs:  # in arrival order (layer groups: the first one opens the stream)
+                out = self.on_kv_request(peer, msg, reply)
+                if out is not None:
+                    reply(out)
 
     def drop_request(self, req_id: str) -> None:
         with self._lock:
@@ -219,12 +239,37 @@ class PrefillEndpoint:
 
     def on_kv_request(self, peer: str, msg: KVRequest, reply):
         rid = msg.req_id
+        grouped = bool(msg.num_layers or msg.first_layer)
         with self._lock:
             req = self._requests.get(rid)
             if req is not None and req.owner and req.owner != peer:
                 return self._refuse("not_owner", rid, "unknown_request", "another decode requested this id")
-            if rid in self._pending or rid in self._served or rid in self._early:
-                return ErrorMsg(code="bad_message", detail="request already in flight", req_id=rid)
+            st = self._streams.get(rid)
+            if rid in self._pending or rid in self._served:
+                if not grouped or st is None or msg.first_layer in st.requested or rid in self._cancelled:
+                    return ErrorMsg(code="bad_message", detail="request already in flight", req_id=rid)
+                err = self._check_layers(msg)
+                if err:
+                    self.stats.refused += 1
+                    return ErrorMsg(code="layout_mismatch", detail=err[:1000], req_id=rid)
+                st.requested.add(msg.first_layer)  # a further layer group of a request being served
+                st.inflight += 1
+                self._pending.add(rid)
+                return self._submit_serve(msg, reply)
+            early = self._early.get(rid)
+            if early is not None:  # parked before the hand-over: only further layer groups of the same decode join
+                pairs, _until, epeer = early
+                if (not grouped or epeer != peer or not pairs[0][0].num_layers
+                        or any(m.first_layer == msg.first_layer for m, _r in pairs)):
+                    return ErrorMsg(code="bad_message", detail="request already in flight", req_id=rid)
+                n_ids = max(1, len(msg.dst_block_ids))
+                if self._early_ids + n_ids > MAX_EARLY_BLOCK_IDS:
+                    return self._refuse("early_full", rid, "unknown_request",
+                                        f"no finished prefill with this id, and early requests already hold "
+                                        f"{self._early_ids} block ids")
+                pairs.append((msg, reply))
+                self._early_ids += n_ids
+                return None
             if req is None:
                 gone = self._gone.get(rid)
                 if gone is not None:
@@ -233,30 +278,51 @@ class PrefillEndpoint:
                                     detail=f"the request's blocks were {gone}", req_id=rid)
                 if self._stop.is_set():
                     return ErrorMsg(code="internal", detail="prefill endpoint is closing", req_id=rid)
-                n_ids = len(msg.dst_block_ids)
+                n_ids = max(1, len(msg.dst_block_ids))
                 if len(self._early) >= MAX_EARLY or self._early_ids + n_ids > MAX_EARLY_BLOCK_IDS:
                     return self._refuse("early_full", rid, "unknown_request",
                                         f"no finished prefill with this id, and {len(self._early)} early requests "
                                         f"({self._early_ids} block ids) already wait for theirs")
-                self._early[rid] = (msg, reply, time.monotonic() + EARLY_REQUEST_WAIT_S, peer)
+                # (KVRequest, reply) pairs (several: the layer groups of one request), until, peer
+                self._early[rid] = ([(msg, reply)], time.monotonic() + EARLY_REQUEST_WAIT_S, peer)
                 self._early_ids += n_ids
                 logger.debug("prefill: KVRequest for %s came before the engine's hand-over; waiting", rid)
             else:
-                err = self._check(msg, req) or self.source.check(msg)
+                err = self._check(msg, req) or (self._check_layers(msg) if grouped else "") or self.source.check(msg)
                 if err:
                     self.stats.refused += 1
                     return ErrorMsg(code="layout_mismatch", detail=err[:1000], req_id=rid)
                 req.owner = peer
                 self._pending.add(rid)
+                if grouped:
+                    self._streams[rid] = _Stream(requested={msg.first_layer}, inflight=1)
         if req is None:
             return None
+        with self._lock:
+            return self._submit_serve(msg, reply)
+
+    def _submit_serve(self, msg: KVRequest, reply):
+        """Queue ``msg`` for a worker (lock held); undo the pending mark if the pool is closed."""
         try:
             self._pool.submit(self._serve, msg, reply)
         except RuntimeError:  # pool shut down
-            with self._lock:
-                self._pending.discard(rid)
-            return ErrorMsg(code="internal", detail="prefill endpoint is closing", req_id=rid)
+            st = self._streams.get(msg.req_id)
+            if st is not None:
+                st.inflight -= 1
+            if st is None or (st.inflight == 0 and st.served == 0):
+                self._pending.discard(msg.req_id)
+                self._streams.pop(msg.req_id, None)
+            return ErrorMsg(code="internal", detail="prefill endpoint is closing", req_id=msg.req_id)
         return None
+
+    def _check_layers(self, msg: KVRequest) -> str:
+        """'' when ``msg``'s layer group can be served, else why not."""
+        if not getattr(self.source, "layer_groups", False):
+            return f"this prefill's source ({self.source.name}) does not serve layer groups"
+        L = msg.dst_layout.num_layers
+        if msg.num_layers <= 0 or msg.first_layer + msg.num_layers > L:
+            return f"layer group {msg.first_layer} + {msg.num_layers} is not inside the {L} layers"
+        return ""
 
     def on_release(self, peer: str, msg: Release, reply):
         rid = msg.req_id
@@ -293,6 +359,11 @@ class PrefillEndpoint:
 
     # ------------------------------------------------------------------ P4-P7
     def _serve(self, msg: KVRequest, reply) -> None:
+        with self._lock:
+            st = self._streams.get(msg.req_id)
+        if st is not None:
+            self._serve_group(msg, reply, st)
+            return
         rid = msg.req_id
         reserved = False
         try:
@@ -306,15 +377,7 @@ class PrefillEndpoint:
             prep = self.source.prepare(msg, src, self.export_base)
             off = 0
             if prep.nbytes:
-                timeout = self.claim_wait_s  # a far-future deadline must not hold the worker
-                if msg.deadline_ms:
-                    timeout = min(timeout, max(0.0, msg.deadline_ms / 1000.0 - time.time()))
-                try:
-                    off = self.ring.reserve(rid, prep.nbytes, timeout)  # P5
-                except RingClosed as e:
-                    raise _Refuse("internal", f"prefill endpoint is closing: {e}") from None
-                except BufferFull as e:
-                    raise _Refuse("no_space", str(e)) from None
+                off = self._reserve(msg, prep.nbytes)  # P5
                 reserved = True
                 if self._is_cancelled(rid):
                     raise _Cancelled()
@@ -352,16 +415,99 @@ class PrefillEndpoint:
                     self.stats.cancelled += 1
                 else:
                     self.stats.refused += 1
-            if cancelled:  # no reply: nobody waits for it
-                logger.warning("prefill: %s released by the decode before its KVReady (%s); range freed",
-                               rid, "cancelled" if isinstance(e, _Cancelled) else f"{type(e).__name__}: {e}")
-                self._notify(rid, False)
-                return
-            if isinstance(e, _Refuse):
-                reply(ErrorMsg(code=e.code, detail=str(e)[:1000], req_id=rid))
-            else:
-                logger.exception("prefill: serving %s failed", rid)
-                reply(ErrorMsg(code="internal", detail=f"{type(e).__name__}: {str(e)[:900]}", req_id=rid))
+            self._fail_reply(rid, e, cancelled, reply)
+
+    def _reserve(self, msg: KVRequest, nbytes: int) -> int:
+        timeout = self.claim_wait_s  # a far-future deadline must not hold the worker
+        if msg.deadline_ms:
+            timeout = min(timeout, max(0.0, msg.deadline_ms / 1000.0 - time.time()))
+        try:
+            return self.ring.reserve(msg.req_id, nbytes, timeout)
+        except RingClosed as e:
+            raise _Refuse("internal", f"prefill endpoint is closing: {e}") from None
+        except BufferFull as e:
+            raise _Refuse("no_space", str(e)) from None
+
+    def _fail_reply(self, rid: str, e: Exception, cancelled: bool, reply) -> None:
+        if cancelled:  # no reply: nobody waits for it
+            logger.warning("prefill: %s released by the decode before its KVReady (%s); range freed",
+                           rid, "cancelled" if isinstance(e, _Cancelled) else f"{type(e).__name__}: {e}")
+            self._notify(rid, False)
+            return
+        if isinstance(e, _Refuse):
+            reply(ErrorMsg(code=e.code, detail=str(e)[:1000], req_id=rid))
+        else:
+            logger.exception("prefill: serving %s failed", rid)
+            reply(ErrorMsg(code="internal", detail=f"{type(e).__name__}: {str(e)[:900]}", req_id=rid))
+
+    def _serve_group(self, msg: KVRequest, reply, st: _Stream) -> None:
+        """One layer group of a request (P4-P7 for layers first_layer..+num_layers). The
+        first group served plans and reserves the whole request's range; each group
+        fills its own bytes and sends its own KVReady. The range is freed by Release
+        (P8), or here when the last group in flight fails or is cancelled while no
+        KVReady of the request is out."""
+        rid = msg.req_id
+        lo, hi = msg.first_layer, msg.first_layer + msg.num_layers
+        try:
+            with self._lock:
+                req = self._requests.get(rid)
+            if req is None:
+                raise _Refuse("unknown_request", "request dropped by the engine")
+            if self._is_cancelled(rid):
+                raise _Cancelled()
+            src = req.src_blocks[msg.first_block:msg.first_block + len(msg.dst_block_ids)]
+            with st.lock:  # the first group plans and reserves for all
+                if st.prep is None:
+                    prep = self.source.prepare(msg, src, self.export_base)
+                    if not prep.nbytes or prep.fill_layers is None:
+                        raise _Refuse("layout_mismatch", "this source does not serve layer groups")
+                    st.offset = self._reserve(msg, prep.nbytes)  # P5
+                    st.prep = prep
+                    if self.observer is not None:
+                        self.observer(rid, msg, src)
+            prep, off = st.prep, st.offset
+            if self._is_cancelled(rid):
+                raise _Cancelled()
+            t0 = time.perf_counter()
+            prep.fill_layers(self.ring.base_addr + off, self.ring.view(off, prep.nbytes), lo, hi)  # P4 + P6
+            self._note_produce(rid, time.perf_counter() - t0, add=True)
+            segs = prep.segments_layers(off, lo, hi)
+            out = KVReady(req_id=rid, ring_offset=off, total_nbytes=sum(s.nbytes for s in segs), segments=segs,
+                          lease_ms=int(self.lease_s * 1000))
+            with self._lock:
+                if rid in self._cancelled:
+                    raise _Cancelled()
+                st.inflight -= 1
+                st.served += 1
+                if st.inflight == 0:
+                    self._pending.discard(rid)
+                self._served[rid] = time.monotonic()
+                if st.served == 1:
+                    self.stats.served += 1
+            reply(out)  # P7 for this group
+        except Exception as e:  # noqa: BLE001 - every failure becomes a typed reply
+            with self._lock:
+                st.inflight -= 1
+                last = st.inflight == 0
+                cancelled = rid in self._cancelled
+                free = last and st.offset >= 0 and (cancelled or st.served == 0)
+                if last:
+                    self._pending.discard(rid)
+                if cancelled and last:  # the decode gave up and sent Release: done with it (P9)
+                    self._cancelled.discard(rid)
+                    self._served.pop(rid, None)
+                    self._requests.pop(rid, None)
+                    self._remember_gone_locked(rid, "released")
+                    self.stats.cancelled += 1
+                elif not cancelled:
+                    self.stats.refused += 1
+                if free:
+                    st.offset = -1
+            if free:
+                self.ring.release(rid)  # P8
+            if cancelled and not last:
+                return  # the last group still in flight finishes the cancel
+            self._fail_reply(rid, e, cancelled, reply)
 
     def _check(self, msg: KVRequest, req: _Req) -> str:
         """'' when the request's token and block counts can be served, else why not."""
@@ -381,10 +527,10 @@ class PrefillEndpoint:
             return f"destination block id {max(ids)} >= {MAX_DST_BLOCK_ID}"
         return ""
 
-    def _note_produce(self, rid: str, seconds: float) -> None:
+    def _note_produce(self, rid: str, seconds: float, add: bool = False) -> None:
         with self._lock:
             t = self.stats.produce_s
-            t[rid] = seconds
+            t[rid] = seconds + (t.get(rid, 0.0) if add else 0.0)
             if len(t) > 1024:
                 t.pop(next(iter(t)))
 
@@ -398,6 +544,7 @@ class PrefillEndpoint:
             return rid in self._cancelled
 
     def _remember_gone_locked(self, rid: str, why: str) -> None:
+        self._streams.pop(rid, None)
         self._gone[rid] = why
         self._gone.move_to_end(rid)
         if len(self._gone) > MAX_GONE:
@@ -432,13 +579,14 @@ class PrefillEndpoint:
                 self._requests.pop(r, None)
                 self._remember_gone_locked(r, "expired")
                 self.stats.expired += 1
-            while self._early and next(iter(self._early.values()))[2] < mono:
+            while self._early and next(iter(self._early.values()))[1] < mono:
                 late.append(self._early.popitem(last=False))
-                self._early_ids -= len(late[-1][1][0].dst_block_ids)
+                self._early_ids -= sum(max(1, len(m.dst_block_ids)) for m, _r in late[-1][1][0])
             while self._early_release and next(iter(self._early_release.values())) < mono:
                 self._early_release.popitem(last=False)
-        for rid, (_m, reply, _u, _p) in late:
-            reply(ErrorMsg(code="unknown_request", detail="no finished prefill with this id", req_id=rid))
+        for rid, (pairs, _u, _p) in late:
+            for _m, reply in pairs:
+                reply(ErrorMsg(code="unknown_request", detail="no finished prefill with this id", req_id=rid))
         for r in dead:
             logger.warning("prefill: lease of %s expired without Release; freeing it", r)
             if self.ring is not None and r in self.ring.alloc.live():

@@ -162,6 +162,7 @@ class RingBuffer:
         self.alloc = RingAllocator(capacity, align)
         self.capacity = self.alloc.capacity
         self.memory = torch.empty(self.capacity, dtype=torch.uint8)
+        self.memory.fill_(0)  # first touch now: page faults stay out of the transform and the transfers
         self.base_addr = self.memory.data_ptr()
         self._transport = transport
         self.registration = check_registration(registration)

@@ -18,7 +18,9 @@ has settled) — ``free`` is None when the READs write KV pages directly, and th
 Registration (``registration``, :mod:`~vllm_hawk.kvflow.exposure`): with ``per_request``
 (default) a sink registers only what one fetch lands in, for that fetch: receive-ring
 ranges and bank-buffer slices while held, and for direct sinks the destination blocks'
-byte runs from ``land`` until the endpoint calls ``Landing.unexpose`` (after the batch).
+byte runs from ``land`` until the endpoint calls ``Landing.unexpose`` (after the batch);
+a layer-group fetch (:meth:`TTSink.land_groups`) registers every group's pages once,
+from D2 until ``GroupLanding.unexpose`` after the last group's batch.
 ``whole`` registers the cache / pool / ring once at start, as before.
 """
 from __future__ import annotations
@@ -362,6 +364,36 @@ class TTSink:
         return Landing(entries, lambda: {}, None, tuple(int(b) for b in plan.dst_blocks), figures,
                        unexpose=_expose(self.exposure, self.registration, req_id, entries, self._domains))
 
+    # ------------------------------------------------------------------ layer groups
+    layer_groups = True  # serves fetches by layer group (land_groups)
+
+    def group_ranges(self, plan, lo: int, hi: int) -> list[tuple[int, int, int]]:
+        """(bank, byte offset in G', nbytes) of layers lo..hi-1 in each bank's segment."""
+        tb = self.tt_layout.spec.tile_nbytes
+        out = []
+        for b in range(self.num_banks):
+            per_slot = int(plan.bank_counts[b]) * tb
+            if per_slot:
+                out.append((b, int(plan.segment_offset[b]) + 2 * lo * per_slot, 2 * (hi - lo) * per_slot))
+        return out
+
+    def check_group(self, ready: KVReady, plan, export_nbytes: int, lo: int, hi: int, ring_offset: int) -> str:
+        """'' when a layer group's KVReady is exactly that group's slice of the plan, at
+        the request's ring offset (the same for every group), inside the exported ring."""
+        if ready.ring_offset != ring_offset:
+            return f"layer group {lo}..{hi - 1} at ring offset {ready.ring_offset}, the request's is {ring_offset}"
+        want = [(b, ring_offset + o, n) for b, o, n in self.group_ranges(plan, lo, hi)]
+        got = [(s.bank, s.offset_bytes, s.nbytes) for s in ready.segments]
+        if got != want:
+            return f"KVReady segments do not match layer group {lo}..{hi - 1} (got {got[:3]}..., want {want[:3]}...)"
+        if ring_offset + plan.total_nbytes > export_nbytes:
+            return "KVReady range lies outside the prefill's exported ring"
+        return ""
+
+    def land_groups(self, req_id: str, plan, claim_wait_s: float) -> "GroupLanding":
+        """D2 once for a request fetched by layer groups: claim receive memory (staged)."""
+        return GroupLanding(self, req_id, plan, claim_wait_s)
+
     def idle(self) -> bool:
         return self.pool is None or self.pool.is_idle()
 
@@ -374,3 +406,55 @@ class TTSink:
         if self._own_pool and self.pool is not None:
             self.pool.close()
         self.pool = None
+
+
+class GroupLanding:
+    """One request landed layer group by layer group (see :meth:`TTSink.land_groups`):
+    ``entries(ready, remote_base, lo, hi)`` pairs one group's READs (D3-D5),
+    ``complete`` / ``free`` / ``dst_blocks`` / ``figures`` as in :class:`Landing`."""
+
+    def __init__(self, sink: TTSink, req_id: str, plan, claim_wait_s: float) -> None:
+        self.sink, self.req_id, self.plan = sink, req_id, plan
+        self.figures = {"tile_dtype": sink.layout.dtype, "banks": sink.num_banks,
+                        "bytes_per_bank": [int(n) for n in plan.segment_nbytes]}
+        self.recv = None
+        self.unexpose: Callable[[], None] | None = None  # direct, per_request: the endpoint calls it after the READs
+        if sink.mode == "staged":  # the pool registers the slice (per_request) until it is released
+            self.recv = sink.pool.acquire(req_id, plan.recv_nbytes_per_bank, claim_wait_s)
+            self.free = lambda: sink.pool.release(req_id)
+            self.dst_blocks: tuple[int, ...] = ()
+        else:
+            self.free = None
+            self.dst_blocks = tuple(int(b) for b in plan.dst_blocks)
+            self._ops = plan.rdma if sink.mode == "direct" else plan.per_tile_ops()
+            self._local = sink.pages.addresses(self._ops.bank, self._ops.dst_offset, self._ops.nbytes)
+            tb = sink.tt_layout.spec.tile_nbytes
+            per_slot = plan.bank_counts[self._ops.bank] * tb
+            self._slot = (self._ops.src_offset - plan.segment_offset[self._ops.bank]) // np.maximum(per_slot, 1)
+            # every group's pages, registered once for the whole fetch (D2 .. the last batch)
+            self.unexpose = _expose(sink.exposure, sink.registration, req_id,
+                                    [(a, 0, n) for a, n in zip(self._local.tolist(), self._ops.nbytes.tolist())],
+                                    sink._domains)
+
+    def entries(self, ready: KVReady, remote_base: int, lo: int, hi: int) -> list[Entry]:
+        if self.recv is not None:  # each bank's group slice lands at its place in the bank's receive buffer
+            return [(self.recv.addr(b) + o - int(self.plan.segment_offset[b]), remote_base + ready.ring_offset + o, n)
+                    for b, o, n in self.sink.group_ranges(self.plan, lo, hi)]
+        sel = (self._slot >= 2 * lo) & (self._slot < 2 * hi)
+        remote = remote_base + ready.ring_offset + self._ops.src_offset[sel]
+        return list(zip(self._local[sel].tolist(), remote.tolist(), self._ops.nbytes[sel].tolist()))
+
+    def complete(self) -> dict:
+        """D6-D7 once every group has landed (staged: intra-bank copies, then free)."""
+        if self.recv is None:
+            return {}
+        sink, t0, n_copy = self.sink, time.monotonic(), 0
+        try:
+            for b in range(sink.num_banks):
+                o = self.plan.intra_bank.for_bank(b)
+                if len(o):
+                    sink.device.copy_in_bank(b, o.src_offset + self.recv.device_offset, o.dst_offset, o.nbytes)
+                    n_copy += len(o)
+        finally:
+            sink.pool.release(self.req_id)
+        return {"copy_s": time.monotonic() - t0, "intra_bank_ops": n_copy}

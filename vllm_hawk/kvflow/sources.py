@@ -19,10 +19,12 @@ them (offsets from the export base).
 from __future__ import annotations
 
 import ctypes
+import threading
 from dataclasses import dataclass
 from typing import Callable, Protocol, Sequence
 
 import numpy as np
+import torch
 
 from vllm_hawk.kvflow.streams import KVRegionMap, gather_copies, ring_segments, source_segments
 from vllm_hawk.layout.device_profiles import DeviceProfile
@@ -30,7 +32,7 @@ from vllm_hawk.layout.formats import tile_format
 from vllm_hawk.layout.tt_kv_cache import KV_DTYPES, TTKVCacheLayout, TTKVCacheSpec
 from vllm_hawk.layout.vllm_kv import as_transform_source
 from vllm_hawk.protocol import KVRequest, LayoutDesc, Segment
-from vllm_hawk.transform import make_plan, transform_kv
+from vllm_hawk.transform import make_plan, transform_source
 
 MAX_BANKS = 64  # bound on a peer's num_banks when its device profile is unknown here
 MAX_PAGE_NBYTES = 1 << 20  # likewise for page_nbytes
@@ -40,11 +42,16 @@ MAX_PAGE_NBYTES = 1 << 20  # likewise for page_nbytes
 class Prepared:
     """One request's bytes, planned. ``nbytes``: ring bytes needed (0: served in place);
     ``fill(addr, view)``: write them at ring address ``addr`` (``view``: uint8 tensor over
-    the range); ``segments(offset)``: where they are, offsets from the export base."""
+    the range); ``segments(offset)``: where they are, offsets from the export base.
+    Sources that serve layer groups (``layer_groups = True``) also give
+    ``fill_layers(addr, view, lo, hi)`` and ``segments_layers(offset, lo, hi)``: the same
+    for layers lo..hi-1 only, inside the whole request's range."""
 
     nbytes: int
     fill: Callable[[int, object], None]
     segments: Callable[[int], list[Segment]]
+    fill_layers: Callable[[int, object, int, int], None] | None = None
+    segments_layers: Callable[[int, int, int], list[Segment]] | None = None
 
 
 class KVSource(Protocol):
@@ -143,6 +150,18 @@ def tt_layout_of(desc: LayoutDesc, num_blocks: int) -> TTKVCacheLayout:
                            ((0, 0),) * desc.num_layers)
 
 
+def group_segments(plan, offset: int, lo: int, hi: int) -> list[Segment]:
+    """Segments of layers lo..hi-1 of G' at ``offset``: in each bank's segment (layer 0 K,
+    layer 0 V, layer 1 K, ...) the group's slots are one contiguous range."""
+    tb = plan.layout.spec.tile_nbytes
+    out = []
+    for b in range(plan.bank_counts.size):
+        per_slot = int(plan.bank_counts[b]) * tb
+        if per_slot:
+            out.append(Segment(b, offset + int(plan.segment_offset[b]) + 2 * lo * per_slot, 2 * (hi - lo) * per_slot))
+    return out
+
+
 class TileTransformSource:
     """GN-HAWK: the vLLM cache's blocks, transformed into G' for the decode's tile layout (P4+P6).
 
@@ -155,6 +174,7 @@ class TileTransformSource:
 
     name = "tile-transform"
     uses_ring = True
+    layer_groups = True  # serves KVRequests for one layer group (fill_layers / segments_layers)
 
     def __init__(self, views, layout: LayoutDesc, profile: DeviceProfile | None) -> None:
         self.views, self.layout, self.profile = as_transform_source(views), layout, profile
@@ -188,24 +208,35 @@ class TileTransformSource:
         dst = np.asarray(msg.dst_block_ids, dtype=np.int64)
         plan = make_plan(tt_layout_of(d, int(dst.max()) + 1), dst, "staged")
 
-        def fill(addr: int, view) -> None:
-            layers, ids = self.views.select(src_blocks)  # gathers only for packed layouts (amx)
-            transform_kv(layers, ids, self.layout.block_size, plan, out=view)
+        memo: dict = {}  # per-tile kernel arguments, shared by the request's layer groups
+        L = self.layout.num_layers
 
-        def segments(off: int) -> list[Segment]:
-            return [Segment(int(b), off + int(plan.segment_offset[b]), int(plan.segment_nbytes[b]))
-                    for b in range(d.num_banks) if plan.segment_nbytes[b]]
+        def fill_layers(addr: int, view, lo: int, hi: int) -> None:  # CPU: every layout read in place
+            transform_source(self.views, src_blocks, self.layout.block_size, plan, view,
+                             None if (lo, hi) == (0, L) else (lo, hi), memo=memo)
 
-        return Prepared(int(plan.total_nbytes), fill, segments)
+        def segments_layers(off: int, lo: int, hi: int) -> list[Segment]:
+            return group_segments(plan, off, lo, hi)
+
+        return Prepared(int(plan.total_nbytes), lambda addr, view: fill_layers(addr, view, 0, L),
+                        lambda off: segments_layers(off, 0, L), fill_layers, segments_layers)
 
     def warm(self, profile: DeviceProfile) -> None:
-        """Compile the transform kernels (numba: seconds on first use) before the first
-        request: one block of each tile dtype into a scratch buffer."""
-        layers, ids = self.views.select([0])
-        for dtype in ("bfloat16", "bfloat8_b"):
+        """Compile the transform kernels (numba: seconds on first use, under a second from
+        its cache) and build the cache's kernel views before the first request: one block
+        of each tile dtype into a scratch buffer."""
+        for dtype in KV_DTYPES:
             tb = tile_format(dtype).tile_nbytes
             d = LayoutDesc(name="tt-paged", dtype=dtype, block_size=self.layout.block_size,
                            num_layers=self.layout.num_layers, num_kv_heads=self.layout.num_kv_heads,
                            head_dim=self.layout.head_dim, num_banks=profile.num_banks, tile_nbytes=tb,
                            page_nbytes=profile.aligned_page(tb))
-            transform_kv(layers, ids, self.layout.block_size, make_plan(tt_layout_of(d, 1), [0], "staged"))
+            plan = make_plan(tt_layout_of(d, 1), [0], "staged")
+            transform_source(self.views, [0], self.layout.block_size, plan,
+                             torch.empty(plan.total_nbytes, dtype=torch.uint8))
+
+    def warm_async(self, profile: DeviceProfile) -> threading.Thread:
+        """:meth:`warm` in a background thread (a prefill starts it at start-up)."""
+        t = threading.Thread(target=self.warm, args=(profile,), daemon=True, name="hawk-transform-warm")
+        t.start()
+        return t

@@ -318,6 +318,7 @@ class TransformSource:
         if views is None and all(a.strided for a in self.adapters):
             views = [a.kv_views(c) for a, c in zip(self.adapters, self.caches)]
         self.views = None if views is None else list(views)
+        self.derived: dict = {}  # caches of data derived once from the views (the transform's kernel views)
 
     @classmethod
     def of_views(cls, views: Sequence[tuple[torch.Tensor, torch.Tensor]]) -> "TransformSource":
@@ -331,6 +332,10 @@ class TransformSource:
     @property
     def num_layers(self) -> int:
         return len(self.views) if self.views is not None else len(self.caches)
+
+    @property
+    def num_blocks(self) -> int:
+        return int(self.views[0][0].shape[0] if self.views is not None else self.caches[0].shape[0])
 
     def select(self, block_ids) -> tuple[list[tuple[torch.Tensor, torch.Tensor]], np.ndarray]:
         """(per-layer logical (K, V), ids into them) for the blocks ``block_ids`` (1-D)."""

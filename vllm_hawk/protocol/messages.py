@@ -18,8 +18,15 @@ to the exported region's base address (``HelloAck.export_base_addr``).
 
 Version 2: ``HelloAck.ring_*`` became ``export_*`` (it may describe a whole exported
 cache, not a ring) and ``KVRequest.first_block`` selects which of the request's source
-blocks are sent (the decode may already hold a prefix). Version 3 (this one): the
-envelope header names its recipient (magic ``HAWK/3``), the ``auth_failed`` refusal.
+blocks are sent (the decode may already hold a prefix). Version 3 had two variants on
+two branches: the envelope header naming its recipient (magic ``HAWK/3``) with the
+``auth_failed`` refusal, and ``KVRequest.first_layer`` / ``num_layers``.
+
+Version 4 (this one) has both: the envelope header names its recipient (magic
+``HAWK/4``), the ``auth_failed`` refusal, and ``KVRequest.first_layer`` / ``num_layers``
+ask for one layer group of a request (layer-group pipelining: the decode sends one
+KVRequest per group at once and reads group i while the prefill transforms group i+1); a
+KVReady then covers only that group's bytes, and one Release ends the whole request.
 """
 from __future__ import annotations
 
@@ -28,7 +35,7 @@ from typing import Annotated, Literal, Union
 import msgspec
 from msgspec import Meta, Struct
 
-PROTOCOL_VERSION = 3
+PROTOCOL_VERSION = 4
 
 MAX_SEGMENTS = 4096  # per KVReady: N_ch banks x layers x K/V stays well below this
 MAX_BLOCK_IDS = 1 << 16
@@ -121,7 +128,10 @@ class KVRequest(_Base, tag="kv_request"):
     """D1. num_tokens: the request's prefilled tokens the decode needs; first_block: the
     first of the request's source blocks to send (the decode holds the ones before it);
     dst_block_ids: the decode's blocks for source blocks ``first_block, first_block+1,
-    ...`` in order; deadline_ms: unix ms after which the decode gives up (0 = none)."""
+    ...`` in order; deadline_ms: unix ms after which the decode gives up (0 = none); first_layer,
+    num_layers: only layers ``first_layer .. first_layer + num_layers - 1`` (one layer
+    group; num_layers 0 = the whole request). Every group of a request carries the same
+    blocks and layout; the prefill produces the request's bytes once, group by group."""
 
     req_id: ReqId
     dst_layout: LayoutDesc
@@ -129,6 +139,8 @@ class KVRequest(_Base, tag="kv_request"):
     dst_block_ids: Annotated[list[U32], Meta(max_length=MAX_BLOCK_IDS)] = []
     first_block: Annotated[int, Meta(ge=0, le=2**31)] = 0
     deadline_ms: U64 = 0
+    first_layer: Annotated[int, Meta(ge=0, le=1 << 16)] = 0
+    num_layers: Annotated[int, Meta(ge=0, le=1 << 16)] = 0
 
 
 class KVReady(_Base, tag="kv_ready"):

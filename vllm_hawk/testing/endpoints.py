@@ -124,9 +124,6 @@ class TTDecode(_Endpoint):
     def fetch(self, req_id: str, num_tokens: int, dst_blocks, mode: str = "staged", **kw):
         return self.ep.fetch(req_id, num_tokens, self.sink(mode), dst_blocks, **kw)
 
-    def fetch_pipelined(self, chunks, mode: str = "staged", **kw):
-        return self.ep.fetch_pipelined(chunks, self.sink(mode), **kw)
-
     def read_blocks(self, layer: int, kv: int, blocks):
         """Bytes of whole KV-pool blocks of tensor (layer, K=0|V=1): uint8 [tiles, tile_nbytes]."""
         return self.device.read_tiles(self.layout, layer, kv, self.layout.block_tiles(blocks))

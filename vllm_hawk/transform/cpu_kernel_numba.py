@@ -1,19 +1,282 @@
 """numba kernels of :mod:`vllm_hawk.transform.cpu_kernel` (imported on first use only).
 
-Per job (view s, tile k) the kernels read the tile's 64 face rows of 16 elements from the
-strided source (element offsets: ``base + blk*sb + head*sh + token*st + dim*sd``) and
-write the packed tile at byte ``first[k] + slots[s] * step[k]`` of the output.
+One job is one destination tile of one source view (slot ``s`` = 2*layer + K|V). Element
+``(token t, dim d)`` of source block ``blk``, head ``h`` sits at element
+``base[s] + blk*sb[s] + h*sh[s] + tok_off[s, t] + dim_off[s, d]`` of the storage; three
+access kinds are specialised:
+
+* kind 0, rows: ``dim_off[d] = d`` (FlashAttention, CPU V, gathered tensors): a face row
+  is 16 consecutive elements (32 bytes), copied as 64-bit words when aligned;
+* kind 1, transposed: ``tok_off[t] = t`` (CPU ``vec``/``vec16`` K, stored ``[D, N]``): each
+  dim's 32 tokens are one contiguous 64-byte load, scattered into the tile in L1;
+* kind 2, tables: anything else (CPU ``amx`` K and V, whose token and dim digits are split
+  over several axes), read through the two offset tables.
+
+Techniques (measured in issue 15, all byte-identical to :func:`~vllm_hawk.layout.formats.pack_tiles`):
+every index is unsigned 64-bit (numba adds a negative-index fix-up to signed indices, which
+blocks vectorisation); bf16 block-float packing runs in 16-bit lanes (exact: see
+:func:`_bfp_code16`); jobs come in source order (the caller sorts tiles by source
+address, layer K then V); the next tile's source lines are prefetched.
 """
 import numba
 import numpy as np
+from llvmlite import ir
+from numba import types
+from numba.core import cgutils
+from numba.extending import intrinsic
+
+U64 = np.uint64
+
+
+@intrinsic
+def _prefetch(typingctx, arr, idx):
+    """``llvm.prefetch`` of ``arr[idx]`` (read, high locality); a hint, never faults."""
+    if not isinstance(arr, types.Array) or not isinstance(idx, types.Integer):
+        return None
+
+    def codegen(context, builder, sig, args):
+        aryty = sig.args[0]
+        ary = context.make_array(aryty)(context, builder, args[0])
+        ptr = cgutils.get_item_pointer(context, builder, aryty, ary, [args[1]], wraparound=False,
+                                       boundscheck=False)
+        i8p = ir.IntType(8).as_pointer()
+        fnty = ir.FunctionType(ir.VoidType(), [i8p, ir.IntType(32), ir.IntType(32), ir.IntType(32)])
+        fn = cgutils.get_or_insert_function(builder.module, fnty, "llvm.prefetch.p0i8")
+        i32 = ir.IntType(32)
+        builder.call(fn, [builder.bitcast(ptr, i8p), i32(0), i32(3), i32(1)])
+        return context.get_dummy_value()
+
+    return types.void(arr, idx), codegen
+
+
+def _row_bfp_intrinsic(mbits: int):
+    """An intrinsic ``f(src, i, out, e, c)``: the 16 bf16 values ``src[i:i+16]`` (uint16
+    bits, one face row) packed as block floats with ``mbits`` magnitude bits: the shared
+    exponent byte to ``out[e]``, the codes to ``out[c:]`` (16 bytes, or 8 nibble pairs).
+    Written as LLVM vector IR on <16 x i16> (the arithmetic of :func:`_bfp_code16`), with
+    the face-row max as ``llvm.vector.reduce.umax``: numba's own lowering widens 16-bit
+    math to 64 bits and keeps the reduction scalar."""
+
+    @intrinsic
+    def row_bfp(typingctx, src, i, out, e, c):
+        if not (isinstance(src, types.Array) and isinstance(out, types.Array)):
+            return None
+
+        def codegen(context, builder, sig, args):
+            i16, i8 = ir.IntType(16), ir.IntType(8)
+            v16, v8 = ir.VectorType(i16, 16), ir.VectorType(i8, 16)
+
+            def ptr(aty, arr, idx):
+                a = context.make_array(aty)(context, builder, arr)
+                return cgutils.get_item_pointer(context, builder, aty, a, [idx], wraparound=False,
+                                                boundscheck=False)
+
+            def splat(x):
+                return ir.Constant(v16, [ir.Constant(i16, x)] * 16)
+
+            p_src = builder.bitcast(ptr(sig.args[0], args[0], args[1]), v16.as_pointer())
+            v = builder.load(p_src, align=2)
+            ex = builder.and_(builder.lshr(v, splat(7)), splat(0xFF))
+            red = cgutils.get_or_insert_function(builder.module, ir.FunctionType(i16, [v16]),
+                                                 "llvm.vector.reduce.umax.v16i16")
+            shared = builder.call(red, [ex])
+            sv = builder.insert_element(ir.Constant(v16, None), shared, ir.Constant(ir.IntType(32), 0))
+            sv = builder.shuffle_vector(sv, ir.Constant(v16, None), ir.Constant(ir.VectorType(ir.IntType(32), 16),
+                                                                                  [0] * 16))
+            d = builder.sub(sv, ex)
+            lim = splat(mbits + 1)
+            d = builder.select(builder.icmp_unsigned(">", d, lim), lim, d)
+            m8 = builder.or_(builder.and_(v, splat(0x7F)), splat(0x80))
+            sh = builder.add(d, splat(8 - mbits))
+            q = builder.lshr(m8, sh)
+            rest = builder.and_(m8, builder.sub(builder.shl(splat(1), sh), splat(1)))
+            half = builder.shl(splat(1), builder.sub(sh, splat(1)))
+            odd = builder.icmp_unsigned("!=", builder.and_(q, splat(1)), splat(0))
+            up = builder.or_(builder.icmp_unsigned(">", rest, half),
+                             builder.and_(builder.icmp_unsigned("==", rest, half), odd))
+            q = builder.add(q, builder.zext(up, v16))
+            top = splat((1 << mbits) - 1)
+            q = builder.select(builder.icmp_unsigned(">", q, top), top, q)
+            q = builder.select(builder.icmp_unsigned("==", ex, splat(0)), splat(0), q)
+            sign = builder.select(builder.icmp_unsigned("!=", q, splat(0)), builder.lshr(v, splat(15)), splat(0))
+            code = builder.or_(builder.shl(sign, splat(mbits)), q)
+            builder.store(builder.trunc(shared, i8), ptr(sig.args[2], args[2], args[3]))
+            p_code = ptr(sig.args[2], args[2], args[4])
+            if mbits == 7:
+                builder.store(builder.trunc(code, v8), builder.bitcast(p_code, v8.as_pointer()), align=1)
+            else:
+                idx = ir.IntType(32)
+                v8h, w8 = ir.VectorType(i16, 8), ir.VectorType(i8, 8)
+                lo = builder.shuffle_vector(code, code, ir.Constant(ir.VectorType(idx, 8), list(range(0, 16, 2))))
+                hi = builder.shuffle_vector(code, code, ir.Constant(ir.VectorType(idx, 8), list(range(1, 16, 2))))
+                pair = builder.or_(lo, builder.shl(hi, ir.Constant(v8h, [ir.Constant(i16, 4)] * 8)))
+                builder.store(builder.trunc(pair, w8), builder.bitcast(p_code, w8.as_pointer()), align=1)
+            return context.get_dummy_value()
+
+        return types.void(src, i, out, e, c), codegen
+
+    return row_bfp
+
+
+_row_bfp8 = _row_bfp_intrinsic(7)
+_row_bfp4 = _row_bfp_intrinsic(3)
 
 
 @numba.njit(cache=True, inline="always")
-def _bits32(src, i, src_bf16):
-    v = np.uint32(src[i])
-    if src_bf16:
-        return v << np.uint32(16)
-    return v
+def _bfp_code16(v, shared, mbits):
+    """Code of bf16 value ``v`` (uint16 bits) against shared exponent ``shared``, as
+    :func:`~vllm_hawk.layout.formats.pack_tiles` computes it from float32.
+
+    The float32 mantissa of a bf16 value is ``m8 << 16`` (m8: 8 bits with the hidden one),
+    so shifting it by ``d`` and rounding to ``mbits`` bits equals rounding ``m8`` at bit
+    ``d + 8 - mbits`` (ties to even); any ``d > mbits + 1`` gives 0, so ``d`` is clamped
+    there and every intermediate fits in 16 bits."""
+    e = (v >> 7) & 0xFF
+    d = min(shared - e, mbits + 1)
+    m8 = (v & 0x7F) | 0x80
+    sh = d + 8 - mbits
+    q = m8 >> sh
+    rest = m8 & ((1 << sh) - 1)
+    half = 1 << (sh - 1)
+    q += (rest > half) | ((rest == half) & (q & 1))
+    q = min(q, (1 << mbits) - 1)
+    if e == 0:
+        q = 0
+    s = (v >> 15) if q != 0 else 0
+    return (s << mbits) | q
+
+
+@numba.njit(cache=True, inline="always")
+def _pack_rows(buf, out, o, mbits):
+    """Face-ordered tile ``buf`` (uint16[1024], bf16 bits) -> bfloat8_b (mbits 7) or
+    bfloat4_b (mbits 3) bytes at ``out[o:]``: 64 shared exponents, then the codes."""
+    for fr in range(64):
+        r = U64(fr) * U64(16)
+        if mbits == 7:
+            _row_bfp8(buf, r, out, o + U64(fr), o + U64(64) + r)
+        else:
+            _row_bfp4(buf, r, out, o + U64(fr), o + U64(64) + r // U64(2))
+
+
+@numba.njit(cache=True, inline="always")
+def _gather_tile(src, tile, kind, st, sd, tok_off, dim_off, tr0, tc0, buf):
+    """Read one source tile into ``buf`` (uint16[1024], face order)."""
+    if kind == 0:  # rows: 16 consecutive elements per face row
+        for t in range(32):
+            p = tile + U64(t) * st
+            d0 = U64((t // 16) * 512 + (t % 16) * 16)
+            for c in range(16):
+                buf[d0 + U64(c)] = src[p + U64(c)]
+            for c in range(16):
+                buf[d0 + U64(256) + U64(c)] = src[p + U64(16) + U64(c)]
+    elif kind == 1:  # transposed: 32 consecutive tokens per dim
+        for d in range(32):
+            p = tile + U64(d) * sd
+            col = U64((d // 16) * 256 + d % 16)
+            for t in range(16):
+                buf[col + U64(t * 16)] = src[p + U64(t)]
+            for t in range(16):
+                buf[col + U64(512 + t * 16)] = src[p + U64(16 + t)]
+    else:  # offset tables
+        for t in range(32):
+            p = tile + tok_off[tr0 + U64(t)]
+            d0 = U64((t // 16) * 512 + (t % 16) * 16)
+            for c in range(16):
+                buf[d0 + U64(c)] = src[p + dim_off[tc0 + U64(c)]]
+            for c in range(16):
+                buf[d0 + U64(256) + U64(c)] = src[p + dim_off[tc0 + U64(16 + c)]]
+
+
+@numba.njit(cache=True, parallel=True, boundscheck=False)
+def transform_bf16(src, src64, bases, sbs, shs, kinds, sts, sds, tok_off, dim_off, slots,
+                   blk, head, tr, tc, valid, out, out16, out64, first, step, target):
+    """bf16 source (uint16 storage ``src``; ``src64`` its uint64 view, or empty when the
+    storage is not 8-byte sized) -> target 0 bfloat16, 1 bfloat8_b, 2 bfloat4_b.
+
+    Per view s: ``bases, sbs, shs, sts, sds`` (uint64, elements), ``kinds`` (see module
+    doc), offset tables ``tok_off[s]``, ``dim_off[s]``; ``slots[s]``: its (layer, K|V)
+    slot. Per tile k (any order; the caller passes source order): ``blk, head, tr, tc``
+    (uint64; tr/tc in tiles), ``valid`` (uint8) and the output byte offset
+    ``first[k] + slots[s] * step[k]``. ``out``/``out16``/``out64``: one buffer as
+    uint8/uint16/uint64 (the 64-bit view may be empty)."""
+    n = blk.size
+    nv = bases.size
+    mbits = 7 if target == 1 else 3
+    for job in numba.prange(nv * n):
+        s = U64(job // n)
+        k = U64(job % n)
+        o = first[k] + slots[s] * step[k]
+        kind = kinds[s]
+        st, sd = sts[s], sds[s]
+        tr0, tc0 = tr[k] * U64(32), tc[k] * U64(32)
+        tile = bases[s] + blk[k] * sbs[s] + head[k] * shs[s]
+        if kind == 0:
+            tile += tr0 * st + tc0
+        elif kind == 1:
+            tile += tr0 + tc0 * sd
+        if job + 1 < nv * n:  # the next job's first source line
+            k1 = U64((job + 1) % n)
+            s1 = U64((job + 1) // n)
+            _prefetch(src, bases[s1] + blk[k1] * sbs[s1] + head[k1] * shs[s1])
+        if valid[k] == 0:
+            nbytes = U64(2048) if target == 0 else (U64(1088) if target == 1 else U64(576))
+            for i in range(nbytes):
+                out[o + U64(i)] = 0
+            continue
+        if target == 0 and kind == 0 and src64.size > 0 and (tile & U64(3)) == 0 and (st & U64(3)) == 0:
+            # whole face rows are 4 aligned 64-bit words on both sides
+            w = tile // U64(4)
+            wst = st // U64(4)
+            o64 = o // U64(8)
+            for t in range(32):
+                p = w + U64(t) * wst
+                d0 = o64 + U64((t // 16) * 128 + (t % 16) * 4)
+                for c in range(4):
+                    out64[d0 + U64(c)] = src64[p + U64(c)]
+                for c in range(4):
+                    out64[d0 + U64(64) + U64(c)] = src64[p + U64(4) + U64(c)]
+            continue
+        if target == 0 and kind == 1:  # straight into the tile: 32 contiguous tokens per dim
+            o16 = o // U64(2)
+            for d in range(32):
+                p = tile + U64(d) * sd
+                col = o16 + U64((d // 16) * 256 + d % 16)
+                for t in range(16):
+                    out16[col + U64(t * 16)] = src[p + U64(t)]
+                for t in range(16):
+                    out16[col + U64(512 + t * 16)] = src[p + U64(16 + t)]
+            continue
+        if target != 0 and kind == 0:  # face rows straight from the source
+            for t in range(32):
+                p = tile + U64(t) * st
+                for h in range(2):
+                    fr = U64((t // 16) * 32 + h * 16 + t % 16)
+                    if mbits == 7:
+                        _row_bfp8(src, p + U64(16 * h), out, o + fr, o + U64(64) + fr * U64(16))
+                    else:
+                        _row_bfp4(src, p + U64(16 * h), out, o + fr, o + U64(64) + fr * U64(8))
+            continue
+        buf = np.empty(1024, dtype=np.uint16)
+        _gather_tile(src, tile, kind, st, sd, tok_off[s], dim_off[s], tr0, tc0, buf)
+        if target == 0:
+            o16 = o // U64(2)
+            for i in range(1024):
+                out16[o16 + U64(i)] = buf[i]
+        else:
+            _pack_rows(buf, out, o, mbits)
+
+
+@numba.njit(cache=True, parallel=True, boundscheck=False)
+def pack_tiles_bf16(tiles, out, mbits):
+    """Face-ordered bf16 tiles (uint16 [n, 1024]) -> block-float bytes (uint8 [n, *]):
+    the arithmetic of :func:`transform_bf16` on its own (exhaustive tests)."""
+    tb = out.shape[1]
+    flat = out.reshape(-1)
+    for i in numba.prange(tiles.shape[0]):
+        _pack_rows(tiles[i], flat, U64(i) * U64(tb), mbits)
+
+
+# --------------------------------------------------------------------------- float32 sources
 
 @numba.njit(cache=True, inline="always")
 def _to_bf16(bits):
@@ -22,62 +285,10 @@ def _to_bf16(bits):
     rounded = bits + np.uint32(0x7FFF) + ((bits >> np.uint32(16)) & np.uint32(1))
     return np.uint16(rounded >> np.uint32(16))
 
-@numba.njit(cache=True, parallel=True, boundscheck=False)
-def gather_copy16(src, bases, strides, slots, blk, head, tr, tc, valid, out16, first, step):
-    """bf16 source -> bf16 tiles. Walks the tile's 32 tokens; each token's 32 dims are two
-    16-element face rows (faces f and f+1), copied as plain loops LLVM vectorises."""
-    n = blk.size
-    for job in numba.prange(bases.size * n):
-        s, k = job // n, job % n
-        st, sd = strides[s, 2], strides[s, 3]
-        o = (first[k] + slots[s] * step[k]) // 2
-        if not valid[k]:
-            for i in range(1024):
-                out16[o + i] = 0
-            continue
-        tile = bases[s] + blk[k] * strides[s, 0] + head[k] * strides[s, 1] + tr[k] * 32 * st + tc[k] * 32 * sd
-        for t in range(32):
-            p = tile + t * st
-            d0 = o + (t // 16) * 512 + (t % 16) * 16  # face (t//16, 0), row t%16
-            if sd == 1:
-                for c in range(16):
-                    out16[d0 + c] = src[p + c]
-                for c in range(16):
-                    out16[d0 + 256 + c] = src[p + 16 + c]
-            else:
-                for c in range(16):
-                    out16[d0 + c] = src[p + c * sd]
-                for c in range(16):
-                    out16[d0 + 256 + c] = src[p + (16 + c) * sd]
-
-
-@numba.njit(cache=True, parallel=True, boundscheck=False)
-def gather_copy64(src64, bases, strides, slots, blk, head, tr, tc, valid, out64, first, step):
-    """bf16 -> bf16 when every face row is 4 aligned uint64 words in the source (dim
-    stride 1, element offsets multiples of 4): offsets and strides here are in uint64
-    words (4 bf16 elements)."""
-    n = blk.size
-    for job in numba.prange(bases.size * n):
-        s, k = job // n, job % n
-        st = strides[s, 2]
-        o = (first[k] + slots[s] * step[k]) // 8
-        if not valid[k]:
-            for i in range(256):
-                out64[o + i] = 0
-            continue
-        tile = bases[s] + blk[k] * strides[s, 0] + head[k] * strides[s, 1] + tr[k] * 32 * st + tc[k] * 8
-        for t in range(32):
-            p = tile + t * st
-            d0 = o + (t // 16) * 128 + (t % 16) * 4  # face (t//16, 0), row t%16
-            for c in range(4):
-                out64[d0 + c] = src64[p + c]
-            for c in range(4):
-                out64[d0 + 64 + c] = src64[p + 4 + c]
-
 
 @numba.njit(cache=True, inline="always")
 def _bfp_code(bits, shared, mbits):
-    """One value's sign+magnitude code against its face row's shared exponent (branch-free)."""
+    """One float32 value's sign+magnitude code against its face row's shared exponent."""
     shift = np.uint32(24 - mbits)
     e = (bits >> np.uint32(23)) & np.uint32(0xFF)
     d = min(shared - e, np.uint32(31))
@@ -93,47 +304,52 @@ def _bfp_code(bits, shared, mbits):
 
 
 @numba.njit(cache=True, parallel=True, boundscheck=False)
-def gather_pack(src, src_bf16, bases, strides, slots, blk, head, tr, tc, valid, out, first, step, target):
-    """Any source -> bfloat16 (from float32), float32, bfloat8_b or bfloat4_b tiles.
-    Walks the tile's 32 tokens; each token's 32 dims are face rows of faces f, f+1."""
+def transform_f32(src, bases, sbs, shs, kinds, sts, sds, tok_off, dim_off, slots,
+                  blk, head, tr, tc, valid, out, first, step, target):
+    """float32 source (uint32 storage) -> target 0 bfloat16, 1 bfloat8_b, 2 bfloat4_b,
+    3 float32; same arguments as :func:`transform_bf16`."""
     n = blk.size
+    nv = bases.size
     mbits = 7 if target == 1 else 3
-    for job in numba.prange(bases.size * n):
-        s, k = job // n, job % n
-        st, sd = strides[s, 2], strides[s, 3]
+    for job in numba.prange(nv * n):
+        s = U64(job // n)
+        k = U64(job % n)
         o = first[k] + slots[s] * step[k]
-        tile = bases[s] + blk[k] * strides[s, 0] + head[k] * strides[s, 1] + tr[k] * 32 * st + tc[k] * 32 * sd
+        tr0, tc0 = tr[k] * U64(32), tc[k] * U64(32)
+        tile = bases[s] + blk[k] * sbs[s] + head[k] * shs[s]
+        to, do = tok_off[s], dim_off[s]
         row = np.empty(16, dtype=np.uint32)
         for t in range(32):
             for half in range(2):
-                fr = (t // 16) * 32 + half * 16 + t % 16  # face row: face (t//16)*2+half, row t%16
-                p = tile + t * st + half * 16 * sd
+                fr = U64((t // 16) * 32 + half * 16 + t % 16)  # face row
+                p = tile + to[tr0 + U64(t)]
                 if valid[k]:
                     for c in range(16):
-                        row[c] = _bits32(src, p + c * sd, src_bf16)
+                        row[c] = src[p + do[tc0 + U64(half * 16 + c)]]
                 else:
                     for c in range(16):
                         row[c] = 0
-                pos = fr * 16
-                if target == 0:  # bfloat16 from float32, little-endian
+                pos = fr * U64(16)
+                if target == 0:
                     for c in range(16):
                         h = _to_bf16(row[c])
-                        out[o + 2 * (pos + c)] = np.uint8(h & np.uint16(0xFF))
-                        out[o + 2 * (pos + c) + 1] = np.uint8(h >> np.uint16(8))
-                elif target == 3:  # float32
+                        out[o + U64(2) * (pos + U64(c))] = np.uint8(h & np.uint16(0xFF))
+                        out[o + U64(2) * (pos + U64(c)) + U64(1)] = np.uint8(h >> np.uint16(8))
+                elif target == 3:
                     for c in range(16):
                         for b in range(4):
-                            out[o + 4 * (pos + c) + b] = np.uint8((row[c] >> np.uint32(8 * b)) & np.uint32(0xFF))
-                else:  # block float: shared exponent byte, then codes
+                            out[o + U64(4) * (pos + U64(c)) + U64(b)] = np.uint8(
+                                (row[c] >> np.uint32(8 * b)) & np.uint32(0xFF))
+                else:
                     shared = np.uint32(0)
                     for c in range(16):
                         shared = max(shared, (row[c] >> np.uint32(23)) & np.uint32(0xFF))
                     out[o + fr] = np.uint8(shared)
                     if mbits == 7:
                         for c in range(16):
-                            out[o + 64 + pos + c] = np.uint8(_bfp_code(row[c], shared, 7))
+                            out[o + U64(64) + pos + U64(c)] = np.uint8(_bfp_code(row[c], shared, 7))
                     else:
                         for c in range(8):
                             lo = _bfp_code(row[2 * c], shared, 3)
                             hi = _bfp_code(row[2 * c + 1], shared, 3)
-                            out[o + 64 + pos // 2 + c] = np.uint8(lo | (hi << np.uint32(4)))
+                            out[o + U64(64) + pos // U64(2) + U64(c)] = np.uint8(lo | (hi << np.uint32(4)))

@@ -98,14 +98,23 @@ def transform_kv(
     plan: TransferPlan,
     out: torch.Tensor | None = None,
     impl: str | None = None,
+    *,
+    layer_range: tuple[int, int] | None = None,
+    kernel_views: cpu_kernel.KernelViews | None = None,
 ) -> torch.Tensor:
     """Build G' for one request. ``layers[l] = (K, V)`` logical views (see module doc).
 
     ``impl``: "auto" (default, or $HAWK_TRANSFORM_IMPL), "cpu_kernel" or "torch".
+    ``layer_range=(a, b)``: write only layers a..b-1 (their bytes in every bank's segment;
+    the rest of ``out`` is untouched), for layer-group pipelining. ``kernel_views``: the
+    CPU kernel's view of ``layers``, built once (:class:`~vllm_hawk.transform.cpu_kernel.KernelViews`).
     Returns ``out`` (allocated if None): uint8 [plan.total_nbytes] on the views' device."""
     spec = plan.layout.spec
     if len(layers) != spec.num_layers:
         raise ValueError(f"transform_kv: {len(layers)} layers given, plan has {spec.num_layers}")
+    lo, hi = (0, spec.num_layers) if layer_range is None else (int(layer_range[0]), int(layer_range[1]))
+    if not 0 <= lo < hi <= spec.num_layers:
+        raise ValueError(f"transform_kv: layer range {layer_range} not inside [0, {spec.num_layers})")
     k0 = layers[0][0]
     if tuple(k0.shape[1:]) != (spec.num_kv_heads, src_block_size, spec.head_dim):
         raise ValueError(f"transform_kv: source K is {tuple(k0.shape)}, expected "
@@ -124,7 +133,8 @@ def transform_kv(
     if impl not in ("auto", "cpu_kernel", "torch"):
         raise ValueError(f"transform impl must be auto, cpu_kernel or torch, got {impl!r}")
     if impl == "cpu_kernel" or (impl == "auto" and cpu_kernel.available(k0) and out.device.type == "cpu"):
-        _transform_cpu_kernel(layers, src, src_block_size, plan, out)
+        kv = kernel_views if kernel_views is not None else cpu_kernel.KernelViews.of_views(layers)
+        kernel_transform(kv, src, src_block_size, plan, out, (lo, hi))
         return out
     uniform = bool((counts == counts[0]).all())
     split = bank_digit_split(spec.num_kv_heads, spec.block_size // TILE, spec.head_dim // TILE, nb)
@@ -138,8 +148,8 @@ def transform_kv(
         invalid = None if valid.all() else torch.from_numpy(~valid).to(device)
     direct_bf16 = fused is not None and spec.dtype == "bfloat16" and k0.dtype == torch.bfloat16
     slots = out.view(nb, n2l, -1) if uniform else None
-    for layer, pair in enumerate(layers):
-        for kv, x in enumerate(pair):
+    for layer in range(lo, hi):
+        for kv, x in enumerate(layers[layer]):
             slot = layer * 2 + kv
             if direct_bf16:  # G' bytes are the bf16 elements themselves: permute straight in
                 fused(x, slots[:, slot].view(torch.bfloat16).view(nb, plan.dst_blocks.size, -1))
@@ -165,7 +175,9 @@ def transform_kv(
     return out
 
 
-def _transform_cpu_kernel(layers, src: np.ndarray, src_block_size: int, plan: TransferPlan, out: torch.Tensor) -> None:
+def kernel_tile_args(plan: TransferPlan, src: np.ndarray, src_block_size: int) -> tuple[np.ndarray, ...]:
+    """The CPU kernel's per-tile arguments for one request (:func:`cpu_kernel.tile_args`):
+    computed once per request, reused by each layer group."""
     spec = plan.layout.spec
     tb, counts = spec.tile_nbytes, plan.bank_counts
     idx = source_tile_index(plan, src, src_block_size)
@@ -173,5 +185,48 @@ def _transform_cpu_kernel(layers, src: np.ndarray, src_block_size: int, plan: Tr
     k_in_bank = np.arange(bank_of.size) - np.repeat(np.cumsum(counts) - counts, counts)
     first = plan.segment_offset[bank_of] + k_in_bank * tb  # byte offset in G' for slot 0
     stride = counts[bank_of] * tb  # bytes between consecutive (layer, K|V) slots
-    views = [x for pair in layers for x in pair]  # slot = 2 * layer + kv
-    cpu_kernel.gather_pack(views, idx, out, first, stride, spec.dtype)
+    return cpu_kernel.tile_args(idx, first, stride)
+
+
+def kernel_transform(kv: cpu_kernel.KernelViews, src: np.ndarray, src_block_size: int, plan: TransferPlan,
+                     out: torch.Tensor, layer_range: tuple[int, int] | None = None, args=None) -> None:
+    """The CPU kernel's transform: ``kv`` (built once per cache) -> G' in ``out`` (uint8,
+    CPU, ``plan.total_nbytes``); ``layer_range`` as in :func:`transform_kv`; ``args``:
+    :func:`kernel_tile_args` when already computed."""
+    spec = plan.layout.spec
+    if (kv.tokens, kv.head_dim, kv.num_slots) != (src_block_size, spec.head_dim, 2 * spec.num_layers):
+        raise ValueError(f"transform: kernel views of {kv.num_slots // 2} layers x {kv.tokens} tokens x "
+                         f"{kv.head_dim} dims do not match the plan")
+    if args is None:
+        args = kernel_tile_args(plan, src, src_block_size)
+    cpu_kernel.launch(kv, args, out, spec.dtype, layer_range)
+
+
+def transform_source(source, src_blocks, src_block_size: int, plan: TransferPlan, out: torch.Tensor,
+                     layer_range: tuple[int, int] | None = None, impl: str | None = None,
+                     memo: dict | None = None) -> torch.Tensor:
+    """:func:`transform_kv` from a :class:`~vllm_hawk.layout.vllm_kv.TransformSource`:
+    on the CPU through its kernel views (built once; vLLM's packed AMX layout read in
+    place), elsewhere through ``source.select`` (zero-copy views, or a gather).
+    ``memo``: a dict kept across the layer groups of one request (per-tile arguments)."""
+    impl = impl or envs.transform_impl()
+    src = np.asarray(src_blocks, dtype=np.int64).reshape(-1)
+    if impl != "torch" and out.device.type == "cpu":
+        kv = cpu_kernel.views_for(source)
+        if kv is not None:
+            if src.size and (src.min() < 0 or src.max() >= source.num_blocks):
+                raise ValueError(f"transform: source block ids must be in [0, {source.num_blocks})")
+            if out.numel() != plan.total_nbytes or out.dtype != torch.uint8:
+                raise ValueError(f"transform: out must be uint8 [{plan.total_nbytes}]")
+            spec = plan.layout.spec
+            if source.num_layers != spec.num_layers:
+                raise ValueError(f"transform: {source.num_layers} layers given, plan has {spec.num_layers}")
+            args = None if memo is None else memo.get("tile_args")
+            if args is None:
+                args = kernel_tile_args(plan, src, src_block_size)
+                if memo is not None:
+                    memo["tile_args"] = args
+            kernel_transform(kv, src, src_block_size, plan, out, layer_range, args)
+            return out
+    layers, ids = source.select(src)
+    return transform_kv(layers, ids, src_block_size, plan, out, impl, layer_range=layer_range)

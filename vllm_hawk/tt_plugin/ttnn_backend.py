@@ -38,7 +38,8 @@ from typing import Any
 
 import numpy as np
 
-from vllm_hawk.layout.device_profiles import DeviceProfile, config_dir, load_profile
+from vllm_hawk.layout import profiles
+from vllm_hawk.layout.device_profiles import DeviceProfile, load_profile
 from vllm_hawk.layout.interleave import page_location, pages_per_bank
 from vllm_hawk.layout.tt_kv_cache import TILE, TILE_NBYTES, TTKVCacheLayout, TTKVCacheSpec
 from vllm_hawk.npu.bank_buffer import BankBufferError, DeviceBuffer
@@ -132,7 +133,7 @@ class TTNNDevice:
 
     def _check_profile(self, table, ttnn) -> None:
         p = self.profile
-        where = config_dir() / "devices" / f"{p.name}.yaml"
+        where = profiles.find("devices", p.name)
         got = {"num_banks": len(table),
                "bank_offsets": tuple(int(e["base_addr"]) for e in table),
                "bank_size_bytes": int(table[0]["bank_size"]),

@@ -190,11 +190,49 @@ def default_access() -> int:
     return int(e.IBV_ACCESS_LOCAL_WRITE | e.IBV_ACCESS_REMOTE_WRITE | e.IBV_ACCESS_REMOTE_READ)
 
 
-def register_bank_dmabuf_mr(pd: Any, mapping: BankMapping, access: int | None = None) -> Any:
+class DmaBufMRUnsupported(OSError):
+    """The RDMA device cannot register dma-buf MRs (``ibv_reg_dmabuf_mr`` -> EOPNOTSUPP).
+
+    Mainline drivers that import dma-bufs: mlx5, bnxt_re, irdma (and efa, mana). Soft-RoCE
+    (``rdma_rxe``) and soft-iWARP (``siw``) never do, up to at least Linux 6.12: measured in
+    the QEMU guest stage (tests/guest), errno 95. On such a device use host staging, or a
+    real NIC; ``hawk doctor`` says so."""
+
+
+def soft_rdma_devices(root: str = "/") -> dict[str, str]:
+    """Software RDMA devices under ``root``/sys/class/infiniband: {name: "soft-RoCE (rdma_rxe)
+    on NETDEV" or "soft-iWARP (siw)"}. They have no bus device (/sys/devices/virtual/...);
+    rxe also has a ``parent`` attribute naming its netdev."""
+    base = os.path.join(root, "sys/class/infiniband")
+    out = {}
+    for name in sorted(os.listdir(base)) if os.path.isdir(base) else []:
+        dev = os.path.join(base, name)
+        virtual = "/devices/virtual/" in os.path.realpath(dev)
+        parent = os.path.join(dev, "parent")
+        node_type = _read(os.path.join(dev, "node_type"))
+        if os.path.isfile(parent) or (virtual and "iWARP" not in node_type):
+            out[name] = f"soft-RoCE (rdma_rxe) on {_read(parent) or '?'}"
+        elif virtual:
+            out[name] = "soft-iWARP (siw)"
+    return out
+
+
+def _read(path: str) -> str:
+    try:
+        with open(path) as f:
+            return f.read().strip()
+    except OSError:
+        return ""
+
+
+def register_bank_dmabuf_mr(pd: Any, mapping: BankMapping, access: int | None = None,
+                            device_name: str = "") -> Any:
     """Path (b): ``DmaBufMR(pd, nbytes, access, dmabuf=fd, offset=dmabuf_offset)``.
 
     ``pd`` is a ``pyverbs.pd.PD``. Returns the MR (``.rkey``, ``.lkey``); its iova is
-    ``mapping.dmabuf_offset``. The MR must be closed before the buffer is unmapped."""
+    ``mapping.dmabuf_offset``. The MR must be closed before the buffer is unmapped.
+    Raises :class:`DmaBufMRUnsupported` (errno EOPNOTSUPP) when the device cannot import
+    dma-bufs, e.g. soft-RoCE."""
     try:
         from pyverbs.mr import DmaBufMR
     except ImportError as exc:
@@ -203,4 +241,18 @@ def register_bank_dmabuf_mr(pd: Any, mapping: BankMapping, access: int | None = 
         raise ValueError(f"bank {mapping.bank} was mapped without a dma-buf (export_dmabuf=False)")
     if access is None:
         access = default_access()
-    return DmaBufMR(pd, mapping.nbytes, access, dmabuf=mapping.dmabuf_fd, offset=mapping.dmabuf_offset)
+    try:
+        return DmaBufMR(pd, mapping.nbytes, access, dmabuf=mapping.dmabuf_fd, offset=mapping.dmabuf_offset)
+    except Exception as exc:  # pyverbs.pyverbs_error.PyverbsRDMAError carries .error_code
+        code = getattr(exc, "error_code", None)
+        if code != errno.EOPNOTSUPP:
+            raise
+        soft = soft_rdma_devices()
+        dev = device_name or (next(iter(soft)) if len(soft) == 1 else "?")
+        raise DmaBufMRUnsupported(
+            errno.EOPNOTSUPP,
+            f"RDMA device {dev} cannot register dma-buf MRs (ibv_reg_dmabuf_mr: EOPNOTSUPP, errno 95)"
+            + (f": it is {soft[dev]}, for testing only; soft-RoCE and siw never import dma-bufs"
+               if dev in soft else "")
+            + ". Use a NIC whose driver imports dma-bufs (mlx5, bnxt_re, irdma), or host staging",
+        ) from exc

@@ -1,0 +1,208 @@
+"""Two hosts without Docker: the prefill vLLM in one network namespace, the decode vLLM
+(emulated p150a, GN-HAWK) in another, joined by a veth pair; the proxy on the host
+(vllm_hawk.testing.netns). Needs root and iproute2: skips locally without them, fails
+under CI=true.
+
+* requests through the proxy: the KV crosses the veth pair (the prefill's side channel
+  listens on its kv-link address, not loopback), outputs equal the prefill engine alone
+  modulo top-2 ties (tests/e2e/test_gn_hawk.py's rule);
+* the kv link cut (``ip link set down``) after the prefill handed a request over and
+  before the decode pulls it, on an established side-channel session: the decode's
+  request fails with a clear error within ``pull_timeout_s``, the prefill frees the KV
+  when its lease expires, nothing stays held on either side, and once the link is back a
+  request through the proxy succeeds.
+"""
+from __future__ import annotations
+
+import glob
+import http.client
+import json
+import os
+import random
+import time
+import urllib.parse
+from pathlib import Path
+
+import pytest
+
+pytestmark = [pytest.mark.vllm, pytest.mark.netns]
+
+TIE_MARGIN = 2.0 ** -6  # bf16 model, CPU reference vs the plugin's tile attention
+PULL_TIMEOUT_S = 6.0
+LEASE_S = 8.0
+IN_CI = os.environ.get("CI", "").lower() == "true"
+
+
+def _unavailable(reason: str) -> None:
+    if IN_CI:
+        pytest.fail(f"two-namespace test cannot run under CI: {reason}")
+    pytest.skip(reason)
+
+
+@pytest.fixture(scope="module")
+def two(tmp_path_factory):
+    from vllm_hawk.testing.netns import NetnsCluster, TwoHosts, netns_unavailable
+    from vllm_hawk.vllm_launcher import ensure_vllm_dist
+
+    why = netns_unavailable()
+    if why:
+        _unavailable(why)
+    if ensure_vllm_dist() is None:
+        _unavailable("vLLM is not installed")
+    from vllm_hawk.testing.tiny_model import build_tiny_llama
+
+    work = tmp_path_factory.mktemp("netns")
+    t0 = time.monotonic()
+    net = TwoHosts().start()
+    t_net = time.monotonic() - t0
+    c = NetnsCluster(build_tiny_llama(dtype="bfloat16"), work, net=net, dtype="bfloat16", block_size=32,
+                     decode_tt={"device": "p150a", "kv_dtype": "bfloat16"},
+                     extra_config={"pull_timeout_s": PULL_TIMEOUT_S, "handshake_timeout_s": 3.0,
+                                   "mode": "direct", "ring_nbytes": 16 << 20},
+                     prefill_config={"lease_s": LEASE_S},
+                     extra_args=["--no-enable-prefix-caching"],
+                     extra_env={"HAWK_DEBUG_DIR": str(work / "dump")})
+    try:
+        t1 = time.monotonic()
+        c.start()
+        print(f"\n[netns] namespaces + veth up in {t_net:.2f} s; cluster up in {time.monotonic() - t1:.1f} s "
+              f"(prefill {c.prefill_url}, decode {c.decode_url}, proxy {c.proxy_url})")
+        c.hawk_dump = work / "dump"
+        yield c
+    finally:
+        t2 = time.monotonic()
+        c.stop()
+        net.stop()
+        print(f"\n[netns] cluster and namespaces down in {time.monotonic() - t2:.1f} s")
+        assert c.leftover_processes() == [], "processes left after stop()"
+        assert net.leftovers() == [], f"left behind: {net.leftovers()}"
+
+
+def _post(url: str, body: dict, timeout: float = 120.0) -> tuple[int, dict | str]:
+    u = urllib.parse.urlsplit(url)
+    conn = http.client.HTTPConnection(u.hostname, u.port, timeout=timeout)
+    try:
+        conn.request("POST", u.path, json.dumps(body), {"Content-Type": "application/json"})
+        r = conn.getresponse()
+        raw = r.read().decode()
+        try:
+            return r.status, json.loads(raw)
+        except ValueError:
+            return r.status, raw
+    finally:
+        conn.close()
+
+
+def _complete(url: str, prompt, logprobs: int | None = None, max_tokens: int = 8) -> dict:
+    body = {"model": "tiny", "prompt": prompt, "max_tokens": max_tokens, "temperature": 0,
+            "ignore_eos": True, "return_token_ids": True}
+    if logprobs:
+        body.update(logprobs=logprobs, return_tokens_as_token_ids=True)
+    status, out = _post(url + "/v1/completions", body)
+    assert status == 200, out
+    return {**out["choices"][0], "kv_transfer_params": out.get("kv_transfer_params")}
+
+
+def _gap(choice: dict, pos: int) -> float:
+    top = sorted(choice["logprobs"]["top_logprobs"][pos].values(), reverse=True)
+    return top[0] - top[1] if len(top) > 1 else float("inf")
+
+
+def test_requests_cross_the_veth_pair(two):
+    from vllm_hawk.testing.local_cluster import scrape_metrics
+
+    net = two.net
+    cfgs = {r: json.loads(two.servers[r].argv[-1])["kv_connector_extra_config"] for r in ("prefill", "decode")}
+    for cfg in cfgs.values():  # authentication on, as deployed: LocalCluster's fresh secret file
+        assert cfg["auth"] == "curve" and Path(cfg["shared_secret_file"]).stat().st_mode & 0o077 == 0, cfg
+    side_port = cfgs["prefill"]["side_channel_port"]
+    listening = net.listening(net.ns_p)
+    assert f"{net.kv_p}:{side_port}" in listening, f"side channel not on the kv link:\n{listening}"
+    assert f"127.0.0.1:{side_port}" not in listening
+    rng = random.Random(5)
+    t0 = time.monotonic()
+    ties, mismatches = [], []
+    before = scrape_metrics(two.decode_url).get("vllm:hawk_transfer_bytes_sum", 0.0)
+    for n in (5, 33, 100, 257):
+        p = [0] + [rng.randrange(2, 1024) for _ in range(n - 1)]
+        d = _complete(two.proxy_url, p)
+        fig = (d["kv_transfer_params"] or {}).get("hawk_transfer") or {}
+        assert fig.get("ok") and fig.get("banks") == 8, fig
+        r = _complete(two.prefill_url, p, logprobs=2)
+        if d["token_ids"] != r["token_ids"]:
+            i = next(k for k, (a, b) in enumerate(zip(d["token_ids"], r["token_ids"])) if a != b)
+            (ties if _gap(r, i) < TIE_MARGIN else mismatches).append((n, i, _gap(r, i)))
+    moved = scrape_metrics(two.decode_url).get("vllm:hawk_transfer_bytes_sum", 0.0) - before
+    print(f"[netns] 4 requests in {time.monotonic() - t0:.1f} s, {moved / 1024:.0f} KiB over the veth pair; "
+          f"top-2 ties {ties}")
+    assert moved > 0
+    assert not mismatches, f"outputs differ beyond ties (prompt_len, position, gap): {mismatches}"
+
+
+def _idle(c) -> tuple[bool, dict]:
+    from vllm_hawk.testing.local_cluster import scrape_metrics
+
+    s = {}
+    for f in glob.glob(str(c.hawk_dump / "state-*.json")):
+        try:
+            s[Path(f).name.split("-")[1]] = json.loads(Path(f).read_text())
+        except (OSError, ValueError):
+            pass
+    p, d = s.get("prefill", {}).get("prefill", {}), s.get("decode", {}).get("decode", {})
+    usage = (scrape_metrics(c.prefill_url).get("vllm:kv_cache_usage_perc", -1.0),
+             scrape_metrics(c.decode_url).get("vllm:kv_cache_usage_perc", -1.0))
+    ok = p.get("held") == 0 and p.get("ring_live") == 0 and d.get("inflight") == 0 and usage == (0.0, 0.0)
+    return ok, {"prefill": p, "decode": d, "usage": usage}
+
+
+def _wait_idle(c, timeout_s: float) -> dict:
+    deadline = time.monotonic() + timeout_s
+    while True:
+        ok, s = _idle(c)
+        if ok:
+            return s
+        if time.monotonic() > deadline:
+            pytest.fail(f"not idle after {timeout_s} s: {s}")
+        time.sleep(0.5)
+
+
+def test_link_cut_fails_cleanly_within_the_timeout(two):
+    from vllm_hawk.testing.local_cluster import scrape_metrics
+
+    net = two.net
+    _complete(two.proxy_url, [0] + list(range(40, 90)))  # the side-channel session is up
+    before = _wait_idle(two, 30)
+    bufs = before["decode"].get("device_buffers")
+    failed0 = scrape_metrics(two.decode_url).get("vllm:hawk_failed_transfers_total", 0.0)
+    prompt = [0] + list(range(100, 400))
+    # the proxy's first step by hand: the prefill computes the KV and holds it for a decode
+    status, out = _post(two.prefill_url + "/v1/completions",
+                                 {"model": "tiny", "prompt": prompt, "max_tokens": 1,
+                                  "kv_transfer_params": {"do_remote_decode": True, "do_remote_prefill": False}})
+    assert status == 200, out
+    params = out["kv_transfer_params"]
+    assert params["remote_host"] == net.kv_p, params
+    net.cut()
+    try:
+        t0 = time.monotonic()
+        status, out = _post(two.decode_url + "/v1/completions",
+                                     {"model": "tiny", "prompt": prompt, "max_tokens": 4,
+                                      "kv_transfer_params": params}, timeout=PULL_TIMEOUT_S + 60)
+        waited = time.monotonic() - t0
+    finally:
+        net.mend()
+    log = two.servers["decode"].log_tail(200_000)
+    err = [line for line in log.splitlines() if "KV pull of" in line and "failed" in line]
+    print(f"[netns] link cut: decode answered HTTP {status} after {waited:.1f} s "
+          f"(pull_timeout_s {PULL_TIMEOUT_S}); error: {err[-1][-200:] if err else None}")
+    assert status >= 500, out
+    assert waited < PULL_TIMEOUT_S + 10, f"took {waited:.1f} s, pull_timeout_s is {PULL_TIMEOUT_S}"
+    assert err, "no 'KV pull of ... failed' error in the decode log"
+    assert scrape_metrics(two.decode_url)["vllm:hawk_failed_transfers_total"] >= failed0 + 1
+    # nothing held: the decode released its blocks at once, the prefill when the lease ran out
+    after = _wait_idle(two, LEASE_S + 30)
+    assert after["decode"].get("device_buffers") == bufs
+    # the link is back: requests go through again
+    d = _complete(two.proxy_url, [0] + list(range(500, 560)))
+    assert (d["kv_transfer_params"] or {}).get("hawk_transfer", {}).get("ok")
+    _wait_idle(two, 30)
