@@ -12,7 +12,7 @@ PYTEST_ARGS ?=
 # Each stage prints its wall time: "[stage] NAME: N s".
 STAGE := bash scripts/stage.sh
 
-.PHONY: demo compose-demo layout test test-fast test-ttsim lint env ttnn-env ttsim-env kernel-deps which-python bench-transform clean-env
+.PHONY: demo compose-demo layout test test-fast test-security test-ttsim lint env ttnn-env ttsim-env kernel-deps which-python bench-transform clean-env
 
 which-python:  ## the interpreter every target uses
 	@echo $(PY)
@@ -56,6 +56,9 @@ test: env ttnn-env kernel-deps ttsim-env lint  ## the whole suite, as CI runs it
 # are set per folder in tests/conftest.py).
 test-fast: env lint  ## minutes, not tens of minutes
 	@$(STAGE) pytest-fast $(PY) -m pytest -q -p no:cacheprovider -m "not (vllm or ttnn or ttsim or kernel or guest or compose or netns)" $(PYTEST_ARGS) tests
+
+test-security: env  ## the attacker tests (tests/security): floods, fuzzing, each attack on real components
+	@$(STAGE) pytest-security $(PY) -m pytest -q -p no:cacheprovider --durations=0 $(PYTEST_ARGS) tests/security
 
 test-ttsim: env ttsim-env  ## only tt-metal-on-ttsim vs the emulated device, timed
 	$(PY) -m pytest -q -p no:cacheprovider --durations=0 $(PYTEST_ARGS) tests/ttsim

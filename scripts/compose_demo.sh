@@ -184,7 +184,7 @@ build_image() {  # build_image ROLE
 env_file() {  # the node env file: a random shared secret, kept in the cache (mode 600)
     export HAWK_ENV_FILE=${HAWK_ENV_FILE:-$C/hawk.env}
     if [ ! -f "$HAWK_ENV_FILE" ]; then
-        (umask 077; { grep -v '^HAWK_SHARED_SECRET=' "$here/configs/hawk-node.env.example"
+        (umask 077; { grep -v '^#\?HAWK_SHARED_SECRET\(_FILE\)\?=' "$here/configs/hawk-node.env.example"
           echo "HAWK_SHARED_SECRET=$(python3 -c 'import secrets; print(secrets.token_hex(32))')"; } >"$HAWK_ENV_FILE")
     fi
     # the demo binds the prefill's model threads to one CPU and the decode's to another

@@ -16,7 +16,8 @@ settings.load_profile(os.environ.get("HAWK_HYPOTHESIS_PROFILE", "ci" if os.envir
 
 
 # Folders whose every test needs something heavy: an engine, the simulator, apt, a guest.
-FOLDER_MARKS = {"e2e": "vllm", "tt_plugin": "vllm", "ttsim": "ttsim", "kernel_driver": "kernel", "guest": "guest"}
+FOLDER_MARKS = {"security": "security",
+                "e2e": "vllm", "tt_plugin": "vllm", "ttsim": "ttsim", "kernel_driver": "kernel", "guest": "guest"}
 TESTS = Path(__file__).parent
 _group_s: collections.Counter = collections.Counter()
 

@@ -133,6 +133,15 @@ def test_fake_p100_has_seven_banks_and_no_tt_peermem_falls_back_to_pyverbs(tmp_p
     assert checks["npu peer memory"]["required"] is (not has_pyverbs)
 
 
+def test_security_lines_say_mooncake_binds_every_interface(tmp_path: Path) -> None:
+    rc, out = run_doctor("--json", "--role", "decode", "--root", str(make_fake_node(tmp_path)))
+    checks = by_name(out)
+    mc = checks["mooncake listeners"]
+    assert mc["status"] == "WARN" and "ALL interfaces" in mc["detail"] and "MC_MIN_RPC_PORT" in mc["fix"]
+    assert checks["shared secret"]["status"] in ("OK", "WARN")
+    assert rc == 0  # warnings never fail the role
+
+
 def _add_rxe(root: Path, name: str = "rxe0") -> None:
     """A FAKE soft-RoCE device as rdma_rxe shows it in sysfs (checked in the QEMU guest)."""
     dev = root / "sys/class/infiniband" / name

@@ -5,6 +5,13 @@ decode (Tenstorrent) needs: an RDMA NIC, tt-kmd >= 2.10.0, a Blackhole device wh
 holds one 4 GiB window per DRAM bank, a way to register NPU memory with the NIC (the
 tt_peermem module for Mooncake, or pyverbs for dma-buf MRs), Mooncake.
 
+Every role also gets two security lines (WARN, never MISSING): the transfer engine's
+listeners — Mooncake binds its handshake port on 0.0.0.0 and its TCP data port on every
+interface, whatever address HAWK gives it, and authenticates nobody; measured on
+0.3.13.post1: neither ``MC_TCP_BIND_ADDRESS`` nor ``MC_LEGACY_RPC_PORT_BINDING`` changes
+that, only ``MC_MIN_RPC_PORT``/``MC_MAX_RPC_PORT`` choose the ports, so firewall that range
+to the peer nodes — and whether a shared secret is configured in the environment.
+
 Reads only /sys, /dev, /proc (``--root`` points them at another tree, e.g. a fake one in
 tests) and tries two imports. Exit code 0 when no required check is MISSING, else 1.
 """
@@ -158,6 +165,32 @@ def _tenstorrent_checks(root: Path) -> tuple[list[Check], int]:
     return checks, usable
 
 
+MOONCAKE_PORTS = "MC_MIN_RPC_PORT..MC_MAX_RPC_PORT (default 15000-17000)"
+
+
+def _security_checks() -> list[Check]:
+    from vllm_hawk import envs
+
+    mc = Check("mooncake listeners", WARN,
+               "the transfer engine listens on ALL interfaces (handshake port on 0.0.0.0, TCP data port on *), "
+               "unauthenticated; Mooncake has no setting to bind one address (MC_TCP_BIND_ADDRESS and "
+               "MC_LEGACY_RPC_PORT_BINDING measured without effect on 0.3.13); HAWK registers only the memory of "
+               "transfers in flight",
+               f"firewall {MOONCAKE_PORTS} so that only the prefill and decode nodes reach it "
+               "(e.g. nft/iptables accept from the peers' addresses, drop the rest)", required=False)
+    try:
+        has = bool(envs.shared_secret() or envs.shared_secret_file())
+        detail = ("HAWK_SHARED_SECRET(_FILE) set" if has else
+                  "neither HAWK_SHARED_SECRET nor HAWK_SHARED_SECRET_FILE is set: the connector needs shared_secret "
+                  "or shared_secret_file in kv_connector_extra_config, or it refuses to start (unless auth 'none')")
+        secret = Check("shared secret", OK if has else WARN, detail,
+                       "" if has else "put a >= 16-byte secret in a 0600 file and set HAWK_SHARED_SECRET_FILE "
+                       "(configs/hawk-node.env.example)", required=False)
+    except ValueError as e:
+        secret = Check("shared secret", WARN, str(e), "set one of the two variables", required=False)
+    return [mc, secret]
+
+
 def run_checks(role: str, root: Path) -> list[Check]:
     """All checks for ``role`` (prefill, decode or all) with /sys, /dev, /proc under ``root``."""
     checks = [_rdma_check(root)]
@@ -183,7 +216,7 @@ def run_checks(role: str, root: Path) -> list[Check]:
     checks.append(_import_check("mooncake", "mooncake.engine:TransferEngine",
                                 "pip install the project's extra: `pip install -e .[cpu]` (TCP) or `.[gpu]` (RDMA)",
                                 required=True))
-    return checks
+    return checks + _security_checks()
 
 
 def render_table(checks: list[Check]) -> str:

@@ -11,9 +11,11 @@ variable                   default                 meaning
 ``HAWK_CONFIG_DIR``        unset                   folders (``os.pathsep``-separated) with
                                                    ``devices/*.yaml`` / ``models/*.yaml``,
                                                    searched before the packaged profiles
-``HAWK_SHARED_SECRET``     unset                   side-channel HMAC key when
-                                                   ``kv_connector_extra_config.shared_secret``
-                                                   is not set
+``HAWK_SHARED_SECRET``     unset                   the shared secret (side channel and
+                                                   host-staged transport) when
+                                                   ``kv_connector_extra_config`` names none
+``HAWK_SHARED_SECRET_FILE`` unset                  a file holding it (same precedence; the
+                                                   two variables are mutually exclusive)
 ``HAWK_TRANSFORM_IMPL``    ``auto``                prefill transform kernel: ``auto`` (the
                                                    numba CPU kernel on CPU tensors, torch
                                                    elsewhere), ``torch``, ``cpu_kernel``
@@ -54,7 +56,7 @@ from pathlib import Path
 from typing import Mapping
 
 __all__ = ["CPU_AMX", "CPU_AMX_DECIDED", "CPU_AMX_MODES", "HawkEnvError", "TT_VARS", "cache_dir", "config_dirs",
-           "cpu_amx_mode", "debug_dir", "shared_secret", "transform_impl", "tt_env"]
+           "cpu_amx_mode", "debug_dir", "shared_secret", "shared_secret_file", "transform_impl", "tt_env"]
 
 CPU_AMX = "HAWK_CPU_AMX"
 CPU_AMX_MODES = ("auto", "on", "off")
@@ -78,8 +80,16 @@ def config_dirs() -> list[Path]:
 
 
 def shared_secret() -> str | None:
-    """``HAWK_SHARED_SECRET``: the side-channel key when the connector config has none."""
-    return os.environ.get("HAWK_SHARED_SECRET") or None
+    """``HAWK_SHARED_SECRET``: the shared secret when the connector config has none."""
+    value = os.environ.get("HAWK_SHARED_SECRET") or None
+    if value is not None and os.environ.get("HAWK_SHARED_SECRET_FILE"):
+        raise HawkEnvError("HAWK_SHARED_SECRET and HAWK_SHARED_SECRET_FILE are both set: keep one")
+    return value
+
+
+def shared_secret_file() -> str | None:
+    """``HAWK_SHARED_SECRET_FILE``: path of a file holding the shared secret."""
+    return os.environ.get("HAWK_SHARED_SECRET_FILE") or None
 
 
 def transform_impl() -> str:

@@ -16,8 +16,11 @@
 #                        ${VAR} references in it are expanded, and HAWK_NODE_IP defaults
 #                        to this container's own address when unset (set it with host
 #                        networking: an empty value is an error)
-#   HAWK_SHARED_SECRET   the side-channel HMAC key (read by the connector itself), or
-#   HAWK_SHARED_SECRET_FILE  a mounted file holding it (exported as HAWK_SHARED_SECRET)
+#   HAWK_SHARED_SECRET   the shared secret (side channel: CurveZMQ + HMAC, host-staged
+#                        transport; read by the connector itself), or
+#   HAWK_SHARED_SECRET_FILE  a mounted file holding it (read by the connector itself);
+#                        one of the two, not both. Required: the connector configs
+#                        (config/*.json) have "auth": "curve", and start-up fails without it
 #   HAWK_DOCTOR_ROLE     prefill|decode: run `hawk doctor --role ...` first, stop if not ready
 #   HAWK_PORT            the vLLM server's port (default 8000)
 set -eu
@@ -25,8 +28,8 @@ set -eu
 die() { echo "hawk-node: $*" >&2; exit 2; }
 
 if [ -n "${HAWK_SHARED_SECRET_FILE:-}" ]; then
+    [ -z "${HAWK_SHARED_SECRET:-}" ] || die "set HAWK_SHARED_SECRET or HAWK_SHARED_SECRET_FILE, not both"
     [ -r "$HAWK_SHARED_SECRET_FILE" ] || die "HAWK_SHARED_SECRET_FILE=$HAWK_SHARED_SECRET_FILE is not readable"
-    HAWK_SHARED_SECRET=$(cat "$HAWK_SHARED_SECRET_FILE"); export HAWK_SHARED_SECRET
 fi
 
 kv_config() {  # the connector config with ${VAR}s expanded; fails on an unset variable

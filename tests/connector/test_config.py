@@ -5,14 +5,60 @@ import pytest
 
 from vllm_hawk.connector.config import HawkConfig, HawkConfigError, parse_config
 
+SECRET = "0123456789abcdef-secret"
 
-def test_defaults_are_documented_and_valid(monkeypatch):
+
+@pytest.fixture(autouse=True)
+def _no_secret_in_env(monkeypatch):
     monkeypatch.delenv("HAWK_SHARED_SECRET", raising=False)
-    cfg = parse_config(None)
-    assert cfg == HawkConfig()
+    monkeypatch.delenv("HAWK_SHARED_SECRET_FILE", raising=False)
+
+
+def test_defaults_are_documented_and_valid():
+    cfg = parse_config({"shared_secret": SECRET})
+    assert cfg == HawkConfig(shared_secret=SECRET) and cfg.auth == "curve" and cfg.secret_bytes == SECRET.encode()
+    assert SECRET not in repr(cfg)
     import vllm_hawk.connector.config as mod
     for name in HawkConfig.__dataclass_fields__:
-        assert f"``{name}``" in mod.__doc__, f"field {name} is not documented"
+        if name != "secret_bytes":
+            assert f"``{name}``" in mod.__doc__, f"field {name} is not documented"
+
+
+def test_authentication_is_on_by_default():
+    """No secret and no explicit opt-out: start-up fails, naming the fields and the way out."""
+    with pytest.raises(HawkConfigError) as e:
+        parse_config(None)
+    for needle in ("shared_secret", "shared_secret_file", "HAWK_SHARED_SECRET", '"auth": "none"'):
+        assert needle in str(e.value)
+    assert parse_config({"auth": "none"}).secret_bytes is None
+    with pytest.raises(HawkConfigError, match="auth='none'.*remove it"):
+        parse_config({"auth": "none", "shared_secret": SECRET})
+    with pytest.raises(HawkConfigError, match="auth='tls'"):
+        parse_config({"auth": "tls", "shared_secret": SECRET})
+    assert parse_config({"auth": "hmac", "shared_secret": SECRET}).auth == "hmac"
+
+
+def test_secret_file_is_as_good_as_inline(tmp_path, monkeypatch):
+    f = tmp_path / "secret"
+    f.write_bytes(SECRET.encode() + b"\n")
+    f.chmod(0o600)
+    assert parse_config({"shared_secret_file": str(f)}).secret_bytes == SECRET.encode()
+    monkeypatch.setenv("HAWK_SHARED_SECRET_FILE", str(f))
+    assert parse_config({}).secret_bytes == SECRET.encode()
+    monkeypatch.setenv("HAWK_SHARED_SECRET", SECRET)
+    from vllm_hawk.envs import HawkEnvError
+    with pytest.raises(HawkEnvError, match="both set"):
+        parse_config({})
+    monkeypatch.delenv("HAWK_SHARED_SECRET_FILE")
+    with pytest.raises(HawkConfigError, match="not both"):
+        parse_config({"shared_secret": SECRET, "shared_secret_file": str(f)})
+    with pytest.raises(HawkConfigError, match=r"shared_secret_file=.*missing.*cannot be read"):
+        parse_config({"shared_secret_file": str(tmp_path / "missing")})
+    short = tmp_path / "short"
+    short.write_bytes(b"tiny\n")
+    with pytest.raises(HawkConfigError, match="shared_secret_file.*at least 16 bytes") as e:
+        parse_config({"shared_secret_file": str(short)})
+    assert "tiny" not in str(e.value)
 
 
 @pytest.mark.parametrize("field,value,needle", [
@@ -26,10 +72,12 @@ def test_defaults_are_documented_and_valid(monkeypatch):
     ("shared_secret", "short", "shared_secret"),
     ("rdma_device", "mlx5_0", "mooncake-rdma"),
     ("max_pulls", 0, "max_pulls"),
+    ("layer_groups", 0, "layer_groups"),
+    ("layer_groups", 65, "layer_groups"),
 ])
 def test_bad_field_is_named(field, value, needle):
     with pytest.raises(HawkConfigError) as e:
-        parse_config({field: value})
+        parse_config({"shared_secret": SECRET, field: value})
     assert field in str(e.value) and needle in str(e.value)
 
 
@@ -39,7 +87,7 @@ def test_unknown_field_lists_known_ones():
 
 
 def test_secret_from_environment_and_hidden_in_errors(monkeypatch):
-    monkeypatch.setenv("HAWK_SHARED_SECRET", "0123456789abcdef-secret")
+    monkeypatch.setenv("HAWK_SHARED_SECRET", SECRET)
     assert parse_config({}).secret_bytes == b"0123456789abcdef-secret"
     monkeypatch.setenv("HAWK_SHARED_SECRET", "tiny")
     with pytest.raises(HawkConfigError) as e:
@@ -47,10 +95,14 @@ def test_secret_from_environment_and_hidden_in_errors(monkeypatch):
     assert "tiny" not in str(e.value)
 
 
-def test_transport_arguments_and_dp_port_offset():
-    assert parse_config({"transport": "host-staged"}).transport_kind_and_options()[0] == "host_staged"
+def test_transport_arguments_and_dp_port_offset(monkeypatch):
+    monkeypatch.setenv("HAWK_SHARED_SECRET", SECRET)
+    kind, opts = parse_config({"transport": "host-staged"}).transport_kind_and_options()
+    assert kind == "host_staged" and opts["secret"] == SECRET.encode()
     kind, opts = parse_config({"transport": "mooncake-rdma", "rdma_device": "mlx5_1"}
                               ).transport_kind_and_options()
     assert kind == "mooncake" and opts["protocol"] == "rdma" and opts["device_name"] == "mlx5_1"
     assert parse_config({"side_channel_port": 18000}, dp_rank=2).side_channel_port == 18002
     assert parse_config({"device_profile": "p150a"}).device_profile == "p150a"
+    cfg = parse_config({"layer_groups": 2, "auth": "hmac"})  # main's layer groups next to sec's auth
+    assert cfg.layer_groups == 2 and cfg.auth == "hmac" and cfg.secret_bytes is not None

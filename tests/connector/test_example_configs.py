@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from vllm_hawk.connector.config import parse_config
+from vllm_hawk.connector.config import HawkConfigError, parse_config
 
 REPO = Path(__file__).resolve().parents[2]
 CONFIGS = REPO / "configs"
@@ -27,20 +27,25 @@ def test_every_example_is_a_listed_pair():
 @pytest.mark.parametrize("pair", PAIRS)
 def test_pair_is_valid_and_consistent(pair, monkeypatch):
     monkeypatch.delenv("HAWK_CONFIG_DIR", raising=False)
-    monkeypatch.setenv("HAWK_SHARED_SECRET", "0123456789abcdef")
+    monkeypatch.delenv("HAWK_SHARED_SECRET", raising=False)
+    monkeypatch.delenv("HAWK_SHARED_SECRET_FILE", raising=False)
     pre, dec = load(f"{pair}-prefill"), load(f"{pair}-decode")
+    with pytest.raises(HawkConfigError, match="needs a shared secret"):  # secure by default
+        parse_config(pre["kv_connector_extra_config"])
+    monkeypatch.setenv("HAWK_SHARED_SECRET", "0123456789abcdef")
     assert (pre["kv_connector"], pre["kv_role"]) == ("HawkConnector", "kv_producer")
     assert (dec["kv_connector"], dec["kv_role"]) == ("HawkConnector", "kv_consumer")
     assert dec.get("kv_load_failure_policy", "fail") in ("fail", "recompute")
     p, d = parse_config(pre["kv_connector_extra_config"]), parse_config(dec["kv_connector_extra_config"])
     assert p.device_profile == d.device_profile and p.transport == d.transport
+    assert p.auth == d.auth == "curve" and p.secret_bytes == b"0123456789abcdef"
     assert (p.device_profile == "vllm") == (pair == "gg-direct")
 
 
 def test_env_example_names_variables_the_code_reads():
     text = (CONFIGS / "hawk-node.env.example").read_text()
     names = re.findall(r"^#?([A-Z][A-Z0-9_]+)=", text, flags=re.M)
-    assert "HAWK_SHARED_SECRET" in names and "HAWK_TT_PLATFORM" in names
+    assert "HAWK_SHARED_SECRET_FILE" in names and "HAWK_TT_PLATFORM" in names
     source = "\n".join(p.read_text() for p in (REPO / "vllm_hawk").rglob("*.py"))
     for name in names:
         if name.startswith("HAWK_"):

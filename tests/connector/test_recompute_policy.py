@@ -26,6 +26,7 @@ SCRIPT = textwrap.dedent("""
     ktc = KVTransferConfig(kv_connector="HawkConnector", kv_connector_module_path="vllm_hawk.connector",
                            kv_role="kv_consumer", kv_load_failure_policy="recompute",
                            kv_connector_extra_config={"handshake_timeout_s": 1.0,
+                                                      "shared_secret": "recompute-test-secret-0123",
                                                       "pull_timeout_s": 3.0})
     llm = LLM(model=str(build_tiny_llama(dtype="float32")), dtype="float32", enforce_eager=True,
               max_model_len=512, block_size=32, max_num_seqs=4, seed=0, kv_transfer_config=ktc,

@@ -79,13 +79,22 @@ def test_ring_backpressure_waits_then_refuses_and_rejects_oversize():
         ring.release("nope")
 
 
-def test_ring_buffer_registers_only_its_range():
+def test_ring_buffer_registers_only_live_ranges():
     t = make_transport("inprocess")
     ring = RingBuffer(1 << 20, t)
-    assert t._regions.regions() == [(ring.base_addr, ring.capacity)]
+    assert t._regions.regions() == []  # nothing exposed while idle
+    a = ring.reserve("a", 5000)
+    b = ring.reserve("b", 100)
+    assert t._regions.regions() == [(ring.base_addr + a, 5000), (ring.base_addr + b, 100)]
+    ring.release("a")
+    assert t._regions.regions() == [(ring.base_addr + b, 100)]
     with pytest.raises(ValueError, match="outside"):
         ring.view(ring.capacity - 10, 20)
     ring.close()
+    assert t._regions.regions() == []
+    whole = RingBuffer(1 << 20, t, registration="whole")  # the previous behaviour, for the benchmark
+    assert t._regions.regions() == [(whole.base_addr, whole.capacity)]
+    whole.close()
     assert t._regions.regions() == []
     t.close()
 
@@ -94,8 +103,9 @@ def test_bank_pool_lockstep_slices_backpressure_and_cleanup():
     dev = EmulatedDevice("p150a", 4 << 20)
     t = make_transport("inprocess")
     pool = BankBufferPool(dev, 64 << 10, t)
-    assert len(t._regions) == dev.num_banks  # one registered region per bank
+    assert len(t._regions) == 0  # nothing registered while no slice is handed out
     a = pool.acquire("a", 40 << 10)
+    assert sorted(t._regions.regions()) == sorted((a.addr(b), 40 << 10) for b in range(dev.num_banks))
     assert a.device_offset == pool.buffer.address + a.offset
     assert [a.addr(b) - dev.bank_address(b) for b in range(dev.num_banks)] == [a.device_offset] * dev.num_banks
     with pytest.raises(BufferFull, match="pool full"):
@@ -164,3 +174,31 @@ def test_ring_abort_wakes_waiters_and_refuses_new_reservations():
         ring.reserve("c", 10)
     ring.release("a")  # live ranges can still be released
     assert ring.is_empty()
+
+
+def test_exposure_refcounts_overlapping_requests_and_coarsens_within_domains():
+    import torch
+
+    from vllm_hawk.kvflow.exposure import Exposure, coarsened
+
+    t = make_transport("inprocess")
+    mem = torch.empty(1 << 20, dtype=torch.uint8)
+    base = mem.data_ptr()
+    ex = Exposure(t)
+    ex.acquire("a", [(base, 4096), (base + 8192, 4096)])
+    ex.acquire("b", [(base + 4096, 8192)])  # overlaps a's second run: reuses it, registers the gap only
+    assert t._regions.regions() == [(base, 4096), (base + 4096, 4096), (base + 8192, 4096)]
+    ex.release("a")
+    assert t._regions.regions() == [(base + 4096, 4096), (base + 8192, 4096)]  # b still holds these
+    ex.release("b")
+    assert t._regions.regions() == []
+    # more runs than max_ranges: the smallest gaps close, never across domains
+    runs = [(base + i * 100, 10) for i in range(10)] + [(base + 5000, 10)]
+    out = coarsened(runs, [(base, 1000), (base + 5000, 100)], 2)
+    assert out == [(base, 910), (base + 5000, 10)]
+    assert coarsened(runs, None, 2) == runs  # no domains: nothing is joined
+    ex.acquire("c", runs, domains=[(base, 1000), (base + 5000, 100)], max_ranges=2)
+    assert t._regions.regions() == out
+    ex.close()
+    assert t._regions.regions() == []
+    t.close()

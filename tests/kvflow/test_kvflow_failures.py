@@ -306,18 +306,25 @@ def test_vllm_mode_refuses_a_peer_cache_of_another_shape():
 
 
 # --------------------------------------------------------------------------- KV-pool registration
-def test_kv_pool_is_registered_only_by_a_direct_sink():
+def test_kv_pool_is_registered_only_while_a_fetch_lands_in_it():
+    """Least exposure: the decode registers receive buffers (staged) or the destination
+    blocks' pages (direct) for one fetch only; between fetches nothing is registered."""
     with endpoints() as (cache, pre, dec, dev, td, _finished):
-        assert len(td._regions) == dev.num_banks  # staged: only the receive buffers
+        seen = []
+        real = td.register
+        td.register = lambda a, n: (seen.append((a, n)), real(a, n))[1]
+        assert len(td._regions) == 0
         pre.add_request("s", [1], BS)
         dec.fetch("s", BS, [2], "staged")
-        assert len(td._regions) == dev.num_banks
+        assert len(td._regions) == 0 and len(seen) == dev.num_banks  # one slice per bank, then gone
         pre.add_request("d", [3], BS)
+        seen.clear()
         dec.fetch("d", BS, [4], "direct")
-        assert len(td._regions) > dev.num_banks
+        assert len(td._regions) == 0 and seen
         assert_pool_holds(dec, cache, [3], BS, [4])
-        dec.sinks.pop("direct").close()  # closing the direct sink unregisters the KV pages
-        assert len(td._regions) == dev.num_banks
+        # only block 4's pages were exposed, not the pool
+        pool_nbytes = sum(n for _a, n in dec.sinks["direct"].pages.regions())
+        assert sum(n for _a, n in seen) < pool_nbytes / 4
 
 
 def test_kv_page_addresses_come_from_the_bank_buffer_api():

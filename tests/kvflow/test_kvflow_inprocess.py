@@ -167,11 +167,16 @@ def test_refusals_unknown_request_ring_too_small_and_reads_outside_the_ring(pair
     with pytest.raises(PeerFailed, match="no_space.*more than the whole"):
         dec.fetch("big", 20 * BS, list(range(20)), "direct")
     assert pre.snapshot()["ring_used"] == 0 and dec.pool.is_idle()
-    # The prefill registered only its ring: a READ of its KV cache is refused by the transport.
-    local = dec.pool.bank_addrs[0]  # registered locally (a receive buffer)
-    h = td.submit("read", dec.peer, [(local, cache.base_addr, 4096)])
-    with pytest.raises(TransferFailed):
-        td.wait(h, 5)
-    h = td.submit("read", dec.peer, [(local, dec.export_base + dec.export_nbytes - 100, 4096)])
-    with pytest.raises(TransferFailed):
-        td.wait(h, 5)
+    # The prefill registers only live ring ranges: a READ of its KV cache, of its idle ring,
+    # or past the ring is refused by the transport; the decode's idle receive pool is not
+    # registered either.
+    assert td._regions.regions() == [] and tp._regions.regions() == []
+    scratch = torch.empty(4096, dtype=torch.uint8)
+    td.register(scratch.data_ptr(), 4096)
+    try:
+        for remote in (cache.base_addr, dec.export_base, dec.export_base + dec.export_nbytes - 100):
+            h = td.submit("read", dec.peer, [(scratch.data_ptr(), remote, 4096)])
+            with pytest.raises(TransferFailed):
+                td.wait(h, 5)
+    finally:
+        td.unregister(scratch.data_ptr())

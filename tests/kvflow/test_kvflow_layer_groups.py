@@ -99,6 +99,71 @@ def test_layer_groups_land_exact_bytes(pair, mode, dtype, groups):
     assert finished and all(ok for _r, ok in finished)
 
 
+@pytest.mark.parametrize("mode", ["staged", "direct"])
+def test_layer_groups_register_only_the_fetch_and_only_while_it_runs(pair, mode):
+    """Per-request registration covers the layer-group path: staged READs land in the
+    pool's slice, direct ones in the request's KV pages, registered from D2 to the end
+    of the last group's batch (the transport refuses a READ into unregistered memory);
+    afterwards nothing is registered on either side, also after a failed fetch."""
+    _cache, pre, decs, _finished = pair
+    dec = decs["bfloat16"]
+    td, tp = dec.transport, pre.transport
+    assert td._regions.regions() == [] and tp._regions.regions() == []
+    seen = []
+    real_submit = td.submit
+
+    def submit(kind, peer, entries):
+        seen.append((len(td._regions.regions()), len(tp._regions.regions())))
+        return real_submit(kind, peer, entries)
+
+    td.submit = submit
+    try:
+        pre.add_request("reg", [1, 2, 3], 3 * BS)
+        dec.fetch("reg", 3 * BS, [4, 5, 6], mode, layer_groups=3)
+        assert len(seen) == 3 and all(d > 0 and p > 0 for d, p in seen), seen
+        assert td._regions.regions() == [] and tp._regions.regions() == []
+        pre.add_request("bad", [1], BS)  # a group the prefill refuses: the fetch fails, nothing stays
+        with pytest.raises(PeerFailed):
+            _fetch_with_bad_group(dec, "bad", mode)
+        assert wait_until(lambda: pre.snapshot()["pending"] == 0, 5.0), pre.snapshot()
+        assert wait_until(lambda: tp._regions.regions() == [], 5.0), tp._regions.regions()
+        assert td._regions.regions() == [] and dec.pool.is_idle()
+    finally:
+        td.submit = real_submit
+
+
+def _fetch_with_bad_group(dec, rid, mode):
+    """A layer-group fetch whose second group the prefill refuses (its KVRequest names
+    layers outside the model)."""
+    from vllm_hawk.kvflow import decode as decode_mod
+    real = decode_mod.split_layers
+    decode_mod.split_layers = lambda n, g: [(0, 2), (2, n + 3)]
+    try:
+        return dec.fetch(rid, BS, [7], mode, layer_groups=2, timeout_s=2)
+    finally:
+        decode_mod.split_layers = real
+
+
+def test_early_layer_groups_all_wait_for_the_hand_over(pair):
+    """Every group's KVRequest may beat the engine's hand-over: all are parked and all
+    served once it comes (not only the last one)."""
+    cache, pre, decs, finished = pair
+    dec = decs["bfloat16"]
+    out = {}
+    t = threading.Thread(target=lambda: out.setdefault("res", dec.fetch("early", 2 * BS, [8, 9], "staged",
+                                                                        layer_groups=3, timeout_s=10)))
+    t.start()
+    assert wait_until(lambda: pre.snapshot()["early"] == 1, 5.0), pre.snapshot()
+    time.sleep(0.2)  # the other groups' KVRequests arrive too
+    pre.add_request("early", [10, 11], 2 * BS)
+    t.join(15)
+    assert "res" in out and out["res"].extra["layer_groups"] == 3
+    assert_pool_holds(dec, cache, [10, 11], 2 * BS, [8, 9])
+    snap = pre.snapshot()
+    assert snap["early"] == 0 and snap["early_block_ids"] == 0 and snap["ring_used"] == 0, snap
+    assert finished == [("early", True)]
+
+
 def test_second_request_for_a_served_group_is_refused(pair):
     _cache, pre, decs, _f = pair
     dec = decs["bfloat16"]

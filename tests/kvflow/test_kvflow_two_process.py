@@ -162,11 +162,16 @@ def test_few_requests_staged_and_direct_bf16_exact_bytes(prefill, decode, source
 def test_reads_outside_the_ring_are_refused(prefill, decode):
     decs, dev, t = decode
     dec = decs["bfloat16"]
-    local = dec.pool.bank_addrs[0]  # registered locally (a receive buffer)
-    for remote in (prefill.cache_addr, dec.export_base + dec.export_nbytes - 64):  # the KV cache; past the end
-        h = t.submit("read", dec.peer, [(local, remote, 4096)])
-        with pytest.raises(TransferFailed):
-            t.wait(h, 10)
+    scratch = torch.empty(4096, dtype=torch.uint8)
+    t.register(scratch.data_ptr(), 4096)
+    local = scratch.data_ptr()
+    try:  # the KV cache; the idle ring (registered only per live request); past the end
+        for remote in (prefill.cache_addr, dec.export_base, dec.export_base + dec.export_nbytes - 64):
+            h = t.submit("read", dec.peer, [(local, remote, 4096)])
+            with pytest.raises(TransferFailed):
+                t.wait(h, 10)
+    finally:
+        t.unregister(local)
 
 
 def test_mismatched_handshake_is_refused(prefill, decode):

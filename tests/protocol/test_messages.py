@@ -115,6 +115,14 @@ def test_compat_hash_and_diff():
     assert COMPAT.protocol_version == PROTOCOL_VERSION
 
 
+def test_protocol_version_is_4_with_recipient_envelope_and_layer_groups():
+    # 4 = sec's recipient-bound envelope (HAWK/4, auth_failed) + main's layer-group fields.
+    from vllm_hawk.protocol.envelope import MAGIC, Header
+    assert PROTOCOL_VERSION == 4 and MAGIC == b"HAWK/4"
+    assert "recipient" in Header.__struct_fields__
+    assert {"first_layer", "num_layers"} <= set(KVRequest.__struct_fields__)
+
+
 @settings(max_examples=400, deadline=None)
 @given(st.binary(max_size=512))
 def test_fuzz_decode_raw_bytes(data):
@@ -156,12 +164,12 @@ def test_fuzz_structured_garbage(value, tag):
 def test_envelope_auth_and_replay():
     key = b"s" * 32
     a, b = Envelope("client", key), Envelope("server", key)
-    _seq, frames = a.pack(Ack(req_id="r"))
+    _seq, frames = a.pack(Ack(req_id="r"), recipient="server")
     header, msg = b.unpack(frames)
-    assert msg == Ack(req_id="r") and header.sender == "client"
+    assert msg == Ack(req_id="r") and header.sender == "client" and header.recipient == "server"
     with pytest.raises(AuthError, match="replay"):
         b.unpack(frames)
-    _seq, frames2 = a.pack(Ack(req_id="r"))
+    _seq, frames2 = a.pack(Ack(req_id="r"), recipient="server")
     forged = list(frames2)
     forged[2] = encode(Ack(req_id="evil"))
     with pytest.raises(AuthError, match="MAC"):
@@ -173,11 +181,25 @@ def test_envelope_auth_and_replay():
     assert b.unpack(frames2)[1] == Ack(req_id="r")  # the genuine one still passes
 
 
+def test_envelope_binds_the_recipient():
+    """A message signed for one server is refused by another holding the same secret; a
+    Hello (sent before the client knows the server's id) leaves the recipient empty (the
+    server answers anything else sent to nobody with 'handshake required')."""
+    key = b"s" * 32
+    a, b, other = Envelope("client", key), Envelope("server-a", key), Envelope("server-b", key)
+    _seq, frames = a.pack(Ack(req_id="r"), recipient="server-a")
+    with pytest.raises(AuthError, match="addressed to 'server-a'"):
+        other.unpack(frames)
+    assert b.unpack(frames)[1] == Ack(req_id="r")
+    hello = Hello(compat=COMPAT, compat_hash=compat_hash(COMPAT))
+    assert isinstance(other.unpack(a.pack(hello)[1])[1], Hello)
+
+
 def test_envelope_stale_timestamp_rejected():
     key = b"s" * 32
     a = Envelope("client", key, window_s=0.0)
     b = Envelope("server", key, window_s=0.0)
-    _seq, frames = a.pack(Ack(req_id="r"))
+    _seq, frames = a.pack(Ack(req_id="r"), recipient="server")
     import time
     time.sleep(0.01)
     with pytest.raises(AuthError, match="window"):

@@ -13,9 +13,11 @@ from hypothesis import strategies as st
 
 from vllm_hawk.protocol import (
     Ack,
+    AuthRefused,
     Envelope,
     ErrorMsg,
     Hello,
+    HelloAck,
     IncompatiblePeer,
     KVReady,
     KVRequest,
@@ -92,8 +94,8 @@ def client(server, secret):
     c.close()
 
 
-def _assert_still_serving(server, secret):
-    with ProtocolClient(server.endpoint, COMPAT, secret=secret, timeout_s=3.0) as c:
+def _assert_still_serving(server, secret, auth=None):
+    with ProtocolClient(server.endpoint, COMPAT, secret=secret, auth=auth, timeout_s=3.0) as c:
         c.handshake()
         assert c.request_kv(_kvreq("alive")).req_id == "alive"
 
@@ -114,7 +116,7 @@ def test_deferred_replies_and_concurrency(server, client):
     assert got == sorted(f"defer-{i}" for i in range(20))
 
 
-def test_errors_are_typed(server, client):
+def test_errors_are_typed(server, client, secret):
     client.handshake()
     with pytest.raises(RemoteError) as e:
         client.request_kv(_kvreq("gone"))
@@ -122,7 +124,7 @@ def test_errors_are_typed(server, client):
     with pytest.raises(RemoteError) as e:
         client.request_kv(_kvreq("boom"))
     assert e.value.code == "internal"
-    _assert_still_serving(server, client._env._secret)
+    _assert_still_serving(server, secret)
 
 
 def test_request_before_handshake_refused(server, client):
@@ -160,8 +162,8 @@ def test_malformed_messages_get_bad_message_open_mode():
     try:
         raw = _raw_socket(server.endpoint)
         env = Envelope("tester")
-        reader = Envelope("reader")
-        _seq, good = env.pack(Ack(req_id="x"))
+        reader = Envelope("tester")  # replies are addressed to the sender
+        _seq, good = env.pack(Ack(req_id="x"), recipient=server.server_id)
         cases = [
             [b"only-one-frame"],
             [b"BAD!", good[1], good[2], b""],
@@ -178,7 +180,7 @@ def test_malformed_messages_get_bad_message_open_mode():
         # a valid message that is not a request
         raw.send_multipart(env.pack(Hello(compat=COMPAT, compat_hash=compat_hash(COMPAT)))[1])
         _recv(raw)
-        raw.send_multipart(env.pack(Ack(req_id="x"))[1])
+        raw.send_multipart(env.pack(Ack(req_id="x"), recipient=server.server_id)[1])
         _h, msg = reader.unpack(_recv(raw))
         assert msg.code == "bad_message" and "not a request" in msg.detail
         raw.close()
@@ -188,58 +190,105 @@ def test_malformed_messages_get_bad_message_open_mode():
 
 
 def test_oversized_messages(secret):
-    server = ProtocolServer(FakePrefill(), COMPAT, secret=secret, max_message_nbytes=64 << 10)
+    # auth 'hmac' with a secret: a raw (NULL-mechanism) socket must reach the envelope
+    server = ProtocolServer(FakePrefill(), COMPAT, secret=secret, auth="hmac" if secret else None,
+                            max_message_nbytes=64 << 10)
     try:
         raw = _raw_socket(server.endpoint)
         env = Envelope("tester", secret)
         big = KVRequest(req_id="big", dst_layout=LAYOUT, num_tokens=1,
                         dst_block_ids=list(range(1 << 20, (1 << 20) + 13500)))
-        _seq, frames = env.pack(big)  # ~67 KB: over our 64 KiB limit, within zmq's slack
+        _seq, frames = env.pack(big, recipient=server.server_id)  # ~67 KB: over our 64 KiB limit
         raw.send_multipart(frames)
         raw.send_multipart([MAGIC, b"x" * (4 << 20), b"", b""])  # far over: zmq drops the peer
         reply = _recv(raw)
         if reply is not None:
             assert secret is None
-            _h, msg = Envelope("reader").unpack(reply)
+            _h, msg = Envelope("tester").unpack(reply)
             assert msg.code == "bad_message" and "exceeds" in msg.detail
         raw.close()
-        _assert_still_serving(server, secret)
+        _assert_still_serving(server, secret, auth="hmac" if secret else None)
     finally:
         server.close()
 
 
 def test_forged_and_replayed_dropped():
-    server = ProtocolServer(FakePrefill(), COMPAT, secret=SECRET)
+    """auth 'hmac': the envelope alone (a raw NULL-mechanism socket reaches it)."""
+    server = ProtocolServer(FakePrefill(), COMPAT, secret=SECRET, auth="hmac")
     try:
         raw = _raw_socket(server.endpoint)
         good = Envelope("attacker-knows-key", SECRET)
         wrong = Envelope("attacker", b"not-the-secret-but-long-enough")
         nokey = Envelope("attacker2")
         hello = Hello(compat=COMPAT, compat_hash=compat_hash(COMPAT))
-        for env in (wrong, nokey):
+        for env in (wrong, nokey):  # one unsigned auth_failed refusal, no compat fields, no HelloAck
             raw.send_multipart(env.pack(hello)[1])
-            assert _recv(raw, 0.3) is None
+            reply = _recv(raw, 0.5)
+            assert reply is not None and reply[3] == b""
+            _h, refusal = env.unpack_unsigned_refusal(reply)
+            assert refusal.code == "auth_failed" and COMPAT.model not in refusal.detail
         # tamper with a correctly signed message
         _s, frames = good.pack(hello)
         tampered = [frames[0], frames[1], frames[2] + b"\x00", frames[3]]
         raw.send_multipart(tampered)
-        assert _recv(raw, 0.3) is None
+        reply = _recv(raw, 0.3)
+        assert reply is None or good.unpack_unsigned_refusal(reply) is not None
         # genuine message once: answered; replayed: dropped
         raw.send_multipart(frames)
-        assert _recv(raw) is not None
+        assert isinstance(good.unpack(_recv(raw))[1], HelloAck)
         raw.send_multipart(frames)
         assert _recv(raw, 0.3) is None
-        assert server.stats.dropped_auth >= 4
+        # a message signed for another server (recipient binding)
+        raw.send_multipart(good.pack(_kvreq("x"), recipient="prefill-other")[1])
+        assert _recv(raw, 0.3) is None
+        assert server.stats.dropped_auth >= 5
         raw.close()
-        _assert_still_serving(server, SECRET)
-        # a client with the wrong key gets no answer: a timeout, not a hang
-        with ProtocolClient(server.endpoint, COMPAT, secret=b"x" * 32, timeout_s=0.5) as c:
+        _assert_still_serving(server, SECRET, auth="hmac")
+        # a client with the wrong key fails its handshake at once, naming the cause
+        with ProtocolClient(server.endpoint, COMPAT, secret=b"x" * 32, auth="hmac", timeout_s=3) as c:
             t0 = time.monotonic()
-            with pytest.raises(ProtocolTimeout):
+            with pytest.raises(AuthRefused, match="secrets differ"):
                 c.handshake()
-            assert time.monotonic() - t0 < 2
+            assert time.monotonic() - t0 < 1
     finally:
         server.close()
+
+
+ZMTP_REFUSAL = "mechanism mismatch|auth modes differ|secrets differ"  # whichever side notices first
+
+
+@pytest.mark.parametrize("server_auth,client_auth,match", [
+    ("curve", "none", ZMTP_REFUSAL),
+    ("none", "curve", ZMTP_REFUSAL),
+    ("curve", "wrong-secret", ZMTP_REFUSAL),
+    ("hmac", "none", "requires side-channel authentication"),
+    ("none", "hmac", "auth 'none' but the decode has a shared secret"),
+    ("curve", "hmac", ZMTP_REFUSAL),
+])
+def test_auth_mismatch_fails_the_handshake_clearly(server_auth, client_auth, match):
+    """One side with a secret, the other without (or a different one / mode): the decode's
+    handshake fails at once with AuthRefused naming the cause, not after a timeout."""
+    ssec = SECRET if server_auth != "none" else None
+    csec = {"none": None, "wrong-secret": b"w" * 32}.get(client_auth, SECRET)
+    cauth = "curve" if client_auth == "wrong-secret" else client_auth
+    with ProtocolServer(FakePrefill(), COMPAT, secret=ssec, auth=server_auth) as s, \
+            ProtocolClient(s.endpoint, COMPAT, secret=csec, auth=cauth, timeout_s=5) as c:
+        t0 = time.monotonic()
+        with pytest.raises(AuthRefused, match=match) as e:
+            c.handshake()
+        assert time.monotonic() - t0 < 2
+        assert COMPAT.model not in str(e.value)  # nothing of the prefill's configuration leaks
+
+
+def test_curve_server_ignores_null_mechanism_peers():
+    """auth 'curve': a raw socket without the secret never reaches the server's code."""
+    with ProtocolServer(FakePrefill(), COMPAT, secret=SECRET) as s:
+        raw = _raw_socket(s.endpoint)
+        raw.send_multipart(Envelope("attacker").pack(Hello(compat=COMPAT, compat_hash=compat_hash(COMPAT)))[1])
+        assert _recv(raw, 0.5) is None
+        raw.close()
+        assert s.stats.received == 0 and s.stats.zmtp_handshake_failures >= 1
+        _assert_still_serving(s, SECRET)
 
 
 def test_client_times_out_on_dead_server():

@@ -137,6 +137,7 @@ def test_compose_file_profiles_and_config():
     for f in (COMPOSE / "config").glob("*.json"):
         cfg = json.loads(f.read_text())
         assert "shared_secret" not in cfg["kv_connector_extra_config"], f.name
+        assert cfg["kv_connector_extra_config"]["auth"] == "curve", f.name  # the secret comes from the env file
         want = "mooncake-rdma" if f.name.startswith("hardware") else "mooncake-tcp"
         assert cfg["kv_connector_extra_config"]["transport"] == want, f.name
     if shutil.which("docker-compose") is None:

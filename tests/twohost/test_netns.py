@@ -112,7 +112,10 @@ def test_requests_cross_the_veth_pair(two):
     from vllm_hawk.testing.local_cluster import scrape_metrics
 
     net = two.net
-    side_port = json.loads(two.servers["prefill"].argv[-1])["kv_connector_extra_config"]["side_channel_port"]
+    cfgs = {r: json.loads(two.servers[r].argv[-1])["kv_connector_extra_config"] for r in ("prefill", "decode")}
+    for cfg in cfgs.values():  # authentication on, as deployed: LocalCluster's fresh secret file
+        assert cfg["auth"] == "curve" and Path(cfg["shared_secret_file"]).stat().st_mode & 0o077 == 0, cfg
+    side_port = cfgs["prefill"]["side_channel_port"]
     listening = net.listening(net.ns_p)
     assert f"{net.kv_p}:{side_port}" in listening, f"side channel not on the kv link:\n{listening}"
     assert f"127.0.0.1:{side_port}" not in listening

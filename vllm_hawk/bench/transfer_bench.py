@@ -29,8 +29,12 @@ Every row also reports its ratio to GG-Direct measured in the same run and its C
 The comparison is at equal bytes: every row first runs with a bfloat16 target. GN-HAWK
 rows are then repeated with a bfloat8_b target, which moves ~47% fewer bytes because the
 prefill packs block floats: every row reports the bytes it moved next to its latency.
-The prefill's two Mooncake engines are separate, so the HAWK endpoint exposes ONLY its
-ring; the GG-Direct endpoint exposes the whole cache (as GPU-to-GPU connectors do).
+The prefill's two Mooncake engines are separate. ``--registration`` picks what each side
+registers with the transport: ``per_request`` (default: only a live request's ring range,
+block runs, receive slices or KV pages, for its transfer) or ``whole`` (the ring, the
+GG-Direct cache, the receive pools and the KV pool registered once at start — the code
+before per-request registration); ``both`` runs the two one after the other in this
+invocation and prints per-request / whole latency ratios per row and size.
 Block tables are contiguous runs (a fresh cache) unless ``--fragmented``.
 """
 from __future__ import annotations
@@ -67,10 +71,12 @@ def _prefill_main(cfg: dict, conn) -> None:
     compat = make_compat(*cfg["compat"])
     transports = {"hawk": make_transport("mooncake"), "gg_direct": make_transport("mooncake"),
                   "gg_host": make_transport("host_staged", chunk_nbytes=cfg["host_chunk"])}
+    reg = cfg.get("registration", "per_request")
     eps = {"hawk": prefill_endpoint(cache, transports["hawk"], compat, "hawk", ring_nbytes=cfg["ring_nbytes"],
-                                    claim_wait_s=60, lease_s=600),
-           "gg_direct": prefill_endpoint(cache, transports["gg_direct"], compat, "vllm", lease_s=600),
-           "gg_host": prefill_endpoint(cache, transports["gg_host"], compat, "vllm", lease_s=600)}
+                                    claim_wait_s=60, lease_s=600, registration=reg),
+           "gg_direct": prefill_endpoint(cache, transports["gg_direct"], compat, "vllm", lease_s=600,
+                                         registration=reg),
+           "gg_host": prefill_endpoint(cache, transports["gg_host"], compat, "vllm", lease_s=600, registration=reg)}
     conn.send({k: e.endpoint for k, e in eps.items()})
     try:
         while True:
@@ -85,7 +91,7 @@ def _prefill_main(cfg: dict, conn) -> None:
                 r = resource.getrusage(resource.RUSAGE_SELF)
                 conn.send(r.ru_utime + r.ru_stime)
             elif cmd[0] == "snapshot":
-                conn.send({k: e.snapshot() for k, e in eps.items()})
+                conn.send({k: {**e.snapshot(), "registrations": e.exposure.registrations} for k, e in eps.items()})
             else:
                 break
     finally:
@@ -118,7 +124,7 @@ class _Prefill:
 # ---------------------------------------------------------------------------- decode side
 def run(model: str = "llama-3.1-70b", tp: int = 4, device_profile: str = "p150a", block_size: int = 64,
         sizes_mb=DEFAULT_SIZES, repeats: int = 5, rows=ROWS, per_tile_cap_s: float = 10.0,
-        fragmented: bool = False, seed: int = 0, layer_groups: int = 4) -> dict:
+        fragmented: bool = False, seed: int = 0, layer_groups: int = 4, registration: str = "per_request") -> dict:
     from vllm_hawk.layout.device_profiles import load_profile
     from vllm_hawk.layout.model_shapes import load_model_shape
     from vllm_hawk.layout.tt_kv_cache import TTKVCacheSpec
@@ -138,7 +144,8 @@ def run(model: str = "llama-3.1-70b", tp: int = 4, device_profile: str = "p150a"
     compat_args = (shape.name, "bfloat16", block_size, "vllm-flash-nhd", "tt-paged", device_profile)
     host_chunk = 4 << 20
     pre = _Prefill({"shape": (shape.num_layers, cache_blocks, heads, block_size, shape.head_dim), "seed": seed,
-                    "compat": compat_args, "ring_nbytes": int(src_nbytes * 1.05) + (8 << 20), "host_chunk": host_chunk})
+                    "compat": compat_args, "ring_nbytes": int(src_nbytes * 1.05) + (8 << 20), "host_chunk": host_chunk,
+                    "registration": registration})
     compat = make_compat(*compat_args)
     mc, hs = make_transport("mooncake"), make_transport("host_staged", chunk_nbytes=host_chunk)
     spec = {dt: TTKVCacheSpec(shape.num_layers, cache_blocks, heads, block_size, shape.head_dim, dt)
@@ -155,12 +162,14 @@ def run(model: str = "llama-3.1-70b", tp: int = 4, device_profile: str = "p150a"
         hawk = {}
         for dt in ("bfloat16", "bfloat8_b"):
             hawk[dt] = TTDecode(dev, spec[dt], mc, pre.endpoints["hawk"], compat, recv_nbytes_per_bank=recv_per_bank,
-                                pool=hawk["bfloat16"].pool if dt != "bfloat16" else None, timeout_s=600)
+                                pool=hawk["bfloat16"].pool if dt != "bfloat16" else None, timeout_s=600,
+                                registration=registration)
             closers.append(hawk[dt].close)
         dcache = PagedKVCache(shape.num_layers, cache_blocks, heads, block_size, shape.head_dim)
-        gg_direct = VllmDecode(dcache, mc, pre.endpoints["gg_direct"], compat, timeout_s=600)
+        gg_direct = VllmDecode(dcache, mc, pre.endpoints["gg_direct"], compat, timeout_s=600,
+                               registration=registration)
         closers.append(gg_direct.close)
-        gg_host = VllmDecode(dcache, hs, pre.endpoints["gg_host"], compat, timeout_s=600)
+        gg_host = VllmDecode(dcache, hs, pre.endpoints["gg_host"], compat, timeout_s=600, registration=registration)
         closers.append(gg_host.close)
 
         cases = [(r, "bfloat16", mb) for mb in sizes_mb for r in rows]
@@ -241,7 +250,8 @@ def run(model: str = "llama-3.1-70b", tp: int = 4, device_profile: str = "p150a"
             "config": {"model": model, "tp": tp, "device": device_profile, "block_size": block_size,
                        "kv_heads_per_rank": heads, "num_layers": shape.num_layers, "head_dim": shape.head_dim,
                        "fragmented": fragmented, "per_tile_cap_s": per_tile_cap_s, "repeats": repeats,
-                       "layer_groups": layer_groups, "cores": os.cpu_count(), "load_average": os.getloadavg()}}
+                       "layer_groups": layer_groups, "cores": os.cpu_count(), "load_average": os.getloadavg(),
+                       "registration": registration}}
 
 
 def _cpu_s() -> float:
@@ -343,14 +353,18 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--per-tile-cap-s", type=float, default=10.0)
     ap.add_argument("--fragmented", action="store_true", help="random block tables instead of contiguous runs")
     ap.add_argument("--layer-groups", type=int, default=4, help="layer groups of the pipelined rows")
+    ap.add_argument("--registration", default="per_request", choices=("per_request", "whole", "both"),
+                    help="what is registered with the transport (see the module doc); both: ratios per_request/whole")
     ap.add_argument("--out", default="results/bench_transfer.json")
     ap.add_argument("--plot", default=None, help="PNG path (default: --out with .png; '' for none)")
     a = ap.parse_args(argv)
     if a.plot is None:
         a.plot = os.path.splitext(a.out)[0] + ".png"
     sizes = [int(s) if float(s).is_integer() else s for s in a.sizes_mb]
+    if a.registration == "both":
+        return _main_both(a, sizes)
     res = run(a.model, a.tp, a.device_profile, a.block_size, sizes, a.repeats, a.rows, a.per_tile_cap_s,
-              a.fragmented, layer_groups=a.layer_groups)
+              a.fragmented, layer_groups=a.layer_groups, registration=a.registration)
     cfg = res["config"]
     print(f"KV transfer, decode request -> KV in pool; {cfg['model']} TP={cfg['tp']} ({cfg['kv_heads_per_rank']} KV "
           f"heads, {cfg['num_layers']} layers) -> {cfg['device']} emulated, block {cfg['block_size']}, "
@@ -380,6 +394,33 @@ def main(argv: list[str] | None = None) -> int:
             print(f"wrote {plot(res, a.plot)}")
         except Exception as e:  # noqa: BLE001 - the measurements are written already
             print(f"no plot ({type(e).__name__}: {e})")
+    return 0
+
+
+def _main_both(a, sizes) -> int:
+    """Whole-cache registration (the previous code) and per-request registration, one after
+    the other in this process: latency ratios per row, target dtype and size."""
+    out = {}
+    for reg in ("whole", "per_request"):
+        print(f"--- registration {reg}", flush=True)
+        out[reg] = run(a.model, a.tp, a.device_profile, a.block_size, sizes, a.repeats, a.rows, a.per_tile_cap_s,
+                       a.fragmented, layer_groups=a.layer_groups, registration=reg)
+    rows = []
+    for r in out["per_request"]["rows"]:
+        w = _get(out["whole"]["rows"], r["row"], r["dtype"], r["size_mb"])
+        if w:
+            rows.append({"row": r["row"], "dtype": r["dtype"], "size_mb": r["size_mb"], "whole_ms": w["latency_ms"],
+                         "per_request_ms": r["latency_ms"], "ratio": r["latency_ms"] / w["latency_ms"],
+                         "whole_all_ms": w["all_ms"], "per_request_all_ms": r["all_ms"]})
+    print(f"\nper-request vs whole-cache registration, median of {a.repeats}, Mooncake TCP loopback:")
+    print_table(rows, [("row", "row", ""), ("dtype", "target", ""), ("size_mb", "src MB", ""),
+                       ("whole_ms", "whole ms", ".1f"), ("per_request_ms", "per-request ms", ".1f"),
+                       ("ratio", "ratio", ".3f")])
+    snap = out["per_request"]["prefill_snapshot"]
+    print("prefill registrations made (per_request run): " +
+          ", ".join(f"{k} {v.get('registrations', 0)}" for k, v in snap.items()))
+    path = write_json(a.out, {"bench": "transfer-registration", "args": vars(a), "ratios": rows, **out})
+    print(f"wrote {path}")
     return 0
 
 

@@ -33,9 +33,20 @@ field                  default             meaning
                                            picks per-bank receive buffers + intra-bank copies
                                            (``staged``) or READs into the KV pages
                                            (``direct``); see :mod:`vllm_hawk.kvflow.sinks`)
-``shared_secret``      ``None``            side-channel HMAC key (>= 16 bytes); when unset
-                                           the environment variable ``HAWK_SHARED_SECRET``
-                                           is used if present, else no authentication
+``auth``               ``"curve"``         side-channel authentication, set the SAME on both
+                                           sides: ``curve`` (CurveZMQ + ZAP at connection
+                                           time, then the HMAC envelope per message),
+                                           ``hmac`` (the envelope only), ``none`` (nothing
+                                           authenticated: a private, trusted network only).
+                                           ``curve``/``hmac`` need a shared secret and
+                                           start-up fails without one; see "Security"
+``shared_secret``      ``None``            the shared secret (>= 16 bytes), inline; keys the
+                                           side channel (CurveZMQ keys, HMAC) and the
+                                           host-staged transport's connection check
+``shared_secret_file`` ``None``            a file holding the secret instead (its bytes,
+                                           trailing newline stripped); exactly one of the
+                                           two, else ``HAWK_SHARED_SECRET`` or
+                                           ``HAWK_SHARED_SECRET_FILE`` from the environment
 ``lease_s``            ``60.0``            prefill (the **lease**): a finished request's
                                            KV is held this long for its decode, from the
                                            hand-over and again from its KVReady; without
@@ -55,16 +66,58 @@ field                  default             meaning
                                            and KVReady per group, one Release); 1 = off
 =====================  ==================  ==================================================
 
-Validated once at start-up; an error names the field, the bad value and what is allowed.
+Validated once at start-up; an error names the field, the bad value and what is allowed
+(a secret's value is never shown).
+
+Security
+--------
+Who may reach each port and what it exposes (threat model: README, "Threat model"):
+
+* side channel (``side_channel_host:side_channel_port``, ZMQ). CurveZMQ + ZAP against the
+  HMAC envelope alone, measured (``tests/security/test_idle_floods.py``: a prefill limited
+  to 256 fds, 400 connections held and reopened as they are dropped):
+
+  - ``auth: curve`` (default): a peer without the secret cannot finish the ZMTP handshake
+    (its CURVE key is derived from the secret; pyzmq's ZAP handler admits only that key);
+    libzmq drops it after 1 s (``HANDSHAKE_IVL``) whether it talks or idles, and none of
+    our code runs for it. New decodes were served in 1.0-1.1 s (silent flood) and
+    0.02-0.1 s (a flood speaking ZMTP/NULL); RSS +1 MiB. While the flood holds every fd,
+    libzmq retries ``accept`` in a busy loop (2-4 CPU seconds over the 3 s test): keep the
+    fd limit high (vLLM raises it to 65,535) so that this takes more than a second's worth
+    of connections.
+  - ``auth: hmac``: every message is checked (forgeries, replays and messages for another
+    prefill are dropped) but any peer completes the NULL handshake and HOLDS its
+    connection; 400 idle ZMQ peers lock new decodes out (not served within 2 s), as the
+    review's 4,100 did at 4,096 fds. Use it only where ``curve`` cannot be (no libsodium).
+
+  Both keep the message-level envelope: HMAC-SHA256, 30 s replay window, the recipient's
+  id. When one side has a secret and the other none (or another, or a different
+  ``auth``), the decode's handshake fails at once with an error that says so.
+* transfer engine (Mooncake): listens on two ports on EVERY interface, whatever
+  ``side_channel_host`` says, without authentication (Mooncake has no setting for
+  either; ``MC_MIN_RPC_PORT``/``MC_MAX_RPC_PORT`` only pick the port range). Anyone who
+  reaches them can READ/WRITE memory registered at that moment. HAWK therefore
+  registers only what a transfer needs while it needs it (a request's ring range, the
+  receive buffers of a pull in flight) and the ports must be firewalled to the peer
+  nodes; ``hawk doctor`` says so.
+* host-staged transport (``side_channel_host``, ephemeral port): every connection proves
+  the shared secret (HMAC challenge-response) before any request is read; ranges are
+  checked before anything is allocated; connections are bounded and idle ones dropped.
 """
+
 from __future__ import annotations
 
-from dataclasses import dataclass, fields
+import os
+import stat
+from dataclasses import dataclass, field, fields
 from typing import Any, Mapping
 
 from vllm_hawk import envs
 
 TRANSPORTS = ("mooncake-tcp", "mooncake-rdma", "host-staged")
+AUTH_MODES = ("curve", "hmac", "none")
+MIN_SECRET_NBYTES = 16
+MAX_SECRET_FILE_NBYTES = 4096
 MODES = ("direct", "staged")
 VLLM_PROFILE = "vllm"
 
@@ -81,7 +134,9 @@ class HawkConfig:
     side_channel_port: int = 17600
     mode: str = "direct"
     device_profile: str = VLLM_PROFILE
-    shared_secret: str | None = None
+    auth: str = "curve"
+    shared_secret: str | None = field(default=None, repr=False)
+    shared_secret_file: str | None = None
     lease_s: float = 60.0
     pull_timeout_s: float = 20.0
     claim_wait_s: float = 5.0
@@ -89,21 +144,18 @@ class HawkConfig:
     ring_nbytes: int = 64 << 20
     max_pulls: int = 2
     layer_groups: int = 1
-
-    @property
-    def secret_bytes(self) -> bytes | None:
-        return self.shared_secret.encode() if self.shared_secret else None
+    secret_bytes: bytes | None = field(default=None, repr=False, compare=False)  # resolved, not a field
 
     def transport_kind_and_options(self) -> tuple[str, dict[str, Any]]:
         """Arguments for :func:`vllm_hawk.transport.make_transport`."""
         if self.transport == "host-staged":
-            return "host_staged", {"bind_host": self.side_channel_host}
+            return "host_staged", {"bind_host": self.side_channel_host, "secret": self.secret_bytes}
         protocol = "rdma" if self.transport == "mooncake-rdma" else "tcp"
         return "mooncake", {"local_host": self.side_channel_host, "protocol": protocol,
                             "device_name": self.rdma_device}
 
 
-_KNOWN = {f.name: f for f in fields(HawkConfig)}
+_KNOWN = {f.name: f for f in fields(HawkConfig) if f.name != "secret_bytes"}
 _RENAMED = {"transfer_timeout_s": "pull_timeout_s"}
 
 
@@ -162,11 +214,62 @@ def parse_config(extra: Mapping[str, Any] | None, *, dp_rank: int = 0) -> HawkCo
         if profile not in known:
             raise _err("device_profile", profile, f"choose {VLLM_PROFILE!r} or one of {known}")
 
-    secret = out["shared_secret"]
-    if secret is None:
-        secret = envs.shared_secret()
-    if secret is not None:
-        if not isinstance(secret, str) or len(secret.encode()) < 16:
-            raise _err("shared_secret", "<hidden>", "must be a string of at least 16 bytes")
-    out["shared_secret"] = secret
+    if out["auth"] not in AUTH_MODES:
+        raise _err("auth", out["auth"], f"choose one of {list(AUTH_MODES)}")
+    out["secret_bytes"] = _resolve_secret(out)
     return HawkConfig(**out)
+
+
+def _read_secret_file(name: str, path: Any) -> bytes:
+    if not isinstance(path, str) or not path:
+        raise _err(name, path, "expected the path of a file holding the shared secret")
+    try:
+        st = os.stat(path)
+        if not stat.S_ISREG(st.st_mode) or st.st_size > MAX_SECRET_FILE_NBYTES:
+            raise _err(name, path, f"must be a regular file of at most {MAX_SECRET_FILE_NBYTES} bytes")
+        with open(path, "rb") as f:
+            data = f.read(MAX_SECRET_FILE_NBYTES + 1).rstrip(b"\r\n")
+    except OSError as e:
+        raise _err(name, path, f"cannot be read: {e.strerror}") from None
+    if st.st_mode & stat.S_IROTH:
+        import logging
+        logging.getLogger("vllm.hawk.config").warning(
+            "%s %s is readable by every user on this host: chmod o-r it", name, path)
+    return data
+
+
+def _resolve_secret(out: dict) -> bytes | None:
+    """The shared secret from the config (inline or file) or the environment; checked
+    against ``auth``. Errors never show the secret."""
+    inline, path = out["shared_secret"], out["shared_secret_file"]
+    if inline is not None and path is not None:
+        raise _err("shared_secret_file", path, "set either shared_secret or shared_secret_file, not both")
+    if inline is not None:
+        if not isinstance(inline, str):
+            raise _err("shared_secret", "<hidden>", "expected a string")
+        secret, name = inline.encode(), "shared_secret"
+    elif path is not None:
+        secret, name = _read_secret_file("shared_secret_file", path), "shared_secret_file"
+    else:
+        env_inline, env_path = envs.shared_secret(), envs.shared_secret_file()
+        if env_inline is not None:
+            secret, name = env_inline.encode(), "shared_secret (from HAWK_SHARED_SECRET)"
+        elif env_path is not None:
+            secret, name = _read_secret_file("HAWK_SHARED_SECRET_FILE", env_path), "HAWK_SHARED_SECRET_FILE"
+        else:
+            secret, name = None, ""
+    if out["auth"] == "none":
+        if secret is not None:
+            raise _err("auth", "none", f"a shared secret is configured ({name}): remove it, or choose "
+                       "auth 'curve' (default) or 'hmac'")
+        return None
+    if secret is None:
+        raise HawkConfigError(
+            f"kv_connector_extra_config.auth={out['auth']!r} needs a shared secret and none is set: side-channel "
+            "authentication is on by default. Set shared_secret or shared_secret_file (or HAWK_SHARED_SECRET / "
+            "HAWK_SHARED_SECRET_FILE) to the same >= 16-byte secret on the prefill and the decode, or set "
+            "\"auth\": \"none\" on both to turn authentication off on a private, trusted network")
+    if len(secret) < MIN_SECRET_NBYTES:
+        raise _err(name.split(" ")[0], "<hidden>", f"the secret must be at least {MIN_SECRET_NBYTES} bytes, "
+                   f"got {len(secret)}")
+    return secret

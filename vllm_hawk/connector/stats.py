@@ -17,6 +17,10 @@ metric                                          type       meaning
                                                            because no decode came in time
 ``vllm:hawk_released_total``                    counter    prefill: held requests released
                                                            by their decode
+``vllm:hawk_refused_input_total``               counter    prefill: side-channel input refused
+                                                           (failed authentication, bounded
+                                                           tables full, a Release by a decode
+                                                           that did not request the id, ...)
 ==============================================  =========  ==================================
 """
 from __future__ import annotations
@@ -33,7 +37,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.metrics import (
 )
 
 _SERIES = ("transfer_s", "nbytes", "segments", "operations")
-_COUNTS = ("failed", "expired", "released")
+_COUNTS = ("failed", "expired", "released", "refused")
 
 
 @dataclass
@@ -81,6 +85,7 @@ class HawkKVConnectorStats(KVConnectorStats):
             "Avg ops per pull": round(sum(self.data["operations"]) / n, 1) if n else 0,
             "Failed pulls": self.data["failed"],
             "Expired leases": self.data["expired"],
+            "Refused input": self.data["refused"],
         }
 
 
@@ -116,6 +121,9 @@ class HawkPromMetrics(KVConnectorPromMetrics):
                                "HawkConnector: held prefill requests freed on lease expiry.")
         self.released = counter("vllm:hawk_released",
                                 "HawkConnector: held prefill requests released by their decode.")
+        self.refused = counter("vllm:hawk_refused_input",
+                               "HawkConnector: side-channel input refused (authentication, bounds, "
+                               "ownership).")
 
     def observe(self, transfer_stats_data: dict[str, Any], engine_idx: int = 0) -> None:
         d = transfer_stats_data
@@ -124,6 +132,6 @@ class HawkPromMetrics(KVConnectorPromMetrics):
             for v in d.get(series, ()):
                 metric[engine_idx].observe(v)
         for key, metric in (("failed", self.failed), ("expired", self.expired),
-                            ("released", self.released)):
+                            ("released", self.released), ("refused", self.refused)):
             if d.get(key):
                 metric[engine_idx].inc(d[key])

@@ -54,6 +54,8 @@ from vllm_hawk.transport import make_transport
 # Under "vllm." so that vLLM's log handlers and level apply.
 logger = logging.getLogger("vllm.hawk.worker")
 
+MAX_PEERS = 64  # decode: prefill side channels kept open at once; a pull to one more is refused (counted)
+
 
 # --------------------------------------------------------------------------- CPU affinity
 
@@ -154,7 +156,7 @@ class HawkConnectorWorker:
         self._figures: dict[str, dict] = {}
         self._peers: dict[str, DecodeEndpoint] = {}
         self._peer_locks: dict[str, threading.Lock] = {}
-        self._counted = {"expired": 0, "released": 0}
+        self._counted = {"expired": 0, "released": 0, "refused": 0}
         self.kv: LocalKV | None = None
         self.transport = self.prefill = self.sink = self._pool = None
         self._debug = envs.debug_dir()
@@ -197,10 +199,14 @@ class HawkConnectorWorker:
         self.prefill = PrefillEndpoint(
             source, self.transport, self.kv.compat, ring_nbytes=cfg.ring_nbytes,
             bind=f"tcp://{cfg.side_channel_host}:{cfg.side_channel_port}", secret=cfg.secret_bytes,
-            claim_wait_s=cfg.claim_wait_s, lease_s=cfg.lease_s, on_finished=self._on_finished,
-            observer=observer, server_id=f"hawk-prefill-{cfg.side_channel_port}")
-        logger.info("HawkConnector prefill: side channel %s, transfer endpoint %s, source %s, transport %s",
-                    self.prefill.endpoint, self.transport.endpoint, source.name, cfg.transport)
+            auth=cfg.auth, claim_wait_s=cfg.claim_wait_s, lease_s=cfg.lease_s, on_finished=self._on_finished,
+            observer=observer)  # server_id: random per start, so signed requests name this instance
+        logger.info("HawkConnector prefill: side channel %s (auth %s), transfer endpoint %s, source %s, "
+                    "transport %s", self.prefill.endpoint, cfg.auth, self.transport.endpoint, source.name,
+                    cfg.transport)
+        if cfg.auth == "none":
+            logger.warning("HawkConnector prefill: side-channel authentication is OFF (auth 'none'): anyone who "
+                           "reaches %s can request and release KV", self.prefill.endpoint)
 
     # ---------------------------------------------------------------- engine thread, each step
     def start_load_kv(self, meta: HawkConnectorMetadata) -> None:
@@ -239,8 +245,8 @@ class HawkConnectorWorker:
     def get_stats(self) -> HawkKVConnectorStats | None:
         with self._lock:
             if self.prefill is not None:
-                for what in ("expired", "released"):
-                    n = getattr(self.prefill.stats, what)
+                for what in ("expired", "released", "refused"):
+                    n = self.prefill.refused_input() if what == "refused" else getattr(self.prefill.stats, what)
                     self.stats.count(what, n - self._counted[what])
                     self._counted[what] = n
             if self.stats.is_empty():
@@ -262,8 +268,16 @@ class HawkConnectorWorker:
             with self._lock:
                 got = self._peers.get(ep)
             if got is None:
+                with self._lock:
+                    full = len(self._peers) >= MAX_PEERS
+                if full:
+                    with self._lock:
+                        self.stats.count("refused")
+                    raise PeerFailed(f"pull from prefill {spec.remote_engine_id} at {ep} refused: this decode already "
+                                     f"talks to {MAX_PEERS} prefills (kv_transfer_params name too many side channels)")
                 try:
                     got = DecodeEndpoint(self.transport, ep, self.kv.compat, secret=self.cfg.secret_bytes,
+                                         auth=self.cfg.auth,
                                          pull_timeout_s=self.cfg.pull_timeout_s,
                                          claim_wait_s=self.cfg.claim_wait_s,
                                          handshake_timeout_s=self.cfg.handshake_timeout_s)

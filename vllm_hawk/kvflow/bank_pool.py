@@ -6,8 +6,12 @@ in every DRAM bank (``allocate_bank_buffers``), maps it with the bank-buffer API
 ``get_buffer_size_bank``) with the transport, once. Requests then take slices of it
 from the pool's own lockstep allocator: a slice has the same byte offset in every
 bank (like the device's interleaved buffers) and ``nbytes_per_bank`` bytes in each.
+With ``registration="per_request"`` (default) only the slices handed out are registered
+with the transport (one region per bank, from ``acquire`` to ``release``); ``"whole"``
+registers each bank's region once, at start.
 The buffers are written once at creation (first touch: page faults of host-backed
-memory happen then, not inside a transfer). ``acquire`` waits up to a deadline for room (backpressure) and raises
+memory happen then, not inside a transfer). ``acquire`` waits up to a deadline for room
+(backpressure) and raises
 :class:`BufferFull` after it; nothing is ever handed out twice.
 """
 from __future__ import annotations
@@ -18,6 +22,7 @@ import threading
 import time
 
 from vllm_hawk.kvflow.errors import BufferFull
+from vllm_hawk.kvflow.exposure import check_registration
 from vllm_hawk.layout.interleave import LockstepAllocator, OutOfDeviceMemory
 
 
@@ -44,8 +49,11 @@ class BankBufferPool:
     transport: registers each bank's region (optional). align: slice alignment (bytes).
     """
 
-    def __init__(self, device, size_per_bank: int, transport=None, align: int | None = None) -> None:
+    def __init__(self, device, size_per_bank: int, transport=None, align: int | None = None,
+                 registration: str = "per_request") -> None:
         self.device = device
+        self.registration = check_registration(registration)
+        self._slice_regs: dict[str, list[int]] = {}
         self.num_banks = device.get_device_num_bank()
         self.buffer = device.allocate_bank_buffers(size_per_bank)
         self._transport = transport
@@ -56,7 +64,7 @@ class BankBufferPool:
             self.size_per_bank = min(device.get_buffer_size_bank(self.buffer, b) for b in range(self.num_banks))
             for a in self.bank_addrs:  # first touch now, so page faults stay out of the transfers
                 ctypes.memset(a, 0, self.size_per_bank)
-            if transport is not None:
+            if transport is not None and registration == "whole":
                 for a in self.bank_addrs:
                     transport.register(a, self.size_per_bank)
                     self._registered.append(a)
@@ -93,14 +101,33 @@ class BankBufferPool:
                     self._cond.wait(left)
             s = RecvSlice(key, a.address, nbytes_per_bank, tuple(x + a.address for x in self.bank_addrs),
                           self.buffer.address + a.address)
+            if self._transport is not None and self.registration == "per_request":
+                regs: list[int] = []
+                try:
+                    for addr in s.bank_addrs:
+                        self._transport.register(addr, nbytes_per_bank)
+                        regs.append(addr)
+                except BaseException:
+                    self._unregister(regs)
+                    self._alloc.free(a.address)
+                    raise
+                self._slice_regs[key] = regs
             self._live[key] = s
             return s
+
+    def _unregister(self, addrs) -> None:
+        for addr in addrs:
+            try:
+                self._transport.unregister(addr)
+            except Exception:  # noqa: BLE001 - transport closed already
+                pass
 
     def release(self, key: str) -> None:
         with self._cond:
             s = self._live.pop(key, None)
             if s is None:
                 raise KeyError(f"bank pool: no receive buffers held by request {key!r}")
+            self._unregister(self._slice_regs.pop(key, ()))
             self._alloc.free(s.offset)
             self._cond.notify_all()
 
@@ -118,6 +145,9 @@ class BankBufferPool:
             return not self._live and self._alloc.free_bytes() == self.size_per_bank
 
     def close(self) -> None:
+        for regs in self._slice_regs.values():
+            self._unregister(regs)
+        self._slice_regs = {}
         for a in self._registered:
             try:
                 self._transport.unregister(a)

@@ -130,13 +130,13 @@ class DecodeEndpoint:
     """
 
     def __init__(self, transport, endpoint: str, compat: CompatFields, *, secret: bytes | None = None,
-                 pull_timeout_s: float = 10.0, claim_wait_s: float = 5.0,
+                 auth: str | None = None, pull_timeout_s: float = 10.0, claim_wait_s: float = 5.0,
                  handshake_timeout_s: float | None = None) -> None:
         self.transport, self.pull_timeout_s, self.claim_wait_s = transport, pull_timeout_s, claim_wait_s
         self._lock = threading.Lock()
         self._pending_frees = 0
         self.quarantined: list[str] = []  # requests whose receive memory stays held (batch never settled)
-        self.client = ProtocolClient(endpoint, compat, secret=secret, timeout_s=pull_timeout_s)
+        self.client = ProtocolClient(endpoint, compat, secret=secret, auth=auth, timeout_s=pull_timeout_s)
         try:
             self.client.handshake(handshake_timeout_s or pull_timeout_s)
         except Exception:
@@ -184,6 +184,15 @@ class DecodeEndpoint:
         res.request_s, res.segments = t1 - t0, len(ready.segments)
         rdeadline, note = _read_deadline(ready, t1, deadline)
         landing = self._land(req_id, ready, plan, sink, hello, rdeadline, note)
+        try:
+            return self._fetch_landed(req_id, res, ready, landing, dst, hello, t0, t1, rdeadline, deadline, note,
+                                      release, time_cap_s)
+        finally:
+            if landing.unexpose is not None:  # the batch is over (done, failed or abandoned)
+                landing.unexpose()
+
+    def _fetch_landed(self, req_id, res, ready, landing, dst, hello, t0, t1, rdeadline, deadline, note, release,
+                      time_cap_s) -> FetchResult:
         res.entries, res.nbytes = len(landing.entries), sum(e[2] for e in landing.entries)
         res.extra.update(landing.figures)
         peer = hello.transfer_endpoint
@@ -270,6 +279,9 @@ class DecodeEndpoint:
             if isinstance(e, (TransferFailed, TransferTimeout)):
                 raise PeerFailed(f"request {req_id}: transfer from {self.peer} failed: {e}{note}", req_id) from e
             raise PeerFailed(f"request {req_id}: {type(e).__name__}: {e}", req_id) from e
+        finally:
+            if landing is not None and landing.unexpose is not None:  # every batch done or abandoned
+                landing.unexpose()
         t3 = time.monotonic()
         res.transfer_s = t3 - t0 - res.request_s  # first KVReady -> last batch done
         res.extra.update(landing.figures)

@@ -10,7 +10,9 @@ transform) the endpoint reserves the range first (P5). ``Release`` (D8) frees th
 
 Failure semantics, all here:
 
-* a KVRequest that beats the engine's hand-over waits up to :data:`EARLY_REQUEST_WAIT_S`;
+* a KVRequest that beats the engine's hand-over waits up to :data:`EARLY_REQUEST_WAIT_S`
+  (the layer groups of one request from the same decode wait together, and are all
+  served, in arrival order, once it comes);
 * a Release that beats the hand-over is remembered (bounded) and finishes the request
   when it arrives; one for a request held but never requested frees it (the decode had
   the prefix locally or was aborted);
@@ -23,8 +25,25 @@ Failure semantics, all here:
 * ring space is waited for at most ``claim_wait_s`` (and the request's deadline), then
   refused with ``no_space``.
 
-Only the ring (or, for a source served in place, the source's exports) is registered
-with the transport, so a peer's READ of anything else is refused by the transport.
+Only live requests' memory is registered with the transport (``registration=
+"per_request"``, :mod:`~vllm_hawk.kvflow.exposure`): a ring range from P5 to P8, or for a
+source served in place (GG-Direct) the request's block runs from KVReady to Release or
+lease expiry (a request served by layer groups: one ring range for all its groups). A
+peer's READ of anything else is refused by the transport.
+``registration="whole"`` registers the ring (or the source's exports) once, as before.
+
+Ownership and bounds (peers are the side channel's authenticated sender ids):
+
+* the first decode whose KVRequest for an id is accepted owns it; a KVRequest or a
+  Release for that id from any other peer is refused (``unknown_request``, counted
+  ``not_owner``), so a stranger cannot free ring space a decode is still reading;
+* early KVRequests are parked at most :data:`MAX_EARLY` at once and
+  :data:`MAX_EARLY_BLOCK_IDS` destination block ids in all (about 10 MB; each parked
+  KVRequest, layer groups included, counts at least one); beyond that a
+  new one is refused at once (``early_full``); early Releases at most :data:`MAX_EARLY`
+  (the oldest is forgotten, ``early_release_evicted``) for ``EARLY_RELEASE_S``;
+* every refusal is counted in ``stats.refusals`` (with the side channel's, see
+  :meth:`PrefillEndpoint.refused_input`) and logged rate-limited.
 """
 from __future__ import annotations
 
@@ -38,14 +57,18 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from vllm_hawk.kvflow.errors import BufferFull, RingClosed
+from vllm_hawk.kvflow.exposure import Exposure, check_registration
 from vllm_hawk.kvflow.ring import RingBuffer
 from vllm_hawk.kvflow.sources import KVSource
 from vllm_hawk.protocol import Ack, CompatFields, ErrorMsg, KVReady, KVRequest, ProtocolServer, Release
+from vllm_hawk.security import RateLimitedLog, Refusals
 
 logger = logging.getLogger("vllm.hawk.kvflow.prefill")
 
 EARLY_REQUEST_WAIT_S = 3.0  # a KVRequest may beat the engine's hand-over by this much
-MAX_EARLY = 1024  # early KVRequests / Releases remembered at once (older ones are dropped)
+EARLY_RELEASE_S = 10.0  # a Release may beat the hand-over by this much
+MAX_EARLY = 1024  # early KVRequests / Releases remembered at once
+MAX_EARLY_BLOCK_IDS = 1 << 18  # destination block ids of all parked early KVRequests together
 MAX_GONE = 4096  # finished ids remembered to answer late messages precisely
 MAX_DST_BLOCK_ID = 1 << 24
 
@@ -55,6 +78,7 @@ class _Req:
     src_blocks: np.ndarray
     num_tokens: int
     expiry: float  # unix s; 0 = never (until Release)
+    owner: str = ""  # the peer whose KVRequest was accepted; "" = nobody yet
 
 
 @dataclass
@@ -78,6 +102,7 @@ class PrefillStats:
     expired: int = 0
     cancelled: int = 0  # Release arrived before KVReady; the range was freed, no KVReady sent
     produce_s: dict = field(default_factory=dict)  # req_id -> seconds producing its bytes (last 1024)
+    refusals: Refusals = field(default_factory=Refusals)  # refused input by reason
 
 
 class PrefillEndpoint:
@@ -93,9 +118,10 @@ class PrefillEndpoint:
     """
 
     def __init__(self, source: KVSource, transport, compat: CompatFields, *, ring_nbytes: int = 64 << 20,
-                 bind: str = "tcp://127.0.0.1:0", secret: bytes | None = None, claim_wait_s: float = 5.0,
+                 bind: str = "tcp://127.0.0.1:0", secret: bytes | None = None, auth: str | None = None,
+                 claim_wait_s: float = 5.0,
                  lease_s: float = 60.0, workers: int = 1, on_finished=None, observer=None,
-                 server_id: str = "") -> None:
+                 server_id: str = "", registration: str = "per_request") -> None:
         self.source, self.transport, self.compat = source, transport, compat
         self.claim_wait_s, self.lease_s = claim_wait_s, lease_s
         self.on_finished, self.observer = on_finished, observer
@@ -105,23 +131,30 @@ class PrefillEndpoint:
         self._served: dict[str, float] = {}  # req_id -> monotonic time of its KVReady
         self._pending: set[str] = set()
         self._cancelled: set[str] = set()  # pending requests whose decode already sent Release
-        self._early: collections.OrderedDict[str, tuple] = collections.OrderedDict()  # rid -> (msg, reply, until)
+        # rid -> ([(msg, reply)], until, peer): parked KVRequests (several: layer groups)
+        self._early: collections.OrderedDict[str, tuple] = collections.OrderedDict()
+        self._early_ids = 0  # destination block ids held by _early
         self._early_release: collections.OrderedDict[str, float] = collections.OrderedDict()  # rid -> until
+        self._rlog = RateLimitedLog(logger)
         self._gone: collections.OrderedDict[str, str] = collections.OrderedDict()  # rid -> "released"|"expired"
         self._streams: dict[str, _Stream] = {}  # requests served by layer groups
         self.ring: RingBuffer | None = None
         self._exported: list[int] = []
+        self.registration = check_registration(registration)
+        self.exposure = Exposure(transport)  # per-request registrations of a source served in place
+        self._export_regions: list[tuple[int, int]] = []
         self._stop = threading.Event()
         self._pool: cf.ThreadPoolExecutor | None = None
         self._reaper: threading.Thread | None = None
         self.server: ProtocolServer | None = None
         try:
             if source.uses_ring:
-                self.ring = RingBuffer(ring_nbytes, transport)
+                self.ring = RingBuffer(ring_nbytes, transport, registration=registration)
                 self.export_base, self.export_nbytes = self.ring.base_addr, self.ring.capacity
             else:
                 regions = source.exports()
-                for a, n in regions:
+                self._export_regions = list(regions)
+                for a, n in regions if registration == "whole" else ():
                     transport.register(a, n)
                     self._exported.append(a)
                 self.export_base = min(a for a, _ in regions)
@@ -129,7 +162,8 @@ class PrefillEndpoint:
             self._pool = cf.ThreadPoolExecutor(max_workers=workers, thread_name_prefix="hawk-prefill")
             self._reaper = threading.Thread(target=self._reap_loop, daemon=True, name="hawk-prefill-lease")
             self._reaper.start()
-            self.server = ProtocolServer(self, compat, bind=bind, secret=secret, server_id=server_id or None)
+            self.server = ProtocolServer(self, compat, bind=bind, secret=secret, auth=auth,
+                                         server_id=server_id or None)
         except BaseException:
             self.close()
             raise
@@ -161,10 +195,13 @@ class PrefillEndpoint:
         if early_release:  # the decode released it before the hand-over: free at once
             self._notify(req_id, True)
         elif serve is not None:
-            msg, reply, _until = serve
-            out = self.on_kv_request("", msg, reply)
-            if out is not None:
-                reply(out)
+            pairs, _until, peer = serve
+            with self._lock:
+                self._early_ids -= sum(max(1, len(m.dst_block_ids)) for m, _r in pairs)
+            for msg, reply in pairs:  # in arrival order (layer groups: the first one opens the stream)
+                out = self.on_kv_request(peer, msg, reply)
+                if out is not None:
+                    reply(out)
 
     def drop_request(self, req_id: str) -> None:
         with self._lock:
@@ -175,7 +212,8 @@ class PrefillEndpoint:
         with self._lock:
             out = {"requests": len(self._requests), "served_live": len(self._served),
                    "pending": len(self._pending), "early": len(self._early),
-                   "early_release": len(self._early_release), "served": self.stats.served,
+                   "early_release": len(self._early_release), "early_block_ids": self._early_ids,
+                   "served": self.stats.served,
                    "released": self.stats.released, "refused": self.stats.refused,
                    "expired": self.stats.expired, "cancelled": self.stats.cancelled}
         if self.ring is not None:
@@ -187,10 +225,25 @@ class PrefillEndpoint:
     def hello_info(self) -> tuple[str, int, int]:
         return self.transport.endpoint, self.export_base, self.export_nbytes
 
+    def refused_input(self) -> int:
+        """Side-channel input refused so far: this endpoint's refusals plus the server's."""
+        n = self.stats.refusals.total()
+        if self.server is not None:
+            n += self.server.stats.refusals.total()
+        return n
+
+    def _refuse(self, reason: str, rid: str, code: str, detail: str) -> ErrorMsg:
+        self.stats.refusals.count(reason)
+        self._rlog(reason, "prefill: refused input for %s (%s): %s", rid[:64], reason, detail)
+        return ErrorMsg(code=code, detail=detail, req_id=rid)
+
     def on_kv_request(self, peer: str, msg: KVRequest, reply):
         rid = msg.req_id
         grouped = bool(msg.num_layers or msg.first_layer)
         with self._lock:
+            req = self._requests.get(rid)
+            if req is not None and req.owner and req.owner != peer:
+                return self._refuse("not_owner", rid, "unknown_request", "another decode requested this id")
             st = self._streams.get(rid)
             if rid in self._pending or rid in self._served:
                 if not grouped or st is None or msg.first_layer in st.requested or rid in self._cancelled:
@@ -203,7 +256,20 @@ class PrefillEndpoint:
                 st.inflight += 1
                 self._pending.add(rid)
                 return self._submit_serve(msg, reply)
-            req = self._requests.get(rid)
+            early = self._early.get(rid)
+            if early is not None:  # parked before the hand-over: only further layer groups of the same decode join
+                pairs, _until, epeer = early
+                if (not grouped or epeer != peer or not pairs[0][0].num_layers
+                        or any(m.first_layer == msg.first_layer for m, _r in pairs)):
+                    return ErrorMsg(code="bad_message", detail="request already in flight", req_id=rid)
+                n_ids = max(1, len(msg.dst_block_ids))
+                if self._early_ids + n_ids > MAX_EARLY_BLOCK_IDS:
+                    return self._refuse("early_full", rid, "unknown_request",
+                                        f"no finished prefill with this id, and early requests already hold "
+                                        f"{self._early_ids} block ids")
+                pairs.append((msg, reply))
+                self._early_ids += n_ids
+                return None
             if req is None:
                 gone = self._gone.get(rid)
                 if gone is not None:
@@ -212,23 +278,25 @@ class PrefillEndpoint:
                                     detail=f"the request's blocks were {gone}", req_id=rid)
                 if self._stop.is_set():
                     return ErrorMsg(code="internal", detail="prefill endpoint is closing", req_id=rid)
-                self._early[rid] = (msg, reply, time.monotonic() + EARLY_REQUEST_WAIT_S)
-                self._early.move_to_end(rid)
-                dropped = self._early.popitem(last=False) if len(self._early) > MAX_EARLY else None
+                n_ids = max(1, len(msg.dst_block_ids))
+                if len(self._early) >= MAX_EARLY or self._early_ids + n_ids > MAX_EARLY_BLOCK_IDS:
+                    return self._refuse("early_full", rid, "unknown_request",
+                                        f"no finished prefill with this id, and {len(self._early)} early requests "
+                                        f"({self._early_ids} block ids) already wait for theirs")
+                # (KVRequest, reply) pairs (several: the layer groups of one request), until, peer
+                self._early[rid] = ([(msg, reply)], time.monotonic() + EARLY_REQUEST_WAIT_S, peer)
+                self._early_ids += n_ids
                 logger.debug("prefill: KVRequest for %s came before the engine's hand-over; waiting", rid)
             else:
-                dropped = None
                 err = self._check(msg, req) or (self._check_layers(msg) if grouped else "") or self.source.check(msg)
                 if err:
                     self.stats.refused += 1
                     return ErrorMsg(code="layout_mismatch", detail=err[:1000], req_id=rid)
+                req.owner = peer
                 self._pending.add(rid)
                 if grouped:
                     self._streams[rid] = _Stream(requested={msg.first_layer}, inflight=1)
         if req is None:
-            if dropped is not None:
-                drid, (_m, dreply, _u) = dropped
-                dreply(ErrorMsg(code="unknown_request", detail="no finished prefill with this id", req_id=drid))
             return None
         with self._lock:
             return self._submit_serve(msg, reply)
@@ -259,6 +327,10 @@ class PrefillEndpoint:
     def on_release(self, peer: str, msg: Release, reply):
         rid = msg.req_id
         with self._lock:
+            req = self._requests.get(rid)
+            if req is not None and req.owner and req.owner != peer:
+                return self._refuse("not_owner", rid, "unknown_request",
+                                    "only the decode that requested this id may release it")
             if rid in self._pending:  # KVReady not sent yet: the worker cancels it
                 self._cancelled.add(rid)
                 return Ack(req_id=rid)
@@ -269,15 +341,17 @@ class PrefillEndpoint:
                 if gone is not None:
                     return ErrorMsg(code="unknown_request", detail=f"nothing to release: already {gone}",
                                     req_id=rid)
-                self._early_release[rid] = time.monotonic() + max(self.lease_s, EARLY_REQUEST_WAIT_S)
+                self._early_release[rid] = time.monotonic() + EARLY_RELEASE_S
                 self._early_release.move_to_end(rid)
                 if len(self._early_release) > MAX_EARLY:
                     self._early_release.popitem(last=False)
+                    self.stats.refusals.count("early_release_evicted")
                 return Ack(req_id=rid)  # it beat the hand-over
             self._remember_gone_locked(rid, "released")
             self.stats.released += 1
         if served and self.ring is not None:
             self.ring.release(rid)  # P8
+        self.exposure.release(rid)
         if not msg.ok:
             logger.warning("prefill: decode reported a failed transfer of %s", rid)
         self._notify(rid, msg.ok)  # P9: the blocks are free for the engine
@@ -315,6 +389,9 @@ class PrefillEndpoint:
             elif self.observer is not None:
                 self.observer(rid, msg, src)
             segs = prep.segments(off)
+            if not prep.nbytes and self.registration == "per_request":  # served in place: expose its runs
+                self.exposure.acquire(rid, [(self.export_base + s.offset_bytes, s.nbytes) for s in segs],
+                                      domains=self._export_regions)
             out = KVReady(req_id=rid, ring_offset=off, total_nbytes=sum(s.nbytes for s in segs), segments=segs,
                           lease_ms=int(self.lease_s * 1000))
             with self._lock:  # the cancel check and the move to _served are one step
@@ -327,6 +404,7 @@ class PrefillEndpoint:
         except Exception as e:  # noqa: BLE001 - every failure becomes a typed reply
             if reserved:
                 self.ring.release(rid)  # P8
+            self.exposure.release(rid)
             with self._lock:
                 self._pending.discard(rid)
                 cancelled = rid in self._cancelled
@@ -501,16 +579,19 @@ class PrefillEndpoint:
                 self._requests.pop(r, None)
                 self._remember_gone_locked(r, "expired")
                 self.stats.expired += 1
-            while self._early and next(iter(self._early.values()))[2] < mono:
+            while self._early and next(iter(self._early.values()))[1] < mono:
                 late.append(self._early.popitem(last=False))
+                self._early_ids -= sum(max(1, len(m.dst_block_ids)) for m, _r in late[-1][1][0])
             while self._early_release and next(iter(self._early_release.values())) < mono:
                 self._early_release.popitem(last=False)
-        for rid, (_m, reply, _u) in late:
-            reply(ErrorMsg(code="unknown_request", detail="no finished prefill with this id", req_id=rid))
+        for rid, (pairs, _u, _p) in late:
+            for _m, reply in pairs:
+                reply(ErrorMsg(code="unknown_request", detail="no finished prefill with this id", req_id=rid))
         for r in dead:
             logger.warning("prefill: lease of %s expired without Release; freeing it", r)
             if self.ring is not None and r in self.ring.alloc.live():
                 self.ring.release(r)
+            self.exposure.release(r)
             self._notify(r, False)  # P9: the blocks are free for the engine
         return dead
 
@@ -536,6 +617,7 @@ class PrefillEndpoint:
             except Exception:  # noqa: BLE001 - transport closed already
                 pass
         self._exported = []
+        self.exposure.close()
 
 
 class _Cancelled(Exception):

@@ -12,8 +12,10 @@ when the owner closes) wakes every waiter with :class:`RingClosed` and refuses l
 reservations, so a closing endpoint never waits out a reserve deadline.
 
 :class:`RingBuffer` is the allocator plus its host memory (a uint8 torch tensor) and
-its registration with a transport: the ring is the only memory the prefill registers in
-HAWK mode, so a peer's READ of anything else is refused by the transport.
+its registration with a transport: with ``registration="per_request"`` (default) only
+the ranges of live requests are registered, each from ``reserve`` to ``release``, so a
+transport peer reaches nothing of an idle ring and no range but the live ones
+(:mod:`~vllm_hawk.kvflow.exposure`); ``"whole"`` registers the ring once.
 """
 from __future__ import annotations
 
@@ -24,6 +26,7 @@ import time
 import torch
 
 from vllm_hawk.kvflow.errors import BufferFull, RingClosed
+from vllm_hawk.kvflow.exposure import check_registration
 
 DEFAULT_ALIGN = 4096
 
@@ -148,25 +151,47 @@ class RingAllocator:
 class RingBuffer:
     """The registered ring: ``capacity`` bytes of host memory plus a :class:`RingAllocator`.
 
-    ``transport`` (optional) gets ``register(base_addr, capacity)`` now and
-    ``unregister`` at :meth:`close`. ``view(offset, nbytes)`` is a uint8 tensor over ring
+    ``transport`` (optional): ``registration="per_request"`` registers each reserved range
+    until its release; ``"whole"`` registers ``(base_addr, capacity)`` now and
+    unregisters it at :meth:`close`. ``view(offset, nbytes)`` is a uint8 tensor over ring
     bytes (no copy) that the transform writes G' into.
     """
 
-    def __init__(self, capacity: int, transport=None, align: int = DEFAULT_ALIGN) -> None:
+    def __init__(self, capacity: int, transport=None, align: int = DEFAULT_ALIGN,
+                 registration: str = "per_request") -> None:
         self.alloc = RingAllocator(capacity, align)
         self.capacity = self.alloc.capacity
         self.memory = torch.empty(self.capacity, dtype=torch.uint8)
         self.memory.fill_(0)  # first touch now: page faults stay out of the transform and the transfers
         self.base_addr = self.memory.data_ptr()
         self._transport = transport
-        if transport is not None:
+        self.registration = check_registration(registration)
+        self._ranges: dict[str, int] = {}  # key -> registered address (per_request)
+        self._rlock = threading.Lock()
+        if transport is not None and registration == "whole":
             transport.register(self.base_addr, self.capacity)
 
     def reserve(self, key: str, nbytes: int, timeout_s: float = 0.0) -> int:
-        return self.alloc.reserve(key, nbytes, timeout_s)
+        off = self.alloc.reserve(key, nbytes, timeout_s)
+        if self._transport is not None and self.registration == "per_request":
+            addr = self.base_addr + off
+            try:
+                self._transport.register(addr, nbytes)
+            except BaseException:
+                self.alloc.release(key)
+                raise
+            with self._rlock:
+                self._ranges[key] = addr
+        return off
 
     def release(self, key: str) -> None:
+        with self._rlock:
+            addr = self._ranges.pop(key, None)
+        if addr is not None:
+            try:
+                self._transport.unregister(addr)
+            except Exception:  # noqa: BLE001 - transport closed already
+                pass
         self.alloc.release(key)
 
     def abort(self) -> None:
@@ -180,8 +205,13 @@ class RingBuffer:
     def close(self) -> None:
         self.alloc.abort()
         if self._transport is not None:
-            try:
-                self._transport.unregister(self.base_addr)
-            except Exception:  # noqa: BLE001 - transport may be closed already
-                pass
+            with self._rlock:
+                addrs, self._ranges = list(self._ranges.values()), {}
+            if self.registration == "whole":
+                addrs = [self.base_addr]
+            for a in addrs:
+                try:
+                    self._transport.unregister(a)
+                except Exception:  # noqa: BLE001 - transport may be closed already
+                    pass
             self._transport = None

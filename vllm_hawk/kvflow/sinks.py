@@ -14,6 +14,14 @@ READ batch and every failure path; a sink only knows its memory. Three sinks:
 receive buffers are free) and ``free`` (receive buffers only, for a failed batch once it
 has settled) — ``free`` is None when the READs write KV pages directly, and then
 ``dst_blocks`` are the pages a failed batch may still write.
+
+Registration (``registration``, :mod:`~vllm_hawk.kvflow.exposure`): with ``per_request``
+(default) a sink registers only what one fetch lands in, for that fetch: receive-ring
+ranges and bank-buffer slices while held, and for direct sinks the destination blocks'
+byte runs from ``land`` until the endpoint calls ``Landing.unexpose`` (after the batch);
+a layer-group fetch (:meth:`TTSink.land_groups`) registers every group's pages once,
+from D2 until ``GroupLanding.unexpose`` after the last group's batch.
+``whole`` registers the cache / pool / ring once at start, as before.
 """
 from __future__ import annotations
 
@@ -25,6 +33,7 @@ from typing import Callable, Protocol, Sequence
 import numpy as np
 
 from vllm_hawk.kvflow.bank_pool import BankBufferPool
+from vllm_hawk.kvflow.exposure import Exposure, check_registration
 from vllm_hawk.kvflow.ring import RingBuffer
 from vllm_hawk.kvflow.streams import KVRegionMap, LayerRegion, pair_stream, ring_segments
 from vllm_hawk.layout.tt_kv_cache import TTKVCacheLayout
@@ -45,6 +54,7 @@ class Landing:
     free: Callable[[], None] | None
     dst_blocks: tuple[int, ...] = ()
     figures: dict = field(default_factory=dict)
+    unexpose: Callable[[], None] | None = None  # unregister what land() registered (direct sinks)
 
 
 class KVSink(Protocol):
@@ -112,11 +122,14 @@ class VllmPagedSink:
     mode = "direct"
 
     def __init__(self, region_map: KVRegionMap, layout: LayoutDesc, transport,
-                 storages: Sequence[tuple[int, int]]) -> None:
-        self.region_map, self.layout = region_map, layout
+                 storages: Sequence[tuple[int, int]], registration: str = "per_request") -> None:
+        self.region_map, self.layout, self.storages = region_map, layout, list(storages)
+        self.registration = check_registration(registration)
         self._reg = _Registered(transport)
+        self.exposure = Exposure(transport)
         try:
-            self._reg.add(storages)
+            if registration == "whole":
+                self._reg.add(storages)
         except BaseException:
             self._reg.close()
             raise
@@ -130,9 +143,11 @@ class VllmPagedSink:
 
     def land(self, req_id, ready, plan, remote_base, claim_wait_s) -> Landing:
         entries = pair_stream(ready.segments, remote_base, self.region_map, plan.tolist(), 0)
-        return Landing(entries, lambda: {}, None, tuple(int(b) for b in plan))
+        return Landing(entries, lambda: {}, None, tuple(int(b) for b in plan),
+                       unexpose=_expose(self.exposure, self.registration, req_id, entries, self.storages))
 
     def close(self) -> None:
+        self.exposure.close()
         self._reg.close()
 
 
@@ -152,9 +167,10 @@ class VllmStagedSink(VllmPagedSink):
 
     mode = "staged"
 
-    def __init__(self, region_map: KVRegionMap, layout: LayoutDesc, transport, recv_nbytes: int) -> None:
-        super().__init__(region_map, layout, transport, ())
-        self.recv = RingBuffer(recv_nbytes, transport)
+    def __init__(self, region_map: KVRegionMap, layout: LayoutDesc, transport, recv_nbytes: int,
+                 registration: str = "per_request") -> None:
+        super().__init__(region_map, layout, transport, (), registration)
+        self.recv = RingBuffer(recv_nbytes, transport, registration=registration)
 
     def land(self, req_id, ready, plan, remote_base, claim_wait_s) -> Landing:
         dmap, n = self.region_map, len(plan)
@@ -183,11 +199,21 @@ class VllmStagedSink(VllmPagedSink):
         super().close()
 
 
-def vllm_sink(region_map: KVRegionMap, layout: LayoutDesc, transport, mode: str, storages, recv_nbytes: int):
+def vllm_sink(region_map: KVRegionMap, layout: LayoutDesc, transport, mode: str, storages, recv_nbytes: int,
+              registration: str = "per_request"):
     """The sink for a vLLM decode cache in ``mode`` (``direct`` | ``staged``)."""
     if mode == "staged":
-        return VllmStagedSink(region_map, layout, transport, recv_nbytes)
-    return VllmPagedSink(region_map, layout, transport, storages)
+        return VllmStagedSink(region_map, layout, transport, recv_nbytes, registration)
+    return VllmPagedSink(region_map, layout, transport, storages, registration)
+
+
+def _expose(exposure: Exposure, registration: str, key: str, entries, domains) -> Callable[[], None] | None:
+    """Register the local side of ``entries`` for ``key`` (per_request, coarsened inside
+    ``domains``: the cache's tensors or the banks' mappings); the undo, or None."""
+    if registration != "per_request":
+        return None
+    exposure.acquire(key, [(loc, n) for loc, _rem, n in entries], domains=domains)
+    return lambda: exposure.release(key)
 
 
 # --------------------------------------------------------------------------- Tenstorrent
@@ -267,7 +293,8 @@ class TTSink:
     exposed to the transport's peers. A failing ``__init__`` leaves nothing registered."""
 
     def __init__(self, device, layout: TTKVCacheLayout, kv_buffers, transport, mode: str = "staged", *,
-                 recv_nbytes_per_bank: int = 16 << 20, pool: BankBufferPool | None = None) -> None:
+                 recv_nbytes_per_bank: int = 16 << 20, pool: BankBufferPool | None = None,
+                 registration: str = "per_request") -> None:
         if mode not in SINK_MODES:
             raise ValueError(f"Tenstorrent sink mode must be one of {SINK_MODES}, got {mode!r}")
         self.device, self.tt_layout, self.kv_buffers, self.mode = device, layout, list(kv_buffers), mode
@@ -275,15 +302,20 @@ class TTSink:
         self.num_banks = layout.num_banks
         self.pool, self._own_pool = pool, False
         self.pages: KVPageAddresses | None = None
+        self._domains: list[tuple[int, int]] = []
+        self.registration = check_registration(registration)
         self._reg = _Registered(transport)
+        self.exposure = Exposure(transport)
         try:
             if mode == "staged":
                 if pool is None:
-                    self.pool = BankBufferPool(device, recv_nbytes_per_bank, transport)
+                    self.pool = BankBufferPool(device, recv_nbytes_per_bank, transport, registration=registration)
                     self._own_pool = True
             else:
                 self.pages = KVPageAddresses(device, self.kv_buffers)
-                self._reg.add(self.pages.regions())
+                self._domains = merged_ranges(self.pages.regions())  # per bank when the buffers are adjacent
+                if registration == "whole":
+                    self._reg.add(self.pages.regions())
         except BaseException:
             self.close()
             raise
@@ -328,8 +360,9 @@ class TTSink:
         ops = plan.rdma if self.mode == "direct" else plan.per_tile_ops()
         local = self.pages.addresses(ops.bank, ops.dst_offset, ops.nbytes).tolist()
         remote = (remote_base + ready.ring_offset + ops.src_offset).tolist()
-        return Landing(list(zip(local, remote, ops.nbytes.tolist())), lambda: {}, None,
-                       tuple(int(b) for b in plan.dst_blocks), figures)
+        entries = list(zip(local, remote, ops.nbytes.tolist()))
+        return Landing(entries, lambda: {}, None, tuple(int(b) for b in plan.dst_blocks), figures,
+                       unexpose=_expose(self.exposure, self.registration, req_id, entries, self._domains))
 
     # ------------------------------------------------------------------ layer groups
     layer_groups = True  # serves fetches by layer group (land_groups)
@@ -365,6 +398,7 @@ class TTSink:
         return self.pool is None or self.pool.is_idle()
 
     def close(self) -> None:
+        self.exposure.close()
         self._reg.close()
         if self.pages is not None:
             self.pages.close()
@@ -384,7 +418,8 @@ class GroupLanding:
         self.figures = {"tile_dtype": sink.layout.dtype, "banks": sink.num_banks,
                         "bytes_per_bank": [int(n) for n in plan.segment_nbytes]}
         self.recv = None
-        if sink.mode == "staged":
+        self.unexpose: Callable[[], None] | None = None  # direct, per_request: the endpoint calls it after the READs
+        if sink.mode == "staged":  # the pool registers the slice (per_request) until it is released
             self.recv = sink.pool.acquire(req_id, plan.recv_nbytes_per_bank, claim_wait_s)
             self.free = lambda: sink.pool.release(req_id)
             self.dst_blocks: tuple[int, ...] = ()
@@ -396,6 +431,10 @@ class GroupLanding:
             tb = sink.tt_layout.spec.tile_nbytes
             per_slot = plan.bank_counts[self._ops.bank] * tb
             self._slot = (self._ops.src_offset - plan.segment_offset[self._ops.bank]) // np.maximum(per_slot, 1)
+            # every group's pages, registered once for the whole fetch (D2 .. the last batch)
+            self.unexpose = _expose(sink.exposure, sink.registration, req_id,
+                                    [(a, 0, n) for a, n in zip(self._local.tolist(), self._ops.nbytes.tolist())],
+                                    sink._domains)
 
     def entries(self, ready: KVReady, remote_base: int, lo: int, hi: int) -> list[Entry]:
         if self.recv is not None:  # each bank's group slice lands at its place in the bank's receive buffer

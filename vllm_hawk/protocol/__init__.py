@@ -2,12 +2,13 @@
 
 ZMQ (ROUTER server on the prefill, DEALER client on the decode) carrying msgpack
 messages decoded with msgspec into typed, bounded structs; no pickle anywhere.
-Optional shared-secret authentication (HMAC-SHA256, replay protection): see
-:mod:`vllm_hawk.protocol.envelope`.
+Shared-secret authentication: CurveZMQ + ZAP at connection time (default) and an
+HMAC-SHA256 envelope per message (replay window, recipient binding): see
+:mod:`vllm_hawk.protocol.server` and :mod:`vllm_hawk.protocol.envelope`.
 """
-from vllm_hawk.protocol.client import IncompatiblePeer, ProtocolClient, ProtocolTimeout, RemoteError
+from vllm_hawk.protocol.client import AuthRefused, IncompatiblePeer, ProtocolClient, ProtocolTimeout, RemoteError
 from vllm_hawk.protocol.compat import compat_diff, compat_hash, describe_diff, make_compat
-from vllm_hawk.protocol.envelope import AuthError, Envelope, FrameError, Header
+from vllm_hawk.protocol.envelope import AuthError, AuthMismatch, Envelope, FrameError, Header
 from vllm_hawk.protocol.messages import (
                                          ERROR_CODES,
                                          PROTOCOL_VERSION,
@@ -27,10 +28,11 @@ from vllm_hawk.protocol.messages import (
                                          encode,
                                          validate,
 )
-from vllm_hawk.protocol.server import ProtocolHandler, ProtocolServer, ServerStats
+from vllm_hawk.protocol.server import AUTH_MODES, ProtocolHandler, ProtocolServer, ServerStats, resolve_auth
 
 __all__ = [
-    "Ack", "AuthError", "CompatFields", "ERROR_CODES", "Envelope", "ErrorMsg", "FrameError",
+    "AUTH_MODES", "Ack", "AuthError", "AuthMismatch", "AuthRefused", "resolve_auth",
+    "CompatFields", "ERROR_CODES", "Envelope", "ErrorMsg", "FrameError",
     "Header", "Hello", "HelloAck", "IncompatiblePeer", "KVReady", "KVRequest", "LayoutDesc",
     "Message", "PROTOCOL_VERSION", "ProtocolClient", "ProtocolError", "ProtocolHandler",
     "ProtocolServer", "ProtocolTimeout", "Release", "RemoteError", "Segment", "ServerStats",

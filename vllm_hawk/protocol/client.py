@@ -5,6 +5,12 @@ One thread owns the socket; callers get :class:`concurrent.futures.Future` objec
 by the request's sequence number; late replies to abandoned requests are dropped.
 ``ErrorMsg`` replies raise :class:`RemoteError` (``code`` attribute); a refused
 handshake raises :class:`IncompatiblePeer` whose message names the differing fields.
+
+Authentication mismatches fail the handshake at once with :class:`AuthRefused`, naming
+the cause, instead of a timeout: with ``curve`` the socket's monitor reports a failed
+ZMTP handshake (wrong secret: the server drops the connection; a different auth mode:
+mechanism mismatch); with ``hmac``/``none`` the server answers an unsigned
+``ErrorMsg(auth_failed)``, accepted only as the answer to our pending Hello.
 """
 from __future__ import annotations
 
@@ -12,14 +18,18 @@ import concurrent.futures as cf
 import logging
 import queue
 import threading
+import time
 import uuid
 
 import zmq
+from zmq.utils.monitor import parse_monitor_message  # imported now: opening files may fail under fd floods
 
 from vllm_hawk.protocol.compat import compat_hash
-from vllm_hawk.protocol.envelope import DEFAULT_MAX_MESSAGE_NBYTES, Envelope, FrameError
+from vllm_hawk.protocol.envelope import DEFAULT_MAX_MESSAGE_NBYTES, AuthError, Envelope, FrameError
 from vllm_hawk.protocol.messages import CompatFields, ErrorMsg, Hello, HelloAck, KVReady, KVRequest, Message, Release
+from vllm_hawk.protocol.server import resolve_auth
 from vllm_hawk.protocol.wakeup import Wakeup
+from vllm_hawk.security import RateLimitedLog, curve_keypairs
 
 logger = logging.getLogger(__name__)
 
@@ -44,30 +54,50 @@ class IncompatiblePeer(RemoteError):
     """Handshake refused: ``detail`` names each differing compatibility field."""
 
 
+class AuthRefused(RuntimeError):
+    """The handshake failed on authentication: secrets or auth modes differ (the message says which)."""
+
+
+_MONITOR_EVENTS = (zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL | zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL
+                   | zmq.EVENT_HANDSHAKE_FAILED_AUTH | zmq.EVENT_HANDSHAKE_SUCCEEDED | zmq.EVENT_DISCONNECTED)
+
+
 class ProtocolClient:
     """Client of one prefill's :class:`~vllm_hawk.protocol.server.ProtocolServer`.
 
     endpoint: ZMQ endpoint of the server ("tcp://host:port"); compat: our fields.
-    secret: shared key or None; timeout_s: default deadline per call (seconds).
+    secret: shared key or None; auth: as :class:`~vllm_hawk.protocol.server.ProtocolServer`
+    (must match the server's); timeout_s: default deadline per call (seconds).
     """
 
     def __init__(self, endpoint: str, compat: CompatFields, *, secret: bytes | None = None,
-                 client_id: str | None = None, timeout_s: float = 5.0, window_s: float = 30.0,
-                 max_message_nbytes: int = DEFAULT_MAX_MESSAGE_NBYTES) -> None:
+                 auth: str | None = None, client_id: str | None = None, timeout_s: float = 5.0,
+                 window_s: float = 30.0, max_message_nbytes: int = DEFAULT_MAX_MESSAGE_NBYTES) -> None:
         self.endpoint = endpoint
         self.client_id = client_id or f"decode-{uuid.uuid4().hex[:12]}"
+        self.auth = resolve_auth(auth, secret)
         self._compat = compat
         self._timeout = timeout_s
         self._env = Envelope(self.client_id, secret, window_s=window_s,
                              max_message_nbytes=max_message_nbytes)
+        self._rlog = RateLimitedLog(logger)
         self.hello: HelloAck | None = None
+        self._server_id = ""  # recipient of our signed messages, from HelloAck
         self._pending: dict[int, cf.Future] = {}
+        self._hellos: set[int] = set()  # seqs of pending Hellos
+        self._auth_failure = ""  # set by the monitor: why the ZMTP handshake failed
+        self._reconnected = False  # set by the monitor: the connection was lost after a handshake
         self._lock = threading.Lock()
         self._outbox: queue.SimpleQueue = queue.SimpleQueue()
         self._ctx = zmq.Context.instance()
         self._sock = self._ctx.socket(zmq.DEALER)
         self._sock.setsockopt(zmq.LINGER, 0)
         self._sock.setsockopt(zmq.MAXMSGSIZE, max_message_nbytes + 4096)
+        if self.auth == "curve":
+            (spub, _ssec), (cpub, csec) = curve_keypairs(secret)
+            self._sock.curve_serverkey = spub
+            self._sock.curve_publickey, self._sock.curve_secretkey = cpub, csec
+        self._monitor = self._sock.get_monitor_socket(_MONITOR_EVENTS)
         self._sock.connect(endpoint)
         self._wakeup = Wakeup(self._ctx, "hawk-client-wake")
         self._stop = threading.Event()
@@ -86,7 +116,15 @@ class ProtocolClient:
             if e.code == "layout_mismatch":
                 raise IncompatiblePeer(ErrorMsg(code=e.code, detail=e.detail),
                                        self.endpoint) from None
+            if e.code == "auth_failed":
+                raise AuthRefused(f"side-channel handshake with {self.endpoint} refused: {e.detail} "
+                                  f"(this side: auth {self.auth!r})") from None
             raise
+        except ProtocolTimeout as e:
+            if self._auth_failure:
+                raise AuthRefused(f"side-channel handshake with {self.endpoint} failed: "
+                                  f"{self._auth_failure}") from None
+            raise e
         if not isinstance(ack, HelloAck):
             raise RemoteError(ErrorMsg(code="bad_message", detail=f"Hello answered with "
                                        f"{type(ack).__name__}"), self.endpoint)
@@ -94,6 +132,7 @@ class ProtocolClient:
             raise IncompatiblePeer(ErrorMsg(code="layout_mismatch",
                                             detail="server acknowledged a different hash"),
                                    self.endpoint)
+        self._server_id = ack.server_id
         self.hello = ack
         return ack
 
@@ -119,6 +158,14 @@ class ProtocolClient:
              _handshake: bool = False) -> Message:
         """Send ``msg`` and wait for its reply; re-handshakes once if the server lost us."""
         timeout = self._timeout if timeout_s is None else timeout_s
+        deadline = time.monotonic() + timeout
+        if self._reconnected and not _handshake and self.hello is not None:
+            # A new connection (the server restarted?): it has a new server_id and no
+            # session for us, and drops messages addressed to the old one. One deadline
+            # covers the handshake and the call.
+            self._reconnected = False
+            self.handshake(timeout)
+            timeout = max(1e-3, deadline - time.monotonic())
         out = self._call_once(msg, timeout)
         if (isinstance(out, ErrorMsg) and out.detail == HANDSHAKE_REQUIRED and not _handshake
                 and self.hello is not None):
@@ -136,8 +183,11 @@ class ProtocolClient:
         # Number and queue under one lock: with authentication the server drops a
         # sequence number lower than one it has seen, so messages must leave in order.
         with self._lock:
-            seq, frames = self._env.pack(msg)
+            hello = isinstance(msg, Hello)
+            seq, frames = self._env.pack(msg, recipient="" if hello else self._server_id)
             self._pending[seq] = fut
+            if hello:
+                self._hellos.add(seq)
             self._outbox.put(frames)
         fut.add_done_callback(lambda _f, s=seq: self._forget(s))
         self._wakeup.wake()
@@ -175,16 +225,20 @@ class ProtocolClient:
     def _forget(self, seq: int) -> None:
         with self._lock:
             self._pending.pop(seq, None)
+            self._hellos.discard(seq)
 
     def _loop(self) -> None:
         poller = zmq.Poller()
         poller.register(self._sock, zmq.POLLIN)
         poller.register(self._wakeup.rx, zmq.POLLIN)
+        poller.register(self._monitor, zmq.POLLIN)
         try:
             while not self._stop.is_set():
                 events = dict(poller.poll(timeout=500))
                 if self._wakeup.rx in events:
                     self._wakeup.drain()
+                if self._monitor in events:
+                    self._drain_monitor()
                 while True:
                     try:
                         frames = self._outbox.get_nowait()
@@ -202,14 +256,66 @@ class ProtocolClient:
                             break
                         self._on_frames(frames)
         finally:
+            try:
+                self._sock.disable_monitor()
+            except zmq.ZMQError:
+                pass
+            self._monitor.close(0)
             self._sock.close()
             self._wakeup.close_receiver()
+
+    def _drain_monitor(self) -> None:
+        for _ in range(256):
+            try:
+                ev = parse_monitor_message(self._monitor.recv_multipart(zmq.NOBLOCK))
+            except zmq.Again:
+                return
+            kind, value = ev["event"], ev["value"]
+            if kind == zmq.EVENT_HANDSHAKE_SUCCEEDED:
+                self._auth_failure = ""
+                continue
+            if kind == zmq.EVENT_DISCONNECTED:
+                if self.hello is not None:
+                    self._reconnected = True
+                if self.auth == "curve" and self.hello is None and not self._auth_failure:
+                    # libzmq reports no event when the server cannot open our CURVE HELLO
+                    # (a different secret): it just closes the connection.
+                    self._auth_failure = ("the prefill closed the connection during the CURVE handshake: the "
+                                          "shared secrets differ, or the prefill has auth 'hmac'/'none'")
+                continue
+            if kind == zmq.EVENT_HANDSHAKE_FAILED_AUTH:
+                why = (f"the prefill's ZAP handler refused this decode's CURVE key (status {value}): the shared "
+                       "secrets differ")
+            elif kind == zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL and value == zmq.PROTOCOL_ERROR_ZMTP_MECHANISM_MISMATCH:
+                why = (f"ZMTP security mechanism mismatch: this decode has auth {self.auth!r} and the prefill does "
+                       "not (with a shared secret both sides need the same 'auth'; without one both need "
+                       "auth 'none')")
+            else:
+                why = (f"the prefill closed the connection during the ZMTP handshake ({zmq.Event(kind).name}, "
+                       f"value {value}): the shared secrets or the auth modes differ (this side: auth {self.auth!r})")
+            self._auth_failure = why
+            self._rlog("zmtp", "protocol client %s: %s", self.endpoint, why)
+            self._fail_hellos(why)
+
+    def _fail_hellos(self, why: str) -> None:
+        with self._lock:
+            futs = [self._pending.pop(s, None) for s in self._hellos]
+            self._hellos.clear()
+        for f in futs:
+            if f is not None and f.set_running_or_notify_cancel():
+                f.set_exception(AuthRefused(f"side-channel handshake with {self.endpoint} failed: {why}"))
 
     def _on_frames(self, frames: list[bytes]) -> None:
         try:
             header, msg = self._env.unpack(frames)
         except FrameError as e:
-            logger.warning("protocol client: dropped a bad reply from %s: %s", self.endpoint, e)
+            refusal = self._env.unpack_unsigned_refusal(frames) if isinstance(e, AuthError) else None
+            with self._lock:
+                hello = refusal is not None and refusal[0].reply_to in self._hellos
+            if hello:
+                self._fail_hellos(f"{refusal[1].detail} (this side: auth {self.auth!r})")
+                return
+            self._rlog("bad", "protocol client: dropped a bad reply from %s: %s", self.endpoint, e)
             return
         with self._lock:
             fut = self._pending.pop(header.reply_to, None)

@@ -18,12 +18,15 @@ to the exported region's base address (``HelloAck.export_base_addr``).
 
 Version 2: ``HelloAck.ring_*`` became ``export_*`` (it may describe a whole exported
 cache, not a ring) and ``KVRequest.first_block`` selects which of the request's source
-blocks are sent (the decode may already hold a prefix).
+blocks are sent (the decode may already hold a prefix). Version 3 had two variants on
+two branches: the envelope header naming its recipient (magic ``HAWK/3``) with the
+``auth_failed`` refusal, and ``KVRequest.first_layer`` / ``num_layers``.
 
-Version 3 (this one): ``KVRequest.first_layer`` / ``num_layers`` ask for one layer group
-of a request (layer-group pipelining: the decode sends one KVRequest per group at once
-and reads group i while the prefill transforms group i+1); a KVReady then covers only
-that group's bytes, and one Release ends the whole request.
+Version 4 (this one) has both: the envelope header names its recipient (magic
+``HAWK/4``), the ``auth_failed`` refusal, and ``KVRequest.first_layer`` / ``num_layers``
+ask for one layer group of a request (layer-group pipelining: the decode sends one
+KVRequest per group at once and reads group i while the prefill transforms group i+1); a
+KVReady then covers only that group's bytes, and one Release ends the whole request.
 """
 from __future__ import annotations
 
@@ -32,7 +35,7 @@ from typing import Annotated, Literal, Union
 import msgspec
 from msgspec import Meta, Struct
 
-PROTOCOL_VERSION = 3
+PROTOCOL_VERSION = 4
 
 MAX_SEGMENTS = 4096  # per KVReady: N_ch banks x layers x K/V stays well below this
 MAX_BLOCK_IDS = 1 << 16

@@ -14,7 +14,7 @@ import signal
 import sys
 from collections.abc import Sequence
 
-__all__ = ["main", "parse_args"]
+__all__ = ["limits_of", "main", "parse_args"]
 
 
 def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
@@ -25,9 +25,46 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
                    help="decode vLLM server base URL(s)")
     p.add_argument("--host", default="127.0.0.1", help="address to listen on (default %(default)s)")
     p.add_argument("--port", type=int, default=8000, help="port to listen on (default %(default)s)")
-    p.add_argument("--timeout-s", type=float, default=600.0,
-                   help="upstream request timeout in seconds (default %(default)s)")
+    from vllm_hawk.proxy.server import Limits
+
+    d = Limits()
+    p.add_argument("--connect-timeout-s", type=float, default=d.connect_s, help="TCP connect to an upstream")
+    p.add_argument("--first-byte-timeout-s", type=float, default=d.first_byte_s,
+                   help="upstream request sent -> its response headers (prefill compute, decode queue)")
+    p.add_argument("--idle-timeout-s", type=float, default=d.idle_s,
+                   help="longest gap between two chunks of an upstream body (no total cap)")
+    p.add_argument("--header-timeout-s", type=float, default=d.header_s,
+                   help="a client must send its request headers within this")
+    p.add_argument("--write-timeout-s", type=float, default=d.write_s,
+                   help="a client must accept each streamed chunk within this, else it is dropped")
+    p.add_argument("--max-body-bytes", type=int, default=d.max_body_nbytes, help="largest request body")
+    p.add_argument("--max-json-tokens", type=int, default=d.max_json_tokens,
+                   help="most JSON structural characters ([ { , :) in a request body")
+    p.add_argument("--timeout-s", type=float, default=None, help=argparse.SUPPRESS)  # renamed
     return p.parse_args(argv)
+
+
+def limits_of(args: argparse.Namespace):
+    from vllm_hawk.proxy.server import Limits
+
+    if args.timeout_s is not None:
+        raise SystemExit("hawk proxy: --timeout-s was replaced by --first-byte-timeout-s and --idle-timeout-s "
+                         "(a total cap cut long healthy streams)")
+    return Limits(connect_s=args.connect_timeout_s, first_byte_s=args.first_byte_timeout_s,
+                  idle_s=args.idle_timeout_s, header_s=args.header_timeout_s, write_s=args.write_timeout_s,
+                  max_body_nbytes=args.max_body_bytes, max_json_tokens=args.max_json_tokens)
+
+
+def _raise_fd_limit() -> None:
+    """Soft RLIMIT_NOFILE up to the hard one: each client connection costs one fd."""
+    try:
+        import resource
+
+        soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+        if hard == resource.RLIM_INFINITY or soft < hard:
+            resource.setrlimit(resource.RLIMIT_NOFILE, (hard if hard != resource.RLIM_INFINITY else 1 << 20, hard))
+    except (ImportError, ValueError, OSError):
+        pass
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -35,8 +72,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s hawk-proxy %(message)s")
     from vllm_hawk.proxy.server import Proxy, serve
 
+    limits = limits_of(args)
+    _raise_fd_limit()
+
     async def run() -> None:
-        proxy = Proxy(args.prefill, args.decode, timeout_s=args.timeout_s)
+        proxy = Proxy(args.prefill, args.decode, limits=limits)
         runner = await serve(proxy, args.host, args.port)
         stop = asyncio.Event()
         loop = asyncio.get_running_loop()

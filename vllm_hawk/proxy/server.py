@@ -14,6 +14,23 @@ the upstream connection, and vLLM aborts the request there (its blocks are freed
 Headers ``x-hawk-prefill``, ``x-hawk-decode`` and ``x-hawk-prefill-ms`` tell which
 servers served a request and how long the prefill step took.
 
+Limits (:class:`Limits`, all aiohttp settings or asyncio timeouts around aiohttp calls):
+
+* upstream: ``connect_s`` (TCP connect, aiohttp ``ClientTimeout.sock_connect``),
+  ``first_byte_s`` (request sent -> response headers: the prefill's compute, the decode's
+  queue), ``idle_s`` (between two chunks of an upstream body); no total cap, so a long
+  but healthy stream is never cut. A stream that breaks, stalls past ``idle_s`` or ends
+  without ``data: [DONE]`` ends with an SSE ``data: {"error": ...}`` event, never silently.
+* clients: ``header_s`` (the request line and headers must arrive within it; aiohttp's
+  ``keepalive_timeout``, which also covers a connection's first request), ``write_s``
+  (a client must accept each chunk within it: one that stops reading is dropped and its
+  upstream closed, so the decode aborts the request), ``max_body_nbytes`` (aiohttp
+  ``client_max_size``: 413 beyond it), and JSON amplification: a body with more than
+  ``max_json_tokens`` structural characters (``[ { , :``, counted on the bytes before
+  parsing) is refused with 413 (a 50 MB body of empty lists once took 1.4 GiB to parse);
+  too deep nesting is refused with 400. A client that disconnects cancels its handler
+  (``handler_cancellation``), which closes the upstream connection.
+
 Other routes: ``GET /health`` (200 while the proxy runs; ``?deep=1`` also asks every
 upstream's ``/health`` and answers 503 naming the ones that fail), ``GET /v1/models``
 (from a decode server).
@@ -26,7 +43,7 @@ import json
 import logging
 import time
 import uuid
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 
 import aiohttp
 from aiohttp import web
@@ -52,6 +69,50 @@ class Pool:
         return self.urls[next(self._next) % len(self.urls)]
 
 
+@dataclass(frozen=True)
+class Limits:
+    """Timeouts (seconds) and sizes of the proxy; see the module doc."""
+
+    connect_s: float = 10.0
+    first_byte_s: float = 600.0
+    idle_s: float = 120.0
+    header_s: float = 10.0
+    write_s: float = 30.0
+    max_body_nbytes: int = 16 << 20
+    max_json_tokens: int = 1_000_000
+
+    def __post_init__(self) -> None:
+        for f in fields(self):
+            v = getattr(self, f.name)
+            if isinstance(v, bool) or not isinstance(v, (int, float)) or v <= 0:
+                raise ValueError(f"proxy limit {f.name}={v!r} must be a positive number")
+
+
+_STRUCTURAL = (b"[", b"{", b",", b":")
+
+
+def parse_body(raw: bytes, limits: Limits) -> tuple[dict | None, web.Response | None]:
+    """The request's JSON object, or the error response; bounded before parsing."""
+    tokens = sum(raw.count(c) for c in _STRUCTURAL)
+    if tokens > limits.max_json_tokens:
+        return None, _error(413, f"request body has {tokens} JSON structural characters, more than "
+                            f"{limits.max_json_tokens}", "BadRequestError")
+    try:
+        body = json.loads(raw)
+    except (json.JSONDecodeError, UnicodeDecodeError):
+        return None, _error(400, "request body is not JSON", "BadRequestError")
+    except RecursionError:
+        return None, _error(400, "request body nests too deeply", "BadRequestError")
+    if not isinstance(body, dict):
+        return None, _error(400, "request body must be a JSON object", "BadRequestError")
+    return body, None
+
+
+def sse_error(message: str, code: int = 502) -> bytes:
+    return b"data: " + json.dumps({"error": {"message": message, "type": "BadGateway", "code": code}}).encode() + \
+        b"\n\n"
+
+
 def _error(status: int, message: str, kind: str = "BadGateway") -> web.Response:
     return web.json_response({"error": {"message": message, "type": kind, "code": status}},
                              status=status)
@@ -70,16 +131,21 @@ def prefill_body(body: dict, path: str) -> dict:
 
 
 class Proxy:
-    def __init__(self, prefill: list[str], decode: list[str], *, timeout_s: float = 600.0) -> None:
+    def __init__(self, prefill: list[str], decode: list[str], *, limits: Limits | None = None) -> None:
         self.prefill = Pool(list(prefill))
         self.decode = Pool(list(decode))
-        self.timeout = aiohttp.ClientTimeout(total=timeout_s, sock_connect=10.0)
+        self.limits = limits or Limits()
+        # No total and no sock_read: first byte and idle-between-chunks are enforced per
+        # phase below, so a long healthy stream is never cut.
+        self.timeout = aiohttp.ClientTimeout(total=None, connect=None, sock_connect=self.limits.connect_s,
+                                             sock_read=None)
         self.session: aiohttp.ClientSession | None = None
         self.served = 0
+        self.stats = {"truncated_streams": 0, "slow_clients_dropped": 0, "refused_bodies": 0}
 
     # ---------------------------------------------------------------- app
     def app(self) -> web.Application:
-        app = web.Application(client_max_size=64 << 20)
+        app = web.Application(client_max_size=self.limits.max_body_nbytes)
         for route in GENERATE_ROUTES:
             app.router.add_post(route, self.generate)
         app.router.add_get("/health", self.health)
@@ -126,19 +192,35 @@ class Proxy:
     async def models(self, request: web.Request) -> web.StreamResponse:
         url = self.decode.pick()
         try:
-            async with self.session.get(url + "/v1/models") as r:
-                return web.Response(status=r.status, body=await r.read(),
-                                    content_type=r.content_type)
+            async with await self._open(self.session.get(url + "/v1/models")) as r:
+                return web.Response(status=r.status, body=await self._read(r), content_type=r.content_type)
         except (aiohttp.ClientError, asyncio.TimeoutError) as e:
-            return _error(502, f"decode server {url} unreachable: {e}")
+            return _error(502, f"decode server {url} unreachable: {e!s}")
+
+    async def _open(self, req) -> aiohttp.ClientResponse:
+        """Send an upstream request; its response headers must come within ``first_byte_s``."""
+        return await asyncio.wait_for(req, self.limits.first_byte_s)
+
+    async def _read(self, r: aiohttp.ClientResponse) -> bytes:
+        """An upstream body, each chunk within ``idle_s`` of the previous one."""
+        parts = []
+        while True:
+            chunk = await asyncio.wait_for(r.content.readany(), self.limits.idle_s)
+            if not chunk:
+                return b"".join(parts)
+            parts.append(chunk)
 
     async def generate(self, request: web.Request) -> web.StreamResponse:
         try:
-            body = await request.json()
-        except (json.JSONDecodeError, UnicodeDecodeError):
-            return _error(400, "request body is not JSON", "BadRequestError")
-        if not isinstance(body, dict):
-            return _error(400, "request body must be a JSON object", "BadRequestError")
+            raw = await request.read()  # aiohttp refuses more than client_max_size (413)
+        except web.HTTPRequestEntityTooLarge:
+            self.stats["refused_bodies"] += 1
+            raise
+        body, err = parse_body(raw, self.limits)
+        if err is not None:
+            self.stats["refused_bodies"] += 1
+            return err
+        del raw
         path = request.path
         rid = request.headers.get("X-Request-Id") or f"hawk-{uuid.uuid4().hex}"
         headers = self._headers(request, rid)
@@ -147,12 +229,15 @@ class Proxy:
         p_url = self.prefill.pick()
         t0 = time.perf_counter()
         try:
-            async with self.session.post(p_url + path, json=prefill_body(body, path),
-                                         headers=headers) as r:
-                raw = await r.read()
+            async with await self._open(self.session.post(p_url + path, json=prefill_body(body, path),
+                                                          headers=headers)) as r:
+                raw = await self._read(r)
                 if r.status != 200:
                     return web.Response(status=r.status, body=raw, content_type=r.content_type)
-        except (aiohttp.ClientError, asyncio.TimeoutError) as e:
+        except asyncio.TimeoutError:
+            return _error(504, f"prefill server {p_url} did not answer within its deadline (first byte "
+                               f"{self.limits.first_byte_s:.0f} s, idle {self.limits.idle_s:.0f} s)")
+        except aiohttp.ClientError as e:
             return _error(502, f"prefill server {p_url} unreachable: {e!s}")
         prefill_ms = (time.perf_counter() - t0) * 1e3
         try:
@@ -170,26 +255,110 @@ class Proxy:
         info = {"x-hawk-prefill": p_url, "x-hawk-decode": d_url,
                 "x-hawk-prefill-ms": f"{prefill_ms:.2f}"}
         try:
-            async with self.session.post(d_url + path, json=d_body, headers=headers) as r:
+            async with await self._open(self.session.post(d_url + path, json=d_body, headers=headers)) as r:
                 if r.status != 200 or not body.get("stream"):
-                    return web.Response(status=r.status, body=await r.read(),
+                    return web.Response(status=r.status, body=await self._read(r),
                                         content_type=r.content_type, headers=info)
                 resp = web.StreamResponse(status=200, headers={
                     **info, "Content-Type": r.headers.get("Content-Type", "text/event-stream"),
                     "Cache-Control": "no-cache"})
                 await resp.prepare(request)
-                async for chunk in r.content.iter_any():
-                    await resp.write(chunk)
-                await resp.write_eof()
-                self.served += 1
-                return resp
-        except (aiohttp.ClientError, asyncio.TimeoutError) as e:
+                return await self._stream(request, resp, r, d_url)
+        except asyncio.TimeoutError:
+            return _error(504, f"decode server {d_url} did not answer within its deadline (first byte "
+                               f"{self.limits.first_byte_s:.0f} s, idle {self.limits.idle_s:.0f} s)")
+        except aiohttp.ClientError as e:
             return _error(502, f"decode server {d_url} failed: {e!s}")
+
+    async def _stream(self, request: web.Request, resp: web.StreamResponse, r: aiohttp.ClientResponse,
+                      d_url: str) -> web.StreamResponse:
+        """Relay the decode's SSE stream. A broken, stalled or unterminated upstream stream
+        ends with an SSE error event; a client that stops reading is dropped (the upstream
+        closes with the ``async with`` around us, and vLLM aborts the request)."""
+        lim = self.limits
+        tail = b""
+        error = ""
+        while True:
+            try:
+                chunk = await asyncio.wait_for(r.content.readany(), lim.idle_s)
+            except asyncio.TimeoutError:
+                error = f"decode server {d_url} sent nothing for {lim.idle_s:.0f} s; stream aborted"
+                break
+            except aiohttp.ClientError as e:
+                error = f"decode server {d_url} broke the stream: {e!s}"
+                break
+            if not chunk:
+                if b"[DONE]" not in tail:
+                    error = f"decode server {d_url} ended the stream without [DONE] (truncated)"
+                break
+            tail = (tail + chunk)[-64:]
+            try:
+                await asyncio.wait_for(resp.write(chunk), lim.write_s)
+            except asyncio.TimeoutError:
+                self.stats["slow_clients_dropped"] += 1
+                logger.warning("proxy: client did not read for %.0f s; dropping it and its upstream", lim.write_s)
+                if request.transport is not None:
+                    request.transport.abort()
+                return resp
+        if error:
+            self.stats["truncated_streams"] += 1
+            logger.warning("proxy: %s", error)
+            try:
+                await asyncio.wait_for(resp.write(sse_error(error)), lim.write_s)
+            except (asyncio.TimeoutError, ConnectionError):
+                return resp
+        await resp.write_eof()
+        self.served += 1
+        return resp
+
+
+class _BoundedServer:
+    """aiohttp's protocol factory, keeping client connections below ``max_clients`` so
+    that file descriptors stay free for the upstream connections: at the bound, the
+    oldest connection that has not sent a whole request yet is dropped for the new one
+    (an idle or partial-header flood cannot lock clients out)."""
+
+    def __init__(self, inner: web.Server, max_clients: int) -> None:
+        self.inner, self.max_clients, self.evicted = inner, max_clients, 0
+
+    def __getattr__(self, name):
+        return getattr(self.inner, name)
+
+    def __call__(self, *args, **kwargs):
+        conns = self.inner.connections
+        if len(conns) >= self.max_clients:
+            idle = [h for h in conns if getattr(h, "_request_count", 1) == 0]
+            if idle:
+                self.evicted += 1
+                idle[0].force_close()
+        return self.inner(*args, **kwargs)
+
+
+BACKLOG = 128  # asyncio accepts up to this many connections in one go (before any eviction closes)
+
+
+def max_clients_for_fd_limit() -> int:
+    """Client connections the proxy keeps: the soft fd limit less one accept burst
+    (:data:`BACKLOG`, whose evictions close only on the next loop turn) twice, less 64 fds
+    for the upstream connections and the process itself; at least 16."""
+    try:
+        import resource
+
+        soft = resource.getrlimit(resource.RLIMIT_NOFILE)[0]
+    except (ImportError, ValueError, OSError):
+        return 1 << 16
+    soft = soft if soft != resource.RLIM_INFINITY else 1 << 20
+    return max(16, soft - 2 * BACKLOG - 64)
 
 
 async def serve(proxy: Proxy, host: str, port: int) -> web.AppRunner:
-    """Start the proxy in the running loop; returns the runner (``await runner.cleanup()``)."""
-    runner = web.AppRunner(proxy.app(), handler_cancellation=True, access_log=None)
+    """Start the proxy in the running loop; returns the runner (``await runner.cleanup()``).
+    ``keepalive_timeout`` is the header-read timeout too: aiohttp arms it when a connection
+    opens and a partial request does not reset it. Client connections are bounded below
+    the fd limit (:class:`_BoundedServer`)."""
+    runner = web.AppRunner(proxy.app(), handler_cancellation=True, access_log=None,
+                           keepalive_timeout=proxy.limits.header_s)
     await runner.setup()
-    await web.TCPSite(runner, host, port).start()
+    runner._server = _BoundedServer(runner._server, max_clients_for_fd_limit())  # TCPSite uses runner.server
+    await web.TCPSite(runner, host, port, backlog=BACKLOG).start()
     return runner

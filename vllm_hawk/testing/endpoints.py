@@ -85,17 +85,18 @@ class TTDecode(_Endpoint):
     ``recv_nbytes_per_bank``, or uses ``pool``; ``direct`` and ``per_tile`` register the KV pages, one of
     them at a time). Freed at :meth:`close`; a failing ``__init__`` frees the pool."""
 
-    def __init__(self, device, spec: TTKVCacheSpec, transport, endpoint: str, compat, *, secret=None,
+    def __init__(self, device, spec: TTKVCacheSpec, transport, endpoint: str, compat, *, secret=None, auth=None,
                  recv_nbytes_per_bank: int = 16 << 20, pool=None, timeout_s: float = 10.0,
-                 claim_wait_s: float = 5.0) -> None:
+                 claim_wait_s: float = 5.0, registration: str = "per_request") -> None:
         self.device, self.transport, self.recv, self.shared_pool = device, transport, recv_nbytes_per_bank, pool
+        self.registration = registration
         self.sinks: dict[str, TTSink] = {}
         self.ep = None
         self.layout, self.bufs = device.allocate_kv_cache(spec)
         try:
             if recv_nbytes_per_bank:
                 self.sink("staged")
-            self.ep = DecodeEndpoint(transport, endpoint, compat, secret=secret, pull_timeout_s=timeout_s,
+            self.ep = DecodeEndpoint(transport, endpoint, compat, secret=secret, auth=auth, pull_timeout_s=timeout_s,
                                      claim_wait_s=claim_wait_s)
         except BaseException:
             self.close()
@@ -116,7 +117,8 @@ class TTDecode(_Endpoint):
                 if mode != "staged" and other in self.sinks:
                     self.sinks.pop(other).close()
             self.sinks[mode] = TTSink(self.device, self.layout, self.bufs, self.transport, mode,
-                                      recv_nbytes_per_bank=self.recv, pool=self.shared_pool)
+                                      recv_nbytes_per_bank=self.recv, pool=self.shared_pool,
+                                      registration=self.registration)
         return self.sinks[mode]
 
     def fetch(self, req_id: str, num_tokens: int, dst_blocks, mode: str = "staged", **kw):
@@ -142,12 +144,13 @@ class VllmDecode(_Endpoint):
     """A decode with a vLLM-layout cache (``PagedKVCache``): GG-Direct (``direct``) or
     GG-Host / staged (``staged``: receive ring of ``recv_nbytes``)."""
 
-    def __init__(self, cache, transport, endpoint: str, compat, *, mode: str = "direct", secret=None,
-                 timeout_s: float = 10.0, recv_nbytes: int = 64 << 20) -> None:
+    def __init__(self, cache, transport, endpoint: str, compat, *, mode: str = "direct", secret=None, auth=None,
+                 timeout_s: float = 10.0, recv_nbytes: int = 64 << 20, registration: str = "per_request") -> None:
         self.cache = cache
-        self.sink = vllm_sink(cache.region_map, cache.desc, transport, mode, cache.storages, recv_nbytes)
+        self.sink = vllm_sink(cache.region_map, cache.desc, transport, mode, cache.storages, recv_nbytes,
+                              registration)
         try:
-            self.ep = DecodeEndpoint(transport, endpoint, compat, secret=secret, pull_timeout_s=timeout_s)
+            self.ep = DecodeEndpoint(transport, endpoint, compat, secret=secret, auth=auth, pull_timeout_s=timeout_s)
         except BaseException:
             self.sink.close()
             raise

@@ -7,6 +7,11 @@ process vLLM spawned (engine core, worker) with one signal, and checks none is l
     with LocalCluster(model_dir, workdir) as c:   # starts, waits for /health
         requests.post(c.proxy_url + "/v1/completions", ...)
 
+Authentication is on as in a deployment: :meth:`LocalCluster.start` writes a fresh random
+secret to ``<workdir>/shared_secret`` (mode 0600) and gives both servers
+``auth``/``shared_secret_file`` (``auth="none"`` runs without; ``extra_config`` may
+override either).
+
 On machines with 2+ CPUs the prefill's model threads are bound to the first CPU and the
 decode's to the second (``VLLM_CPU_OMP_THREADS_BIND``); vLLM's default binds both to the
 same core.
@@ -15,6 +20,7 @@ from __future__ import annotations
 
 import json
 import os
+import secrets
 import signal
 import socket
 import subprocess
@@ -143,6 +149,7 @@ class LocalCluster:
     decode_tt: dict | None = None
     extra_args: list = field(default_factory=list)  # vLLM CLI args for both servers
     extra_env: dict = field(default_factory=dict)  # environment of both servers
+    auth: str = "curve"  # side-channel authentication of both servers (a fresh secret file unless "none")
     startup_timeout_s: float = 400.0
     python: str = sys.executable
     servers: dict[str, Server] = field(default_factory=dict)
@@ -180,8 +187,8 @@ class LocalCluster:
         env.update(HF_HUB_OFFLINE="1", VLLM_CPU_KVCACHE_SPACE=env.get("VLLM_CPU_KVCACHE_SPACE", "1"),
                    TOKENIZERS_PARALLELISM="false")
         env.pop("VLLM_TARGET_DEVICE", None)
-        for k in [k for k in env if k.startswith("HAWK_TT_")]:
-            env.pop(k)  # only the --tt-* flags of a Tenstorrent decode choose the platform
+        for k in [k for k in env if k.startswith("HAWK_TT_") or k.startswith("HAWK_SHARED_SECRET")]:
+            env.pop(k)  # only the --tt-* flags choose the platform; only _auth_config the secret
         env.update({k: str(v) for k, v in self.extra_env.items()})
         if cpu is not None:
             env["VLLM_CPU_OMP_THREADS_BIND"] = cpu
@@ -218,6 +225,7 @@ class LocalCluster:
         cpus = sorted(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else []
         p_cpu, d_cpu = (str(cpus[0]), str(cpus[1])) if len(cpus) >= 2 else (None, None)
         tt = {"device_profile": self.decode_tt.get("device", "p150a")} if self.decode_tt else {}
+        tt.update(self._auth_config(work))
         p_cfg = {"side_channel_port": free_port(), **tt, **self.extra_config, **self.prefill_config}
         d_cfg = {**tt, **self.extra_config, **self.decode_config}
         self.servers["prefill"] = self._vllm("prefill", "kv_producer", p_cfg, p_cpu)
@@ -237,6 +245,17 @@ class LocalCluster:
             self.stop()
             raise
         return self
+
+    def _auth_config(self, work: Path) -> dict:
+        """``auth`` and a fresh ``shared_secret_file`` (0600) for both servers."""
+        if self.auth == "none":
+            return {"auth": "none"}
+        path = work / "shared_secret"
+        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+        with os.fdopen(fd, "w") as f:
+            f.write(secrets.token_hex(32) + "\n")
+        os.chmod(path, 0o600)
+        return {"auth": self.auth, "shared_secret_file": str(path)}
 
     def _wait(self, names: list[str], progress: Progress | None) -> None:
         t0 = time.monotonic()

@@ -130,7 +130,9 @@ class TwoHosts:
 class NetnsCluster(LocalCluster):
     """:class:`LocalCluster` with the prefill server in namespace P and the decode server
     in D (``ip netns exec``), each listening on all its addresses; the proxy stays on the
-    host. The connector's ``side_channel_host`` is each side's kv-link address."""
+    host. The connector's ``side_channel_host`` is each side's kv-link address.
+    Authentication is :class:`LocalCluster`'s: ``auth`` (default ``curve``) and a fresh
+    0600 ``shared_secret_file`` in the work folder, read inside both namespaces."""
 
     net: TwoHosts | None = None
 

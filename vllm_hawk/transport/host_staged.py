@@ -10,10 +10,32 @@ buffer (``ctypes.memmove``, standing in for a device<->host DMA) and sent as one
 request on a per-peer connection, with up to ``window`` pieces in flight.
 
 Each transport runs a small server thread that serves reads and writes of its
-registered regions and refuses anything outside them. There is no authentication on
-the data port: bind it to a private address (default 127.0.0.1).
+registered regions and refuses anything outside them.
+
+Authentication (``secret``): every connection proves the shared secret before the
+server reads a request. The client speaks first, in its first packet: a fresh nonce, its
+clock (ms) and HMAC-SHA256(k, "c" | time | nonce); the server accepts it within a 30 s
+window and only once per nonce (bounded replay cache), then answers a status and
+HMAC(k, "s" | nonce | time), which the client checks (mutual: the client never moves
+memory for an impostor). ``k`` is derived from the secret for this use only. A mismatch
+(secret on one side only, or different secrets) fails the client's transfer with an
+error that names it.
+
+Resource bounds: unauthenticated connections wait in the accept thread's selector, not
+in threads; one must authenticate within ``auth_timeout_s`` (2 s); at most
+``max_pending`` may wait at once and the oldest is dropped for a new one. Because a
+legitimate client's proof is already in its first packet, it is checked as soon as its
+connection is accepted, so an idle flood cannot lock peers out. At most
+``max_connections`` authenticated connections (more are refused, counted); one idle for
+``idle_timeout_s`` is closed. A request's range is checked before anything is
+allocated or read; an out-of-range WRITE is refused and the connection closed (its
+payload is never buffered). ``stats`` counts refusals by reason.
 
 Wire format (little endian), one TCP connection per (client, peer):
+  hello    client ``<4sB3xQ32s32s>``: magic b"HKHA", flags (1 = has a secret), time (unix
+           ms), nonce, MAC (zeros without a secret);
+  answer   server ``<B7x32s>``: status (0 ok, 1 a secret is required, 2 authentication
+           failed, 3 this side has no secret), MAC (zeros without a secret);
   request  ``<4sB3xQQ``: magic b"HKHS", op (1 read, 2 write), remote_addr, nbytes;
            a write request is followed by ``nbytes`` payload bytes.
   response ``<B7xQ``: status (0 ok, 1 outside registered regions, 2 too large,
@@ -21,15 +43,22 @@ Wire format (little endian), one TCP connection per (client, peer):
 """
 from __future__ import annotations
 
+import collections
 import ctypes
+import hashlib
+import hmac
 import logging
+import os
 import queue
+import selectors
 import socket
 import struct
 import threading
+import time
 from dataclasses import dataclass
 from typing import Sequence
 
+from vllm_hawk.security import RateLimitedLog, Refusals, derive_key
 from vllm_hawk.transport.base import (
     Entry,
     Kind,
@@ -44,10 +73,24 @@ from vllm_hawk.transport.base import (
 logger = logging.getLogger(__name__)
 
 _MAGIC = b"HKHS"
+_GREET_MAGIC = b"HKHA"
+_HELLO = struct.Struct("<4sB3xQ32s32s")
+_ANSWER = struct.Struct("<B7x32s")
+AUTH_WINDOW_S = 30.0
+_AUTH_OK, _AUTH_REQUIRED, _AUTH_FAILED, _AUTH_NONE_HERE = 0, 1, 2, 3
+_ANSWER_TEXT = {_AUTH_REQUIRED: "requires the shared secret and this side has none (auth 'none')",
+                _AUTH_FAILED: "refused this side's proof of the shared secret: the secrets differ (or the clocks "
+                              "differ by more than 30 s)",
+                _AUTH_NONE_HERE: "runs without authentication (auth 'none') and this side has a shared secret: "
+                                 "configure both sides alike"}
 _REQ = struct.Struct("<4sB3xQQ")
 _RESP = struct.Struct("<B7xQ")
 _OP_READ, _OP_WRITE = 1, 2
-_IDLE_TIMEOUT_S = 300.0
+_FLAG_AUTH = 1
+IDLE_TIMEOUT_S = 60.0
+AUTH_TIMEOUT_S = 2.0
+MAX_PENDING = 32
+_rlog = RateLimitedLog(logger)
 ST_OK, ST_OUT_OF_RANGE, ST_TOO_LARGE, ST_BAD_OP = 0, 1, 2, 3
 _STATUS_TEXT = {ST_OUT_OF_RANGE: "outside the peer's registered regions",
                 ST_TOO_LARGE: "piece larger than the peer accepts", ST_BAD_OP: "bad op"}
@@ -55,6 +98,14 @@ _STATUS_TEXT = {ST_OUT_OF_RANGE: "outside the peer's registered regions",
 
 class _PeerError(Exception):
     """Connection-level failure talking to a peer."""
+
+
+class _AuthFailed(_PeerError):
+    """The peer could not prove the shared secret (or the auth settings differ)."""
+
+
+def _mac(key: bytes, role: bytes, a: bytes, b: bytes) -> bytes:
+    return hmac.new(key, role + a + b, hashlib.sha256).digest()
 
 
 def _recv_exact(sock: socket.socket, view: memoryview) -> None:
@@ -87,14 +138,26 @@ class HostStagedTransport:
     chunk_nbytes: staging buffer size = largest piece sent (bytes).
     max_piece_nbytes: largest piece the server accepts (bytes).
     window: pieces in flight per connection. io_timeout_s: per socket operation.
+    secret: shared secret (>= 16 bytes) or None (no authentication, say so explicitly
+    by passing None); max_connections / max_pending / idle_timeout_s / auth_timeout_s:
+    the bounds of the module doc.
     """
 
     def __init__(self, bind_host: str = "127.0.0.1", port: int = 0, *,
                  advertise_host: str | None = None, chunk_nbytes: int = 4 << 20,
                  max_piece_nbytes: int = 64 << 20, window: int = 32,
-                 io_timeout_s: float = 10.0, max_connections: int = 64) -> None:
+                 io_timeout_s: float = 10.0, max_connections: int = 64, secret: bytes | None = None,
+                 max_pending: int = MAX_PENDING, idle_timeout_s: float = IDLE_TIMEOUT_S,
+                 auth_timeout_s: float = AUTH_TIMEOUT_S) -> None:
         if chunk_nbytes <= 0 or chunk_nbytes > max_piece_nbytes:
-            raise ValueError("need 0 < chunk_nbytes <= max_piece_nbytes")
+            raise ValueError(f"need 0 < chunk_nbytes <= max_piece_nbytes, got {chunk_nbytes}, {max_piece_nbytes}")
+        self._key = derive_key(secret, "host-staged") if secret is not None else None
+        self._max_pending = max(1, max_pending)
+        self._idle_timeout = idle_timeout_s
+        self._auth_timeout = auth_timeout_s
+        self._pending: collections.OrderedDict[socket.socket, float] = collections.OrderedDict()  # accept thread only
+        self._seen: collections.OrderedDict[bytes, float] = collections.OrderedDict()  # nonces (accept thread only)
+        self.stats = Refusals()
         self._regions = RegionTable()
         self._chunk = chunk_nbytes
         self._max_piece = max_piece_nbytes
@@ -107,7 +170,9 @@ class HostStagedTransport:
         self._server_conns: set[socket.socket] = set()
         self._client_socks: set[socket.socket] = set()
 
-        self._listener = socket.create_server((bind_host, port), backlog=64)
+        # A long accept queue: under a flood of idle connections a legitimate peer's SYN
+        # must wait in it (the accept thread drains it fast) rather than be dropped.
+        self._listener = socket.create_server((bind_host, port), backlog=1024)
         self._listener.settimeout(0.2)
         host = advertise_host or bind_host
         self._endpoint = f"{host}:{self._listener.getsockname()[1]}"
@@ -183,7 +248,29 @@ class HostStagedTransport:
             raise _PeerError(f"connect failed: {e}") from e
         s.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
         s.settimeout(self._io_timeout)
+        try:
+            self._client_auth(s, peer)
+        except BaseException:
+            s.close()
+            raise
         return s
+
+    def _client_auth(self, s: socket.socket, peer: str) -> None:
+        ts, nonce = int(time.time() * 1000), os.urandom(32)
+        flags = _FLAG_AUTH if self._key else 0
+        mac = _mac(self._key, b"c", ts.to_bytes(8, "little"), nonce) if self._key else bytes(32)
+        s.sendall(_HELLO.pack(_GREET_MAGIC, flags, ts, nonce, mac))
+        ans = bytearray(_ANSWER.size)
+        try:
+            _recv_exact(s, memoryview(ans))
+        except (OSError, ConnectionError) as e:
+            raise _AuthFailed(f"{peer} closed the connection before answering ({e}): not a host-staged peer "
+                              "of this version, or it is overloaded") from e
+        status, proof = _ANSWER.unpack(ans)
+        if status != _AUTH_OK:
+            raise _AuthFailed(f"{peer} {_ANSWER_TEXT.get(status, f'answered status {status}')}")
+        if self._key and not hmac.compare_digest(proof, _mac(self._key, b"s", nonce, ts.to_bytes(8, "little"))):
+            raise _AuthFailed(f"{peer} could not prove the shared secret: the secrets differ (or an impostor)")
 
     def _client_loop(self, peer: str, q: queue.Queue) -> None:
         _buf, staging_addr, staging = _staging(self._chunk)
@@ -204,7 +291,12 @@ class HostStagedTransport:
                         self._client_socks.add(sock)
                 self._run_job(sock, job, staging_addr, staging, memoryview(resp))
             except _RemoteRefused as e:
-                h.finish_failed(str(e))  # connection still in sync, keep it
+                h.finish_failed(str(e))
+                if e.closed and sock is not None:  # the peer closes after a refused WRITE
+                    with self._lock:
+                        self._client_socks.discard(sock)
+                    sock.close()
+                    sock = None
             except (OSError, _PeerError, ConnectionError) as e:
                 if sock is not None:
                     with self._lock:
@@ -228,6 +320,7 @@ class HostStagedTransport:
         pending: list[tuple[int, int]] = []  # (local_addr, nbytes) awaiting a response
         refused = 0
         first_refusal = ""
+        closed = False
         i = 0
         while i < len(pieces) or pending:
             if i < len(pieces) and len(pending) < self._window:
@@ -245,6 +338,9 @@ class HostStagedTransport:
             if status != ST_OK:
                 refused += 1
                 first_refusal = first_refusal or _STATUS_TEXT.get(status, f"status {status}")
+                if job.op == _OP_WRITE:  # the server closed the connection (payload not read)
+                    closed = True
+                    break
                 continue
             if job.op == _OP_READ:
                 if rn != nbytes:
@@ -253,25 +349,145 @@ class HostStagedTransport:
                 ctypes.memmove(local, staging_addr, nbytes)  # host staging -> device
         if refused:
             raise _RemoteRefused(f"peer refused {refused} of {len(pieces)} pieces: "
-                                 f"{first_refusal}")
+                                 f"{first_refusal}", closed)
 
     # ---------------------------------------------------------------- server side
     def _accept_loop(self) -> None:
-        while not self._closed.is_set():
+        """Accept, and authenticate in a selector: nothing unauthenticated gets a thread."""
+        sel = selectors.DefaultSelector()
+        self._listener.setblocking(False)
+        sel.register(self._listener, selectors.EVENT_READ)
+        bufs: dict[socket.socket, bytearray] = {}
+        try:
+            while not self._closed.is_set():
+                events = sel.select(0.2)
+                # pending connections first: a legitimate proof is checked before more accepts
+                for key, _ev in sorted(events, key=lambda e: e[0].fileobj is self._listener):
+                    if key.fileobj is self._listener:
+                        self._accept_some(sel, bufs)
+                    else:
+                        self._pending_readable(sel, bufs, key.fileobj)
+                self._expire_pending(sel, bufs)
+        finally:
+            for c in list(bufs):
+                sel.unregister(c)
+                c.close()
+            sel.close()
+
+    def _accept_some(self, sel, bufs) -> None:
+        for _ in range(64):
             try:
                 conn, _addr = self._listener.accept()
-            except socket.timeout:
-                continue
-            except OSError:
+            except (BlockingIOError, InterruptedError):
+                return
+            except OSError as e:
+                self.stats.count("accept_failed")  # e.g. EMFILE: out of file descriptors
+                _rlog("accept", "host-staged server %s: accept failed: %s", self._endpoint, e)
+                time.sleep(0.05)  # do not spin while the descriptors are gone
+                return
+            if len(self._pending) >= self._max_pending:  # drop the oldest unauthenticated one
+                old, _t = self._pending.popitem(last=False)
+                self.stats.count("pending_evicted")
+                self._drop_pending(sel, bufs, old)
+            conn.setblocking(False)
+            self._pending[conn] = time.monotonic()
+            bufs[conn] = bytearray()
+            sel.register(conn, selectors.EVENT_READ)
+
+    def _drop_pending(self, sel, bufs, conn) -> None:
+        self._pending.pop(conn, None)
+        bufs.pop(conn, None)
+        try:
+            sel.unregister(conn)
+        except (KeyError, ValueError):
+            pass
+        conn.close()
+
+    def _expire_pending(self, sel, bufs) -> None:
+        now = time.monotonic()
+        while self._pending:
+            conn, t = next(iter(self._pending.items()))
+            if now - t < self._auth_timeout:
                 break
+            self.stats.count("auth_timeout")
+            self._drop_pending(sel, bufs, conn)
+
+    def _pending_readable(self, sel, bufs, conn) -> None:
+        buf = bufs[conn]
+        try:
+            data = conn.recv(_HELLO.size - len(buf))
+        except (BlockingIOError, InterruptedError):
+            return
+        except OSError:
+            data = b""
+        if not data:
+            self._drop_pending(sel, bufs, conn)
+            return
+        buf += data
+        if len(buf) < _HELLO.size:
+            return
+        self._pending.pop(conn, None)
+        bufs.pop(conn, None)
+        sel.unregister(conn)
+        status, proof = self._check_hello(bytes(buf))
+        try:
+            conn.setblocking(True)
+            conn.settimeout(self._auth_timeout)
+            conn.sendall(_ANSWER.pack(status, proof))
+        except OSError:
+            status = -1
+        admitted = False
+        if status == _AUTH_OK:
             with self._lock:
-                if len(self._server_conns) >= self._max_conns or self._closed.is_set():
-                    conn.close()
-                    continue
-                self._server_conns.add(conn)
-            conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-            threading.Thread(target=self._serve_conn, args=(conn,), daemon=True,
-                             name=f"hawk-hs-serve-{self._endpoint}").start()
+                if len(self._server_conns) >= self._max_conns:
+                    self.stats.count("connections_full")
+                    _rlog("full", "host-staged server %s: %d connections: refusing another", self._endpoint,
+                          self._max_conns)
+                elif not self._closed.is_set():
+                    self._server_conns.add(conn)
+                    admitted = True
+        if not admitted:
+            conn.close()
+            return
+        threading.Thread(target=self._serve_conn, args=(conn,), daemon=True,
+                         name=f"hawk-hs-serve-{self._endpoint}").start()
+
+    def _check_hello(self, raw: bytes) -> tuple[int, bytes]:
+        magic, flags, ts, nonce, mac = _HELLO.unpack(raw)
+        if magic != _GREET_MAGIC:
+            self.stats.count("bad_hello")
+            return _AUTH_FAILED, bytes(32)
+        if self._key is None:
+            if flags & _FLAG_AUTH:
+                self.stats.count("auth_mismatch")
+                return _AUTH_NONE_HERE, bytes(32)
+            return _AUTH_OK, bytes(32)
+        if not flags & _FLAG_AUTH:
+            self.stats.count("auth_missing")
+            _rlog("auth", "host-staged server %s: a peer without the shared secret connected", self._endpoint)
+            return _AUTH_REQUIRED, bytes(32)
+        tsb = ts.to_bytes(8, "little")
+        fresh = abs(time.time() * 1000 - ts) <= AUTH_WINDOW_S * 1000
+        if not (fresh and hmac.compare_digest(mac, _mac(self._key, b"c", tsb, nonce)) and self._first_use(nonce)):
+            self.stats.count("auth_failed")
+            _rlog("auth", "host-staged server %s: a connection failed authentication (wrong secret, stale or "
+                  "replayed proof)", self._endpoint)
+            return _AUTH_FAILED, bytes(32)
+        return _AUTH_OK, _mac(self._key, b"s", nonce, tsb)
+
+    def _first_use(self, nonce: bytes) -> bool:
+        """Replay cache: a nonce is accepted once within the window (bounded table)."""
+        now = time.monotonic()
+        seen = self._seen
+        while seen and next(iter(seen.values())) < now - 2 * AUTH_WINDOW_S:
+            seen.popitem(last=False)
+        if nonce in seen:
+            return False
+        if len(seen) >= 1 << 16:
+            seen.popitem(last=False)
+            self.stats.count("replay_cache_evicted")
+        seen[nonce] = now
+        return True
 
     def _serve_conn(self, conn: socket.socket) -> None:
         staging_buf = None
@@ -280,36 +496,48 @@ class HostStagedTransport:
         hdr = bytearray(_REQ.size)
         hview = memoryview(hdr)
         try:
+            conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
             while not self._closed.is_set():
-                conn.settimeout(_IDLE_TIMEOUT_S)  # idle connections close eventually
-                _recv_exact(conn, hview[:1])
+                conn.settimeout(self._idle_timeout)  # idle connections are closed
+                try:
+                    _recv_exact(conn, hview[:1])
+                except socket.timeout:
+                    self.stats.count("idle_closed")
+                    return
                 conn.settimeout(self._io_timeout)
                 _recv_exact(conn, hview[1:])
                 magic, op, remote, nbytes = _REQ.unpack(hdr)
                 if magic != _MAGIC or op not in (_OP_READ, _OP_WRITE):
-                    logger.warning("host-staged server: bad request header, closing connection")
+                    self.stats.count("bad_request")
+                    _rlog("bad", "host-staged server %s: bad request header, closing connection", self._endpoint)
                     conn.sendall(_RESP.pack(ST_BAD_OP, 0))
                     return
                 if nbytes > self._max_piece or nbytes == 0:
                     # A write payload we will not buffer: we cannot resync, so close.
+                    self.stats.count("too_large")
                     conn.sendall(_RESP.pack(ST_TOO_LARGE, 0))
                     return
+                if not self._regions.contains(remote, nbytes):  # before allocating or reading anything
+                    self.stats.count("out_of_range")
+                    _rlog("range", "host-staged server %s: refused a %s of %d bytes outside the registered "
+                          "regions", self._endpoint, "write" if op == _OP_WRITE else "read", nbytes)
+                    conn.sendall(_RESP.pack(ST_OUT_OF_RANGE, 0))
+                    if op == _OP_WRITE:
+                        return  # its payload follows and is never read: close
+                    continue
                 if len(staging) < nbytes:
                     staging_buf, staging_addr, staging = _staging(max(nbytes, 1 << 20))
                 if op == _OP_WRITE:
                     _recv_exact(conn, staging[:nbytes])  # TCP -> host staging
-                    if self._regions.contains(remote, nbytes):
+                    if self._regions.contains(remote, nbytes):  # unregistered meanwhile?
                         ctypes.memmove(remote, staging_addr, nbytes)  # staging -> device
                         conn.sendall(_RESP.pack(ST_OK, nbytes))
                     else:
                         conn.sendall(_RESP.pack(ST_OUT_OF_RANGE, 0))
                 else:
-                    if self._regions.contains(remote, nbytes):
-                        ctypes.memmove(staging_addr, remote, nbytes)  # device -> staging
-                        conn.sendall(_RESP.pack(ST_OK, nbytes))
-                        conn.sendall(staging[:nbytes])
-                    else:
-                        conn.sendall(_RESP.pack(ST_OUT_OF_RANGE, 0))
+                    ctypes.memmove(staging_addr, remote, nbytes)  # device -> staging
+                    conn.sendall(_RESP.pack(ST_OK, nbytes))
+                    conn.sendall(staging[:nbytes])
         except (OSError, ConnectionError):
             pass
         finally:
@@ -320,4 +548,8 @@ class HostStagedTransport:
 
 
 class _RemoteRefused(Exception):
-    """The peer answered but refused some pieces (connection stays usable)."""
+    """The peer answered but refused some pieces (``closed``: it closed the connection)."""
+
+    def __init__(self, msg: str, closed: bool = False) -> None:
+        super().__init__(msg)
+        self.closed = closed
