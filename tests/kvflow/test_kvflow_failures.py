@@ -92,12 +92,12 @@ def test_release_before_kvready_cancels_and_frees_the_ring_at_once(monkeypatch):
         with pytest.raises(PeerFailed, match="no reply"):
             dec.fetch("slow", 2 * BS, [3, 4], "staged", timeout_s=0.3)  # gives up mid-transform
         # The Release(ok=False) reached the prefill before its KVReady: the range is freed
-        # as soon as the transform ends, not after the 60 s lease.
+        # as soon as the transform ends, not after the 60 s lease; on_finished comes last.
+        assert wait_until(lambda: finished == [("slow", False)], 10.0), finished
         assert wait_until(lambda: pre.snapshot()["pending"] == 0, 10.0), pre.snapshot()
         snap = pre.snapshot()
         assert snap["ring_used"] == 0 and snap["ring_live"] == 0 and snap["served_live"] == 0, snap
         assert snap["cancelled"] == 1 and snap["served"] == 0 and snap["requests"] == 0, snap
-        assert finished == [("slow", False)]
         assert dec.pool.is_idle()
 
 
@@ -127,7 +127,7 @@ def test_release_after_lease_expiry_says_the_kv_may_be_corrupt(monkeypatch):
         with pytest.raises(PeerFailed, match=r"lease of 1000 ms ran out.*may be corrupt"):
             dec.fetch("late", BS, [2], "staged", timeout_s=30.0)
         # finding 7: the engine heard that the request's blocks are free
-        assert finished == [("late", False)]
+        assert wait_until(lambda: finished == [("late", False)], 5.0), finished
         snap = pre.snapshot()
         assert snap["ring_used"] == 0 and snap["requests"] == 0 and snap["expired"] == 1, snap
         assert dec.pool.is_idle()

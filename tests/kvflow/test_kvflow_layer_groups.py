@@ -161,7 +161,7 @@ def test_early_layer_groups_all_wait_for_the_hand_over(pair):
     assert_pool_holds(dec, cache, [10, 11], 2 * BS, [8, 9])
     snap = pre.snapshot()
     assert snap["early"] == 0 and snap["early_block_ids"] == 0 and snap["ring_used"] == 0, snap
-    assert finished == [("early", True)]
+    assert wait_until(lambda: finished == [("early", True)], 5.0), finished
 
 
 def test_second_request_for_a_served_group_is_refused(pair):
@@ -201,10 +201,11 @@ def test_release_while_groups_are_served_frees_the_range_once(pair, monkeypatch)
     pre.add_request("slow", [1, 2], 2 * BS)
     with pytest.raises(PeerFailed):
         decs["bfloat16"].fetch("slow", 2 * BS, [3, 4], "staged", timeout_s=0.3, layer_groups=3)
+    # on_finished runs after the cancel is booked: wait for the engine to hear it
+    assert wait_until(lambda: finished == [("slow", False)], 10.0), finished
     assert wait_until(lambda: pre.snapshot()["pending"] == 0, 10.0), pre.snapshot()
     snap = pre.snapshot()
     assert snap["ring_used"] == 0 and snap["ring_live"] == 0 and snap["requests"] == 0, snap
-    assert finished == [("slow", False)]
     assert decs["bfloat16"].pool.is_idle()
 
 
