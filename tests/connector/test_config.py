@@ -74,6 +74,8 @@ def test_secret_file_is_as_good_as_inline(tmp_path, monkeypatch):
     ("max_pulls", 0, "max_pulls"),
     ("layer_groups", 0, "layer_groups"),
     ("layer_groups", 65, "layer_groups"),
+    ("layout_fix", "both", "'prefill', 'decode'"),
+    ("layout_fix", "decode", "Tenstorrent"),  # with device_profile 'vllm'
 ])
 def test_bad_field_is_named(field, value, needle):
     with pytest.raises(HawkConfigError) as e:
@@ -106,3 +108,14 @@ def test_transport_arguments_and_dp_port_offset(monkeypatch):
     assert parse_config({"device_profile": "p150a"}).device_profile == "p150a"
     cfg = parse_config({"layer_groups": 2, "auth": "hmac"})  # main's layer groups next to sec's auth
     assert cfg.layer_groups == 2 and cfg.auth == "hmac" and cfg.secret_bytes is not None
+
+
+def test_gn_host_needs_a_tenstorrent_decode_and_whole_pulls():
+    cfg = parse_config({"shared_secret": SECRET, "transport": "host-staged", "mode": "staged",
+                        "device_profile": "p150a", "layout_fix": "decode"})
+    assert cfg.layout_fix == "decode" and parse_config({"shared_secret": SECRET}).layout_fix == "prefill"
+    with pytest.raises(HawkConfigError, match="layer_groups=2.*layout_fix='decode'"):
+        parse_config({"shared_secret": SECRET, "device_profile": "p150a", "layout_fix": "decode",
+                      "layer_groups": 2})
+    with pytest.raises(HawkConfigError, match="layout_fix='decode'.*device_profile"):
+        parse_config({"shared_secret": SECRET, "layout_fix": "decode"})

@@ -12,7 +12,7 @@ from vllm_hawk.connector.config import HawkConfigError, parse_config
 
 REPO = Path(__file__).resolve().parents[2]
 CONFIGS = REPO / "configs"
-PAIRS = ["gg-direct", "gn-hawk"]
+PAIRS = ["gg-direct", "gn-hawk", "gn-host"]
 
 
 def load(name: str) -> dict:
@@ -40,6 +40,7 @@ def test_pair_is_valid_and_consistent(pair, monkeypatch):
     assert p.device_profile == d.device_profile and p.transport == d.transport
     assert p.auth == d.auth == "curve" and p.secret_bytes == b"0123456789abcdef"
     assert (p.device_profile == "vllm") == (pair == "gg-direct")
+    assert p.layout_fix == d.layout_fix == ("decode" if pair == "gn-host" else "prefill")
 
 
 def test_env_example_names_variables_the_code_reads():

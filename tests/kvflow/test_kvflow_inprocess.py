@@ -8,11 +8,12 @@ import pytest
 import torch
 
 from vllm_hawk.kvflow import PeerFailed, PrefillEndpoint
+from vllm_hawk.kvflow.gn_host import wire_layout_of
 from vllm_hawk.layout.formats import tilize_pack
 from vllm_hawk.layout.tt_kv_cache import TTKVCacheSpec
 from vllm_hawk.npu.emulated import EmulatedDevice
 from vllm_hawk.protocol import KVReady, Segment, make_compat
-from vllm_hawk.testing.endpoints import TTDecode, VllmDecode, gn_host_fix, make_source, prefill_endpoint
+from vllm_hawk.testing.endpoints import GNHostDecode, TTDecode, VllmDecode, make_source, prefill_endpoint
 from vllm_hawk.testing.paged_cache import PagedKVCache
 from vllm_hawk.transport import TransferFailed, make_transport
 
@@ -88,26 +89,29 @@ def test_gg_and_gn_host_baselines_move_the_same_kv():
         dst_cache = PagedKVCache(L, 40, H, BS, D)
         dec = VllmDecode(dst_cache, td, pre.endpoint, COMPAT)
         dev = EmulatedDevice("p150a", 8 << 20)
-        layout, bufs = dev.allocate_kv_cache(TTKVCacheSpec(L, 32, H, BS, D, "bfloat8_b"))
+        gn = GNHostDecode(dev, TTKVCacheSpec(L, 32, H, BS, D, "bfloat8_b"), td, pre.endpoint, COMPAT,
+                          wire_layout_of(cache.adapter, cache.layers[0]), recv_nbytes=1 << 20)
         try:
             src, dst, tt_dst, n = [4, 5, 6, 20, 9], [1, 2, 30, 31, 7], [3, 4, 5, 9, 10], 300
             pre.add_request("g", src, n)
             res = dec.fetch("g", n, dst)
-            gn_host_fix(dst_cache, dst, dev, layout, bufs, tt_dst)
+            pre.add_request("n", src, n)
+            gres = gn.fetch("n", n, tt_dst)  # the runtime GN-Host sink: same bytes moved, layout fixed here
             assert res.entries == 4 * L  # runs consecutive on both sides: 4,5->1,2  6->30  20->31  9->7
+            assert gres.nbytes == res.nbytes
             for layer in range(L):
                 assert torch.equal(dst_cache.layers[layer][dst], cache.layers[layer][src])
                 for kv in range(2):
-                    got = dev.read_tiles(layout, layer, kv, layout.block_tiles(tt_dst))
+                    got = gn.read_blocks(layer, kv, tt_dst)
                     assert torch.equal(got, reference(cache, layer, kv, src, n, "bfloat8_b"))
             assert pre.snapshot()["requests"] == 0
         finally:
+            gn.close()
             dec.close()
             pre.close()
             tp.close()
             td.close()
-            for b in bufs:
-                dev.free_buffer(b)
+        assert dev.live_buffers() == []
 
 
 class ForgingPrefill(PrefillEndpoint):

@@ -7,8 +7,9 @@ the KV being in its pool; the Release round trip is not counted. Rows:
 
 =================  ==========================================================================
 GG-Host            host-staged transport (extra host copy each side + TCP), vLLM layout both sides
-GN-Host            GG-Host's transfer, then the layout fix on the decode side (tilize/pack =
-                   the HAWK transform, run after arrival) and the write into the device KV pool
+GN-Host            GG-Host's transfer into a host receive ring, then the layout fix on the decode
+                   side (tilize/pack = the HAWK transform, run after arrival) and the write into
+                   the device KV pool: the serving path's sink (``kvflow.gn_host.GNHostSink``)
 GG-Direct          Mooncake, vLLM layout to vLLM layout, block runs coalesced, no transform
 GN-HAWK staged     Mooncake + prefill transform into the ring + one READ per bank into the
                    per-bank receive buffers + intra-bank copies (Algorithm 1)
@@ -45,7 +46,6 @@ import os
 import resource
 import statistics
 import sys
-import time
 
 import numpy as np
 
@@ -125,12 +125,13 @@ class _Prefill:
 def run(model: str = "llama-3.1-70b", tp: int = 4, device_profile: str = "p150a", block_size: int = 64,
         sizes_mb=DEFAULT_SIZES, repeats: int = 5, rows=ROWS, per_tile_cap_s: float = 10.0,
         fragmented: bool = False, seed: int = 0, layer_groups: int = 4, registration: str = "per_request") -> dict:
+    from vllm_hawk.kvflow.gn_host import wire_layout_of
     from vllm_hawk.layout.device_profiles import load_profile
     from vllm_hawk.layout.model_shapes import load_model_shape
     from vllm_hawk.layout.tt_kv_cache import TTKVCacheSpec
     from vllm_hawk.npu.emulated import EmulatedDevice
     from vllm_hawk.protocol import make_compat
-    from vllm_hawk.testing.endpoints import TTDecode, VllmDecode, gn_host_fix
+    from vllm_hawk.testing.endpoints import GNHostDecode, TTDecode, VllmDecode
     from vllm_hawk.testing.paged_cache import PagedKVCache
     from vllm_hawk.transport import make_transport
 
@@ -171,6 +172,12 @@ def run(model: str = "llama-3.1-70b", tp: int = 4, device_profile: str = "p150a"
         closers.append(gg_direct.close)
         gg_host = VllmDecode(dcache, hs, pre.endpoints["gg_host"], compat, timeout_s=600, registration=registration)
         closers.append(gg_host.close)
+        # GN-Host: GG-Host's transfer into a receive ring, then the runtime sink's layout fix into the KV pool
+        gn_host = GNHostDecode(dev, spec["bfloat16"], hs, pre.endpoints["gg_host"], compat,
+                               wire_layout_of(dcache.adapter, dcache.layers[0]), recv_nbytes=src_nbytes + (1 << 20),
+                               timeout_s=600, registration=registration, layout=hawk["bfloat16"].layout,
+                               bufs=hawk["bfloat16"].bufs)
+        closers.append(gn_host.close)
 
         cases = [(r, "bfloat16", mb) for mb in sizes_mb for r in rows]
         cases += [(r, "bfloat8_b", mb) for mb in sizes_mb for r in HAWK_BFP8_ROWS if r in rows]
@@ -183,15 +190,9 @@ def run(model: str = "llama-3.1-70b", tp: int = 4, device_profile: str = "p150a"
             tokens = n * block_size
             if row in ("GG-Host", "GN-Host"):
                 pre.call("add", "gg_host", rid, src, tokens)
-                r = gg_host.fetch(rid, tokens, dst)
-                if row == "GN-Host":  # the layout fix after arrival, into the device's KV pool
-                    t0 = time.monotonic()
-                    gn_host_fix(dcache, dst, dev, hawk[dtype].layout, hawk[dtype].bufs, dst)
-                    fix_s = time.monotonic() - t0
-                    r.copy_s += fix_s
-                    r.total_s += fix_s
-                    r.extra["fix_transform_s"] = fix_s
-                return r
+                if row == "GN-Host":  # into the receive ring, then the layout fix into the device's KV pool
+                    return gn_host.fetch(rid, tokens, dst)
+                return gg_host.fetch(rid, tokens, dst)
             if row == "GG-Direct":
                 pre.call("add", "gg_direct", rid, src, tokens)
                 return gg_direct.fetch(rid, tokens, dst)

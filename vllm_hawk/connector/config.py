@@ -33,6 +33,20 @@ field                  default             meaning
                                            picks per-bank receive buffers + intra-bank copies
                                            (``staged``) or READs into the KV pages
                                            (``direct``); see :mod:`vllm_hawk.kvflow.sinks`)
+``layout_fix``         ``"prefill"``       who fixes the KV layout for a Tenstorrent decode,
+                                           set the SAME on both sides: ``prefill`` (GN-HAWK:
+                                           the prefill transforms into the tile layout) or
+                                           ``decode`` (GN-Host, the paper's baseline: the
+                                           prefill serves plain vLLM blocks, the decode
+                                           READs them into a host receive ring and
+                                           tilizes/packs them into its KV pool, see
+                                           :mod:`vllm_hawk.kvflow.gn_host`). ``decode``
+                                           needs a Tenstorrent ``device_profile`` and
+                                           ``layer_groups`` 1; the prefill's ``mode`` picks
+                                           ring gather (``staged``) or blocks in place; the
+                                           decode always lands in its receive ring
+                                           (``ring_nbytes``). The paper's baseline: with
+                                           ``transport: host-staged``, ``mode: staged``
 ``auth``               ``"curve"``         side-channel authentication, set the SAME on both
                                            sides: ``curve`` (CurveZMQ + ZAP at connection
                                            time, then the HMAC envelope per message),
@@ -119,6 +133,7 @@ AUTH_MODES = ("curve", "hmac", "none")
 MIN_SECRET_NBYTES = 16
 MAX_SECRET_FILE_NBYTES = 4096
 MODES = ("direct", "staged")
+LAYOUT_FIXES = ("prefill", "decode")
 VLLM_PROFILE = "vllm"
 
 
@@ -134,6 +149,7 @@ class HawkConfig:
     side_channel_port: int = 17600
     mode: str = "direct"
     device_profile: str = VLLM_PROFILE
+    layout_fix: str = "prefill"
     auth: str = "curve"
     shared_secret: str | None = field(default=None, repr=False)
     shared_secret_file: str | None = None
@@ -213,6 +229,17 @@ def parse_config(extra: Mapping[str, Any] | None, *, dp_rank: int = 0) -> HawkCo
         known = available_profiles()
         if profile not in known:
             raise _err("device_profile", profile, f"choose {VLLM_PROFILE!r} or one of {known}")
+
+    fix = out["layout_fix"]
+    if fix not in LAYOUT_FIXES:
+        raise _err("layout_fix", fix, f"choose one of {list(LAYOUT_FIXES)}")
+    if fix == "decode":
+        if profile == VLLM_PROFILE:
+            raise _err("layout_fix", fix, "the decode-side layout fix (GN-Host) is for a Tenstorrent decode: set "
+                       "device_profile to its device (e.g. 'p150a'); a vLLM decode needs no fix")
+        if out["layer_groups"] != 1:
+            raise _err("layer_groups", out["layer_groups"], "layout_fix='decode' (GN-Host) pulls whole requests: "
+                       "set layer_groups 1")
 
     if out["auth"] not in AUTH_MODES:
         raise _err("auth", out["auth"], f"choose one of {list(AUTH_MODES)}")

@@ -5,11 +5,14 @@
   :mod:`vllm_hawk.layout.vllm_kv` into a :class:`~vllm_hawk.kvflow.KVRegionMap`
   (where each block's bytes are), the buffers to register, and zero-copy logical K/V
   views ``[num_blocks, heads, block_size, head_dim]`` for the GN-HAWK transform;
-* an engine on the Tenstorrent platform plugin (GN-HAWK decode): the plugin's device KV
-  cache (:mod:`vllm_hawk.tt_plugin.registry`; the tensors vLLM passes are placeholders).
+* an engine on the Tenstorrent platform plugin (GN-HAWK / GN-Host decode): the plugin's
+  device KV cache (:mod:`vllm_hawk.tt_plugin.registry`; the tensors vLLM passes are
+  placeholders). GN-Host (``layout_fix: decode``): both sides also derive the blocks'
+  wire layout (:mod:`vllm_hawk.kvflow.gn_host`) and name it in ``src_layout``.
 
 Both sides derive the handshake's compatibility fields here, so a P/D pair that
-disagrees (model, dtype, block size, source layout, device profile) is refused by name.
+disagrees (model, dtype, block size, source layout, device profile, ``layout_fix``) is
+refused by name.
 """
 from __future__ import annotations
 
@@ -33,6 +36,7 @@ class LocalKV:
     storages: list[tuple[int, int]] = field(default_factory=list)  # (addr, nbytes) of each buffer
     views: object = None  # vLLM caches: a TransformSource (what the GN-HAWK transform reads)
     tt_cache: object = None  # Tenstorrent plugin: its TTPagedKVCache
+    wire: object = None  # GN-Host (layout_fix 'decode'): the WireLayout of the prefill's blocks
 
 
 def _layer_key(name: str) -> tuple:
@@ -45,10 +49,13 @@ def model_id(vllm_config, num_layers: int, num_kv_heads: int, head_dim: int) -> 
             f":V{getattr(hf, 'vocab_size', 0)}")
 
 
-def tt_compat(model: str, dtype: str, block_size: int, profile: str) -> CompatFields:
-    """Compatibility fields of both sides of a GN-HAWK pair (device profile ``profile``)."""
-    return make_compat(model=model[:256], dtype=dtype, block_size=block_size, src_layout=SRC_ANY,
-                       dst_layout=f"tt-paged/{profile}"[:256], device_profile=profile)
+def tt_compat(model: str, dtype: str, block_size: int, profile: str, layout_fix: str = "prefill",
+              src_layout: str = SRC_ANY) -> CompatFields:
+    """Compatibility fields of both sides of a pair with a Tenstorrent decode (device
+    profile ``profile``): GN-HAWK (``layout_fix`` 'prefill', any vLLM source layout) or
+    GN-Host ('decode': ``src_layout`` names the blocks' wire layout, which the decode reads)."""
+    return make_compat(model=model[:256], dtype=dtype, block_size=block_size, src_layout=src_layout[:256],
+                       dst_layout=f"tt-paged/{profile}/layout_fix={layout_fix}"[:256], device_profile=profile)
 
 
 def describe_vllm_caches(kv_caches: dict, vllm_config, cfg: HawkConfig) -> LocalKV:
@@ -80,14 +87,24 @@ def describe_vllm_caches(kv_caches: dict, vllm_config, cfg: HawkConfig) -> Local
     src_layout = f"{a0.name}{'/' + isa if isa else ''}/{region_map.signature()}"
     mid = model_id(vllm_config, len(names), a0.num_kv_heads, a0.head_dim)
     dtype = str(a0.dtype).removeprefix("torch.")
-    if cfg.device_profile != VLLM_PROFILE:  # GN-HAWK: the prefill transforms for the decode
+    wire = None
+    if cfg.device_profile != VLLM_PROFILE and cfg.layout_fix == "decode":  # GN-Host: blocks as they are
+        from vllm_hawk.kvflow.gn_host import wire_layout_of
+
+        wires = [wire_layout_of(a, c) for a, c in zip(adapters, caches)]
+        if len({w.name for w in wires}) != 1:
+            raise NotImplementedError("HawkConnector: GN-Host needs one KV layout in every layer, got "
+                                      f"{sorted({w.name for w in wires})}")
+        wire = wires[0]
+        compat = tt_compat(mid, dtype, a0.block_size, cfg.device_profile, "decode", wire.name)
+    elif cfg.device_profile != VLLM_PROFILE:  # GN-HAWK: the prefill transforms for the decode
         compat = tt_compat(mid, dtype, a0.block_size, cfg.device_profile)
     else:
         compat = make_compat(model=mid[:256], dtype=dtype, block_size=a0.block_size, src_layout=src_layout[:256],
                              dst_layout=f"vllm-paged/{src_layout}"[:256], device_profile=cfg.device_profile)
     layout = vllm_layout_desc(region_map, f"vllm-paged/{a0.name}", dtype, a0.block_size, a0.num_kv_heads,
                               a0.head_dim)
-    return LocalKV(compat, layout, region_map, sorted(seen.items()), views)
+    return LocalKV(compat, layout, region_map, sorted(seen.items()), views, wire=wire)
 
 
 def describe_tt_cache(cache, vllm_config, cfg: HawkConfig) -> LocalKV:
@@ -101,8 +118,14 @@ def describe_tt_cache(cache, vllm_config, cfg: HawkConfig) -> LocalKV:
         raise HawkConfigError(f"kv_connector_extra_config.device_profile={cfg.device_profile!r} but "
                               f"this engine's Tenstorrent device is {dev!r}")
     dtype = str(vllm_config.model_config.dtype).removeprefix("torch.")
-    compat = tt_compat(model_id(vllm_config, s.num_layers, s.num_kv_heads, s.head_dim), dtype, s.block_size,
-                       cfg.device_profile)
+    mid = model_id(vllm_config, s.num_layers, s.num_kv_heads, s.head_dim)
+    if cfg.layout_fix == "decode":  # GN-Host: this side reads the prefill's vLLM blocks
+        from vllm_hawk.kvflow.gn_host import host_wire_layout
+
+        wire = host_wire_layout(s.num_kv_heads, s.block_size, s.head_dim, vllm_config.model_config.dtype)
+        compat = tt_compat(mid, dtype, s.block_size, cfg.device_profile, "decode", wire.name)
+        return LocalKV(compat, wire.layout_desc(s.num_layers), tt_cache=cache, wire=wire)
+    compat = tt_compat(mid, dtype, s.block_size, cfg.device_profile)
     return LocalKV(compat, layout_desc(cache.layout), tt_cache=cache)
 
 

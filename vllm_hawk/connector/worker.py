@@ -7,13 +7,15 @@ leases, the ring, cancels, deadlines, settle/quarantine, Release — is
 
 Prefill (``kv_producer``): a :class:`~vllm_hawk.kvflow.PrefillEndpoint` serving from
 :class:`~vllm_hawk.kvflow.TileTransformSource` (``device_profile`` names a Tenstorrent
-device: GN-HAWK), :class:`~vllm_hawk.kvflow.RingGatherSource` (``mode: staged``) or
+device: GN-HAWK), :class:`~vllm_hawk.kvflow.RingGatherSource` (``mode: staged``; also
+GN-Host, ``layout_fix: decode``, whose decode fixes the layout) or
 :class:`~vllm_hawk.kvflow.VllmBlockSource` (``mode: direct``). ``reqs_to_send`` are
 handed over each step; a request the decode released (or whose lease expired) is
 reported in ``finished_sending`` and vLLM frees its blocks.
 
 Decode (``kv_consumer``): one sink — :class:`~vllm_hawk.kvflow.TTSink` on the
-Tenstorrent platform plugin, else :class:`~vllm_hawk.kvflow.VllmPagedSink` /
+Tenstorrent platform plugin (:class:`~vllm_hawk.kvflow.gn_host.GNHostSink` with
+``layout_fix: decode``), else :class:`~vllm_hawk.kvflow.VllmPagedSink` /
 :class:`~vllm_hawk.kvflow.VllmStagedSink` — and one
 :class:`~vllm_hawk.kvflow.DecodeEndpoint` per prefill, created at its first pull. Pulls
 run on worker threads; results come back through ``get_transfer_results`` (failed
@@ -49,6 +51,7 @@ from vllm_hawk.kvflow import (
     vllm_sink,
 )
 from vllm_hawk.kvflow.decode import SETTLE_LIMIT_S
+from vllm_hawk.kvflow.gn_host import GNHostSink
 from vllm_hawk.transport import make_transport
 
 # Under "vllm." so that vLLM's log handlers and level apply.
@@ -91,7 +94,7 @@ def unpinned_threads():
 
 def make_source(cfg: HawkConfig, kv: LocalKV):
     """The prefill's source for this configuration (see module doc)."""
-    if cfg.device_profile != VLLM_PROFILE:
+    if cfg.device_profile != VLLM_PROFILE and cfg.layout_fix == "prefill":
         from vllm_hawk.layout.device_profiles import load_profile
 
         src = TileTransformSource(kv.views, kv.layout, load_profile(cfg.device_profile))
@@ -107,13 +110,16 @@ def make_source(cfg: HawkConfig, kv: LocalKV):
 
         threading.Thread(target=warm, daemon=True, name="hawk-transform-warm").start()
         return src
-    if cfg.mode == "staged":
+    if cfg.mode == "staged":  # also GN-Host (layout_fix 'decode'): plain vLLM blocks, the decode fixes them
         return RingGatherSource(kv.region_map, kv.layout, kv.storages)
     return VllmBlockSource(kv.region_map, kv.layout, kv.storages)
 
 
 def make_sink(cfg: HawkConfig, kv: LocalKV, transport):
     """The decode's sink for this configuration (see module doc)."""
+    if kv.tt_cache is not None and cfg.layout_fix == "decode":
+        c = kv.tt_cache
+        return GNHostSink(c.device, c.layout, c.buffers, transport, kv.wire, cfg.ring_nbytes)
     if kv.tt_cache is not None:
         c = kv.tt_cache
         align = c.device.profile.dram_alignment_bytes
@@ -194,8 +200,8 @@ class HawkConnectorWorker:
         cfg = self.cfg
         source = make_source(cfg, self.kv)
         observer = None
-        if self._debug is not None and isinstance(source, TileTransformSource):
-            observer = debug.prefill_dumper(self._debug, source.views)
+        if self._debug is not None and (isinstance(source, TileTransformSource) or cfg.layout_fix == "decode"):
+            observer = debug.prefill_dumper(self._debug, self.kv.views)
         self.prefill = PrefillEndpoint(
             source, self.transport, self.kv.compat, ring_nbytes=cfg.ring_nbytes,
             bind=f"tcp://{cfg.side_channel_host}:{cfg.side_channel_port}", secret=cfg.secret_bytes,
@@ -351,6 +357,9 @@ class HawkConnectorWorker:
                 d = {"inflight": len(self._pulls.inflight), "quarantined": len(self._pulls.quarantined)}
             if isinstance(self.sink, TTSink):
                 d.update(recv_live=len(self.sink.pool.live()) if self.sink.pool else 0,
+                         device_buffers=len(getattr(self.sink.device, "live_buffers", list)()))
+            elif isinstance(self.sink, GNHostSink):
+                d.update(recv_live=len(self.sink.recv.alloc.live()) if self.sink.recv else 0,
                          device_buffers=len(getattr(self.sink.device, "live_buffers", list)()))
             out["decode"] = d
         return out

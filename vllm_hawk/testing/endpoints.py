@@ -8,17 +8,15 @@ endpoints the connector builds, and calls them.
   ``hawk`` (tile transform), ``staged`` (ring gather) or ``vllm`` (blocks in place);
 * :class:`TTDecode` — an emulated Tenstorrent KV pool, one sink per mode over it and a
   :class:`~vllm_hawk.kvflow.DecodeEndpoint`;
-* :class:`VllmDecode` — a vLLM-layout decode cache with its sink and endpoint, and
-  :func:`gn_host_fix`, the GN-Host baseline's layout fix after arrival.
+* :class:`VllmDecode` — a vLLM-layout decode cache with its sink and endpoint;
+* :class:`GNHostDecode` — the GN-Host baseline: an emulated Tenstorrent KV pool fed
+  vLLM-layout blocks, with the runtime :class:`~vllm_hawk.kvflow.GNHostSink`.
 """
 from __future__ import annotations
 
-import ctypes
-
-import numpy as np
-
 from vllm_hawk.kvflow import (
     DecodeEndpoint,
+    GNHostSink,
     PrefillEndpoint,
     RingGatherSource,
     TileTransformSource,
@@ -26,10 +24,9 @@ from vllm_hawk.kvflow import (
     VllmBlockSource,
     vllm_sink,
 )
-from vllm_hawk.kvflow.sinks import KVPageAddresses, layout_desc
+from vllm_hawk.kvflow.sinks import layout_desc
 from vllm_hawk.layout.device_profiles import load_profile
 from vllm_hawk.layout.tt_kv_cache import TTKVCacheSpec
-from vllm_hawk.transform import make_plan, transform_kv
 
 SOURCE_KINDS = ("hawk", "staged", "vllm")
 
@@ -163,18 +160,41 @@ class VllmDecode(_Endpoint):
         self.sink.close()
 
 
-def gn_host_fix(cache, dst_blocks, device, layout, kv_buffers, tt_blocks) -> None:
-    """GN-Host's layout fix after arrival: blocks ``dst_blocks`` of the host cache are
-    tilized/packed (the HAWK transform, run on the decode side) and written into the
-    device's KV pool at ``tt_blocks``, at host addresses from the bank-buffer API."""
-    plan = make_plan(layout, np.asarray(tt_blocks, dtype=np.int64), "direct")
-    g = transform_kv(cache.kv_views(), np.asarray(dst_blocks, dtype=np.int64), cache.block_size, plan)
-    ops = plan.rdma
-    pages = KVPageAddresses(device, kv_buffers)
-    try:
-        local = pages.addresses(ops.bank, ops.dst_offset, ops.nbytes).tolist()
-        base = g.data_ptr()
-        for s, d, n in zip(ops.src_offset.tolist(), local, ops.nbytes.tolist()):
-            ctypes.memmove(d, base + s, n)
-    finally:
-        pages.close()
+class GNHostDecode(_Endpoint):
+    """GN-Host: a Tenstorrent KV pool (``spec``) on ``device`` whose KV arrives as the
+    prefill's vLLM blocks (``wire``: their layout, e.g. ``wire_layout_of(cache.adapter,
+    cache.layers[0])``) in a receive ring of ``recv_nbytes``, fixed up on this side by
+    :class:`~vllm_hawk.kvflow.GNHostSink`. Freed at :meth:`close`."""
+
+    def __init__(self, device, spec: TTKVCacheSpec, transport, endpoint: str, compat, wire, *, secret=None,
+                 auth=None, recv_nbytes: int = 64 << 20, timeout_s: float = 10.0, claim_wait_s: float = 5.0,
+                 registration: str = "per_request", layout=None, bufs=None) -> None:
+        self.device, self.sink, self.ep = device, None, None
+        self._own = layout is None
+        self.layout, self.bufs = (layout, list(bufs)) if layout is not None else device.allocate_kv_cache(spec)
+        try:
+            self.sink = GNHostSink(device, self.layout, self.bufs, transport, wire, recv_nbytes, registration)
+            self.ep = DecodeEndpoint(transport, endpoint, compat, secret=secret, auth=auth, pull_timeout_s=timeout_s,
+                                     claim_wait_s=claim_wait_s)
+        except BaseException:
+            self.close()
+            raise
+
+    def fetch(self, req_id: str, num_tokens: int, dst_blocks, **kw):
+        return self.ep.fetch(req_id, num_tokens, self.sink, dst_blocks, **kw)
+
+    def read_blocks(self, layer: int, kv: int, blocks):
+        """Bytes of whole KV-pool blocks of tensor (layer, K=0|V=1): uint8 [tiles, tile_nbytes]."""
+        return self.device.read_tiles(self.layout, layer, kv, self.layout.block_tiles(blocks))
+
+    def close(self) -> None:
+        if self.ep is not None:
+            self.ep.close()
+            self.ep = None
+        if self.sink is not None:
+            self.sink.close()
+            self.sink = None
+        if self._own:
+            for b in self.bufs:
+                self.device.free_buffer(b)
+        self.bufs = []

@@ -12,6 +12,11 @@ secret to ``<workdir>/shared_secret`` (mode 0600) and gives both servers
 ``auth``/``shared_secret_file`` (``auth="none"`` runs without; ``extra_config`` may
 override either).
 
+The paper's four serving configurations (:data:`CONFIGURATIONS`: ``gg-host``,
+``gg-direct``, ``gn-host``, ``gn-hawk``) start the same way, with the same interface:
+
+    with LocalCluster.configured("gn-host", model_dir, workdir, dtype="bfloat16") as c:
+
 On machines with 2+ CPUs the prefill's model threads are bound to the first CPU and the
 decode's to the second (``VLLM_CPU_OMP_THREADS_BIND``); vLLM's default binds both to the
 same core.
@@ -36,6 +41,19 @@ CHAT_TEMPLATE = ("{% for m in messages %}{{ m['role'] }}: {{ m['content'] }}\n{%
                  "{% if add_generation_prompt %}assistant:{% endif %}")
 
 Progress = Callable[[str, float], None]  # (what is starting, seconds so far)
+
+#: The paper's serving configurations as :class:`LocalCluster` settings. GG: a vLLM decode;
+#: GN: a decode on the emulated Tenstorrent platform plugin (``decode_tt``). GG-Host and
+#: GN-Host move plain vLLM blocks over the host-staged transport (GN-Host then fixes the
+#: layout on the decode: ``layout_fix: decode``); GG-Direct and GN-HAWK use Mooncake TCP
+#: (GN-HAWK: the prefill transforms into the tile layout, the decode stages per bank).
+CONFIGURATIONS: dict[str, dict] = {
+    "gg-host": {"extra_config": {"transport": "host-staged", "mode": "staged"}},
+    "gg-direct": {"extra_config": {"transport": "mooncake-tcp", "mode": "direct"}},
+    "gn-host": {"extra_config": {"transport": "host-staged", "mode": "staged", "layout_fix": "decode"},
+                "tt": True},
+    "gn-hawk": {"extra_config": {"transport": "mooncake-tcp", "mode": "staged"}, "tt": True},
+}
 
 
 def free_port() -> int:
@@ -153,6 +171,21 @@ class LocalCluster:
     startup_timeout_s: float = 400.0
     python: str = sys.executable
     servers: dict[str, Server] = field(default_factory=dict)
+
+    @classmethod
+    def configured(cls, name: str, model: str | os.PathLike, workdir: str | os.PathLike, *,
+                   device: str = "p150a", kv_dtype: str = "bfloat16", **kw) -> "LocalCluster":
+        """A cluster for configuration ``name`` of :data:`CONFIGURATIONS` (not started).
+        ``device``/``kv_dtype``: the Tenstorrent decode of the GN configurations; other
+        keyword arguments are :class:`LocalCluster` fields (``extra_config`` is merged
+        over the configuration's)."""
+        if name not in CONFIGURATIONS:
+            raise ValueError(f"configuration must be one of {sorted(CONFIGURATIONS)}, got {name!r}")
+        conf = CONFIGURATIONS[name]
+        kw["extra_config"] = {**conf["extra_config"], **kw.get("extra_config", {})}
+        if conf.get("tt"):
+            kw.setdefault("decode_tt", {"device": device, "kv_dtype": kv_dtype})
+        return cls(model, workdir, **kw)
 
     # ---------------------------------------------------------------- urls
     @property

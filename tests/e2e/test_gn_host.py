@@ -1,0 +1,76 @@
+"""GN-Host end to end (the paper's baseline as a serving configuration): vLLM prefill on
+the CPU -> plain vLLM-layout blocks over the host-staged transport -> vLLM decode on the
+emulated Tenstorrent platform plugin, which fixes the layout (tilize/pack) into its KV
+pool; through ``hawk proxy``. One module-scoped cluster (``LocalCluster.configured``).
+
+Checked: outputs equal the single-engine reference (the stock CPU engine, the prefill
+server asked directly) token for token except at top-2 ties (as in ``test_gn_hawk``);
+every transfer's decode KV blocks hold exactly ``tilize_pack`` of the prefill's K/V
+(both sides dump them, ``HAWK_DEBUG_DIR``); the wire carries vLLM blocks (one segment per
+layer, vLLM bytes), and both sides are idle afterwards.
+"""
+from __future__ import annotations
+
+import time
+
+import pytest
+from test_gn_hawk import BLOCK, MAX_TOKENS, TIE_MARGIN, _check_new_transfers, _complete, _prompts, _wait_idle
+from test_pd_serving import greedy_divergence
+
+pytestmark = pytest.mark.vllm
+
+
+@pytest.fixture(scope="module")
+def gn(tmp_path_factory):
+    from vllm_hawk.vllm_launcher import ensure_vllm_dist
+
+    if ensure_vllm_dist() is None:
+        pytest.skip("vLLM is not installed")
+    from vllm_hawk.testing.local_cluster import LocalCluster
+    from vllm_hawk.testing.tiny_model import build_tiny_llama
+
+    work = tmp_path_factory.mktemp("gn-host")
+    dump = work / "dump"
+    c = LocalCluster.configured("gn-host", build_tiny_llama(dtype="bfloat16"), work, device="p150a",
+                                kv_dtype="bfloat16", dtype="bfloat16", block_size=BLOCK, max_model_len=1024,
+                                extra_config={"pull_timeout_s": 20.0, "handshake_timeout_s": 3.0,
+                                              "ring_nbytes": 16 << 20},
+                                prefill_config={"lease_s": 30.0},
+                                extra_args=["--no-enable-prefix-caching"],
+                                extra_env={"HAWK_DEBUG_DIR": str(dump)})
+    t0 = time.monotonic()
+    c.start()
+    c.hawk_name, c.hawk_dump, c.hawk_checked = "gn-host", dump, set()
+    c.hawk_cfg = {"device": "p150a", "kv_dtype": "bfloat16", "mode": "staged"}
+    print(f"\n[gn-host] cluster up in {time.monotonic() - t0:.1f} s")
+    try:
+        yield c
+    finally:
+        c.stop()
+        assert c.leftover_processes() == [], "processes left after stop()"
+
+
+def test_gn_host_outputs_and_kv_bytes(gn, record_property):
+    ties, mismatches, stats = [], [], []
+    for p in _prompts():
+        d = _complete(gn.proxy_url, p)
+        checked = _check_new_transfers(gn)  # decode bank bytes == tilize_pack(prefill K/V)
+        assert len(checked) == 1, f"expected one transfer for a {len(p)}-token prompt: {checked}"
+        nblocks = -(-len(p) // BLOCK)
+        assert checked[0]["blocks"] == nblocks
+        fig = (d["kv_transfer_params"] or {}).get("hawk_transfer") or {}
+        assert fig.get("ok") and fig.get("banks") == 8 and fig.get("page_writes", 0) > 0, fig
+        assert fig["segments"] == 4  # vLLM layer streams from the prefill's ring: one per layer (tiny: 4)
+        # vLLM bytes on the wire: per block and layer 4 KV heads x 32 tokens x (K+V) 2*32 dims x 2 bytes
+        assert fig["nbytes"] == nblocks * 4 * (4 * BLOCK * 64 * 2)
+        stats.append((len(p), fig["nbytes"], fig["entries"], fig["total_ms"], fig["copy_ms"]))
+        r = _complete(gn.prefill_url, p, logprobs=2)
+        assert len(d["token_ids"]) == MAX_TOKENS
+        div = greedy_divergence(d["token_ids"], r)
+        if div is not None:
+            (ties if div[1] < TIE_MARGIN else mismatches).append((len(p), *div))
+    print(f"[gn-host] transfers (prompt_len, bytes, READ entries, total ms, fix ms): {stats}")
+    print(f"[gn-host] top-2 ties (prompt_len, position, gap): {ties} ({len(ties)} of {len(_prompts())} prompts)")
+    record_property("gn-host-ties", ties)
+    assert not mismatches, f"outputs differ beyond ties (prompt_len, position, gap): {mismatches}"
+    _wait_idle(gn)
