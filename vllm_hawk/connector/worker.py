@@ -92,23 +92,27 @@ def unpinned_threads():
 
 # --------------------------------------------------------------------------- strategies
 
+def _in_background(warm, what: str) -> None:
+    """Run ``warm`` (compile or load the transform kernels) while the engine starts."""
+    def run() -> None:
+        t0 = time.monotonic()
+        try:
+            warm()
+        except Exception as e:  # noqa: BLE001 - the first request compiles instead
+            logger.warning("HawkConnector: %s warm-up failed: %s", what, e)
+            return
+        logger.info("HawkConnector: %s kernels ready in %.1f s", what, time.monotonic() - t0)
+
+    threading.Thread(target=run, daemon=True, name="hawk-transform-warm").start()
+
+
 def make_source(cfg: HawkConfig, kv: LocalKV):
     """The prefill's source for this configuration (see module doc)."""
     if cfg.device_profile != VLLM_PROFILE and cfg.layout_fix == "prefill":
         from vllm_hawk.layout.device_profiles import load_profile
 
         src = TileTransformSource(kv.views, kv.layout, load_profile(cfg.device_profile))
-
-        def warm() -> None:  # in the background: the kernels compile (or load) while the engine starts
-            t0 = time.monotonic()
-            try:
-                src.warm(src.profile)
-            except Exception as e:  # noqa: BLE001 - the first request compiles instead
-                logger.warning("HawkConnector prefill: transform warm-up failed: %s", e)
-                return
-            logger.info("HawkConnector prefill: transform kernels ready in %.1f s", time.monotonic() - t0)
-
-        threading.Thread(target=warm, daemon=True, name="hawk-transform-warm").start()
+        _in_background(lambda: src.warm(src.profile), "prefill transform")
         return src
     if cfg.mode == "staged":  # also GN-Host (layout_fix 'decode'): plain vLLM blocks, the decode fixes them
         return RingGatherSource(kv.region_map, kv.layout, kv.storages)
@@ -119,7 +123,9 @@ def make_sink(cfg: HawkConfig, kv: LocalKV, transport):
     """The decode's sink for this configuration (see module doc)."""
     if kv.tt_cache is not None and cfg.layout_fix == "decode":
         c = kv.tt_cache
-        return GNHostSink(c.device, c.layout, c.buffers, transport, kv.wire, cfg.ring_nbytes)
+        sink = GNHostSink(c.device, c.layout, c.buffers, transport, kv.wire, cfg.ring_nbytes)
+        _in_background(sink.warm, "GN-Host layout fix")
+        return sink
     if kv.tt_cache is not None:
         c = kv.tt_cache
         align = c.device.profile.dram_alignment_bytes

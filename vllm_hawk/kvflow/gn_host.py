@@ -178,6 +178,16 @@ class GNHostSink:
             ctypes.memmove(d, gp + s, nb)
         return {"fix_transform_s": t1 - t0, "copy_s": time.monotonic() - t0, "page_writes": len(ops)}
 
+    def warm(self) -> None:
+        """Compile the fix's transform kernels before the first request (numba: seconds on
+        first use): one block of zeros, transformed into a scratch G' (the pool is untouched)."""
+        plan = make_plan(self.tt_layout, np.array([0]), "direct")
+        mem = torch.zeros(self.wire.block_nbytes * self.layout.num_layers, dtype=torch.uint8)
+        src = TransformSource([self.wire.adapter] * self.layout.num_layers,
+                              self.wire.caches(mem, 1, self.layout.num_layers))
+        transform_source(src, np.arange(1), self.layout.block_size, plan,
+                         torch.empty(plan.total_nbytes, dtype=torch.uint8))
+
     def idle(self) -> bool:
         return self.recv is None or self.recv.alloc.is_empty()
 
