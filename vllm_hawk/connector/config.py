@@ -46,7 +46,12 @@ field                  default             meaning
                                            ring gather (``staged``) or blocks in place; the
                                            decode always lands in its receive ring
                                            (``ring_nbytes``). The paper's baseline: with
-                                           ``transport: host-staged``, ``mode: staged``
+                                           ``transport: host-staged``, ``mode: staged``.
+                                           The decode reads the blocks as vLLM's CPU
+                                           attention lays them out on a host like its own
+                                           (CPU_ATTN, the ISA vLLM picks there); a prefill
+                                           with another layout (e.g. a GPU's FlashAttention)
+                                           is refused at the handshake, naming both
 ``auth``               ``"curve"``         side-channel authentication, set the SAME on both
                                            sides: ``curve`` (CurveZMQ + ZAP at connection
                                            time, then the HMAC envelope per message),
