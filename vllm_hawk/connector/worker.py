@@ -12,7 +12,9 @@ device: GN-HAWK), :class:`~vllm_hawk.kvflow.RingGatherSource` (``mode: staged``)
 handed over each step; a request the decode released (or whose lease expired) is
 reported in ``finished_sending`` and vLLM frees its blocks.
 
-Decode (``kv_consumer``): one sink — :class:`~vllm_hawk.kvflow.TTSink` on the
+Decode (``kv_consumer``): a :class:`~vllm_hawk.kvflow.LeaseKeeper` renews the prefill
+leases of requests waiting in this engine (``reqs_to_want``) until their pull or Release
+takes over; one sink — :class:`~vllm_hawk.kvflow.TTSink` on the
 Tenstorrent platform plugin, else :class:`~vllm_hawk.kvflow.VllmPagedSink` /
 :class:`~vllm_hawk.kvflow.VllmStagedSink` — and one
 :class:`~vllm_hawk.kvflow.DecodeEndpoint` per prefill, created at its first pull. Pulls
@@ -39,6 +41,7 @@ from vllm_hawk.connector.metadata import HawkConnectorMetadata, HawkWorkerMeta, 
 from vllm_hawk.connector.stats import HawkKVConnectorStats
 from vllm_hawk.kvflow import (
     DecodeEndpoint,
+    LeaseKeeper,
     PeerFailed,
     PrefillEndpoint,
     RingGatherSource,
@@ -158,7 +161,8 @@ class HawkConnectorWorker:
         self._peer_locks: dict[str, threading.Lock] = {}
         self._counted = {"expired": 0, "released": 0, "refused": 0}
         self.kv: LocalKV | None = None
-        self.transport = self.prefill = self.sink = self._pool = None
+        self._engines: dict[str, str] = {}  # side channel -> remote engine id (for messages)
+        self.transport = self.prefill = self.sink = self._pool = self.keeper = None
         self._debug = envs.debug_dir()
 
     # ---------------------------------------------------------------- set-up
@@ -183,6 +187,8 @@ class HawkConnectorWorker:
                     self.sink = make_sink(self.cfg, self.kv, self.transport)
                     self._pool = cf.ThreadPoolExecutor(self.cfg.max_pulls, thread_name_prefix="hawk-pull",
                                                        initializer=unpin_current_thread)
+                    self.keeper = LeaseKeeper(self._endpoint_at, self.cfg.renew_interval_s,
+                                              max_hold_s=self.cfg.max_hold_s)
             except BaseException:
                 self.shutdown()
                 raise
@@ -199,7 +205,8 @@ class HawkConnectorWorker:
         self.prefill = PrefillEndpoint(
             source, self.transport, self.kv.compat, ring_nbytes=cfg.ring_nbytes,
             bind=f"tcp://{cfg.side_channel_host}:{cfg.side_channel_port}", secret=cfg.secret_bytes,
-            auth=cfg.auth, claim_wait_s=cfg.claim_wait_s, lease_s=cfg.lease_s, on_finished=self._on_finished,
+            auth=cfg.auth, claim_wait_s=cfg.claim_wait_s, lease_s=cfg.lease_s, max_hold_s=cfg.max_hold_s,
+            on_finished=self._on_finished,
             observer=observer)  # server_id: random per start, so signed requests name this instance
         logger.info("HawkConnector prefill: side channel %s (auth %s), transfer endpoint %s, source %s, "
                     "transport %s", self.prefill.endpoint, cfg.auth, self.transport.endpoint, source.name,
@@ -217,6 +224,12 @@ class HawkConnectorWorker:
                 except ValueError as e:  # never hold blocks nobody can fetch
                     logger.error("HawkConnector prefill: request %s not held: %s", rid, e)
                     self._on_finished(rid, False)
+        if self.keeper is not None:
+            for spec in meta.reqs_to_want.values():
+                with self._lock:
+                    if len(self._engines) < 4 * MAX_PEERS:  # only for messages; bounded like the peers
+                        self._engines.setdefault(spec.side_channel, spec.remote_engine_id)
+                self.keeper.want(spec.side_channel, spec.remote_request_id)
         if self._pool is not None:
             for rid, spec in meta.reqs_to_recv.items():
                 with self._lock:
@@ -261,7 +274,12 @@ class HawkConnectorWorker:
     # ---------------------------------------------------------------- decode
     def _endpoint(self, spec: RecvSpec) -> DecodeEndpoint:
         """The DecodeEndpoint for the prefill at ``spec``'s side channel (handshake once)."""
-        ep = spec.side_channel
+        return self._endpoint_at(spec.side_channel, spec.remote_engine_id)
+
+    def _endpoint_at(self, ep: str, engine_id: str | None = None) -> DecodeEndpoint:
+        if engine_id is None:  # the lease keeper's call
+            with self._lock:
+                engine_id = self._engines.get(ep, "?")
         with self._lock:
             lock = self._peer_locks.setdefault(ep, threading.Lock())
         with lock:
@@ -273,7 +291,7 @@ class HawkConnectorWorker:
                 if full:
                     with self._lock:
                         self.stats.count("refused")
-                    raise PeerFailed(f"pull from prefill {spec.remote_engine_id} at {ep} refused: this decode already "
+                    raise PeerFailed(f"pull from prefill {engine_id} at {ep} refused: this decode already "
                                      f"talks to {MAX_PEERS} prefills (kv_transfer_params name too many side channels)")
                 try:
                     got = DecodeEndpoint(self.transport, ep, self.kv.compat, secret=self.cfg.secret_bytes,
@@ -282,7 +300,7 @@ class HawkConnectorWorker:
                                          claim_wait_s=self.cfg.claim_wait_s,
                                          handshake_timeout_s=self.cfg.handshake_timeout_s)
                 except Exception as e:
-                    raise PeerFailed(f"handshake with prefill {spec.remote_engine_id} at {ep} failed: {e}") from e
+                    raise PeerFailed(f"handshake with prefill {engine_id} at {ep} failed: {e}") from e
                 with self._lock:
                     self._peers[ep] = got
             return got
@@ -296,6 +314,7 @@ class HawkConnectorWorker:
             res = self._endpoint(spec).fetch(spec.remote_request_id, num_tokens, self.sink,
                                              spec.local_block_ids, first_block=spec.first_block,
                                              layer_groups=self.cfg.layer_groups)
+            self.keeper.drop(spec.remote_request_id, spec.side_channel)  # released: nothing left to renew
             fig.update(ok=True, nbytes=res.nbytes, entries=res.entries, segments=res.segments,
                        request_ms=round(1e3 * res.request_s, 3), transfer_ms=round(1e3 * res.transfer_s, 3),
                        copy_ms=round(1e3 * res.copy_s, 3),
@@ -303,6 +322,7 @@ class HawkConnectorWorker:
             if self._debug is not None and self.kv.tt_cache is not None:
                 debug.dump_landed(self._debug, spec.remote_request_id, self.kv.tt_cache, spec.local_block_ids)
         except Exception as e:  # noqa: BLE001 - every failure becomes a failed receive
+            self.keeper.drop(spec.remote_request_id, spec.side_channel)
             fig["error"] = str(e)[:500]
             logger.error("HawkConnector decode: KV pull of %s (remote %s at %s) failed: %s",
                          rid, spec.remote_request_id, spec.side_channel, e)
@@ -331,6 +351,7 @@ class HawkConnectorWorker:
         return False
 
     def _release_only(self, spec: RecvSpec) -> None:
+        self.keeper.drop(spec.remote_request_id, spec.side_channel)
         try:
             self._endpoint(spec).release(spec.remote_request_id, ok=True, timeout_s=self.cfg.handshake_timeout_s)
         except Exception as e:  # noqa: BLE001 - the prefill's lease frees the blocks
@@ -352,10 +373,16 @@ class HawkConnectorWorker:
             if isinstance(self.sink, TTSink):
                 d.update(recv_live=len(self.sink.pool.live()) if self.sink.pool else 0,
                          device_buffers=len(getattr(self.sink.device, "live_buffers", list)()))
+            if self.keeper is not None:
+                d["renewing"] = self.keeper.wanted()
+                d["heartbeats"] = self.keeper.stats.heartbeats
             out["decode"] = d
         return out
 
     def shutdown(self) -> None:
+        if self.keeper is not None:
+            self.keeper.close()
+            self.keeper = None
         if self._pool is not None:
             self._pool.shutdown(wait=False, cancel_futures=True)
         with self._lock:
