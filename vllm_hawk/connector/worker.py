@@ -162,6 +162,7 @@ class HawkConnectorWorker:
         self._counted = {"expired": 0, "released": 0, "refused": 0}
         self.kv: LocalKV | None = None
         self._engines: dict[str, str] = {}  # side channel -> remote engine id (for messages)
+        self._connecting: set[str] = set()  # side channels the lease keeper is handshaking with
         self.transport = self.prefill = self.sink = self._pool = self.keeper = None
         self._debug = envs.debug_dir()
 
@@ -187,7 +188,7 @@ class HawkConnectorWorker:
                     self.sink = make_sink(self.cfg, self.kv, self.transport)
                     self._pool = cf.ThreadPoolExecutor(self.cfg.max_pulls, thread_name_prefix="hawk-pull",
                                                        initializer=unpin_current_thread)
-                    self.keeper = LeaseKeeper(self._endpoint_at, self.cfg.renew_interval_s,
+                    self.keeper = LeaseKeeper(self._keeper_endpoint, self.cfg.renew_interval_s,
                                               max_hold_s=self.cfg.max_hold_s)
             except BaseException:
                 self.shutdown()
@@ -276,10 +277,31 @@ class HawkConnectorWorker:
         """The DecodeEndpoint for the prefill at ``spec``'s side channel (handshake once)."""
         return self._endpoint_at(spec.side_channel, spec.remote_engine_id)
 
-    def _endpoint_at(self, ep: str, engine_id: str | None = None) -> DecodeEndpoint:
-        if engine_id is None:  # the lease keeper's call
-            with self._lock:
-                engine_id = self._engines.get(ep, "?")
+    def _keeper_endpoint(self, ep: str) -> DecodeEndpoint:
+        """The lease keeper's endpoint for prefill ``ep``. A handshake (up to
+        ``handshake_timeout_s``, longer for a dead prefill) runs in its own thread, so that
+        it never delays the heartbeats to other prefills; until then this raises."""
+        with self._lock:
+            got = self._peers.get(ep)
+            if got is not None:
+                return got
+            busy = ep in self._connecting
+            self._connecting.add(ep)
+            engine_id = self._engines.get(ep, "?")
+        if not busy:
+            def connect() -> None:
+                try:
+                    self._endpoint_at(ep, engine_id)
+                except Exception as e:  # noqa: BLE001 - the keeper retries at its next heartbeat
+                    logger.debug("HawkConnector decode: lease keeper: %s", e)
+                finally:
+                    with self._lock:
+                        self._connecting.discard(ep)
+
+            threading.Thread(target=connect, daemon=True, name="hawk-keeper-connect").start()
+        raise PeerFailed(f"no side channel to prefill {engine_id} at {ep} yet (connecting)")
+
+    def _endpoint_at(self, ep: str, engine_id: str) -> DecodeEndpoint:
         with self._lock:
             lock = self._peer_locks.setdefault(ep, threading.Lock())
         with lock:
@@ -366,7 +388,8 @@ class HawkConnectorWorker:
         if self.prefill is not None:
             s = self.prefill.snapshot()
             out["prefill"] = {"held": s["requests"], "ring_live": s.get("ring_live", 0),
-                              "ring_used": s.get("ring_used", 0), "expired": s["expired"]}
+                              "ring_used": s.get("ring_used", 0), "expired": s["expired"],
+                              "released": s["released"], "renewed": s["renewed"]}
         if self.sink is not None:
             with self._lock:
                 d = {"inflight": len(self._pulls.inflight), "quarantined": len(self._pulls.quarantined)}
@@ -376,6 +399,9 @@ class HawkConnectorWorker:
             if self.keeper is not None:
                 d["renewing"] = self.keeper.wanted()
                 d["heartbeats"] = self.keeper.stats.heartbeats
+            with self._lock:
+                peers = list(self._peers.values())
+            d["backpressured"] = sum(p.backpressured for p in peers)
             out["decode"] = d
         return out
 
