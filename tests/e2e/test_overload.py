@@ -27,7 +27,7 @@ pytestmark = pytest.mark.vllm
 
 LEASE_S = 2.0
 OVERLOAD = 3.0  # x the measured capacity
-LOAD_S = 15.0  # seconds of arrivals at OVERLOAD x capacity
+LOAD_S = 12.0  # seconds of arrivals at OVERLOAD x capacity
 MAX_TOKENS = 16
 
 
@@ -102,7 +102,7 @@ def _one(url: str, prompt: list[int]) -> dict:
     t0 = time.monotonic()
     status, out = _post(url + "/v1/completions", {"model": "tiny", "prompt": prompt, "max_tokens": MAX_TOKENS,
                                                   "temperature": 0, "ignore_eos": True}, timeout=300.0)
-    ok = status == 200 and len(out["choices"][0]["text"]) >= 0 and out["usage"]["completion_tokens"] == MAX_TOKENS
+    ok = status == 200 and out["usage"]["completion_tokens"] == MAX_TOKENS
     return {"ok": ok, "status": status, "s": time.monotonic() - t0, "err": "" if ok else str(out)[:300]}
 
 

@@ -148,7 +148,7 @@ class Proxy:
         self.session: aiohttp.ClientSession | None = None
         self.served = 0
         self.stats = {"truncated_streams": 0, "slow_clients_dropped": 0, "refused_bodies": 0,
-                      "decode_refused": 0}
+                      "decode_refused": 0, "upstream_resent": 0}
 
     # ---------------------------------------------------------------- app
     def app(self) -> web.Application:
@@ -162,8 +162,10 @@ class Proxy:
         return app
 
     async def _start(self, _app) -> None:
+        # Idle upstream connections are closed before uvicorn's (vLLM's) 5 s keep-alive ends,
+        # so that we rarely send on one it is closing.
         self.session = aiohttp.ClientSession(timeout=self.timeout,
-                                             connector=aiohttp.TCPConnector(limit=0))
+                                             connector=aiohttp.TCPConnector(limit=0, keepalive_timeout=2.0))
 
     async def _stop(self, _app) -> None:
         if self.session is not None:
@@ -207,14 +209,21 @@ class Proxy:
     async def models(self, request: web.Request) -> web.StreamResponse:
         url = self.decode.pick()
         try:
-            async with await self._open(self.session.get(url + "/v1/models")) as r:
+            async with await self._open(lambda: self.session.get(url + "/v1/models")) as r:
                 return web.Response(status=r.status, body=await self._read(r), content_type=r.content_type)
         except (aiohttp.ClientError, asyncio.TimeoutError) as e:
             return _error(502, f"decode server {url} unreachable: {e!s}")
 
-    async def _open(self, req) -> aiohttp.ClientResponse:
-        """Send an upstream request; its response headers must come within ``first_byte_s``."""
-        return await asyncio.wait_for(req, self.limits.first_byte_s)
+    async def _open(self, make) -> aiohttp.ClientResponse:
+        """Send the upstream request ``make()`` builds; its response headers must come within
+        ``first_byte_s``. When the upstream closed a pooled keep-alive connection just as we
+        sent on it (``ServerDisconnectedError`` before any response; seen under load) the
+        request is sent once more."""
+        try:
+            return await asyncio.wait_for(make(), self.limits.first_byte_s)
+        except aiohttp.ServerDisconnectedError:
+            self.stats["upstream_resent"] += 1
+            return await asyncio.wait_for(make(), self.limits.first_byte_s)
 
     async def _read(self, r: aiohttp.ClientResponse) -> bytes:
         """An upstream body, each chunk within ``idle_s`` of the previous one."""
@@ -244,7 +253,7 @@ class Proxy:
         p_url = self.prefill.pick()
         t0 = time.perf_counter()
         try:
-            async with await self._open(self.session.post(p_url + path, json=prefill_body(body, path),
+            async with await self._open(lambda: self.session.post(p_url + path, json=prefill_body(body, path),
                                                           headers=headers)) as r:
                 raw = await self._read(r)
                 if r.status != 200:
@@ -270,7 +279,7 @@ class Proxy:
         info = {"x-hawk-prefill": p_url, "x-hawk-decode": d_url,
                 "x-hawk-prefill-ms": f"{prefill_ms:.2f}"}
         try:
-            async with await self._open(self.session.post(d_url + path, json=d_body, headers=headers)) as r:
+            async with await self._open(lambda: self.session.post(d_url + path, json=d_body, headers=headers)) as r:
                 if r.status != 200:
                     await self._decode_refused(params)
                 if r.status != 200 or not body.get("stream"):
