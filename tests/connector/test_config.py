@@ -74,6 +74,9 @@ def test_secret_file_is_as_good_as_inline(tmp_path, monkeypatch):
     ("max_pulls", 0, "max_pulls"),
     ("layer_groups", 0, "layer_groups"),
     ("layer_groups", 65, "layer_groups"),
+    ("renew_interval_s", 31.0, "30.0"),  # at most lease_s / 2
+    ("renew_interval_s", 0, "renew_interval_s"),
+    ("max_hold_s", 10.0, ">= 60.0"),  # at least lease_s
 ])
 def test_bad_field_is_named(field, value, needle):
     with pytest.raises(HawkConfigError) as e:
@@ -106,3 +109,12 @@ def test_transport_arguments_and_dp_port_offset(monkeypatch):
     assert parse_config({"device_profile": "p150a"}).device_profile == "p150a"
     cfg = parse_config({"layer_groups": 2, "auth": "hmac"})  # main's layer groups next to sec's auth
     assert cfg.layer_groups == 2 and cfg.auth == "hmac" and cfg.secret_bytes is not None
+
+
+def test_heartbeat_and_hold_follow_the_lease_when_unset():
+    cfg = parse_config({"shared_secret": SECRET, "lease_s": 2.0})
+    assert cfg.renew_interval_s == 0.5 and cfg.max_hold_s == 600.0
+    cfg = parse_config({"shared_secret": SECRET, "lease_s": 1000.0})
+    assert cfg.renew_interval_s == 1.0 and cfg.max_hold_s == 1000.0
+    with pytest.raises(HawkConfigError, match="renew_interval_s=1.5.*1.0"):
+        parse_config({"shared_secret": SECRET, "lease_s": 2.0, "renew_interval_s": 1.5})

@@ -149,3 +149,25 @@ def test_full_ring_is_backpressure_not_failure():
         t.join(30.0)
         assert "r" in done and sorted(finished) == [("a", True), ("b", True)]
         assert pre.snapshot()["ring_used"] == 0
+
+
+def test_proxy_releaser_frees_an_unclaimed_request():
+    import asyncio
+
+    from vllm_hawk.proxy.release import PrefillReleaser, side_channel_of
+
+    assert side_channel_of({"remote_host": "::1", "remote_port": 5, "remote_request_id": "x"}) == ("tcp://[::1]:5", "x")
+    assert side_channel_of({"remote_host": "h", "remote_port": True, "remote_request_id": "x"}) is None
+    assert side_channel_of({"remote_host": "h", "remote_port": 5}) is None
+    with endpoints(lease_s=60.0) as (_cache, pre, _dec, _dev, _td, finished):
+        pre.add_request("refused", [1], BS)
+        port = int(pre.endpoint.rsplit(":", 1)[1])
+        rel = PrefillReleaser(None, "none")
+        try:
+            params = {"remote_host": "127.0.0.1", "remote_port": port, "remote_request_id": "refused"}
+            assert asyncio.run(rel.release(params))
+            assert not asyncio.run(rel.release(params))  # already released: refused, counted
+            assert (rel.released, rel.failed) == (1, 1)
+        finally:
+            rel.close()
+        assert finished == [("refused", False)] and pre.snapshot()["requests"] == 0

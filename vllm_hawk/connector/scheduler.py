@@ -16,6 +16,18 @@ Decode (``kv_consumer``; requests carry ``do_remote_prefill`` + the remote field
   local blocks to fill (once per request); the worker pulls and reports finished and
   failed receives. Requests that will not pull (full local hit, or aborted before they
   were scheduled) are sent to the worker to release their remote blocks.
+
+Who frees the prefill's blocks of a request the decode will not finish:
+
+* aborted while queued, or a full local prefix hit: Release at once (``reqs_to_release``);
+* aborted while its KV is pulled (``WAITING_FOR_REMOTE_KVS``): vLLM keeps the local blocks
+  until the pull ends (its READs may still write them); the pull's own Release frees
+  the prefill then (at most ``pull_timeout_s``);
+* preempted: only running requests are, their KV was pulled and released already; they
+  resume by recomputing locally;
+* refused by the decode's API server before the engine saw it: the proxy's Release
+  (:mod:`vllm_hawk.proxy.release`);
+* the decode dies: its heartbeats stop, the prefill frees them ``lease_s`` after the last.
 """
 from __future__ import annotations
 
