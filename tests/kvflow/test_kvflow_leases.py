@@ -167,7 +167,7 @@ def test_proxy_releaser_frees_an_unclaimed_request():
             params = {"remote_host": "127.0.0.1", "remote_port": port, "remote_request_id": "refused"}
             assert asyncio.run(rel.release(params))
             assert not asyncio.run(rel.release(params))  # already released: refused, counted
-            assert (rel.released, rel.failed) == (1, 1)
+            assert (rel.released, rel.already, rel.failed) == (1, 1, 0)
         finally:
             rel.close()
         assert finished == [("refused", False)] and pre.snapshot()["requests"] == 0

@@ -13,6 +13,9 @@ never free KV a decode is reading.
 One control client per prefill side channel, at most :data:`MAX_PEERS` (the oldest is
 closed); the blocking side-channel calls run in a worker thread, each within
 ``timeout_s``. A Release that fails is logged and counted; the lease frees the blocks.
+When the decode's engine did see the request (some refusals happen there) the decode
+releases it itself, and the proxy's Release is answered ``unknown_request`` (counted
+``already``).
 """
 from __future__ import annotations
 
@@ -21,7 +24,7 @@ import collections
 import logging
 import threading
 
-from vllm_hawk.protocol import ProtocolClient
+from vllm_hawk.protocol import ProtocolClient, RemoteError
 
 logger = logging.getLogger(__name__)
 
@@ -49,6 +52,7 @@ class PrefillReleaser:
         self._clients: collections.OrderedDict[str, ProtocolClient] = collections.OrderedDict()
         self._lock = threading.Lock()
         self.released = 0
+        self.already = 0  # the decode's engine saw the request and released it first
         self.failed = 0
 
     async def release(self, params: dict) -> bool:
@@ -58,6 +62,12 @@ class PrefillReleaser:
             return False
         try:
             await asyncio.get_running_loop().run_in_executor(None, self._release_sync, *where)
+        except RemoteError as e:
+            if e.code != "unknown_request":
+                raise
+            self.already += 1  # released (or claimed) already: nothing to do
+            logger.debug("proxy: Release of %s: %s", where[1][:64], e)
+            return False
         except Exception as e:  # noqa: BLE001 - the prefill's lease frees it anyway
             self.failed += 1
             logger.warning("proxy: Release of %s at %s failed (%s: %s); its lease frees it", where[1][:64],
@@ -90,6 +100,8 @@ class PrefillReleaser:
     def _release_sync(self, endpoint: str, req_id: str) -> None:
         try:
             self._client(endpoint).release(req_id, ok=False, timeout_s=self.timeout_s)
+        except RemoteError:
+            raise  # an answer: the client is fine
         except Exception:
             with self._lock:  # a broken client is not reused
                 c = self._clients.pop(endpoint, None)
