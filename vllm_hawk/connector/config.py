@@ -50,7 +50,21 @@ field                  default             meaning
 ``lease_s``            ``60.0``            prefill (the **lease**): a finished request's
                                            KV is held this long for its decode, from the
                                            hand-over and again from its KVReady; without
-                                           a Release it is freed (expired lease)
+                                           a Release it is freed (expired lease). Each
+                                           decode heartbeat for a request still waiting
+                                           there starts it again (``renew_interval_s``)
+``renew_interval_s``   ``1.0``             decode (the **heartbeat**): every this many
+                                           seconds, one ``Renew`` per prefill names every
+                                           request this decode accepted but has not pulled
+                                           yet (queued), so a queue longer than
+                                           ``lease_s`` fails nothing; at most
+                                           ``lease_s / 2``; unset: ``min(1, lease_s / 4)``
+``max_hold_s``         ``600.0``           both (the **hold bound**): renewals never hold
+                                           a request's KV longer than this after the
+                                           hand-over (prefill) or after the decode got it
+                                           (decode); a request queued longer loses its KV
+                                           (failed pull); >= ``lease_s``; unset:
+                                           ``max(600, lease_s)``
 ``pull_timeout_s``     ``20.0``            decode (the **pull deadline**): one pull, side
                                            channel round trips + READ batch + copies
 ``claim_wait_s``       ``5.0``             both (the **claim wait**): longest wait for
