@@ -78,6 +78,11 @@ def releaser_of(args: argparse.Namespace):
     auth = args.side_channel_auth
     if auth == "none":
         secret = None
+    elif auth is not None and secret is None:
+        logging.getLogger("hawk.proxy").warning(
+            "hawk proxy: --side-channel-auth %s without a shared secret: requests the decode refuses keep their "
+            "prefill KV until the lease ends", auth)
+        return None
     return PrefillReleaser(secret, auth)
 
 
