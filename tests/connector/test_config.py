@@ -76,6 +76,9 @@ def test_secret_file_is_as_good_as_inline(tmp_path, monkeypatch):
     ("layer_groups", 65, "layer_groups"),
     ("layout_fix", "both", "'prefill', 'decode'"),
     ("layout_fix", "decode", "Tenstorrent"),  # with device_profile 'vllm'
+    ("renew_interval_s", 31.0, "30.0"),  # at most lease_s / 2
+    ("renew_interval_s", 0, "renew_interval_s"),
+    ("max_hold_s", 10.0, ">= 60.0"),  # at least lease_s
 ])
 def test_bad_field_is_named(field, value, needle):
     with pytest.raises(HawkConfigError) as e:
@@ -119,3 +122,12 @@ def test_gn_host_needs_a_tenstorrent_decode_and_whole_pulls():
                       "layer_groups": 2})
     with pytest.raises(HawkConfigError, match="layout_fix='decode'.*device_profile"):
         parse_config({"shared_secret": SECRET, "layout_fix": "decode"})
+
+
+def test_heartbeat_and_hold_follow_the_lease_when_unset():
+    cfg = parse_config({"shared_secret": SECRET, "lease_s": 2.0})
+    assert cfg.renew_interval_s == 0.5 and cfg.max_hold_s == 600.0
+    cfg = parse_config({"shared_secret": SECRET, "lease_s": 1000.0})
+    assert cfg.renew_interval_s == 1.0 and cfg.max_hold_s == 1000.0
+    with pytest.raises(HawkConfigError, match="renew_interval_s=1.5.*1.0"):
+        parse_config({"shared_secret": SECRET, "lease_s": 2.0, "renew_interval_s": 1.5})

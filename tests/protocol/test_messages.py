@@ -115,10 +115,14 @@ def test_compat_hash_and_diff():
     assert COMPAT.protocol_version == PROTOCOL_VERSION
 
 
-def test_protocol_version_is_4_with_recipient_envelope_and_layer_groups():
-    # 4 = sec's recipient-bound envelope (HAWK/4, auth_failed) + main's layer-group fields.
+def test_protocol_version_is_5_with_renew_and_control_hello():
+    # 4 = sec's recipient-bound envelope (HAWK/4, auth_failed) + main's layer-group fields;
+    # 5 adds Renew/Renewed (lease heartbeats) and ControlHello (the proxy's Release).
+    from vllm_hawk.protocol import ControlHello, Renew, Renewed
     from vllm_hawk.protocol.envelope import MAGIC, Header
-    assert PROTOCOL_VERSION == 4 and MAGIC == b"HAWK/4"
+    assert PROTOCOL_VERSION == 5 and MAGIC == b"HAWK/5"
+    assert Renew.__struct_config__.tag == "renew" and "gone" in Renewed.__struct_fields__
+    assert ControlHello.__struct_fields__ == ("client_id",)
     assert "recipient" in Header.__struct_fields__
     assert {"first_layer", "num_layers"} <= set(KVRequest.__struct_fields__)
 
@@ -209,3 +213,13 @@ def test_envelope_stale_timestamp_rejected():
 def test_envelope_secret_too_short():
     with pytest.raises(ValueError):
         Envelope("x", b"short")
+
+
+def test_renew_is_bounded():
+    from vllm_hawk.protocol import MAX_RENEW_IDS, ProtocolError, Renew, Renewed, decode, encode
+    ids = [f"cmpl-{i:0200d}" for i in range(MAX_RENEW_IDS)]  # the largest Renew fits a message
+    assert decode(encode(Renew(req_ids=ids))) == Renew(req_ids=ids)
+    assert decode(encode(Renewed(renewed=1, gone=ids[:2]))).gone == ids[:2]
+    too_many = msgspec.msgpack.encode({"type": "renew", "req_ids": ids + ["x"]})
+    with pytest.raises(ProtocolError):
+        decode(too_many)

@@ -69,12 +69,28 @@ field                  default             meaning
 ``lease_s``            ``60.0``            prefill (the **lease**): a finished request's
                                            KV is held this long for its decode, from the
                                            hand-over and again from its KVReady; without
-                                           a Release it is freed (expired lease)
+                                           a Release it is freed (expired lease). Each
+                                           decode heartbeat for a request still waiting
+                                           there starts it again (``renew_interval_s``)
+``renew_interval_s``   ``1.0``             decode (the **heartbeat**): every this many
+                                           seconds, one ``Renew`` per prefill names every
+                                           request this decode accepted but has not pulled
+                                           yet (queued), so a queue longer than
+                                           ``lease_s`` fails nothing; at most
+                                           ``lease_s / 2``; unset: ``min(1, lease_s / 4)``
+``max_hold_s``         ``600.0``           both (the **hold bound**): renewals never hold
+                                           a request's KV longer than this after the
+                                           hand-over (prefill) or after the decode got it
+                                           (decode); a request queued longer loses its KV
+                                           (failed pull); >= ``lease_s``; unset:
+                                           ``max(600, lease_s)``
 ``pull_timeout_s``     ``20.0``            decode (the **pull deadline**): one pull, side
                                            channel round trips + READ batch + copies
 ``claim_wait_s``       ``5.0``             both (the **claim wait**): longest wait for
                                            buffer space (prefill ring, decode receive
-                                           buffers) before a request is refused
+                                           buffers) before a request is refused; a decode
+                                           refused for a full prefill ring asks again
+                                           until its ``pull_timeout_s`` (backpressure)
 ``handshake_timeout_s`` ``5.0``            decode: deadline for the first Hello to a prefill
 ``ring_nbytes``        ``64 MiB``          prefill ring (staged, GN-HAWK) and decode receive
                                            buffers (staged), bytes
@@ -87,6 +103,35 @@ field                  default             meaning
 
 Validated once at start-up; an error names the field, the bad value and what is allowed
 (a secret's value is never shown).
+
+Limits under overload
+---------------------
+What happens when each limit is reached (nothing fails a request on a healthy pair
+except where it says "failed pull"; a failed pull is recomputed by the decode under
+``kv_load_failure_policy: recompute``, or fails the request under ``fail``):
+
+* **prefill KV cache full** (blocks held for decodes): vLLM's prefill scheduler queues
+  new requests until blocks are released (backpressure to the proxy and clients).
+* **prefill ring full** (``ring_nbytes``; staged and GN-HAWK): a KVRequest waits up to
+  ``claim_wait_s`` for space, then is refused ``no_space``; the decode asks again,
+  backing off up to 0.5 s, until its ``pull_timeout_s`` ends: a failed pull only then.
+* **decode receive buffers full** (staged sinks, ``ring_nbytes``): a pull waits up to
+  ``claim_wait_s`` (within the lease of its KVReady), then fails (failed pull; the
+  prefill's range is released at once).
+* **max_pulls**: further pulls queue in the decode's worker (no bound beyond the
+  engine's own ``max_num_seqs`` and KV blocks); their leases are renewed meanwhile.
+* **lease** (``lease_s``): a request the decode still wants is renewed every
+  ``renew_interval_s``; one nobody wants (the decode died, the proxy never forwarded
+  it) is freed ``lease_s`` after its last renewal; a served range without Release
+  ``lease_s`` after its KVReady (the decode's READs must end before).
+* **hold bound** (``max_hold_s``): see the table; failed pull beyond it.
+* **pull deadline** (``pull_timeout_s``): failed pull.
+* **side-channel tables** (issue 10, :mod:`vllm_hawk.kvflow.prefill`): at most 1024
+  early KVRequests / Releases, 4096 sessions, 65,536 ids renewed per decode; beyond
+  them the oldest is evicted or the new one refused (counted in the refusals).
+* **refused at the decode's API server** (bad ``max_tokens``, prompt longer than the
+  decode's ``max_model_len``): the proxy, which has the shared secret, sends the
+  prefill a ``Release`` at once (the request was never claimed, so no decode owns it).
 
 Security
 --------
@@ -159,6 +204,8 @@ class HawkConfig:
     shared_secret: str | None = field(default=None, repr=False)
     shared_secret_file: str | None = None
     lease_s: float = 60.0
+    renew_interval_s: float = 1.0
+    max_hold_s: float = 600.0
     pull_timeout_s: float = 20.0
     claim_wait_s: float = 5.0
     handshake_timeout_s: float = 5.0
@@ -224,6 +271,13 @@ def parse_config(extra: Mapping[str, Any] | None, *, dp_rank: int = 0) -> HawkCo
                                        integer=True, low=1, high=65535 - dp_rank) + dp_rank
     for name in ("lease_s", "pull_timeout_s", "claim_wait_s", "handshake_timeout_s"):
         out[name] = float(_number(name, out[name], integer=False, low=0.1))
+    if "renew_interval_s" not in extra:
+        out["renew_interval_s"] = min(1.0, out["lease_s"] / 4)
+    out["renew_interval_s"] = float(_number("renew_interval_s", out["renew_interval_s"], integer=False, low=0.01,
+                                            high=out["lease_s"] / 2))
+    if "max_hold_s" not in extra:
+        out["max_hold_s"] = max(600.0, out["lease_s"])
+    out["max_hold_s"] = float(_number("max_hold_s", out["max_hold_s"], integer=False, low=out["lease_s"]))
     out["ring_nbytes"] = _number("ring_nbytes", out["ring_nbytes"], integer=True, low=1 << 16)
     out["max_pulls"] = _number("max_pulls", out["max_pulls"], integer=True, low=1, high=64)
     out["layer_groups"] = _number("layer_groups", out["layer_groups"], integer=True, low=1, high=64)

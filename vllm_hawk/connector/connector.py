@@ -6,7 +6,8 @@ delegates: scheduler-side calls to :class:`HawkConnectorScheduler`, worker-side 
 a finished request's blocks and returns ``kv_transfer_params``; the decode's worker
 pulls them (Algorithm 1, D1-D8) and tells the prefill to release them.
 
-Timing contracts (vLLM 0.32): ``build_connector_meta`` once per scheduler step;
+Timing contracts (vLLM 0.32): ``on_new_request`` once per request as it enters the
+queue; ``build_connector_meta`` once per scheduler step;
 ``start_load_kv`` once per worker step (also in steps without a forward pass);
 ``get_transfer_results`` once per worker step; ``request_finished`` once per request.
 """
@@ -60,6 +61,9 @@ class HawkConnector(KVConnectorBase_V1):
                                                         ktc.is_kv_producer, ktc.is_kv_consumer)
 
     # ================================================================ scheduler side
+    def on_new_request(self, request: "Request") -> None:
+        self.connector_scheduler.on_new_request(request)
+
     def get_num_new_matched_tokens(self, request: "Request",
                                    num_computed_tokens: int) -> tuple[int | None, bool]:
         return self.connector_scheduler.get_num_new_matched_tokens(request, num_computed_tokens)

@@ -5,6 +5,8 @@ Scheduler -> worker (:class:`HawkConnectorMetadata`, built once per step):
   ``reqs_to_recv``    decode: requests to pull, with the local blocks to fill
   ``reqs_to_release`` decode: requests that will not pull (local prefix-cache hit, or
                       aborted before scheduling): tell their prefill to free the blocks
+  ``reqs_to_want``    decode: requests that just entered the queue: renew their
+                      prefill leases (heartbeat) until their pull or Release
 Worker -> scheduler (:class:`HawkWorkerMeta`): per-request transfer figures, returned in
 the decode's ``kv_transfer_params`` under ``hawk_transfer``.
 
@@ -82,6 +84,7 @@ class HawkConnectorMetadata(KVConnectorMetadata):
     reqs_to_send: dict[str, SendSpec] = field(default_factory=dict)
     reqs_to_recv: dict[str, RecvSpec] = field(default_factory=dict)
     reqs_to_release: dict[str, RecvSpec] = field(default_factory=dict)
+    reqs_to_want: dict[str, RecvSpec] = field(default_factory=dict)
 
 
 @dataclass

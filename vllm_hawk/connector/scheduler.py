@@ -8,11 +8,26 @@ Prefill (``kv_producer``; requests carry ``kv_transfer_params.do_remote_decode``
   lease expired; vLLM then frees the blocks. Aborted requests are freed at once.
 
 Decode (``kv_consumer``; requests carry ``do_remote_prefill`` + the remote fields):
+  ``on_new_request`` (every request, as it enters the queue) hands it to the worker's
+  lease heartbeat (``reqs_to_want``): its remote blocks are renewed while it waits,
+  however deep in the queue (vLLM asks the connector about the queue's head only);
   ``get_num_new_matched_tokens`` offers the remote prompt tokens beyond the local
   prefix-cache hit, loaded asynchronously; ``update_state_after_alloc`` records the
   local blocks to fill (once per request); the worker pulls and reports finished and
   failed receives. Requests that will not pull (full local hit, or aborted before they
   were scheduled) are sent to the worker to release their remote blocks.
+
+Who frees the prefill's blocks of a request the decode will not finish:
+
+* aborted while queued, or a full local prefix hit: Release at once (``reqs_to_release``);
+* aborted while its KV is pulled (``WAITING_FOR_REMOTE_KVS``): vLLM keeps the local blocks
+  until the pull ends (its READs may still write them); the pull's own Release frees
+  the prefill then (at most ``pull_timeout_s``);
+* preempted: only running requests are, their KV was pulled and released already; they
+  resume by recomputing locally;
+* refused by the decode's API server before the engine saw it: the proxy's Release
+  (:mod:`vllm_hawk.proxy.release`);
+* the decode dies: its heartbeats stop, the prefill frees them ``lease_s`` after the last.
 """
 from __future__ import annotations
 
@@ -41,9 +56,19 @@ class HawkConnectorScheduler:
         self._reqs_to_send: dict[str, SendSpec] = {}
         self._reqs_to_recv: dict[str, RecvSpec] = {}
         self._reqs_to_release: dict[str, RecvSpec] = {}
+        self._reqs_to_want: dict[str, RecvSpec] = {}
         self._transfers: dict[str, dict[str, Any]] = {}  # decode: per-request figures
 
     # ------------------------------------------------------------------ decode side
+    def on_new_request(self, request: "Request") -> None:
+        params = request.kv_transfer_params
+        if not params or not params.get("do_remote_prefill"):
+            return
+        try:
+            self._reqs_to_want[request.request_id] = RecvSpec.from_params(params)
+        except ValueError:
+            pass  # update_state_after_alloc says why, and pulls nothing
+
     def get_num_new_matched_tokens(self, request: "Request",
                                    num_computed_tokens: int) -> tuple[int, bool]:
         params = request.kv_transfer_params
@@ -81,8 +106,9 @@ class HawkConnectorScheduler:
     def build_connector_meta(self, scheduler_output) -> HawkConnectorMetadata:
         meta = HawkConnectorMetadata(reqs_to_send=self._reqs_to_send,
                                      reqs_to_recv=self._reqs_to_recv,
-                                     reqs_to_release=self._reqs_to_release)
-        self._reqs_to_send, self._reqs_to_recv, self._reqs_to_release = {}, {}, {}
+                                     reqs_to_release=self._reqs_to_release,
+                                     reqs_to_want=self._reqs_to_want)
+        self._reqs_to_send, self._reqs_to_recv, self._reqs_to_release, self._reqs_to_want = {}, {}, {}, {}
         return meta
 
     def update_connector_output(self, connector_output) -> None:

@@ -13,7 +13,9 @@ GN-Host, ``layout_fix: decode``, whose decode fixes the layout) or
 handed over each step; a request the decode released (or whose lease expired) is
 reported in ``finished_sending`` and vLLM frees its blocks.
 
-Decode (``kv_consumer``): one sink — :class:`~vllm_hawk.kvflow.TTSink` on the
+Decode (``kv_consumer``): a :class:`~vllm_hawk.kvflow.LeaseKeeper` renews the prefill
+leases of requests waiting in this engine (``reqs_to_want``) until their pull or Release
+takes over; one sink — :class:`~vllm_hawk.kvflow.TTSink` on the
 Tenstorrent platform plugin (:class:`~vllm_hawk.kvflow.gn_host.GNHostSink` with
 ``layout_fix: decode``), else :class:`~vllm_hawk.kvflow.VllmPagedSink` /
 :class:`~vllm_hawk.kvflow.VllmStagedSink` — and one
@@ -41,6 +43,7 @@ from vllm_hawk.connector.metadata import HawkConnectorMetadata, HawkWorkerMeta, 
 from vllm_hawk.connector.stats import HawkKVConnectorStats
 from vllm_hawk.kvflow import (
     DecodeEndpoint,
+    LeaseKeeper,
     PeerFailed,
     PrefillEndpoint,
     RingGatherSource,
@@ -170,7 +173,9 @@ class HawkConnectorWorker:
         self._peer_locks: dict[str, threading.Lock] = {}
         self._counted = {"expired": 0, "released": 0, "refused": 0}
         self.kv: LocalKV | None = None
-        self.transport = self.prefill = self.sink = self._pool = None
+        self._engines: dict[str, str] = {}  # side channel -> remote engine id (for messages)
+        self._connecting: set[str] = set()  # side channels the lease keeper is handshaking with
+        self.transport = self.prefill = self.sink = self._pool = self.keeper = None
         self._debug = envs.debug_dir()
 
     # ---------------------------------------------------------------- set-up
@@ -195,6 +200,8 @@ class HawkConnectorWorker:
                     self.sink = make_sink(self.cfg, self.kv, self.transport)
                     self._pool = cf.ThreadPoolExecutor(self.cfg.max_pulls, thread_name_prefix="hawk-pull",
                                                        initializer=unpin_current_thread)
+                    self.keeper = LeaseKeeper(self._keeper_endpoint, self.cfg.renew_interval_s,
+                                              max_hold_s=self.cfg.max_hold_s)
             except BaseException:
                 self.shutdown()
                 raise
@@ -211,7 +218,8 @@ class HawkConnectorWorker:
         self.prefill = PrefillEndpoint(
             source, self.transport, self.kv.compat, ring_nbytes=cfg.ring_nbytes,
             bind=f"tcp://{cfg.side_channel_host}:{cfg.side_channel_port}", secret=cfg.secret_bytes,
-            auth=cfg.auth, claim_wait_s=cfg.claim_wait_s, lease_s=cfg.lease_s, on_finished=self._on_finished,
+            auth=cfg.auth, claim_wait_s=cfg.claim_wait_s, lease_s=cfg.lease_s, max_hold_s=cfg.max_hold_s,
+            on_finished=self._on_finished,
             observer=observer)  # server_id: random per start, so signed requests name this instance
         logger.info("HawkConnector prefill: side channel %s (auth %s), transfer endpoint %s, source %s, "
                     "transport %s", self.prefill.endpoint, cfg.auth, self.transport.endpoint, source.name,
@@ -229,6 +237,12 @@ class HawkConnectorWorker:
                 except ValueError as e:  # never hold blocks nobody can fetch
                     logger.error("HawkConnector prefill: request %s not held: %s", rid, e)
                     self._on_finished(rid, False)
+        if self.keeper is not None:
+            for spec in meta.reqs_to_want.values():
+                with self._lock:
+                    if len(self._engines) < 4 * MAX_PEERS:  # only for messages; bounded like the peers
+                        self._engines.setdefault(spec.side_channel, spec.remote_engine_id)
+                self.keeper.want(spec.side_channel, spec.remote_request_id)
         if self._pool is not None:
             for rid, spec in meta.reqs_to_recv.items():
                 with self._lock:
@@ -273,7 +287,33 @@ class HawkConnectorWorker:
     # ---------------------------------------------------------------- decode
     def _endpoint(self, spec: RecvSpec) -> DecodeEndpoint:
         """The DecodeEndpoint for the prefill at ``spec``'s side channel (handshake once)."""
-        ep = spec.side_channel
+        return self._endpoint_at(spec.side_channel, spec.remote_engine_id)
+
+    def _keeper_endpoint(self, ep: str) -> DecodeEndpoint:
+        """The lease keeper's endpoint for prefill ``ep``. A handshake (up to
+        ``handshake_timeout_s``, longer for a dead prefill) runs in its own thread, so that
+        it never delays the heartbeats to other prefills; until then this raises."""
+        with self._lock:
+            got = self._peers.get(ep)
+            if got is not None:
+                return got
+            busy = ep in self._connecting
+            self._connecting.add(ep)
+            engine_id = self._engines.get(ep, "?")
+        if not busy:
+            def connect() -> None:
+                try:
+                    self._endpoint_at(ep, engine_id)
+                except Exception as e:  # noqa: BLE001 - the keeper retries at its next heartbeat
+                    logger.debug("HawkConnector decode: lease keeper: %s", e)
+                finally:
+                    with self._lock:
+                        self._connecting.discard(ep)
+
+            threading.Thread(target=connect, daemon=True, name="hawk-keeper-connect").start()
+        raise PeerFailed(f"no side channel to prefill {engine_id} at {ep} yet (connecting)")
+
+    def _endpoint_at(self, ep: str, engine_id: str) -> DecodeEndpoint:
         with self._lock:
             lock = self._peer_locks.setdefault(ep, threading.Lock())
         with lock:
@@ -285,7 +325,7 @@ class HawkConnectorWorker:
                 if full:
                     with self._lock:
                         self.stats.count("refused")
-                    raise PeerFailed(f"pull from prefill {spec.remote_engine_id} at {ep} refused: this decode already "
+                    raise PeerFailed(f"pull from prefill {engine_id} at {ep} refused: this decode already "
                                      f"talks to {MAX_PEERS} prefills (kv_transfer_params name too many side channels)")
                 try:
                     got = DecodeEndpoint(self.transport, ep, self.kv.compat, secret=self.cfg.secret_bytes,
@@ -294,7 +334,7 @@ class HawkConnectorWorker:
                                          claim_wait_s=self.cfg.claim_wait_s,
                                          handshake_timeout_s=self.cfg.handshake_timeout_s)
                 except Exception as e:
-                    raise PeerFailed(f"handshake with prefill {spec.remote_engine_id} at {ep} failed: {e}") from e
+                    raise PeerFailed(f"handshake with prefill {engine_id} at {ep} failed: {e}") from e
                 with self._lock:
                     self._peers[ep] = got
             return got
@@ -308,6 +348,7 @@ class HawkConnectorWorker:
             res = self._endpoint(spec).fetch(spec.remote_request_id, num_tokens, self.sink,
                                              spec.local_block_ids, first_block=spec.first_block,
                                              layer_groups=self.cfg.layer_groups)
+            self.keeper.drop(spec.remote_request_id, spec.side_channel)  # released: nothing left to renew
             fig.update(ok=True, nbytes=res.nbytes, entries=res.entries, segments=res.segments,
                        request_ms=round(1e3 * res.request_s, 3), transfer_ms=round(1e3 * res.transfer_s, 3),
                        copy_ms=round(1e3 * res.copy_s, 3),
@@ -315,6 +356,7 @@ class HawkConnectorWorker:
             if self._debug is not None and self.kv.tt_cache is not None:
                 debug.dump_landed(self._debug, spec.remote_request_id, self.kv.tt_cache, spec.local_block_ids)
         except Exception as e:  # noqa: BLE001 - every failure becomes a failed receive
+            self.keeper.drop(spec.remote_request_id, spec.side_channel)
             fig["error"] = str(e)[:500]
             logger.error("HawkConnector decode: KV pull of %s (remote %s at %s) failed: %s",
                          rid, spec.remote_request_id, spec.side_channel, e)
@@ -343,6 +385,7 @@ class HawkConnectorWorker:
         return False
 
     def _release_only(self, spec: RecvSpec) -> None:
+        self.keeper.drop(spec.remote_request_id, spec.side_channel)
         try:
             self._endpoint(spec).release(spec.remote_request_id, ok=True, timeout_s=self.cfg.handshake_timeout_s)
         except Exception as e:  # noqa: BLE001 - the prefill's lease frees the blocks
@@ -357,7 +400,8 @@ class HawkConnectorWorker:
         if self.prefill is not None:
             s = self.prefill.snapshot()
             out["prefill"] = {"held": s["requests"], "ring_live": s.get("ring_live", 0),
-                              "ring_used": s.get("ring_used", 0), "expired": s["expired"]}
+                              "ring_used": s.get("ring_used", 0), "expired": s["expired"],
+                              "released": s["released"], "renewed": s["renewed"]}
         if self.sink is not None:
             with self._lock:
                 d = {"inflight": len(self._pulls.inflight), "quarantined": len(self._pulls.quarantined)}
@@ -367,10 +411,19 @@ class HawkConnectorWorker:
             elif isinstance(self.sink, GNHostSink):
                 d.update(recv_live=len(self.sink.recv.alloc.live()) if self.sink.recv else 0,
                          device_buffers=len(getattr(self.sink.device, "live_buffers", list)()))
+            if self.keeper is not None:
+                d["renewing"] = self.keeper.wanted()
+                d["heartbeats"] = self.keeper.stats.heartbeats
+            with self._lock:
+                peers = list(self._peers.values())
+            d["backpressured"] = sum(p.backpressured for p in peers)
             out["decode"] = d
         return out
 
     def shutdown(self) -> None:
+        if self.keeper is not None:
+            self.keeper.close()
+            self.keeper = None
         if self._pool is not None:
             self._pool.shutdown(wait=False, cancel_futures=True)
         with self._lock:

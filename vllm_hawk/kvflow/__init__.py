@@ -8,7 +8,8 @@ prefill: :class:`PrefillEndpoint` (P1-P9: leases, ring, cancels) serving from a
 decode: :class:`DecodeEndpoint` (D1-D8: deadlines, READ batch, settle/quarantine,
 Release) landing in a :mod:`sink <vllm_hawk.kvflow.sinks>` — :class:`VllmPagedSink`,
 :class:`VllmStagedSink`, :class:`TTSink` (bank buffers or KV pages), :class:`GNHostSink` (GN-Host: vLLM blocks into
-a receive ring, layout fixed on the decode, :mod:`~vllm_hawk.kvflow.gn_host`).
+a receive ring, layout fixed on the decode, :mod:`~vllm_hawk.kvflow.gn_host`);
+:class:`LeaseKeeper` (heartbeats renewing the prefill's leases of queued requests).
 
 buffers: :class:`RingBuffer` (prefill ring, decode receive ring), :class:`BankBufferPool`
 (per-bank receive buffers); :mod:`~vllm_hawk.kvflow.streams`: vLLM caches as
@@ -18,6 +19,7 @@ from vllm_hawk.kvflow.bank_pool import BankBufferPool, RecvSlice
 from vllm_hawk.kvflow.decode import DecodeEndpoint, FetchResult
 from vllm_hawk.kvflow.errors import BufferFull, KVFlowError, PeerFailed, RingClosed, TransferUnsettled
 from vllm_hawk.kvflow.gn_host import GNHostSink, WireLayout
+from vllm_hawk.kvflow.leases import LeaseKeeper
 from vllm_hawk.kvflow.prefill import PrefillEndpoint
 from vllm_hawk.kvflow.ring import RingAllocator, RingBuffer
 from vllm_hawk.kvflow.sinks import (
@@ -35,7 +37,7 @@ from vllm_hawk.kvflow.sources import KVSource, RingGatherSource, TileTransformSo
 from vllm_hawk.kvflow.streams import KVRegionMap, LayerRegion
 
 __all__ = ["BankBufferPool", "BufferFull", "DecodeEndpoint", "FetchResult", "GNHostSink", "KVFlowError",
-           "KVPageAddresses", "KVRegionMap", "KVSink", "KVSource", "Landing", "LayerRegion", "PeerFailed",
-           "PrefillEndpoint", "RecvSlice", "RingAllocator", "RingBuffer", "RingClosed", "RingGatherSource",
-           "SINK_MODES", "TTSink", "TileTransformSource", "TransferUnsettled", "VllmBlockSource", "VllmPagedSink",
-           "VllmStagedSink", "WireLayout", "layout_desc", "vllm_layout_desc", "vllm_sink"]
+           "KVPageAddresses", "KVRegionMap", "KVSink", "KVSource", "Landing", "LayerRegion", "LeaseKeeper",
+           "PeerFailed", "PrefillEndpoint", "RecvSlice", "RingAllocator", "RingBuffer", "RingClosed",
+           "RingGatherSource", "SINK_MODES", "TTSink", "TileTransformSource", "TransferUnsettled", "VllmBlockSource",
+           "VllmPagedSink", "VllmStagedSink", "WireLayout", "layout_desc", "vllm_layout_desc", "vllm_sink"]

@@ -11,6 +11,12 @@ its HelloAck) and moves requests' KV into a :mod:`sink <vllm_hawk.kvflow.sinks>`
 * D8 ``Release``; a refused Release (the prefill's lease ran out, it may have reused the
   range mid-read) fails the fetch.
 
+Backpressure. A prefill whose ring stays full for its ``claim_wait_s`` refuses a
+KVRequest with ``no_space``; the decode asks again (backing off from
+:data:`NO_SPACE_BACKOFF_S` to :data:`NO_SPACE_BACKOFF_MAX_S`) until the fetch's deadline,
+so a full ring slows pulls down instead of failing them (``backpressured`` counts the
+retries). Layer-group fetches are not retried.
+
 Deadlines. ``pull_timeout_s`` bounds a fetch; the READs must also end before the
 prefill's lease on the range (``KVReady.lease_ms`` from its arrival, less a margin).
 Receive memory is waited for at most ``claim_wait_s``. On any failure ``fetch`` raises
@@ -43,6 +49,8 @@ logger = logging.getLogger("vllm.hawk.kvflow.decode")
 RELEASE_TIMEOUT_S = 0.5  # Release(ok=False) on a failure path: the prefill's lease frees it anyway
 SETTLE_WAIT_S = 1.0  # after a failed batch into KV pages: wait this long for its READs to drain
 SETTLE_LIMIT_S = 60.0  # background free of receive buffers gives up (quarantines) after this
+NO_SPACE_BACKOFF_S = 0.05  # first wait before asking a full prefill ring again
+NO_SPACE_BACKOFF_MAX_S = 0.5
 LEASE_MARGIN_S = 1.0  # reads end this long before the prefill's lease does (at most a quarter of it)
 
 
@@ -135,6 +143,7 @@ class DecodeEndpoint:
         self.transport, self.pull_timeout_s, self.claim_wait_s = transport, pull_timeout_s, claim_wait_s
         self._lock = threading.Lock()
         self._pending_frees = 0
+        self.backpressured = 0  # KVRequests asked again after the prefill's ring was full (no_space)
         self.quarantined: list[str] = []  # requests whose receive memory stays held (batch never settled)
         self.client = ProtocolClient(endpoint, compat, secret=secret, auth=auth, timeout_s=pull_timeout_s)
         try:
@@ -176,7 +185,7 @@ class DecodeEndpoint:
         res = FetchResult(req_id, sink.mode)
         msg = self._kv_request(req_id, num_tokens, sink, dst, first_block, timeout)
         try:
-            ready = self.client.request_kv(msg, timeout_s=max(deadline - time.monotonic(), 1e-3))  # D1 -> P7
+            ready = self._request_kv(msg, deadline)  # D1 -> P7
         except (ProtocolTimeout, RemoteError) as e:
             self._release_quietly(req_id, ok=False)  # also cancels a request still being served
             raise PeerFailed(f"request {req_id}: {e}", req_id) from e
@@ -296,6 +305,31 @@ class DecodeEndpoint:
             self._release_done(req_id, first, t_ready, deadline, dst)
             res.release_s = time.monotonic() - t4
         return res
+
+    def _request_kv(self, msg: KVRequest, deadline: float) -> KVReady:
+        """D1 -> P7; a ``no_space`` refusal (the prefill's ring is full) is asked again,
+        backing off, until ``deadline`` (see module doc: backpressure)."""
+        delay, refused = NO_SPACE_BACKOFF_S, None
+        while True:
+            try:
+                return self.client.request_kv(msg, timeout_s=max(deadline - time.monotonic(), 1e-3))
+            except ProtocolTimeout:
+                if refused is not None:  # the last try ran into the deadline: the ring stayed full
+                    raise refused from None
+                raise
+            except RemoteError as e:
+                if e.code != "no_space" or time.monotonic() + delay >= deadline:
+                    raise
+                refused = e
+            with self._lock:
+                self.backpressured += 1
+            time.sleep(delay)
+            delay = min(2 * delay, NO_SPACE_BACKOFF_MAX_S)
+
+    def renew(self, req_ids, timeout_s: float | None = None):
+        """Heartbeat (see :mod:`~vllm_hawk.kvflow.leases`): extend the prefill's leases of
+        ``req_ids`` (at most ``MAX_RENEW_IDS``); returns its ``Renewed``."""
+        return self.client.renew(list(req_ids), timeout_s=self.pull_timeout_s if timeout_s is None else timeout_s)
 
     def release(self, req_id: str, ok: bool = True, timeout_s: float | None = None) -> None:
         """D8 without a fetch: the decode will not read ``req_id`` (e.g. it had the prefix

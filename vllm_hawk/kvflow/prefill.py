@@ -22,6 +22,11 @@ Failure semantics, all here:
 * a held request nobody asks for is freed at its lease expiry; a served range without
   Release ``lease_s`` after its KVReady (``KVReady.lease_ms``); the engine hears
   ``on_finished(req_id, False)``;
+* ``Renew`` (the decode's heartbeat, one per interval for every id it still wants, e.g.
+  requests waiting in its queue) moves a held, not yet requested request's expiry to
+  ``lease_s`` from now, but never past ``max_hold_s`` after the hand-over: a request
+  that never reaches a decode's engine is freed at the latest then (0 = no bound). Ids
+  no longer held are answered in ``Renewed.gone``;
 * ring space is waited for at most ``claim_wait_s`` (and the request's deadline), then
   refused with ``no_space``.
 
@@ -34,9 +39,12 @@ peer's READ of anything else is refused by the transport.
 
 Ownership and bounds (peers are the side channel's authenticated sender ids):
 
-* the first decode whose KVRequest for an id is accepted owns it; a KVRequest or a
-  Release for that id from any other peer is refused (``unknown_request``, counted
+* the first decode whose KVRequest for an id is accepted owns it; a KVRequest, Release
+  or Renew for that id from any other peer is refused (``unknown_request``, counted
   ``not_owner``), so a stranger cannot free ring space a decode is still reading;
+  before that, any authenticated peer may Release or Renew it. This is what lets the
+  proxy (a control peer with the shared secret) free a request its decode refused
+  before the decode's engine saw it: an unclaimed request only, never a claimed one;
 * early KVRequests are parked at most :data:`MAX_EARLY` at once and
   :data:`MAX_EARLY_BLOCK_IDS` destination block ids in all (about 10 MB; each parked
   KVRequest, layer groups included, counts at least one); beyond that a
@@ -60,7 +68,17 @@ from vllm_hawk.kvflow.errors import BufferFull, RingClosed
 from vllm_hawk.kvflow.exposure import Exposure, check_registration
 from vllm_hawk.kvflow.ring import RingBuffer
 from vllm_hawk.kvflow.sources import KVSource
-from vllm_hawk.protocol import Ack, CompatFields, ErrorMsg, KVReady, KVRequest, ProtocolServer, Release
+from vllm_hawk.protocol import (
+    Ack,
+    CompatFields,
+    ErrorMsg,
+    KVReady,
+    KVRequest,
+    ProtocolServer,
+    Release,
+    Renew,
+    Renewed,
+)
 from vllm_hawk.security import RateLimitedLog, Refusals
 
 logger = logging.getLogger("vllm.hawk.kvflow.prefill")
@@ -78,6 +96,7 @@ class _Req:
     src_blocks: np.ndarray
     num_tokens: int
     expiry: float  # unix s; 0 = never (until Release)
+    hold_end: float = 0.0  # unix s: renewals never move expiry past this; 0 = unbounded
     owner: str = ""  # the peer whose KVRequest was accepted; "" = nobody yet
 
 
@@ -100,6 +119,7 @@ class PrefillStats:
     released: int = 0
     refused: int = 0
     expired: int = 0
+    renewed: int = 0  # leases extended by Renew (one per id and heartbeat)
     cancelled: int = 0  # Release arrived before KVReady; the range was freed, no KVReady sent
     produce_s: dict = field(default_factory=dict)  # req_id -> seconds producing its bytes (last 1024)
     refusals: Refusals = field(default_factory=Refusals)  # refused input by reason
@@ -112,7 +132,8 @@ class PrefillEndpoint:
     transport; compat: our compatibility fields; ring_nbytes: ring size in bytes
     (sources that use one); claim_wait_s: longest wait for ring space; lease_s: how long
     the bytes of a request stay held without Release (from hand-over, and again from
-    KVReady; 0 = forever); on_finished(req_id, ok): the request's source blocks are free
+    KVReady; 0 = forever); max_hold_s: renewals never hold a request longer than this after
+    its hand-over (0 = no bound); on_finished(req_id, ok): the request's source blocks are free
     for the engine; observer(req_id, msg, src_blocks): called before its bytes are
     produced (debug dumps). A failing ``__init__`` leaves nothing registered or running.
     """
@@ -120,10 +141,10 @@ class PrefillEndpoint:
     def __init__(self, source: KVSource, transport, compat: CompatFields, *, ring_nbytes: int = 64 << 20,
                  bind: str = "tcp://127.0.0.1:0", secret: bytes | None = None, auth: str | None = None,
                  claim_wait_s: float = 5.0,
-                 lease_s: float = 60.0, workers: int = 1, on_finished=None, observer=None,
+                 lease_s: float = 60.0, max_hold_s: float = 600.0, workers: int = 1, on_finished=None, observer=None,
                  server_id: str = "", registration: str = "per_request") -> None:
         self.source, self.transport, self.compat = source, transport, compat
-        self.claim_wait_s, self.lease_s = claim_wait_s, lease_s
+        self.claim_wait_s, self.lease_s, self.max_hold_s = claim_wait_s, lease_s, max_hold_s
         self.on_finished, self.observer = on_finished, observer
         self.stats = PrefillStats()
         self._lock = threading.Lock()
@@ -180,8 +201,10 @@ class PrefillEndpoint:
             raise ValueError(f"add_request {req_id!r}: {num_tokens} tokens do not fit {src.size} blocks of {bs}")
         if src.size and src.min() < 0:
             raise ValueError(f"add_request {req_id!r}: negative block id")
+        now = time.time()
         if lease_expiry is None:
-            lease_expiry = time.time() + self.lease_s if self.lease_s else 0.0
+            lease_expiry = now + self.lease_s if self.lease_s else 0.0
+        hold_end = now + self.max_hold_s if self.max_hold_s and lease_expiry else 0.0
         serve = None
         with self._lock:
             if self._early_release.pop(req_id, None) is not None:
@@ -190,7 +213,7 @@ class PrefillEndpoint:
                 early_release = True
             else:
                 early_release = False
-                self._requests[req_id] = _Req(src, num_tokens, lease_expiry)
+                self._requests[req_id] = _Req(src, num_tokens, lease_expiry, hold_end)
                 serve = self._early.pop(req_id, None)
         if early_release:  # the decode released it before the hand-over: free at once
             self._notify(req_id, True)
@@ -215,7 +238,8 @@ class PrefillEndpoint:
                    "early_release": len(self._early_release), "early_block_ids": self._early_ids,
                    "served": self.stats.served,
                    "released": self.stats.released, "refused": self.stats.refused,
-                   "expired": self.stats.expired, "cancelled": self.stats.cancelled}
+                   "expired": self.stats.expired, "renewed": self.stats.renewed,
+                   "cancelled": self.stats.cancelled}
         if self.ring is not None:
             out.update(ring_capacity=self.ring.capacity, ring_used=self.ring.alloc.used_bytes(),
                        ring_live=len(self.ring.alloc.live()))
@@ -356,6 +380,37 @@ class PrefillEndpoint:
             logger.warning("prefill: decode reported a failed transfer of %s", rid)
         self._notify(rid, msg.ok)  # P9: the blocks are free for the engine
         return Ack(req_id=rid)
+
+    def on_renew(self, peer: str, msg: Renew, reply):
+        """Heartbeat: extend the lease of every id in ``msg`` that is held, not yet
+        requested, and unclaimed or claimed by ``peer`` (see module doc). Ids in flight
+        (KVRequest accepted) are left alone: their lease runs from KVReady. Ids not held
+        and not finished (the hand-over may still come) are ignored."""
+        now = time.time()
+        gone, renewed, strangers = [], 0, 0
+        with self._lock:
+            for rid in msg.req_ids:
+                req = self._requests.get(rid)
+                if req is None:
+                    if rid in self._gone:
+                        gone.append(rid)
+                    continue
+                if req.owner and req.owner != peer:
+                    strangers += 1
+                    continue
+                if not req.expiry or rid in self._pending or rid in self._served:
+                    continue
+                new = now + self.lease_s
+                if req.hold_end:
+                    new = min(new, req.hold_end)
+                if new > req.expiry:
+                    req.expiry = new
+                    renewed += 1
+            self.stats.renewed += renewed
+        if strangers:
+            self._refuse("not_owner", msg.req_ids[0], "unknown_request",
+                         f"{strangers} renewed id(s) were claimed by another decode")
+        return Renewed(renewed=renewed, gone=gone)
 
     # ------------------------------------------------------------------ P4-P7
     def _serve(self, msg: KVRequest, reply) -> None:

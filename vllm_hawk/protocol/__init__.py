@@ -11,9 +11,11 @@ from vllm_hawk.protocol.compat import compat_diff, compat_hash, describe_diff, m
 from vllm_hawk.protocol.envelope import AuthError, AuthMismatch, Envelope, FrameError, Header
 from vllm_hawk.protocol.messages import (
                                          ERROR_CODES,
+                                         MAX_RENEW_IDS,
                                          PROTOCOL_VERSION,
                                          Ack,
                                          CompatFields,
+                                         ControlHello,
                                          ErrorMsg,
                                          Hello,
                                          HelloAck,
@@ -23,6 +25,8 @@ from vllm_hawk.protocol.messages import (
                                          Message,
                                          ProtocolError,
                                          Release,
+                                         Renew,
+                                         Renewed,
                                          Segment,
                                          decode,
                                          encode,
@@ -32,7 +36,8 @@ from vllm_hawk.protocol.server import AUTH_MODES, ProtocolHandler, ProtocolServe
 
 __all__ = [
     "AUTH_MODES", "Ack", "AuthError", "AuthMismatch", "AuthRefused", "resolve_auth",
-    "CompatFields", "ERROR_CODES", "Envelope", "ErrorMsg", "FrameError",
+    "CompatFields", "ControlHello", "ERROR_CODES", "MAX_RENEW_IDS", "Renew", "Renewed",
+    "Envelope", "ErrorMsg", "FrameError",
     "Header", "Hello", "HelloAck", "IncompatiblePeer", "KVReady", "KVRequest", "LayoutDesc",
     "Message", "PROTOCOL_VERSION", "ProtocolClient", "ProtocolError", "ProtocolHandler",
     "ProtocolServer", "ProtocolTimeout", "Release", "RemoteError", "Segment", "ServerStats",

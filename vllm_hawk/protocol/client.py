@@ -26,7 +26,19 @@ from zmq.utils.monitor import parse_monitor_message  # imported now: opening fil
 
 from vllm_hawk.protocol.compat import compat_hash
 from vllm_hawk.protocol.envelope import DEFAULT_MAX_MESSAGE_NBYTES, AuthError, Envelope, FrameError
-from vllm_hawk.protocol.messages import CompatFields, ErrorMsg, Hello, HelloAck, KVReady, KVRequest, Message, Release
+from vllm_hawk.protocol.messages import (
+    CompatFields,
+    ControlHello,
+    ErrorMsg,
+    Hello,
+    HelloAck,
+    KVReady,
+    KVRequest,
+    Message,
+    Release,
+    Renew,
+    Renewed,
+)
 from vllm_hawk.protocol.server import resolve_auth
 from vllm_hawk.protocol.wakeup import Wakeup
 from vllm_hawk.security import RateLimitedLog, curve_keypairs
@@ -65,16 +77,18 @@ _MONITOR_EVENTS = (zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL | zmq.EVENT_HANDSHAKE_FA
 class ProtocolClient:
     """Client of one prefill's :class:`~vllm_hawk.protocol.server.ProtocolServer`.
 
-    endpoint: ZMQ endpoint of the server ("tcp://host:port"); compat: our fields.
+    endpoint: ZMQ endpoint of the server ("tcp://host:port"); compat: our fields, or None
+    for a control peer (the proxy: handshakes with ``ControlHello``, may only Release
+    and Renew).
     secret: shared key or None; auth: as :class:`~vllm_hawk.protocol.server.ProtocolServer`
     (must match the server's); timeout_s: default deadline per call (seconds).
     """
 
-    def __init__(self, endpoint: str, compat: CompatFields, *, secret: bytes | None = None,
+    def __init__(self, endpoint: str, compat: CompatFields | None, *, secret: bytes | None = None,
                  auth: str | None = None, client_id: str | None = None, timeout_s: float = 5.0,
                  window_s: float = 30.0, max_message_nbytes: int = DEFAULT_MAX_MESSAGE_NBYTES) -> None:
         self.endpoint = endpoint
-        self.client_id = client_id or f"decode-{uuid.uuid4().hex[:12]}"
+        self.client_id = client_id or f"{'decode' if compat is not None else 'control'}-{uuid.uuid4().hex[:12]}"
         self.auth = resolve_auth(auth, secret)
         self._compat = compat
         self._timeout = timeout_s
@@ -108,8 +122,11 @@ class ProtocolClient:
     # ---------------------------------------------------------------- API
     def handshake(self, timeout_s: float | None = None) -> HelloAck:
         """Send Hello; return the server's HelloAck or raise IncompatiblePeer."""
-        msg = Hello(compat=self._compat, compat_hash=compat_hash(self._compat),
-                    client_id=self.client_id)
+        if self._compat is None:
+            msg = ControlHello(client_id=self.client_id)
+        else:
+            msg = Hello(compat=self._compat, compat_hash=compat_hash(self._compat),
+                        client_id=self.client_id)
         try:
             ack = self.call(msg, timeout_s, _handshake=True)
         except RemoteError as e:
@@ -128,7 +145,7 @@ class ProtocolClient:
         if not isinstance(ack, HelloAck):
             raise RemoteError(ErrorMsg(code="bad_message", detail=f"Hello answered with "
                                        f"{type(ack).__name__}"), self.endpoint)
-        if ack.compat_hash != compat_hash(self._compat):  # the server must agree too
+        if self._compat is not None and ack.compat_hash != compat_hash(self._compat):  # the server must agree too
             raise IncompatiblePeer(ErrorMsg(code="layout_mismatch",
                                             detail="server acknowledged a different hash"),
                                    self.endpoint)
@@ -153,6 +170,14 @@ class ProtocolClient:
     def release(self, req_id: str, ok: bool = True, timeout_s: float | None = None) -> None:
         """D8: tell the prefill to free the request's ring region (P8)."""
         self.call(Release(req_id=req_id, ok=ok), timeout_s)
+
+    def renew(self, req_ids: list[str], timeout_s: float | None = None) -> Renewed:
+        """Heartbeat: extend the leases of ``req_ids`` (at most ``MAX_RENEW_IDS``)."""
+        out = self.call(Renew(req_ids=list(req_ids)), timeout_s)
+        if not isinstance(out, Renewed):
+            raise RemoteError(ErrorMsg(code="bad_message", detail=f"Renew answered with {type(out).__name__}"),
+                              self.endpoint)
+        return out
 
     def call(self, msg: Message, timeout_s: float | None = None, *,
              _handshake: bool = False) -> Message:
@@ -183,7 +208,7 @@ class ProtocolClient:
         # Number and queue under one lock: with authentication the server drops a
         # sequence number lower than one it has seen, so messages must leave in order.
         with self._lock:
-            hello = isinstance(msg, Hello)
+            hello = isinstance(msg, (Hello, ControlHello))
             seq, frames = self._env.pack(msg, recipient="" if hello else self._server_id)
             self._pending[seq] = fut
             if hello:

@@ -4,12 +4,19 @@ Decode (client) -> prefill (server):
   ``Hello``      versioned handshake with the compatibility fields (reply ``HelloAck``)
   ``KVRequest``  D1: send me request ``req_id``'s KV for this destination layout
   ``Release``    D8: I have read it; free the ring region (reply ``Ack``) — P8
+  ``Renew``      heartbeat: I still want these requests, extend their leases (reply
+                 ``Renewed``); one per prefill per interval, at most
+                 :data:`MAX_RENEW_IDS` ids
+Control peer (the proxy) -> prefill:
+  ``ControlHello`` handshake of a peer that moves no KV (no compatibility fields); such a
+                 session may send only ``Release`` and ``Renew``
 Prefill -> decode (always as the reply to one request):
   ``HelloAck``   transfer endpoint + the exported region (base address, size): the
                  registered ring, or the whole KV cache for a source served in place
   ``KVReady``    P7: where the request's bytes are: G' in the ring, one segment per
                  destination bank; or per-layer streams of the source blocks
   ``Ack``        Release done
+  ``Renewed``    Renew done: the ids the prefill no longer holds (stop renewing them)
   ``ErrorMsg``   typed refusal (``code``) with a human-readable ``detail``
 
 Every field is bounded at decode time (non-negative ints, string and list lengths);
@@ -22,11 +29,16 @@ blocks are sent (the decode may already hold a prefix). Version 3 had two varian
 two branches: the envelope header naming its recipient (magic ``HAWK/3``) with the
 ``auth_failed`` refusal, and ``KVRequest.first_layer`` / ``num_layers``.
 
-Version 4 (this one) has both: the envelope header names its recipient (magic
+Version 4 has both: the envelope header names its recipient (magic
 ``HAWK/4``), the ``auth_failed`` refusal, and ``KVRequest.first_layer`` / ``num_layers``
 ask for one layer group of a request (layer-group pipelining: the decode sends one
 KVRequest per group at once and reads group i while the prefill transforms group i+1); a
 KVReady then covers only that group's bytes, and one Release ends the whole request.
+
+Version 5 (this one) adds lease renewal (``Renew`` / ``Renewed``: a decode keeps the
+leases of the requests it still wants alive while they wait in its queue) and
+``ControlHello`` (the proxy releases the prefill's blocks of a request the decode
+refused before its engine saw it); envelope magic ``HAWK/5``.
 """
 from __future__ import annotations
 
@@ -35,12 +47,13 @@ from typing import Annotated, Literal, Union
 import msgspec
 from msgspec import Meta, Struct
 
-PROTOCOL_VERSION = 4
+PROTOCOL_VERSION = 5
 
 MAX_SEGMENTS = 4096  # per KVReady: N_ch banks x layers x K/V stays well below this
 MAX_BLOCK_IDS = 1 << 16
 MAX_STR = 256
 MAX_DETAIL = 1024
+MAX_RENEW_IDS = 2048  # ids per Renew / Renewed: <= 2048 x 256 chars, well under a message's 1 MiB
 
 U64 = Annotated[int, Meta(ge=0, le=2**63 - 1)]  # msgspec bounds must fit int64
 U32 = Annotated[int, Meta(ge=0, le=2**32 - 1)]
@@ -112,6 +125,14 @@ class Hello(_Base, tag="hello"):
     client_id: Name = ""
 
 
+class ControlHello(_Base, tag="control_hello"):
+    """Handshake of a control peer (the proxy): no compatibility fields, because it moves
+    no KV. Its session may send only ``Release`` and ``Renew``, which the prefill accepts
+    only for requests no decode has claimed (see :mod:`vllm_hawk.kvflow.prefill`)."""
+
+    client_id: Name = ""
+
+
 class HelloAck(_Base, tag="hello_ack"):
     """transfer_endpoint: the prefill transport's ``endpoint``; export_*: the registered
     region KVReady offsets refer to (host virtual address and size in bytes): the ring,
@@ -163,6 +184,22 @@ class Release(_Base, tag="release"):
     ok: bool = True
 
 
+class Renew(_Base, tag="renew"):
+    """Heartbeat: the sender still wants ``req_ids`` (held by the prefill, not yet
+    requested); the prefill extends each one's lease to ``lease_s`` from now (bounded,
+    see :mod:`vllm_hawk.kvflow.prefill`)."""
+
+    req_ids: Annotated[list[ReqId], Meta(max_length=MAX_RENEW_IDS)]
+
+
+class Renewed(_Base, tag="renewed"):
+    """Reply to Renew. renewed: leases extended; gone: ids of the Renew the prefill no
+    longer holds (released, expired or never known): the sender stops renewing them."""
+
+    renewed: U32 = 0
+    gone: Annotated[list[ReqId], Meta(max_length=MAX_RENEW_IDS)] = []
+
+
 class Ack(_Base, tag="ack"):
     req_id: ReqId
 
@@ -173,8 +210,8 @@ class ErrorMsg(_Base, tag="error"):
     req_id: Name = ""
 
 
-Message = Union[Hello, HelloAck, KVRequest, KVReady, Release, Ack, ErrorMsg]
-MESSAGE_TYPES = (Hello, HelloAck, KVRequest, KVReady, Release, Ack, ErrorMsg)
+Message = Union[Hello, ControlHello, HelloAck, KVRequest, KVReady, Release, Renew, Renewed, Ack, ErrorMsg]
+MESSAGE_TYPES = (Hello, ControlHello, HelloAck, KVRequest, KVReady, Release, Renew, Renewed, Ack, ErrorMsg)
 
 _encoder = msgspec.msgpack.Encoder()
 _decoder = msgspec.msgpack.Decoder(Message)

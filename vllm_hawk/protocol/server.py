@@ -19,6 +19,10 @@ Authentication (``auth``):
   (and an fd) for as long as it likes: weaker against idle-connection floods.
 * ``"none"`` (no secret): nothing is authenticated; only for a private, trusted network.
 
+Control peers (``ControlHello``: the proxy, with the shared secret) handshake without
+compatibility fields; their sessions may send only ``Release`` and ``Renew`` (a KVRequest
+is refused ``bad_message``, counted ``control_kv_request``).
+
 Bad input never stops the loop. With a secret, anything that fails authentication is
 dropped without a reply, except that a message WITHOUT a MAC from a peer we can identify
 (hmac mode) gets one unsigned ``ErrorMsg(auth_failed)`` naming the cause (rate-limited),
@@ -53,6 +57,7 @@ from vllm_hawk.protocol.envelope import (
 from vllm_hawk.protocol.messages import (
     Ack,
     CompatFields,
+    ControlHello,
     ErrorMsg,
     Hello,
     HelloAck,
@@ -60,6 +65,8 @@ from vllm_hawk.protocol.messages import (
     KVRequest,
     Message,
     Release,
+    Renew,
+    Renewed,
 )
 from vllm_hawk.protocol.wakeup import Wakeup
 from vllm_hawk.security import RateLimitedLog, Refusals, curve_keypairs
@@ -104,6 +111,9 @@ class ProtocolHandler(Protocol):
 
     def on_release(self, peer: str, msg: Release, reply: Reply) -> Message | None:
         """D8 -> P8-P9: free the ring region and blocks; return Ack or ErrorMsg."""
+
+    def on_renew(self, peer: str, msg: Renew, reply: Reply) -> Message | None:
+        """Heartbeat: extend the leases of ``msg.req_ids``; return Renewed or ErrorMsg."""
 
 
 @dataclass
@@ -157,6 +167,7 @@ class ProtocolServer:
                              max_message_nbytes=max_message_nbytes)
         self._max_sessions = max_sessions
         self._sessions: collections.OrderedDict[bytes, str] = collections.OrderedDict()
+        self._control: set[bytes] = set()  # sessions opened by ControlHello (subset of _sessions)
         self.stats = ServerStats()
         self._rlog = RateLimitedLog(logger)
         self._bucket = [UNSIGNED_REPLIES_PER_S, time.monotonic()]
@@ -334,7 +345,7 @@ class ProtocolServer:
         self.stats.by_type[type(msg).__name__] += 1
         seq, peer = header.seq, header.sender
         try:
-            if isinstance(msg, Hello):
+            if isinstance(msg, (Hello, ControlHello)):
                 self._send(identity, self._on_hello(identity, peer, msg), seq, peer)
                 return
             known = self._sessions.get(identity)
@@ -349,10 +360,16 @@ class ProtocolServer:
                 return
             self._sessions.move_to_end(identity)
             reply = _OnceReply(self, identity, seq, peer)
-            if isinstance(msg, KVRequest):
+            if isinstance(msg, KVRequest) and identity in self._control:
+                self.stats.refusals.count("control_kv_request")
+                out = ErrorMsg(code="bad_message", detail="a control session may not request KV",
+                               req_id=msg.req_id)
+            elif isinstance(msg, KVRequest):
                 out = self._handler.on_kv_request(peer, msg, reply)
             elif isinstance(msg, Release):
                 out = self._handler.on_release(peer, msg, reply)
+            elif isinstance(msg, Renew):
+                out = self._handler.on_renew(peer, msg, reply)
             else:
                 self.stats.bad_messages += 1
                 out = ErrorMsg(code="bad_message",
@@ -366,7 +383,9 @@ class ProtocolServer:
                                           f"{str(e)[:500]}", req_id=getattr(msg, "req_id", "")),
                        seq, peer)
 
-    def _on_hello(self, identity: bytes, sender: str, msg: Hello) -> Message:
+    def _on_hello(self, identity: bytes, sender: str, msg: Hello | ControlHello) -> Message:
+        if isinstance(msg, ControlHello):
+            return self._open_session(identity, sender, control=True)
         theirs = msg.compat
         if compat_hash(theirs) != msg.compat_hash:
             self.stats.bad_messages += 1
@@ -380,11 +399,19 @@ class ProtocolServer:
             else:
                 detail = "incompatible peer: " + describe_diff(self._compat, theirs)
             return ErrorMsg(code="layout_mismatch", detail=detail[:1000])
+        return self._open_session(identity, sender, control=False)
+
+    def _open_session(self, identity: bytes, sender: str, control: bool) -> HelloAck:
         if identity not in self._sessions and len(self._sessions) >= self._max_sessions:
-            self._sessions.popitem(last=False)
+            old, _ = self._sessions.popitem(last=False)
+            self._control.discard(old)
             self.stats.refusals.count("session_evicted")
         self._sessions[identity] = sender
         self._sessions.move_to_end(identity)
+        if control:
+            self._control.add(identity)
+        else:
+            self._control.discard(identity)
         endpoint, base, nbytes = self._handler.hello_info()
         return HelloAck(compat_hash=self._hash, server_id=self.server_id,
                         transfer_endpoint=endpoint, export_base_addr=base, export_nbytes=nbytes)
@@ -401,8 +428,8 @@ class _OnceReply:
         self._lock = threading.Lock()
 
     def __call__(self, msg: Message) -> None:
-        if not isinstance(msg, (KVReady, Ack, ErrorMsg)):
-            raise TypeError(f"a reply must be KVReady, Ack or ErrorMsg, not {type(msg).__name__}")
+        if not isinstance(msg, (KVReady, Ack, Renewed, ErrorMsg)):
+            raise TypeError(f"a reply must be KVReady, Ack, Renewed or ErrorMsg, not {type(msg).__name__}")
         with self._lock:
             if self._used:
                 return

@@ -14,7 +14,7 @@ import signal
 import sys
 from collections.abc import Sequence
 
-__all__ = ["limits_of", "main", "parse_args"]
+__all__ = ["limits_of", "main", "parse_args", "releaser_of"]
 
 
 def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
@@ -40,6 +40,11 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     p.add_argument("--max-body-bytes", type=int, default=d.max_body_nbytes, help="largest request body")
     p.add_argument("--max-json-tokens", type=int, default=d.max_json_tokens,
                    help="most JSON structural characters ([ { , :) in a request body")
+    p.add_argument("--shared-secret-file", default=None, metavar="PATH",
+                   help="the connectors' shared secret (default: HAWK_SHARED_SECRET / HAWK_SHARED_SECRET_FILE): "
+                        "lets the proxy release the prefill's KV of a request the decode refused")
+    p.add_argument("--side-channel-auth", choices=("curve", "hmac", "none"), default=None,
+                   help="the connectors' auth (default: curve with a secret, else none)")
     p.add_argument("--timeout-s", type=float, default=None, help=argparse.SUPPRESS)  # renamed
     return p.parse_args(argv)
 
@@ -53,6 +58,32 @@ def limits_of(args: argparse.Namespace):
     return Limits(connect_s=args.connect_timeout_s, first_byte_s=args.first_byte_timeout_s,
                   idle_s=args.idle_timeout_s, header_s=args.header_timeout_s, write_s=args.write_timeout_s,
                   max_body_nbytes=args.max_body_bytes, max_json_tokens=args.max_json_tokens)
+
+
+def releaser_of(args: argparse.Namespace):
+    """The proxy's :class:`~vllm_hawk.proxy.release.PrefillReleaser` (secret from
+    ``--shared-secret-file`` or the environment)."""
+    from vllm_hawk import envs
+    from vllm_hawk.proxy.release import PrefillReleaser
+
+    path = args.shared_secret_file or envs.shared_secret_file()
+    secret = None
+    if path:
+        with open(path, "rb") as f:
+            secret = f.read(4097).rstrip(b"\r\n")
+    elif envs.shared_secret():
+        secret = envs.shared_secret().encode()
+    if secret is not None and len(secret) < 16:
+        raise SystemExit("hawk proxy: the shared secret must be at least 16 bytes")
+    auth = args.side_channel_auth
+    if auth == "none":
+        secret = None
+    elif auth is not None and secret is None:
+        logging.getLogger("hawk.proxy").warning(
+            "hawk proxy: --side-channel-auth %s without a shared secret: requests the decode refuses keep their "
+            "prefill KV until the lease ends", auth)
+        return None
+    return PrefillReleaser(secret, auth)
 
 
 def _raise_fd_limit() -> None:
@@ -76,7 +107,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     _raise_fd_limit()
 
     async def run() -> None:
-        proxy = Proxy(args.prefill, args.decode, limits=limits)
+        proxy = Proxy(args.prefill, args.decode, limits=limits, releaser=releaser_of(args))
         runner = await serve(proxy, args.host, args.port)
         stop = asyncio.Event()
         loop = asyncio.get_running_loop()

@@ -8,6 +8,10 @@ For each ``/v1/completions`` or ``/v1/chat/completions`` request:
 2. pick a decode server (round robin) and send it the ORIGINAL request plus those
    ``kv_transfer_params``; stream (or return) its answer to the client unchanged.
 
+A request the decode refuses (an error status before any output: its API server
+rejected it, so its engine never saw it) has its prefill blocks released at once by
+the proxy (:mod:`vllm_hawk.proxy.release`; needs the shared secret the connectors use).
+
 Upstream errors keep their HTTP status and body; an unreachable upstream is 502 (the
 message names the server). A client that disconnects cancels the handler, which closes
 the upstream connection, and vLLM aborts the request there (its blocks are freed).
@@ -131,8 +135,10 @@ def prefill_body(body: dict, path: str) -> dict:
 
 
 class Proxy:
-    def __init__(self, prefill: list[str], decode: list[str], *, limits: Limits | None = None) -> None:
+    def __init__(self, prefill: list[str], decode: list[str], *, limits: Limits | None = None,
+                 releaser=None) -> None:
         self.prefill = Pool(list(prefill))
+        self.releaser = releaser  # PrefillReleaser, or None: refused requests wait for their lease
         self.decode = Pool(list(decode))
         self.limits = limits or Limits()
         # No total and no sock_read: first byte and idle-between-chunks are enforced per
@@ -141,7 +147,8 @@ class Proxy:
                                              sock_read=None)
         self.session: aiohttp.ClientSession | None = None
         self.served = 0
-        self.stats = {"truncated_streams": 0, "slow_clients_dropped": 0, "refused_bodies": 0}
+        self.stats = {"truncated_streams": 0, "slow_clients_dropped": 0, "refused_bodies": 0,
+                      "decode_refused": 0, "upstream_resent": 0}
 
     # ---------------------------------------------------------------- app
     def app(self) -> web.Application:
@@ -155,12 +162,22 @@ class Proxy:
         return app
 
     async def _start(self, _app) -> None:
+        # Idle upstream connections are closed before uvicorn's (vLLM's) 5 s keep-alive ends,
+        # so that we rarely send on one it is closing.
         self.session = aiohttp.ClientSession(timeout=self.timeout,
-                                             connector=aiohttp.TCPConnector(limit=0))
+                                             connector=aiohttp.TCPConnector(limit=0, keepalive_timeout=2.0))
 
     async def _stop(self, _app) -> None:
         if self.session is not None:
             await self.session.close()
+        if self.releaser is not None:
+            self.releaser.close()
+
+    async def _decode_refused(self, params: dict) -> None:
+        """The decode refused the request before its engine saw it: free the prefill's KV."""
+        self.stats["decode_refused"] += 1
+        if self.releaser is not None:
+            await self.releaser.release(params)
 
     @staticmethod
     def _headers(request: web.Request, rid: str) -> dict[str, str]:
@@ -192,14 +209,21 @@ class Proxy:
     async def models(self, request: web.Request) -> web.StreamResponse:
         url = self.decode.pick()
         try:
-            async with await self._open(self.session.get(url + "/v1/models")) as r:
+            async with await self._open(lambda: self.session.get(url + "/v1/models")) as r:
                 return web.Response(status=r.status, body=await self._read(r), content_type=r.content_type)
         except (aiohttp.ClientError, asyncio.TimeoutError) as e:
             return _error(502, f"decode server {url} unreachable: {e!s}")
 
-    async def _open(self, req) -> aiohttp.ClientResponse:
-        """Send an upstream request; its response headers must come within ``first_byte_s``."""
-        return await asyncio.wait_for(req, self.limits.first_byte_s)
+    async def _open(self, make) -> aiohttp.ClientResponse:
+        """Send the upstream request ``make()`` builds; its response headers must come within
+        ``first_byte_s``. When the upstream closed a pooled keep-alive connection just as we
+        sent on it (``ServerDisconnectedError`` before any response; seen under load) the
+        request is sent once more."""
+        try:
+            return await asyncio.wait_for(make(), self.limits.first_byte_s)
+        except aiohttp.ServerDisconnectedError:
+            self.stats["upstream_resent"] += 1
+            return await asyncio.wait_for(make(), self.limits.first_byte_s)
 
     async def _read(self, r: aiohttp.ClientResponse) -> bytes:
         """An upstream body, each chunk within ``idle_s`` of the previous one."""
@@ -229,7 +253,7 @@ class Proxy:
         p_url = self.prefill.pick()
         t0 = time.perf_counter()
         try:
-            async with await self._open(self.session.post(p_url + path, json=prefill_body(body, path),
+            async with await self._open(lambda: self.session.post(p_url + path, json=prefill_body(body, path),
                                                           headers=headers)) as r:
                 raw = await self._read(r)
                 if r.status != 200:
@@ -255,7 +279,9 @@ class Proxy:
         info = {"x-hawk-prefill": p_url, "x-hawk-decode": d_url,
                 "x-hawk-prefill-ms": f"{prefill_ms:.2f}"}
         try:
-            async with await self._open(self.session.post(d_url + path, json=d_body, headers=headers)) as r:
+            async with await self._open(lambda: self.session.post(d_url + path, json=d_body, headers=headers)) as r:
+                if r.status != 200:
+                    await self._decode_refused(params)
                 if r.status != 200 or not body.get("stream"):
                     return web.Response(status=r.status, body=await self._read(r),
                                         content_type=r.content_type, headers=info)
@@ -267,6 +293,9 @@ class Proxy:
         except asyncio.TimeoutError:
             return _error(504, f"decode server {d_url} did not answer within its deadline (first byte "
                                f"{self.limits.first_byte_s:.0f} s, idle {self.limits.idle_s:.0f} s)")
+        except aiohttp.ClientConnectorError as e:  # never reached: nobody will ask for the KV
+            await self._decode_refused(params)
+            return _error(502, f"decode server {d_url} failed: {e!s}")
         except aiohttp.ClientError as e:
             return _error(502, f"decode server {d_url} failed: {e!s}")
 

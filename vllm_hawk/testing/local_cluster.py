@@ -268,9 +268,11 @@ class LocalCluster:
                 s.start()
             self._wait(["prefill", "decode"], progress)
             pport = free_port()
+            auth = p_cfg.get("auth", "curve")
+            secret = ["--shared-secret-file", p_cfg["shared_secret_file"]] if p_cfg.get("shared_secret_file") else []
             self.servers["proxy"] = Server(
                 "proxy", [self.python, "-m", "vllm_hawk.proxy", "--prefill", self.prefill_url,
-                          "--decode", self.decode_url, "--port", str(pport)],
+                          "--decode", self.decode_url, "--port", str(pport), "--side-channel-auth", auth, *secret],
                 self._env(None), work / "proxy.log", f"http://127.0.0.1:{pport}")
             self.servers["proxy"].start()
             self._wait(["proxy"], progress)
