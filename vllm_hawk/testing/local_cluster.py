@@ -130,6 +130,18 @@ def _group_alive(pgid: int) -> bool:
         return True
 
 
+#: The serving configurations of the paper (section 5.3) a :class:`LocalCluster` runs here:
+#: name -> its fields (see :meth:`LocalCluster.for_config`). GG: CPU prefill -> CPU decode;
+#: GN: CPU prefill -> decode on the emulated Tenstorrent p150a. ``hawk bench serve`` runs
+#: every entry, so a configuration added here is benchmarked too.
+SERVING_CONFIGS: dict[str, dict] = {
+    "GG-Host": {"extra_config": {"transport": "host-staged"}},
+    "GG-Direct": {"extra_config": {"transport": "mooncake-tcp", "mode": "direct"}},
+    "GN-HAWK": {"decode_tt": {"device": "p150a", "kv_dtype": "bfloat16"},
+                "extra_config": {"transport": "mooncake-tcp", "mode": "direct"}},
+}
+
+
 @dataclass
 class LocalCluster:
     """One prefill server, one decode server, one proxy (ports picked at start)."""
@@ -153,6 +165,17 @@ class LocalCluster:
     startup_timeout_s: float = 400.0
     python: str = sys.executable
     servers: dict[str, Server] = field(default_factory=dict)
+
+    @classmethod
+    def for_config(cls, name: str, model: str | os.PathLike, workdir: str | os.PathLike,
+                   **fields) -> "LocalCluster":
+        """The cluster of serving configuration ``name`` (:data:`SERVING_CONFIGS`);
+        ``fields`` override or extend it (``extra_config`` is merged)."""
+        if name not in SERVING_CONFIGS:
+            raise ValueError(f"serving configuration {name!r} unknown; known: {sorted(SERVING_CONFIGS)}")
+        cfg = {k: (dict(v) if isinstance(v, dict) else v) for k, v in SERVING_CONFIGS[name].items()}
+        extra = {**cfg.pop("extra_config", {}), **fields.pop("extra_config", {})}
+        return cls(model, workdir, extra_config=extra, **{**cfg, **fields})
 
     # ---------------------------------------------------------------- urls
     @property
