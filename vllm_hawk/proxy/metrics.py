@@ -10,7 +10,7 @@ metric                                     meaning
                                            (the decode's queue, KV pull, first step)
 ``hawk_proxy_ttft_seconds``                request received -> first chunk relayed to
                                            the client (streaming requests only)
-``hawk_proxy_requests_total``              requests by outcome (``ok``, ``error``)
+``hawk_proxy_requests_total``              requests by answer: ``ok`` (200), ``error``
 =========================================  ==============================================
 
 Each proxy has its own registry, so several can run in one process (tests).
