@@ -6,8 +6,8 @@ and the proxy on this machine (the cluster of ``make demo``; tiny bf16 Llama, pr
 caching off), or uses ``--url NAME=URL``. vLLM's own load generator (``vllm bench serve``,
 called in this process) sends each workload (:mod:`~vllm_hawk.bench.serve_workloads`) with
 Poisson arrivals at every rate of the sweep. ``collocated`` is one vLLM engine serving
-alone (the first GG cluster's decode server, requests without ``kv_transfer_params``): the
-reference line.
+alone (the first GG cluster's decode server, on one core, requests without
+``kv_transfer_params``): the reference line.
 
 Reported per configuration and rate: P50/P90/P99 TTFT, TPOT, E2E (ms); SLO attainment for
 the paper's pairs and for pairs scaled to this machine (stated in the output); goodput
