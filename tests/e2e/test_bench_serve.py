@@ -24,6 +24,7 @@ def test_quick_sweep_runs_and_reports(tmp_path):
     for row in pd:  # every P/D request's stages were measured by the proxy and the connector
         b = row["breakdown"]
         assert b["requests"] == 12 and b["pulls"] == 12 and b["dominant"] in res["breakdown_stages"], b
+        assert b["prefill"] > 0 and b["kv_ready"] > 0 and b["pull"] > 0 and b["first_step"] > 0, b
     assert {w["name"] for w in res["workloads"]} == {"sharegpt"} and res["workloads"][0]["prompt_params"]
     assert "GG-Direct" in res["summary"]["sharegpt"]["configs"]
     assert res["summary"]["sharegpt"]["gn_hawk_over_gg_direct"]
