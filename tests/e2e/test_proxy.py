@@ -108,6 +108,21 @@ def test_flow_round_robin_and_streaming():
     assert raw.count("data: ") == 4 and raw.rstrip().endswith("[DONE]")
 
 
+def test_metrics_time_each_phase_of_a_streamed_request():
+    async def fn(s, url):
+        for _ in range(2):
+            async with s.post(url + "/v1/completions", json={"prompt": "x", "stream": True}) as r:
+                await r.read()
+        async with s.get(url + "/metrics") as r:
+            return r.status, await r.text()
+
+    status, text = asyncio.run(_with_proxy([Fake("p")], [Fake("d")], fn))
+    assert status == 200
+    for name in ("hawk_proxy_prefill_seconds", "hawk_proxy_decode_first_chunk_seconds", "hawk_proxy_ttft_seconds"):
+        assert f"{name}_count 2.0" in text, name
+    assert 'hawk_proxy_requests_total{outcome="ok"} 2.0' in text
+
+
 def test_upstream_errors_keep_their_status():
     bad = Fake("p", status=400)
 

@@ -7,6 +7,7 @@ import sys
 BENCHES = {
     "transform": "vllm_hawk.bench.transform_bench",
     "transfer": "vllm_hawk.bench.transfer_bench",
+    "serve": "vllm_hawk.bench.serve_bench",
 }
 
 

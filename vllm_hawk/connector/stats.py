@@ -8,6 +8,11 @@ metric                                          type       meaning
 ==============================================  =========  ==================================
 ``vllm:hawk_transfer_time_seconds``             histogram  decode: KVRequest sent -> KV in
                                                            the local blocks (one pull)
+``vllm:hawk_kv_ready_seconds``                  histogram  decode: KVRequest sent -> KVReady
+                                                           back (the prefill's produce step:
+                                                           transform, ring, side channel)
+``vllm:hawk_kv_read_seconds``                   histogram  decode: READs submitted -> KV in
+                                                           place (transport + staged copies)
 ``vllm:hawk_transfer_bytes``                    histogram  bytes moved per pull
 ``vllm:hawk_transfer_segments``                 histogram  segments the prefill described
                                                            per pull (KVReady)
@@ -36,7 +41,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.metrics import (
     PromMetricT,
 )
 
-_SERIES = ("transfer_s", "nbytes", "segments", "operations")
+_SERIES = ("transfer_s", "kv_ready_s", "read_s", "nbytes", "segments", "operations")
 _COUNTS = ("failed", "expired", "released", "refused")
 
 
@@ -49,8 +54,13 @@ class HawkKVConnectorStats(KVConnectorStats):
     def reset(self) -> None:
         self.data = {k: [] for k in _SERIES} | {k: 0 for k in _COUNTS}
 
-    def record_transfer(self, seconds: float, nbytes: int, segments: int, operations: int) -> None:
+    def record_transfer(self, seconds: float, nbytes: int, segments: int, operations: int,
+                        kv_ready_s: float = 0.0, read_s: float = 0.0) -> None:
+        """One pull: ``seconds`` in all, of which ``kv_ready_s`` until KVReady and
+        ``read_s`` reading (the stages of the TTFT breakdown, ``hawk bench serve``)."""
         self.data["transfer_s"].append(seconds)
+        self.data["kv_ready_s"].append(kv_ready_s)
+        self.data["read_s"].append(read_s)
         self.data["nbytes"].append(nbytes)
         self.data["segments"].append(segments)
         self.data["operations"].append(operations)
@@ -104,9 +114,15 @@ class HawkPromMetrics(KVConnectorPromMetrics):
             m = self._counter_cls(name=name, documentation=doc, labelnames=labelnames)
             return create_metric_per_engine(m, per_engine_labelvalues)
 
+        seconds = [0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10]
         self.time = hist("vllm:hawk_transfer_time_seconds",
-                         "HawkConnector: time of one KV pull (request to KV in place).",
-                         [0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10])
+                         "HawkConnector: time of one KV pull (request to KV in place).", seconds)
+        self.kv_ready = hist("vllm:hawk_kv_ready_seconds",
+                             "HawkConnector: KVRequest sent -> KVReady received (the prefill's produce step).",
+                             seconds)
+        self.read = hist("vllm:hawk_kv_read_seconds",
+                         "HawkConnector: READs submitted -> KV in place (transport and staged copies).",
+                         seconds)
         self.bytes = hist("vllm:hawk_transfer_bytes", "HawkConnector: bytes per KV pull.",
                           [2 ** (10 + 2 * i) for i in range(12)])
         self.segments = hist("vllm:hawk_transfer_segments",
@@ -127,7 +143,8 @@ class HawkPromMetrics(KVConnectorPromMetrics):
 
     def observe(self, transfer_stats_data: dict[str, Any], engine_idx: int = 0) -> None:
         d = transfer_stats_data
-        for series, metric in (("transfer_s", self.time), ("nbytes", self.bytes),
+        for series, metric in (("transfer_s", self.time), ("kv_ready_s", self.kv_ready),
+                               ("read_s", self.read), ("nbytes", self.bytes),
                                ("segments", self.segments), ("operations", self.operations)):
             for v in d.get(series, ()):
                 metric[engine_idx].observe(v)

@@ -365,7 +365,8 @@ class HawkConnectorWorker:
         fig["total_ms"] = round(1e3 * (time.monotonic() - t0), 3)
         with self._lock:
             if fig["ok"]:
-                self.stats.record_transfer(fig["total_ms"] / 1e3, fig["nbytes"], fig["segments"], fig["entries"])
+                self.stats.record_transfer(fig["total_ms"] / 1e3, fig["nbytes"], fig["segments"], fig["entries"],
+                                           fig["request_ms"] / 1e3, (fig["transfer_ms"] + fig["copy_ms"]) / 1e3)
             else:
                 self.stats.count("failed")
                 self._pulls.failed.add(rid)

@@ -35,6 +35,9 @@ Limits (:class:`Limits`, all aiohttp settings or asyncio timeouts around aiohttp
   too deep nesting is refused with 400. A client that disconnects cancels its handler
   (``handler_cancellation``), which closes the upstream connection.
 
+Timings per request (prefill, decode first chunk, TTFT at the proxy) are Prometheus
+histograms at ``GET /metrics`` (:mod:`vllm_hawk.proxy.metrics`).
+
 Other routes: ``GET /health`` (200 while the proxy runs; ``?deep=1`` also asks every
 upstream's ``/health`` and answers 503 naming the ones that fail), ``GET /v1/models``
 (from a decode server).
@@ -51,6 +54,8 @@ from dataclasses import dataclass, field, fields
 
 import aiohttp
 from aiohttp import web
+
+from vllm_hawk.proxy.metrics import ProxyMetrics
 
 logger = logging.getLogger(__name__)
 
@@ -149,6 +154,7 @@ class Proxy:
         self.served = 0
         self.stats = {"truncated_streams": 0, "slow_clients_dropped": 0, "refused_bodies": 0,
                       "decode_refused": 0, "upstream_resent": 0}
+        self.metrics = ProxyMetrics()
 
     # ---------------------------------------------------------------- app
     def app(self) -> web.Application:
@@ -157,6 +163,7 @@ class Proxy:
             app.router.add_post(route, self.generate)
         app.router.add_get("/health", self.health)
         app.router.add_get("/v1/models", self.models)
+        app.router.add_get("/metrics", self.prometheus)
         app.on_startup.append(self._start)
         app.on_cleanup.append(self._stop)
         return app
@@ -198,6 +205,9 @@ class Proxy:
                 return web.json_response(out, status=503)
         return web.json_response(out)
 
+    async def prometheus(self, _request: web.Request) -> web.Response:
+        return web.Response(body=self.metrics.render(), headers={"Content-Type": self.metrics.content_type})
+
     async def _ping(self, url: str) -> bool:
         try:
             async with self.session.get(url + "/health",
@@ -235,6 +245,12 @@ class Proxy:
             parts.append(chunk)
 
     async def generate(self, request: web.Request) -> web.StreamResponse:
+        t_in = time.perf_counter()
+        resp = await self._generate(request, t_in)
+        self.metrics.requests.labels("ok" if resp.status == 200 else "error").inc()
+        return resp
+
+    async def _generate(self, request: web.Request, t_in: float) -> web.StreamResponse:
         try:
             raw = await request.read()  # aiohttp refuses more than client_max_size (413)
         except web.HTTPRequestEntityTooLarge:
@@ -264,6 +280,7 @@ class Proxy:
         except aiohttp.ClientError as e:
             return _error(502, f"prefill server {p_url} unreachable: {e!s}")
         prefill_ms = (time.perf_counter() - t0) * 1e3
+        self.metrics.prefill.observe(prefill_ms / 1e3)
         try:
             params = json.loads(raw).get("kv_transfer_params")
         except (ValueError, AttributeError):
@@ -278,6 +295,7 @@ class Proxy:
         d_url = self.decode.pick()
         info = {"x-hawk-prefill": p_url, "x-hawk-decode": d_url,
                 "x-hawk-prefill-ms": f"{prefill_ms:.2f}"}
+        t_d = time.perf_counter()
         try:
             async with await self._open(lambda: self.session.post(d_url + path, json=d_body, headers=headers)) as r:
                 if r.status != 200:
@@ -289,7 +307,7 @@ class Proxy:
                     **info, "Content-Type": r.headers.get("Content-Type", "text/event-stream"),
                     "Cache-Control": "no-cache"})
                 await resp.prepare(request)
-                return await self._stream(request, resp, r, d_url)
+                return await self._stream(request, resp, r, d_url, (t_in, t_d))
         except asyncio.TimeoutError:
             return _error(504, f"decode server {d_url} did not answer within its deadline (first byte "
                                f"{self.limits.first_byte_s:.0f} s, idle {self.limits.idle_s:.0f} s)")
@@ -300,7 +318,7 @@ class Proxy:
             return _error(502, f"decode server {d_url} failed: {e!s}")
 
     async def _stream(self, request: web.Request, resp: web.StreamResponse, r: aiohttp.ClientResponse,
-                      d_url: str) -> web.StreamResponse:
+                      d_url: str, t_in_dec: tuple[float, float] | None = None) -> web.StreamResponse:
         """Relay the decode's SSE stream. A broken, stalled or unterminated upstream stream
         ends with an SSE error event; a client that stops reading is dropped (the upstream
         closes with the ``async with`` around us, and vLLM aborts the request)."""
@@ -321,6 +339,11 @@ class Proxy:
                     error = f"decode server {d_url} ended the stream without [DONE] (truncated)"
                 break
             tail = (tail + chunk)[-64:]
+            if t_in_dec is not None:  # the first chunk: TTFT as the proxy sees it
+                now = time.perf_counter()
+                self.metrics.ttft.observe(now - t_in_dec[0])
+                self.metrics.decode_first_chunk.observe(now - t_in_dec[1])
+                t_in_dec = None
             try:
                 await asyncio.wait_for(resp.write(chunk), lim.write_s)
             except asyncio.TimeoutError:

@@ -12,10 +12,10 @@ secret to ``<workdir>/shared_secret`` (mode 0600) and gives both servers
 ``auth``/``shared_secret_file`` (``auth="none"`` runs without; ``extra_config`` may
 override either).
 
-The paper's four serving configurations (:data:`CONFIGURATIONS`: ``gg-host``,
-``gg-direct``, ``gn-host``, ``gn-hawk``) start the same way, with the same interface:
+The paper's four serving configurations (:data:`CONFIGURATIONS`: ``GG-Host``,
+``GG-Direct``, ``GN-Host``, ``GN-HAWK``) start the same way, with the same interface:
 
-    with LocalCluster.configured("gn-host", model_dir, workdir, dtype="bfloat16") as c:
+    with LocalCluster.configured("GN-Host", model_dir, workdir, dtype="bfloat16") as c:
 
 On machines with 2+ CPUs the prefill's model threads are bound to the first CPU and the
 decode's to the second (``VLLM_CPU_OMP_THREADS_BIND``); vLLM's default binds both to the
@@ -46,13 +46,15 @@ Progress = Callable[[str, float], None]  # (what is starting, seconds so far)
 #: GN: a decode on the emulated Tenstorrent platform plugin (``decode_tt``). GG-Host and
 #: GN-Host move plain vLLM blocks over the host-staged transport (GN-Host then fixes the
 #: layout on the decode: ``layout_fix: decode``); GG-Direct and GN-HAWK use Mooncake TCP
-#: (GN-HAWK: the prefill transforms into the tile layout, the decode stages per bank).
+#: (GN-HAWK: the prefill transforms into the tile layout, the decode READs into its KV
+#: pages). ``hawk bench serve`` runs every entry, so a configuration added here is
+#: benchmarked too.
 CONFIGURATIONS: dict[str, dict] = {
-    "gg-host": {"extra_config": {"transport": "host-staged", "mode": "staged"}},
-    "gg-direct": {"extra_config": {"transport": "mooncake-tcp", "mode": "direct"}},
-    "gn-host": {"extra_config": {"transport": "host-staged", "mode": "staged", "layout_fix": "decode"},
+    "GG-Host": {"extra_config": {"transport": "host-staged", "mode": "staged"}},
+    "GG-Direct": {"extra_config": {"transport": "mooncake-tcp", "mode": "direct"}},
+    "GN-Host": {"extra_config": {"transport": "host-staged", "mode": "staged", "layout_fix": "decode"},
                 "tt": True},
-    "gn-hawk": {"extra_config": {"transport": "mooncake-tcp", "mode": "staged"}, "tt": True},
+    "GN-HAWK": {"extra_config": {"transport": "mooncake-tcp", "mode": "direct"}, "tt": True},
 }
 
 

@@ -1,0 +1,80 @@
+"""``hawk bench serve``'s pure parts: seeded workloads and the SLO arithmetic."""
+import json
+import math
+
+import pytest
+
+from vllm_hawk.bench import serve_bench as sb
+from vllm_hawk.bench import serve_workloads as wl
+
+
+@pytest.fixture(scope="module")
+def tok():
+    from transformers import AutoTokenizer
+
+    from vllm_hawk.testing.tiny_model import build_tiny_llama
+    return AutoTokenizer.from_pretrained(str(build_tiny_llama(dtype="bfloat16")))
+
+
+@pytest.mark.parametrize("name", list(wl.WORKLOADS))
+def test_workload_is_seeded_sharegpt_format_and_fits(tmp_path, tok, name):
+    a = wl.make_workload(name, tok, 30, 7, tmp_path / "a.json", max_model_len=1024)
+    b = wl.make_workload(name, tok, 30, 7, tmp_path / "b.json", max_model_len=1024)
+    assert (tmp_path / "a.json").read_text() == (tmp_path / "b.json").read_text()
+    rows = json.loads((tmp_path / "a.json").read_text())
+    assert len(rows) == 30 and all(len(r["conversations"]) == 2 for r in rows)
+    for r in rows:
+        p, o = (len(tok.encode(c["value"])) for c in r["conversations"])
+        assert p + o <= 1024 and p >= 4 and o >= 4
+    assert a["prompt_params"] == wl.WORKLOADS[name]["prompt"] and a["seed"] == 7 and b["prompt_tokens"]["max"] > 0
+
+
+def test_workload_bad_input_names_the_field(tmp_path, tok):
+    with pytest.raises(ValueError, match="workload 'nope' unknown"):
+        wl.make_workload("nope", tok, 3, 0, tmp_path / "x.json")
+    with pytest.raises(ValueError, match="num_prompts"):
+        wl.make_workload("sharegpt", tok, 0, 0, tmp_path / "x.json")
+
+
+def _result(ttfts, lats, outs, errs):
+    return {"ttfts": ttfts, "latencies": lats, "output_lens": outs, "errors": errs}
+
+
+def test_attainment_counts_failed_requests_as_missed():
+    reqs = wl.per_request(_result([0.1, 0.5, 0.0], [1.1, 0.9, 0.0], [11, 5, 0], ["", "", "boom"]))
+    assert reqs[0]["tpot_ms"] == pytest.approx(100.0) and reqs[1]["tpot_ms"] == pytest.approx(100.0)
+    assert not reqs[2]["ok"] and math.isinf(reqs[2]["ttft_ms"])
+    assert wl.attainment(reqs, 200, 150) == (pytest.approx(1 / 3), 1)
+    assert wl.attainment(reqs, 1000, 150) == (pytest.approx(2 / 3), 2)
+    st = wl.latency_stats(reqs)
+    assert st["p50_ttft_ms"] == pytest.approx(300.0) and st["p90_tpot_ms"] == pytest.approx(100.0)
+
+
+def test_knee_is_the_first_rate_below_and_throughput_at_the_last_above():
+    pts = [{"rate": 1, "a": 1.0, "output_throughput": 10}, {"rate": 2, "a": 0.95, "output_throughput": 20},
+           {"rate": 4, "a": 0.5, "output_throughput": 25}, {"rate": 8, "a": 0.92, "output_throughput": 30}]
+    assert wl.knee(pts, "a") == {"rate_below": 4, "throughput_at": 20, "rate_at": 2}
+    assert wl.knee(pts[:2], "a")["rate_below"] is None
+    assert wl.knee([{"rate": 1, "a": 0.1, "output_throughput": 1}], "a")["throughput_at"] is None
+
+
+def test_breakdown_stages_from_histogram_deltas():
+    z = {}
+    proxy = {"hawk_proxy_prefill_seconds_sum": 1.0, "hawk_proxy_prefill_seconds_count": 10,
+             "hawk_proxy_ttft_seconds_sum": 3.0, "hawk_proxy_ttft_seconds_count": 10}
+    dec = {"vllm:request_queue_time_seconds_sum": 1.2, "vllm:request_queue_time_seconds_count": 10,
+           "vllm:hawk_transfer_time_seconds_sum": 0.5, "vllm:hawk_transfer_time_seconds_count": 10,
+           "vllm:hawk_kv_ready_seconds_sum": 0.3, "vllm:hawk_kv_ready_seconds_count": 10,
+           "vllm:hawk_kv_read_seconds_sum": 0.2, "vllm:hawk_kv_read_seconds_count": 10,
+           "vllm:request_prefill_time_seconds_sum": 0.4, "vllm:request_prefill_time_seconds_count": 10}
+    b = sb.breakdown((z, proxy), (z, dec))
+    assert b["prefill"] == pytest.approx(100) and b["decode_queue"] == pytest.approx(70)
+    assert b["kv_ready"] == pytest.approx(30) and b["pull"] == pytest.approx(20)
+    assert b["first_step"] == pytest.approx(40) and b["proxy_http"] == pytest.approx(300 - 100 - 120 - 40)
+    assert b["dominant"] == "prefill" and b["requests"] == 10
+
+
+def test_cli_rejects_unknown_configuration(capsys):
+    with pytest.raises(SystemExit):
+        sb.main(["--configs", "GX-Nope"])
+    assert "GX-Nope" in capsys.readouterr().err

@@ -1,0 +1,31 @@
+"""``hawk bench serve --quick`` end to end, once (the CI smoke test of the serving benchmark:
+real clusters, vLLM's load generator; the numbers are the benchmark's, not asserted)."""
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[2]
+
+
+def test_quick_sweep_runs_and_reports(tmp_path):
+    out = tmp_path / "serve.json"
+    env = dict(os.environ, PYTHONPATH=str(REPO))
+    r = subprocess.run([sys.executable, "-m", "vllm_hawk.cli", "bench", "serve", "--quick", "--workdir",
+                        str(tmp_path / "work"), "--out", str(out)], capture_output=True, text=True,
+                       timeout=600, env=env, cwd=REPO)
+    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
+    res = json.loads(out.read_text())
+    configs = {row["config"] for row in res["rows"]}
+    assert configs == {"GG-Direct", "GN-HAWK", "collocated"}
+    assert all(row["failed"] == 0 and row["completed"] == 12 for row in res["rows"]), res["rows"]
+    pd = [row for row in res["rows"] if row["config"] != "collocated"]
+    for row in pd:  # every P/D request's stages were measured by the proxy and the connector
+        b = row["breakdown"]
+        assert b["requests"] == 12 and b["pulls"] == 12 and b["dominant"] in res["breakdown_stages"], b
+        assert b["prefill"] > 0 and b["kv_ready"] > 0 and b["pull"] > 0 and b["first_step"] > 0, b
+    assert {w["name"] for w in res["workloads"]} == {"sharegpt"} and res["workloads"][0]["prompt_params"]
+    assert "GG-Direct" in res["summary"]["sharegpt"]["configs"]
+    assert res["summary"]["sharegpt"]["gn_hawk_over_gg_direct"]
+    assert "TTFT dominated by" in r.stdout and (tmp_path / "serve.png").exists()

@@ -1,0 +1,42 @@
+"""The proxy's Prometheus metrics (``GET /metrics``): where a request's TTFT goes, as
+the proxy sees it. Per request, in seconds:
+
+=========================================  ==============================================
+metric                                     meaning
+=========================================  ==============================================
+``hawk_proxy_prefill_seconds``             prefill request sent -> its answer read (the
+                                           prefill's queue and compute, KV kept)
+``hawk_proxy_decode_first_chunk_seconds``  decode request sent -> first streamed chunk
+                                           (the decode's queue, KV pull, first step)
+``hawk_proxy_ttft_seconds``                request received -> first chunk relayed to
+                                           the client (streaming requests only)
+``hawk_proxy_requests_total``              requests by answer: ``ok`` (200), ``error``
+=========================================  ==============================================
+
+Each proxy has its own registry, so several can run in one process (tests).
+"""
+from __future__ import annotations
+
+from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Histogram, generate_latest
+
+BUCKETS_S = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 25, 60, 120)
+
+
+class ProxyMetrics:
+    content_type = CONTENT_TYPE_LATEST
+
+    def __init__(self) -> None:
+        self.registry = CollectorRegistry(auto_describe=True)
+
+        def hist(name: str, doc: str) -> Histogram:
+            return Histogram(name, doc, buckets=BUCKETS_S, registry=self.registry)
+
+        self.prefill = hist("hawk_proxy_prefill_seconds", "Prefill request sent -> its answer read.")
+        self.decode_first_chunk = hist("hawk_proxy_decode_first_chunk_seconds",
+                                       "Decode request sent -> first streamed chunk.")
+        self.ttft = hist("hawk_proxy_ttft_seconds", "Request received -> first chunk relayed to the client.")
+        self.requests = Counter("hawk_proxy_requests", "Requests by outcome.", ["outcome"],
+                                registry=self.registry)
+
+    def render(self) -> bytes:
+        return generate_latest(self.registry)
