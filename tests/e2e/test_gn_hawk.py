@@ -43,6 +43,8 @@ from pathlib import Path
 import pytest
 from test_pd_serving import _post, greedy_divergence
 
+from vllm_hawk.testing.local_cluster import kv_usage, wait_idle
+
 pytestmark = pytest.mark.vllm
 
 #: bf16 logits: the CPU reference's attention kernel and the plugin's tile-layout attention
@@ -169,49 +171,8 @@ def test_outputs_and_kv_bytes(gn, record_property):
     assert not mismatches, f"outputs differ beyond ties (prompt_len, position, gap): {mismatches}"
 
 
-def _usage(url: str) -> float:
-    from vllm_hawk.testing.local_cluster import scrape_metrics
-
-    return scrape_metrics(url).get("vllm:kv_cache_usage_perc", -1.0)
-
-
-def _states(c) -> dict[str, dict]:
-    out = {}
-    for f in glob.glob(str(c.hawk_dump / "state-*.json")):
-        role = Path(f).name.split("-")[1]
-        try:
-            out[role] = json.loads(Path(f).read_text())
-        except (OSError, ValueError):
-            pass
-    return out
-
-
-def _idle(c) -> tuple[bool, dict]:
-    s = _states(c)
-    p, d = s.get("prefill", {}).get("prefill", {}), s.get("decode", {}).get("decode", {})
-    ok = (p.get("held") == 0 and p.get("ring_live") == 0 and p.get("ring_used") == 0
-          and d.get("inflight") == 0 and (gn_mode(c) == "direct" or d.get("recv_live") == 0)
-          and _usage(c.prefill_url) == 0.0 and _usage(c.decode_url) == 0.0)
-    return ok, {"prefill": p, "decode": d}
-
-
-def gn_mode(c) -> str:
-    return c.hawk_cfg["mode"]
-
-
-def _wait_idle(c, timeout_s: float = 30.0) -> dict:
-    deadline = time.monotonic() + timeout_s
-    while True:
-        ok, s = _idle(c)
-        if ok:
-            return s
-        if time.monotonic() > deadline:
-            pytest.fail(f"not idle after {timeout_s} s: {s}")
-        time.sleep(0.5)
-
-
 def test_abort_leaks_nothing(gn):
-    before = _wait_idle(gn)
+    before = wait_idle(gn, gn.hawk_dump)
     bufs = before["decode"]["device_buffers"]
     u = urllib.parse.urlsplit(gn.proxy_url)
     conn = http.client.HTTPConnection(u.hostname, u.port, timeout=60)
@@ -222,10 +183,10 @@ def test_abort_leaks_nothing(gn):
     assert r.status == 200
     for _ in range(3):  # decoding has started: the KV was pulled, blocks are in use
         r.readline()
-    assert _usage(gn.decode_url) > 0.0
+    assert kv_usage(gn.decode_url) > 0.0
     conn.sock.close()  # the client goes away mid-stream
     conn.close()
-    after = _wait_idle(gn)
+    after = wait_idle(gn, gn.hawk_dump)
     assert after["decode"]["device_buffers"] == bufs
     _check_new_transfers(gn)
     # a request whose prefill is unknown fails, and leaves nothing behind either
@@ -238,5 +199,5 @@ def test_abort_leaks_nothing(gn):
                       {"model": "tiny", "prompt": [0] + list(range(10, 49)), "max_tokens": 4,
                        "kv_transfer_params": params})
     assert status == 500
-    assert _wait_idle(gn)["decode"]["device_buffers"] == bufs
+    assert wait_idle(gn, gn.hawk_dump)["decode"]["device_buffers"] == bufs
     assert os.path.isdir(gn.hawk_dump)

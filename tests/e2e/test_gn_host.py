@@ -14,8 +14,10 @@ from __future__ import annotations
 import time
 
 import pytest
-from test_gn_hawk import BLOCK, MAX_TOKENS, TIE_MARGIN, _check_new_transfers, _complete, _prompts, _wait_idle
+from test_gn_hawk import BLOCK, MAX_TOKENS, TIE_MARGIN, _check_new_transfers, _complete, _prompts
 from test_pd_serving import greedy_divergence
+
+from vllm_hawk.testing.local_cluster import wait_idle
 
 pytestmark = pytest.mark.vllm
 
@@ -73,4 +75,4 @@ def test_gn_host_outputs_and_kv_bytes(gn, record_property):
     print(f"[gn-host] top-2 ties (prompt_len, position, gap): {ties} ({len(ties)} of {len(_prompts())} prompts)")
     record_property("gn-host-ties", ties)
     assert not mismatches, f"outputs differ beyond ties (prompt_len, position, gap): {mismatches}"
-    _wait_idle(gn)
+    wait_idle(gn, gn.hawk_dump)

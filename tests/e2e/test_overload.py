@@ -15,14 +15,13 @@ module-scoped trio.
 from __future__ import annotations
 
 import concurrent.futures as cf
-import glob
-import json
 import random
 import time
-from pathlib import Path
 
 import pytest
 from test_pd_serving import _post
+
+from vllm_hawk.testing.local_cluster import connector_states, kv_usage, wait_idle
 
 pytestmark = pytest.mark.vllm
 
@@ -59,42 +58,6 @@ def cluster(tmp_path_factory):
         assert c.leftover_processes() == [], "processes left after stop()"
 
 
-def _states(c) -> dict[str, dict]:
-    out = {}
-    for f in glob.glob(str(c.hawk_dump / "state-*.json")):
-        try:
-            out[Path(f).name.split("-")[1]] = json.loads(Path(f).read_text())
-        except (OSError, ValueError):
-            pass
-    return out
-
-
-def _usage(url: str) -> float:
-    from vllm_hawk.testing.local_cluster import scrape_metrics
-
-    return scrape_metrics(url).get("vllm:kv_cache_usage_perc", -1.0)
-
-
-def _idle(c) -> tuple[bool, dict]:
-    s = _states(c)
-    p, d = s.get("prefill", {}).get("prefill", {}), s.get("decode", {}).get("decode", {})
-    ok = (p.get("held") == 0 and p.get("ring_live") == 0 and p.get("ring_used") == 0
-          and d.get("inflight") == 0 and d.get("renewing") == 0
-          and _usage(c.prefill_url) == 0.0 and _usage(c.decode_url) == 0.0)
-    return ok, {"prefill": p, "decode": d, "usage": (_usage(c.prefill_url), _usage(c.decode_url))}
-
-
-def _wait_idle(c, timeout_s: float = 30.0) -> dict:
-    deadline = time.monotonic() + timeout_s
-    while True:
-        ok, s = _idle(c)
-        if ok:
-            return s
-        if time.monotonic() > deadline:
-            pytest.fail(f"not idle after {timeout_s} s: {s}")
-        time.sleep(0.25)
-
-
 def _prompt(rng: random.Random) -> list[int]:
     return [0] + [rng.randrange(2, 1024) for _ in range(rng.randrange(64, 300))]
 
@@ -118,21 +81,21 @@ REFUSALS = {
 
 @pytest.mark.parametrize("refusal", sorted(REFUSALS))
 def test_request_refused_by_the_decode_frees_its_prefill_blocks_at_once(cluster, refusal):
-    before = _wait_idle(cluster)["prefill"]
+    before = wait_idle(cluster, cluster.hawk_dump)["prefill"]
     body = {"model": "tiny", "prompt": [0] + list(range(5, 300)), **REFUSALS[refusal]}
     status, out = _post(cluster.proxy_url + "/v1/completions", body)
     t_refused = time.monotonic()
     assert status == 400, out
     deadline = t_refused + 1.0
     while True:  # released by the proxy, not by the lease (2 s)
-        if _usage(cluster.prefill_url) == 0.0:
+        if kv_usage(cluster.prefill_url) == 0.0:
             break
         assert time.monotonic() < deadline, "prefill blocks still held 1 s after the decode refused the request"
         time.sleep(0.05)
     freed_s = time.monotonic() - t_refused
     deadline = time.monotonic() + 3.0  # the state file is rewritten every 0.5 s
     while True:
-        p = _states(cluster)["prefill"]["prefill"]
+        p = connector_states(cluster.hawk_dump)["prefill"]["prefill"]
         if p["released"] == before["released"] + 1 and p["held"] == 0:
             break
         assert time.monotonic() < deadline, (before, p)
@@ -146,7 +109,7 @@ def test_three_times_capacity_fails_nothing_and_leaks_nothing(cluster, record_pr
 
     rng = random.Random(13)
     url = cluster.proxy_url
-    _wait_idle(cluster)
+    wait_idle(cluster, cluster.hawk_dump)
     # capacity: a closed loop of 8 clients (max_num_seqs) for a few seconds; it also warms the
     # pair up (the side-channel handshake, which on a loaded 2-CPU machine may take longer
     # than this test's 2 s lease: those first pulls are recomputed and not counted below)
@@ -159,7 +122,7 @@ def test_three_times_capacity_fails_nothing_and_leaks_nothing(cluster, record_pr
     assert all(r["ok"] for r in warm), [r for r in warm if not r["ok"]][:3]
     time.sleep(1.0)  # the state file is rewritten every 0.5 s
     failed0 = scrape_metrics(cluster.decode_url).get("vllm:hawk_failed_transfers_total", 0.0)
-    expired0 = _states(cluster)["prefill"]["prefill"]["expired"]
+    expired0 = connector_states(cluster.hawk_dump)["prefill"]["prefill"]["expired"]
     rate = OVERLOAD * capacity
     n = max(20, int(rate * LOAD_S))
     arrivals = [0.0]
@@ -175,7 +138,7 @@ def test_three_times_capacity_fails_nothing_and_leaks_nothing(cluster, record_pr
         res = [f.result() for f in futs]
     took = time.monotonic() - t_start
     lat = sorted(r["s"] for r in res)
-    s = _wait_idle(cluster, 30.0)
+    s = wait_idle(cluster, cluster.hawk_dump, 30.0)
     failed = [r for r in res if not r["ok"]]
     summary = {"capacity_rps": round(capacity, 2), "offered_rps": round(rate, 2), "requests": n,
                "seconds": round(took, 1), "failed": len(failed), "p50_s": round(lat[len(lat) // 2], 2),

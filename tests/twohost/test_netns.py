@@ -14,7 +14,6 @@ under CI=true.
 """
 from __future__ import annotations
 
-import glob
 import http.client
 import json
 import os
@@ -24,6 +23,8 @@ import urllib.parse
 from pathlib import Path
 
 import pytest
+
+from vllm_hawk.testing.local_cluster import wait_idle
 
 pytestmark = [pytest.mark.vllm, pytest.mark.netns]
 
@@ -139,39 +140,12 @@ def test_requests_cross_the_veth_pair(two):
     assert not mismatches, f"outputs differ beyond ties (prompt_len, position, gap): {mismatches}"
 
 
-def _idle(c) -> tuple[bool, dict]:
-    from vllm_hawk.testing.local_cluster import scrape_metrics
-
-    s = {}
-    for f in glob.glob(str(c.hawk_dump / "state-*.json")):
-        try:
-            s[Path(f).name.split("-")[1]] = json.loads(Path(f).read_text())
-        except (OSError, ValueError):
-            pass
-    p, d = s.get("prefill", {}).get("prefill", {}), s.get("decode", {}).get("decode", {})
-    usage = (scrape_metrics(c.prefill_url).get("vllm:kv_cache_usage_perc", -1.0),
-             scrape_metrics(c.decode_url).get("vllm:kv_cache_usage_perc", -1.0))
-    ok = p.get("held") == 0 and p.get("ring_live") == 0 and d.get("inflight") == 0 and usage == (0.0, 0.0)
-    return ok, {"prefill": p, "decode": d, "usage": usage}
-
-
-def _wait_idle(c, timeout_s: float) -> dict:
-    deadline = time.monotonic() + timeout_s
-    while True:
-        ok, s = _idle(c)
-        if ok:
-            return s
-        if time.monotonic() > deadline:
-            pytest.fail(f"not idle after {timeout_s} s: {s}")
-        time.sleep(0.5)
-
-
 def test_link_cut_fails_cleanly_within_the_timeout(two):
     from vllm_hawk.testing.local_cluster import scrape_metrics
 
     net = two.net
     _complete(two.proxy_url, [0] + list(range(40, 90)))  # the side-channel session is up
-    before = _wait_idle(two, 30)
+    before = wait_idle(two, two.hawk_dump, 30)
     bufs = before["decode"].get("device_buffers")
     failed0 = scrape_metrics(two.decode_url).get("vllm:hawk_failed_transfers_total", 0.0)
     prompt = [0] + list(range(100, 400))
@@ -200,9 +174,9 @@ def test_link_cut_fails_cleanly_within_the_timeout(two):
     assert err, "no 'KV pull of ... failed' error in the decode log"
     assert scrape_metrics(two.decode_url)["vllm:hawk_failed_transfers_total"] >= failed0 + 1
     # nothing held: the decode released its blocks at once, the prefill when the lease ran out
-    after = _wait_idle(two, LEASE_S + 30)
+    after = wait_idle(two, two.hawk_dump, LEASE_S + 30)
     assert after["decode"].get("device_buffers") == bufs
     # the link is back: requests go through again
     d = _complete(two.proxy_url, [0] + list(range(500, 560)))
     assert (d["kv_transfer_params"] or {}).get("hawk_transfer", {}).get("ok")
-    _wait_idle(two, 30)
+    wait_idle(two, two.hawk_dump, 30)

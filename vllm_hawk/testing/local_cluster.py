@@ -91,6 +91,49 @@ def scrape_metrics(base_url: str) -> dict[str, float]:
     return out
 
 
+def kv_usage(base_url: str) -> float:
+    """vLLM's ``kv_cache_usage_perc`` of a server (-1.0 when it does not report one)."""
+    return scrape_metrics(base_url).get("vllm:kv_cache_usage_perc", -1.0)
+
+
+def connector_states(dump_dir: str | os.PathLike) -> dict[str, dict]:
+    """The connectors' idle snapshots, by role: ``state-<role>-*.json`` that each engine
+    writes under ``HAWK_DEBUG_DIR`` (:mod:`vllm_hawk.connector.debug`)."""
+    out = {}
+    for f in Path(dump_dir).glob("state-*.json"):
+        try:
+            out[f.name.split("-")[1]] = json.loads(f.read_text())
+        except (OSError, ValueError):
+            pass
+    return out
+
+
+def idle_state(cluster, dump_dir: str | os.PathLike) -> tuple[bool, dict]:
+    """(idle?, what was seen): nothing held or in flight on either connector (prefill: held
+    requests, ring ranges; decode: pulls, renewed ids, receive slices) and vLLM's KV cache
+    usage 0 on both servers."""
+    s = connector_states(dump_dir)
+    p, d = s.get("prefill", {}).get("prefill", {}), s.get("decode", {}).get("decode", {})
+    usage = (kv_usage(cluster.prefill_url), kv_usage(cluster.decode_url))
+    ok = (p.get("held") == 0 and p.get("ring_live") == 0 and p.get("ring_used", 0) == 0
+          and d.get("inflight") == 0 and d.get("renewing", 0) == 0 and d.get("recv_live", 0) == 0
+          and usage == (0.0, 0.0))
+    return ok, {"prefill": p, "decode": d, "usage": usage}
+
+
+def wait_idle(cluster, dump_dir: str | os.PathLike, timeout_s: float = 30.0) -> dict:
+    """Poll :func:`idle_state` until idle; returns what was seen, raises AssertionError
+    with the last state after ``timeout_s``."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        ok, seen = idle_state(cluster, dump_dir)
+        if ok:
+            return seen
+        if time.monotonic() > deadline:
+            raise AssertionError(f"not idle after {timeout_s} s: {seen}")
+        time.sleep(0.25)
+
+
 @dataclass
 class Server:
     name: str
