@@ -25,9 +25,10 @@ from vllm_hawk.testing.local_cluster import connector_states, kv_usage, wait_idl
 
 pytestmark = pytest.mark.vllm
 
-LEASE_S = 4.0  # short, so that queue waits span several leases; long enough for the hand-over under load
+LEASE_S = 8.0  # queue waits at 3x capacity outlast it several times; the hand-over (prefill done -> the decode
+# engine sees the request, through the proxy and a busy API server) stays well inside it
 OVERLOAD = 3.0  # x the measured capacity
-LOAD_S = 12.0  # seconds of arrivals at OVERLOAD x capacity
+LOAD_S = 24.0  # seconds of arrivals at OVERLOAD x capacity (the queue, and its wait, grow with it)
 MAX_TOKENS = 16
 
 
