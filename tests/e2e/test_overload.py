@@ -19,9 +19,9 @@ import random
 import time
 
 import pytest
-from test_pd_serving import _post
 
 from vllm_hawk.testing.local_cluster import connector_states, kv_usage, wait_idle
+from vllm_hawk.testing.local_cluster import http_post_json as _post
 
 pytestmark = pytest.mark.vllm
 

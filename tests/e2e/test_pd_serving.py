@@ -17,26 +17,13 @@ import urllib.parse
 
 import pytest
 
+from vllm_hawk.testing.local_cluster import http_post_json as _post
+
 pytestmark = pytest.mark.vllm
 
 TIE_MARGIN = 1e-3
 MAX_TOKENS = 16
 BLOCK = 32
-
-
-def _post(url: str, body: dict, timeout: float = 120.0) -> tuple[int, dict | str]:
-    u = urllib.parse.urlsplit(url)
-    conn = http.client.HTTPConnection(u.hostname, u.port, timeout=timeout)
-    try:
-        conn.request("POST", u.path, json.dumps(body), {"Content-Type": "application/json"})
-        r = conn.getresponse()
-        raw = r.read().decode()
-        try:
-            return r.status, json.loads(raw)
-        except ValueError:
-            return r.status, raw
-    finally:
-        conn.close()
 
 
 def _stream(url: str, body: dict, timeout: float = 120.0) -> tuple[int, list[dict]]:

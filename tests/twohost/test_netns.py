@@ -14,16 +14,15 @@ under CI=true.
 """
 from __future__ import annotations
 
-import http.client
 import json
 import os
 import random
 import time
-import urllib.parse
 from pathlib import Path
 
 import pytest
 
+from vllm_hawk.testing.local_cluster import http_post_json as _post
 from vllm_hawk.testing.local_cluster import wait_idle
 
 pytestmark = [pytest.mark.vllm, pytest.mark.netns]
@@ -77,21 +76,6 @@ def two(tmp_path_factory):
         print(f"\n[netns] cluster and namespaces down in {time.monotonic() - t2:.1f} s")
         assert c.leftover_processes() == [], "processes left after stop()"
         assert net.leftovers() == [], f"left behind: {net.leftovers()}"
-
-
-def _post(url: str, body: dict, timeout: float = 120.0) -> tuple[int, dict | str]:
-    u = urllib.parse.urlsplit(url)
-    conn = http.client.HTTPConnection(u.hostname, u.port, timeout=timeout)
-    try:
-        conn.request("POST", u.path, json.dumps(body), {"Content-Type": "application/json"})
-        r = conn.getresponse()
-        raw = r.read().decode()
-        try:
-            return r.status, json.loads(raw)
-        except ValueError:
-            return r.status, raw
-    finally:
-        conn.close()
 
 
 def _complete(url: str, prompt, logprobs: int | None = None, max_tokens: int = 8) -> dict:

@@ -23,6 +23,7 @@ same core.
 """
 from __future__ import annotations
 
+import http.client
 import json
 import os
 import secrets
@@ -32,6 +33,7 @@ import subprocess
 import sys
 import time
 import urllib.error
+import urllib.parse
 import urllib.request
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -73,6 +75,22 @@ def http_get(url: str, timeout: float = 5.0) -> tuple[int, bytes]:
             return r.status, r.read()
     except urllib.error.HTTPError as e:
         return e.code, e.read()
+
+
+def http_post_json(url: str, body: dict, timeout: float = 120.0) -> tuple[int, dict | str]:
+    """POST ``body`` as JSON; (status, decoded JSON or the raw text when it is not JSON)."""
+    u = urllib.parse.urlsplit(url)
+    conn = http.client.HTTPConnection(u.hostname, u.port, timeout=timeout)
+    try:
+        conn.request("POST", u.path, json.dumps(body), {"Content-Type": "application/json"})
+        r = conn.getresponse()
+        raw = r.read().decode()
+        try:
+            return r.status, json.loads(raw)
+        except ValueError:
+            return r.status, raw
+    finally:
+        conn.close()
 
 
 def scrape_metrics(base_url: str) -> dict[str, float]:
