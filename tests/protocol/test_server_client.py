@@ -2,6 +2,7 @@
 hostile input (malformed, oversized, forged, replayed) that must not stop the server."""
 from __future__ import annotations
 
+import random
 import threading
 import time
 
@@ -114,6 +115,52 @@ def test_deferred_replies_and_concurrency(server, client):
     futs = [client.call_async(_kvreq(f"defer-{i}")) for i in range(20)]
     got = sorted(f.result(5).req_id for f in futs)
     assert got == sorted(f"defer-{i}" for i in range(20))
+
+
+class _PreemptedQueue:
+    """The server's outbox with a thread switch forced before each put (up to 2 ms), as
+    a loaded machine does between numbering a reply and queueing it."""
+
+    def __init__(self, inner) -> None:
+        self.inner, self.rng = inner, random.Random(0)
+
+    def put(self, item) -> None:
+        time.sleep(self.rng.random() * 0.002)
+        self.inner.put(item)
+
+    def get_nowait(self):
+        return self.inner.get_nowait()
+
+
+def test_replies_from_many_threads_all_arrive():
+    """Many handler threads reply at the same moment (as the prefill's workers send
+    KVReady while its server thread answers Renew): every reply must reach the client,
+    whose replay check drops a sequence number lower than one it has already seen."""
+    n, held = 64, []
+
+    class Burst(FakePrefill):
+        def on_kv_request(self, peer, msg, reply):
+            held.append((reply, self._ready(msg.req_id)))
+            return None
+
+    with ProtocolServer(Burst(), COMPAT, secret=SECRET, auth="hmac") as s, \
+            ProtocolClient(s.endpoint, COMPAT, secret=SECRET, auth="hmac", timeout_s=5.0) as c:
+        c.handshake()
+        s._outbox = _PreemptedQueue(s._outbox)
+        for rnd in range(5):
+            held.clear()
+            futs = [c.call_async(_kvreq(f"r{rnd}-{i}")) for i in range(n)]
+            deadline = time.monotonic() + 10
+            while len(held) < n and time.monotonic() < deadline:
+                time.sleep(0.01)
+            go = threading.Barrier(n)
+            threads = [threading.Thread(target=lambda r=r, m=m: (go.wait(), r(m))) for r, m in list(held)]
+            for t in threads:
+                t.start()
+            for t in threads:
+                t.join()
+            got = sorted(f.result(5).req_id for f in futs)
+            assert got == sorted(f"r{rnd}-{i}" for i in range(n))
 
 
 def test_errors_are_typed(server, client, secret):

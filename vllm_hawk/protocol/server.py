@@ -172,6 +172,7 @@ class ProtocolServer:
         self._rlog = RateLimitedLog(logger)
         self._bucket = [UNSIGNED_REPLIES_PER_S, time.monotonic()]
         self._outbox: queue.SimpleQueue = queue.SimpleQueue()
+        self._send_lock = threading.Lock()  # number + queue a reply as one step (see _send)
         # Our own context: the ZAP handler is per context, and a process may run several
         # servers (the benchmark's prefill does).
         self._ctx = zmq.Context()
@@ -291,8 +292,12 @@ class ProtocolServer:
                 logger.debug("protocol server: reply dropped: %s", e)
 
     def _send(self, identity: bytes, msg: Message, reply_to: int, recipient: str, *, sign: bool = True) -> None:
-        _seq, frames = self._env.pack(msg, reply_to, recipient, sign=sign)
-        self._outbox.put((identity, frames))
+        # Replies come from the server thread and from handler threads at once. The peer
+        # drops a sequence number lower than one it has seen (replay protection), so
+        # numbering and queueing are one step: replies leave in sequence order.
+        with self._send_lock:
+            _seq, frames = self._env.pack(msg, reply_to, recipient, sign=sign)
+            self._outbox.put((identity, frames))
         if threading.current_thread() is not self._thread:
             self._wakeup.wake()
 
