@@ -15,7 +15,8 @@ field                  default             meaning
                                            advertises in ``kv_transfer_params``; also the
                                            address the transfer engine advertises
 ``side_channel_port``  ``17600``           prefill: side-channel TCP port (decode: unused);
-                                           data-parallel rank *r* uses port + *r*
+                                           data-parallel rank *d*, tensor-parallel rank *t*
+                                           uses port + *d* + *t* x data_parallel_size
 ``mode``               ``"direct"``        ``direct``: the decode READs the prefill's KV
                                            block runs straight into its own KV blocks;
                                            ``staged``: the prefill gathers the request's
@@ -239,6 +240,12 @@ def _number(name: str, value: Any, *, integer: bool, low: float, high: float | N
         rng = f">= {low}" if high is None else f"in [{low}, {high}]"
         raise _err(name, value, f"must be {rng}")
     return value
+
+
+def port_stride(vllm_config) -> int:
+    """Side-channel ports between tensor-parallel ranks: the prefill's TP rank ``r`` of
+    data-parallel rank ``d`` listens on ``side_channel_port + d + r * data_parallel_size``."""
+    return max(1, int(getattr(vllm_config.parallel_config, "data_parallel_size", 1) or 1))
 
 
 def parse_config(extra: Mapping[str, Any] | None, *, dp_rank: int = 0) -> HawkConfig:

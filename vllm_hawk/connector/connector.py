@@ -45,10 +45,9 @@ class HawkConnector(KVConnectorBase_V1):
     def __init__(self, vllm_config, role: KVConnectorRole, kv_cache_config=None) -> None:
         super().__init__(vllm_config, role, kv_cache_config)
         ktc = vllm_config.kv_transfer_config
-        if vllm_config.parallel_config.tensor_parallel_size != 1 or \
-                vllm_config.parallel_config.pipeline_parallel_size != 1:
-            raise NotImplementedError("HawkConnector supports tensor/pipeline parallel size 1 "
-                                      "only (for now)")
+        if vllm_config.parallel_config.pipeline_parallel_size != 1:
+            raise NotImplementedError("HawkConnector supports pipeline_parallel_size 1 only (tensor parallelism "
+                                      "of any size on both sides)")
         dp_rank = getattr(vllm_config.parallel_config, "data_parallel_index", 0) or 0
         self.cfg = parse_config(ktc.kv_connector_extra_config, dp_rank=dp_rank)
         self.engine_id = ktc.engine_id or "hawk"

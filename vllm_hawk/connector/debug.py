@@ -5,7 +5,9 @@
   (servers run in other processes; tests read it for the idle check);
 * GN-HAWK: ``prefill-<req>.pt`` (the logical K/V of the source blocks sent, before the
   transform) and ``decode-<req>.pt`` (the bank bytes of the destination blocks filled,
-  after the transfer), so a test can check the bytes end to end.
+  after the transfer), so a test can check the bytes end to end;
+* tensor parallelism (GG): ``prefill-<req>-r<rank>.pt`` as above per prefill rank, and
+  ``decode-<req>[-r<rank>].pt`` with the logical K/V of the destination blocks filled.
 """
 from __future__ import annotations
 
@@ -31,15 +33,19 @@ def _save(d: Path, name: str, obj) -> None:
     tmp.rename(d / name)
 
 
-def prefill_dumper(d: Path, source):
-    """An ``observer`` for :class:`~vllm_hawk.kvflow.PrefillEndpoint`: saves the K/V sent
-    (``source``: the :class:`~vllm_hawk.layout.vllm_kv.TransformSource` of the cache)."""
+def prefill_dumper(d: Path, source, tag: str = "", when=None):
+    """An ``observer`` for :class:`~vllm_hawk.kvflow.PrefillEndpoint`: saves the K/V sent,
+    all of this rank's heads (``source``: the :class:`~vllm_hawk.layout.vllm_kv.TransformSource`
+    of the cache; ``tag``: file name suffix, e.g. the TP rank; ``when(msg)``: only those
+    KVRequests, e.g. shares of a tensor-parallel pull)."""
     import torch
 
     def observe(rid, msg, src_blocks) -> None:
+        if when is not None and not when(msg):
+            return
         views, sel = source.select(src_blocks)
         ids = torch.as_tensor(sel)
-        _save(d, f"prefill-{_safe(rid)}.pt", {
+        _save(d, f"prefill-{_safe(rid)}{tag}.pt", {
             "src_blocks": src_blocks.tolist(), "dst_blocks": list(msg.dst_block_ids),
             "num_tokens": msg.num_tokens, "dtype": msg.dst_layout.dtype,
             "kv": [(k.index_select(0, ids).clone(), v.index_select(0, ids).clone()) for k, v in views]})
@@ -54,6 +60,19 @@ def dump_landed(d: Path, key: str, cache, dst_blocks) -> None:
         "dst_blocks": blocks, "dtype": cache.spec.dtype, "device": cache.device.profile.name,
         "bytes": [(cache.read_block_bytes(i, 0, blocks).clone(), cache.read_block_bytes(i, 1, blocks).clone())
                   for i in range(cache.spec.num_layers)]})
+
+
+def dump_landed_kv(d: Path, key: str, source, dst_blocks) -> None:
+    """Save the logical K/V ``[n, heads, block_size, head_dim]`` of ``dst_blocks`` of a
+    vLLM cache after a pull (``source``: its TransformSource)."""
+    import torch
+
+    blocks = [int(b) for b in dst_blocks]
+    views, sel = source.select(blocks)
+    ids = torch.as_tensor(sel)
+    _save(d, f"decode-{_safe(key)}.pt", {
+        "dst_blocks": blocks,
+        "kv": [(k.index_select(0, ids).clone(), v.index_select(0, ids).clone()) for k, v in views]})
 
 
 def start_state_writer(d: Path, role: str, snapshot, alive) -> None:

@@ -12,15 +12,19 @@
 
 Both sides derive the handshake's compatibility fields here, so a P/D pair that
 disagrees (model, dtype, block size, source layout, device profile, ``layout_fix``) is
-refused by name.
+refused by name. They name the model's KV heads in all (not this rank's) and the block
+template of ONE head, so that pairs with different tensor-parallel sizes agree;
+``LocalKV.heads`` gives the region map of any range of this rank's heads (the shares
+of :mod:`vllm_hawk.layout.tp`).
 """
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Callable
 
 from vllm_hawk.connector.config import VLLM_PROFILE, HawkConfig, HawkConfigError
 from vllm_hawk.kvflow.sources import vllm_layout_desc
-from vllm_hawk.kvflow.streams import KVRegionMap, region_map_from_caches
+from vllm_hawk.kvflow.streams import KVRegionMap, head_maps, region_map_from_caches
 from vllm_hawk.protocol import CompatFields, LayoutDesc, make_compat
 
 SRC_ANY = "vllm-any"  # GN-HAWK: the prefill converts from whatever vLLM layout it has
@@ -37,6 +41,13 @@ class LocalKV:
     views: object = None  # vLLM caches: a TransformSource (what the GN-HAWK transform reads)
     tt_cache: object = None  # Tenstorrent plugin: its TTPagedKVCache
     wire: object = None  # GN-Host (layout_fix 'decode'): the WireLayout of the prefill's blocks
+    heads: Callable[[int, int], KVRegionMap] | None = None  # vLLM caches: (start, count) -> map of those heads
+    num_kv_heads: int = 0  # the model's KV heads, all ranks together
+
+
+def total_kv_heads(vllm_config) -> int:
+    """The model's KV heads over all tensor-parallel ranks."""
+    return int(vllm_config.model_config.get_total_num_kv_heads())
 
 
 def _layer_key(name: str) -> tuple:
@@ -78,14 +89,16 @@ def describe_vllm_caches(kv_caches: dict, vllm_config, cfg: HawkConfig) -> Local
         adapters.append(adapter)
     views = TransformSource(adapters, caches)  # zero-copy views, or a gather for amx
     region_map = region_map_from_caches(caches, templates)
+    heads = head_maps(caches)
     seen: dict[int, int] = {}
     for c in caches:
         st = c.untyped_storage()
         seen[st.data_ptr()] = st.nbytes()
     a0 = adapters[0]
     isa = getattr(a0, "isa", None)
-    src_layout = f"{a0.name}{'/' + isa if isa else ''}/{region_map.signature()}"
-    mid = model_id(vllm_config, len(names), a0.num_kv_heads, a0.head_dim)
+    src_layout = f"{a0.name}{'/' + isa if isa else ''}/head:{heads(0, 1).signature()}"
+    total = total_kv_heads(vllm_config)
+    mid = model_id(vllm_config, len(names), total, a0.head_dim)
     dtype = str(a0.dtype).removeprefix("torch.")
     wire = None
     if cfg.device_profile != VLLM_PROFILE and cfg.layout_fix == "decode":  # GN-Host: blocks as they are
@@ -104,7 +117,8 @@ def describe_vllm_caches(kv_caches: dict, vllm_config, cfg: HawkConfig) -> Local
                              dst_layout=f"vllm-paged/{src_layout}"[:256], device_profile=cfg.device_profile)
     layout = vllm_layout_desc(region_map, f"vllm-paged/{a0.name}", dtype, a0.block_size, a0.num_kv_heads,
                               a0.head_dim)
-    return LocalKV(compat, layout, region_map, sorted(seen.items()), views, wire=wire)
+    return LocalKV(compat, layout, region_map, sorted(seen.items()), views, wire=wire, heads=heads,
+                   num_kv_heads=total)
 
 
 def describe_tt_cache(cache, vllm_config, cfg: HawkConfig) -> LocalKV:
@@ -118,15 +132,16 @@ def describe_tt_cache(cache, vllm_config, cfg: HawkConfig) -> LocalKV:
         raise HawkConfigError(f"kv_connector_extra_config.device_profile={cfg.device_profile!r} but "
                               f"this engine's Tenstorrent device is {dev!r}")
     dtype = str(vllm_config.model_config.dtype).removeprefix("torch.")
-    mid = model_id(vllm_config, s.num_layers, s.num_kv_heads, s.head_dim)
+    mid = model_id(vllm_config, s.num_layers, total_kv_heads(vllm_config), s.head_dim)
     if cfg.layout_fix == "decode":  # GN-Host: this side reads the prefill's vLLM blocks
         from vllm_hawk.kvflow.gn_host import host_wire_layout
 
         wire = host_wire_layout(s.num_kv_heads, s.block_size, s.head_dim, vllm_config.model_config.dtype)
         compat = tt_compat(mid, dtype, s.block_size, cfg.device_profile, "decode", wire.name)
-        return LocalKV(compat, wire.layout_desc(s.num_layers), tt_cache=cache, wire=wire)
+        return LocalKV(compat, wire.layout_desc(s.num_layers), tt_cache=cache, wire=wire,
+                       num_kv_heads=total_kv_heads(vllm_config))
     compat = tt_compat(mid, dtype, s.block_size, cfg.device_profile)
-    return LocalKV(compat, layout_desc(cache.layout), tt_cache=cache)
+    return LocalKV(compat, layout_desc(cache.layout), tt_cache=cache, num_kv_heads=total_kv_heads(vllm_config))
 
 
 def tt_cache_of(vllm_config):

@@ -36,6 +36,9 @@ class SendSpec:
     lease_expiry: float
 
 
+MAX_REMOTE_TP = 64  # prefill tensor-parallel ranks a request may name
+
+
 @dataclass
 class RecvSpec:
     """Decode: pull stream blocks ``first_block ..`` of the remote request into
@@ -49,13 +52,19 @@ class RecvSpec:
     num_remote_blocks: int
     first_block: int = 0
     local_block_ids: list[int] = field(default_factory=list)
+    remote_tp_size: int = 1  # the prefill's tensor-parallel ranks; rank r listens on port + r * port_stride
+    remote_port_stride: int = 1
 
     @property
     def side_channel(self) -> str:
+        return self.side_channel_of(0)
+
+    def side_channel_of(self, rank: int) -> str:
+        """The side channel of prefill tensor-parallel rank ``rank``."""
         host = self.remote_host
         if ":" in host and not host.startswith("["):
             host = f"[{host}]"
-        return f"tcp://{host}:{self.remote_port}"
+        return f"tcp://{host}:{self.remote_port + rank * self.remote_port_stride}"
 
     @classmethod
     def from_params(cls, params: dict[str, Any]) -> "RecvSpec":
@@ -69,14 +78,23 @@ class RecvSpec:
                 raise ValueError("remote_block_ids has several KV cache groups")
             blocks = blocks[0]
         try:
-            return cls(remote_engine_id=str(params["remote_engine_id"]),
-                       remote_request_id=str(params["remote_request_id"]),
-                       remote_host=str(params["remote_host"]),
-                       remote_port=int(params["remote_port"]),
-                       remote_num_tokens=int(params["remote_num_tokens"]),
-                       num_remote_blocks=len(blocks))
+            out = cls(remote_engine_id=str(params["remote_engine_id"]),
+                      remote_request_id=str(params["remote_request_id"]),
+                      remote_host=str(params["remote_host"]),
+                      remote_port=int(params["remote_port"]),
+                      remote_num_tokens=int(params["remote_num_tokens"]),
+                      num_remote_blocks=len(blocks),
+                      remote_tp_size=int(params.get("remote_tp_size") or 1),
+                      remote_port_stride=int(params.get("remote_port_stride") or 1))
         except (TypeError, ValueError) as e:
             raise ValueError(f"malformed kv_transfer_params: {e}") from None
+        if not 1 <= out.remote_tp_size <= MAX_REMOTE_TP or not 1 <= out.remote_port_stride <= MAX_REMOTE_TP:
+            raise ValueError(f"kv_transfer_params remote_tp_size={out.remote_tp_size} / remote_port_stride="
+                             f"{out.remote_port_stride}: each must be in [1, {MAX_REMOTE_TP}]")
+        if not 0 < out.remote_port + (out.remote_tp_size - 1) * out.remote_port_stride <= 65535:
+            raise ValueError(f"kv_transfer_params remote_port={out.remote_port} with {out.remote_tp_size} ranks "
+                             "leaves the port range")
+        return out
 
 
 @dataclass

@@ -35,7 +35,7 @@ import logging
 import time
 from typing import TYPE_CHECKING, Any
 
-from vllm_hawk.connector.config import HawkConfig
+from vllm_hawk.connector.config import HawkConfig, port_stride
 from vllm_hawk.connector.metadata import HawkConnectorMetadata, HawkWorkerMeta, RecvSpec, SendSpec
 
 if TYPE_CHECKING:
@@ -53,6 +53,9 @@ class HawkConnectorScheduler:
         self.cfg = cfg
         self.engine_id = engine_id
         self.block_size = vllm_config.cache_config.block_size
+        pc = vllm_config.parallel_config
+        self.tp_size = int(pc.tensor_parallel_size)
+        self.port_stride = port_stride(vllm_config)
         self._reqs_to_send: dict[str, SendSpec] = {}
         self._reqs_to_recv: dict[str, RecvSpec] = {}
         self._reqs_to_release: dict[str, RecvSpec] = {}
@@ -152,6 +155,8 @@ class HawkConnectorScheduler:
             remote_num_tokens=request.num_computed_tokens,
             remote_host=self.cfg.side_channel_host,
             remote_port=self.cfg.side_channel_port,
+            remote_tp_size=self.tp_size,  # rank r's side channel: remote_port + r * remote_port_stride
+            remote_port_stride=self.port_stride,
             remote_lease_expiry=lease_expiry,
             transfer_mode="pull",
             hawk_mode=self.cfg.mode,

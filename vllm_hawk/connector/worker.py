@@ -37,7 +37,7 @@ from dataclasses import dataclass, field
 
 from vllm_hawk import envs
 from vllm_hawk.connector import debug
-from vllm_hawk.connector.config import VLLM_PROFILE, HawkConfig, HawkConfigError
+from vllm_hawk.connector.config import VLLM_PROFILE, HawkConfig, HawkConfigError, port_stride
 from vllm_hawk.connector.describe import LocalKV, describe_tt_cache, describe_vllm_caches, tt_cache_of
 from vllm_hawk.connector.metadata import HawkConnectorMetadata, HawkWorkerMeta, RecvSpec
 from vllm_hawk.connector.stats import HawkKVConnectorStats
@@ -55,6 +55,9 @@ from vllm_hawk.kvflow import (
 )
 from vllm_hawk.kvflow.decode import SETTLE_LIMIT_S
 from vllm_hawk.kvflow.gn_host import GNHostSink
+from vllm_hawk.kvflow.shares import PlannedShare, fetch_shares, idle_ranks, plan_shares
+from vllm_hawk.kvflow.sources import vllm_layout_desc
+from vllm_hawk.layout.tp import TPMismatch, shard_heads
 from vllm_hawk.transport import make_transport
 
 # Under "vllm." so that vLLM's log handlers and level apply.
@@ -109,6 +112,16 @@ def _in_background(warm, what: str) -> None:
     threading.Thread(target=run, daemon=True, name="hawk-transform-warm").start()
 
 
+def tp_rank_and_size() -> tuple[int, int]:
+    """This worker's tensor-parallel rank and size (0, 1 outside a TP group)."""
+    try:
+        from vllm.distributed import get_tensor_model_parallel_rank, get_tensor_model_parallel_world_size
+
+        return int(get_tensor_model_parallel_rank()), int(get_tensor_model_parallel_world_size())
+    except Exception:  # noqa: BLE001 - no distributed state (a bare engine in a test)
+        return 0, 1
+
+
 def make_source(cfg: HawkConfig, kv: LocalKV):
     """The prefill's source for this configuration (see module doc)."""
     if cfg.device_profile != VLLM_PROFILE and cfg.layout_fix == "prefill":
@@ -118,8 +131,8 @@ def make_source(cfg: HawkConfig, kv: LocalKV):
         _in_background(lambda: src.warm(src.profile), "prefill transform")
         return src
     if cfg.mode == "staged":  # also GN-Host (layout_fix 'decode'): plain vLLM blocks, the decode fixes them
-        return RingGatherSource(kv.region_map, kv.layout, kv.storages)
-    return VllmBlockSource(kv.region_map, kv.layout, kv.storages)
+        return RingGatherSource(kv.region_map, kv.layout, kv.storages, kv.heads)
+    return VllmBlockSource(kv.region_map, kv.layout, kv.storages, kv.heads)
 
 
 def make_sink(cfg: HawkConfig, kv: LocalKV, transport):
@@ -177,6 +190,8 @@ class HawkConnectorWorker:
         self._connecting: set[str] = set()  # side channels the lease keeper is handshaking with
         self.transport = self.prefill = self.sink = self._pool = self.keeper = None
         self._debug = envs.debug_dir()
+        self.tp_rank, self.tp_size = 0, 1
+        self._share_sinks: dict = {}  # (dst_start, count) -> the sink restricted to those heads
 
     # ---------------------------------------------------------------- set-up
     def register_kv_caches(self, kv_caches) -> None:
@@ -191,6 +206,11 @@ class HawkConnectorWorker:
             self.kv = describe_tt_cache(tt_cache, self.vllm_config, self.cfg)
         else:
             self.kv = describe_vllm_caches(kv_caches, self.vllm_config, self.cfg)
+        self.tp_rank, self.tp_size = tp_rank_and_size()
+        if self.tp_size > 1 and tt_cache is None and self.cfg.device_profile != VLLM_PROFILE:
+            raise HawkConfigError(f"kv_connector_extra_config.device_profile={self.cfg.device_profile!r} with "
+                                  f"tensor_parallel_size={self.tp_size}: GN-HAWK and GN-Host prefills serve TP=1 "
+                                  "only for now (GG pairs take any TP on both sides)")
         with unpinned_threads():  # the threads started here must not share the model's core
             self.transport = make_transport_for(self.cfg)
             try:
@@ -213,11 +233,18 @@ class HawkConnectorWorker:
         cfg = self.cfg
         source = make_source(cfg, self.kv)
         observer = None
-        if self._debug is not None and (isinstance(source, TileTransformSource) or cfg.layout_fix == "decode"):
-            observer = debug.prefill_dumper(self._debug, self.kv.views)
+        if self._debug is not None:
+            every = isinstance(source, TileTransformSource) or cfg.layout_fix == "decode" or self.tp_size > 1
+            observer = debug.prefill_dumper(self._debug, self.kv.views, self._rank_tag(),
+                                            when=None if every else (lambda msg: msg.num_heads > 0))
+        port = cfg.side_channel_port + self.tp_rank * port_stride(self.vllm_config)
+        local = self.kv.layout.num_kv_heads
+        tp_info = dict(tp_size=self.tp_size, tp_rank=self.tp_rank, num_kv_heads=self.kv.num_kv_heads,
+                       head_start=shard_heads(self.kv.num_kv_heads, self.tp_size, self.tp_rank).start,
+                       num_heads=local) if self.kv.num_kv_heads else None
         self.prefill = PrefillEndpoint(
-            source, self.transport, self.kv.compat, ring_nbytes=cfg.ring_nbytes,
-            bind=f"tcp://{cfg.side_channel_host}:{cfg.side_channel_port}", secret=cfg.secret_bytes,
+            source, self.transport, self.kv.compat, ring_nbytes=cfg.ring_nbytes, tp_info=tp_info,
+            bind=f"tcp://{cfg.side_channel_host}:{port}", secret=cfg.secret_bytes,
             auth=cfg.auth, claim_wait_s=cfg.claim_wait_s, lease_s=cfg.lease_s, max_hold_s=cfg.max_hold_s,
             on_finished=self._on_finished,
             observer=observer)  # server_id: random per start, so signed requests name this instance
@@ -242,7 +269,8 @@ class HawkConnectorWorker:
                 with self._lock:
                     if len(self._engines) < 4 * MAX_PEERS:  # only for messages; bounded like the peers
                         self._engines.setdefault(spec.side_channel, spec.remote_engine_id)
-                self.keeper.want(spec.side_channel, spec.remote_request_id)
+                for ep in self._side_channels(spec):
+                    self.keeper.want(ep, spec.remote_request_id)
         if self._pool is not None:
             for rid, spec in meta.reqs_to_recv.items():
                 with self._lock:
@@ -285,10 +313,6 @@ class HawkConnectorWorker:
             self._done.add(rid)
 
     # ---------------------------------------------------------------- decode
-    def _endpoint(self, spec: RecvSpec) -> DecodeEndpoint:
-        """The DecodeEndpoint for the prefill at ``spec``'s side channel (handshake once)."""
-        return self._endpoint_at(spec.side_channel, spec.remote_engine_id)
-
     def _keeper_endpoint(self, ep: str) -> DecodeEndpoint:
         """The lease keeper's endpoint for prefill ``ep``. A handshake (up to
         ``handshake_timeout_s``, longer for a dead prefill) runs in its own thread, so that
@@ -345,18 +369,22 @@ class HawkConnectorWorker:
         try:
             end = spec.first_block + len(spec.local_block_ids)  # the blocks this pull ends at
             num_tokens = min(spec.remote_num_tokens, end * self.kv.layout.block_size)
-            res = self._endpoint(spec).fetch(spec.remote_request_id, num_tokens, self.sink,
-                                             spec.local_block_ids, first_block=spec.first_block,
-                                             layer_groups=self.cfg.layer_groups)
-            self.keeper.drop(spec.remote_request_id, spec.side_channel)  # released: nothing left to renew
+            shares = [(self._rank_endpoint(spec, ps.prefill_rank), self._sink_for(ps), ps) for ps in self._plan(spec)]
+            self._release_idle_ranks(spec)
+            res = fetch_shares(spec.remote_request_id, num_tokens, shares, spec.local_block_ids,
+                               first_block=spec.first_block, layer_groups=self.cfg.layer_groups)
+            self._drop_wants(spec)  # released: nothing left to renew
             fig.update(ok=True, nbytes=res.nbytes, entries=res.entries, segments=res.segments,
                        request_ms=round(1e3 * res.request_s, 3), transfer_ms=round(1e3 * res.transfer_s, 3),
                        copy_ms=round(1e3 * res.copy_s, 3),
                        **{k: v for k, v in res.extra.items() if not k.endswith("_s")})
             if self._debug is not None and self.kv.tt_cache is not None:
                 debug.dump_landed(self._debug, spec.remote_request_id, self.kv.tt_cache, spec.local_block_ids)
+            elif self._debug is not None and self.kv.views is not None and spec.remote_tp_size * self.tp_size > 1:
+                debug.dump_landed_kv(self._debug, spec.remote_request_id + self._rank_tag(), self.kv.views,
+                                     spec.local_block_ids)
         except Exception as e:  # noqa: BLE001 - every failure becomes a failed receive
-            self.keeper.drop(spec.remote_request_id, spec.side_channel)
+            self._drop_wants(spec)
             fig["error"] = str(e)[:500]
             logger.error("HawkConnector decode: KV pull of %s (remote %s at %s) failed: %s",
                          rid, spec.remote_request_id, spec.side_channel, e)
@@ -386,12 +414,96 @@ class HawkConnectorWorker:
         return False
 
     def _release_only(self, spec: RecvSpec) -> None:
-        self.keeper.drop(spec.remote_request_id, spec.side_channel)
+        self._drop_wants(spec)
         try:
-            self._endpoint(spec).release(spec.remote_request_id, ok=True, timeout_s=self.cfg.handshake_timeout_s)
-        except Exception as e:  # noqa: BLE001 - the prefill's lease frees the blocks
-            logger.warning("HawkConnector decode: release of %s not delivered (%s); the prefill frees it when "
-                           "its lease expires", spec.remote_request_id, e)
+            planned = self._plan(spec)
+        except TPMismatch as e:
+            logger.warning("HawkConnector decode: release of %s not sent: %s", spec.remote_request_id, e)
+            return
+        self._release_idle_ranks(spec)
+        for ps in planned:
+            try:
+                self._endpoint_at(spec.side_channel_of(ps.prefill_rank), spec.remote_engine_id).release(
+                    spec.remote_request_id, ok=True, timeout_s=self.cfg.handshake_timeout_s, share=ps.share)
+            except Exception as e:  # noqa: BLE001 - the prefill's lease frees it
+                logger.warning("HawkConnector decode: release of %s on prefill rank %d not delivered (%s); the "
+                               "prefill frees it when its lease expires", spec.remote_request_id, ps.prefill_rank, e)
+
+    # ---------------------------------------------------------------- tensor parallelism
+    def _rank_tag(self) -> str:
+        """Debug file suffix of this TP rank ('' without TP)."""
+        return f"-r{self.tp_rank}" if self.tp_size > 1 else ""
+
+    def _targets(self) -> tuple[int, int, int]:
+        """(decode targets in all, this worker's target, KV heads it holds): one per TP rank."""
+        return self.tp_size, self.tp_rank, self.kv.layout.num_kv_heads
+
+    def _plan(self, spec: RecvSpec) -> list[PlannedShare]:
+        """The shares this worker pulls for ``spec`` (one WHOLE share without TP)."""
+        total, target, local = self._targets()
+        return plan_shares(self.kv.num_kv_heads or local, spec.remote_tp_size, total, target, local)
+
+    def _rank_endpoint(self, spec: RecvSpec, rank: int) -> DecodeEndpoint:
+        """The endpoint of prefill TP rank ``rank``; its HelloAck must say it is that rank."""
+        ep = self._endpoint_at(spec.side_channel_of(rank), spec.remote_engine_id)
+        h = ep.hello
+        if h.num_kv_heads and ((h.tp_size, h.tp_rank) != (spec.remote_tp_size, rank)
+                               or h.num_kv_heads != self.kv.num_kv_heads):
+            raise TPMismatch(f"prefill side channel {spec.side_channel_of(rank)} says it is TP rank {h.tp_rank} of "
+                             f"{h.tp_size} with {h.num_kv_heads} KV heads; kv_transfer_params name rank {rank} of "
+                             f"{spec.remote_tp_size}, and this decode's model has {self.kv.num_kv_heads}")
+        return ep
+
+    def _side_channels(self, spec: RecvSpec) -> list[str]:
+        """Every prefill rank's side channel this worker renews leases on."""
+        try:
+            ranks = {ps.prefill_rank for ps in self._plan(spec)}
+            if self.tp_rank == 0 and self.kv.num_kv_heads:
+                ranks |= set(idle_ranks(self.kv.num_kv_heads, spec.remote_tp_size, self._targets()[0]))
+        except TPMismatch:
+            ranks = {0}
+        return [spec.side_channel_of(r) for r in sorted(ranks)]
+
+    def _drop_wants(self, spec: RecvSpec) -> None:
+        for ep in self._side_channels(spec):
+            self.keeper.drop(spec.remote_request_id, ep)
+
+    def _release_idle_ranks(self, spec: RecvSpec) -> None:
+        """Target 0 releases the prefill ranks nobody pulls from (replicated heads)."""
+        if self.tp_rank != 0 or not self.kv.num_kv_heads:
+            return
+        for r in idle_ranks(self.kv.num_kv_heads, spec.remote_tp_size, self._targets()[0]):
+            self._pool.submit(self._release_rank, spec, r)
+
+    def _release_rank(self, spec: RecvSpec, rank: int) -> None:
+        try:
+            self._endpoint_at(spec.side_channel_of(rank), spec.remote_engine_id).release(
+                spec.remote_request_id, ok=True, timeout_s=self.cfg.handshake_timeout_s)
+        except Exception as e:  # noqa: BLE001 - the prefill's lease frees it
+            logger.warning("HawkConnector decode: release of %s on idle prefill rank %d not delivered (%s)",
+                           spec.remote_request_id, rank, e)
+
+    def _sink_for(self, ps: PlannedShare):
+        """The sink of share ``ps``: this worker's sink, or a view of it restricted to the
+        share's destination heads (vLLM caches)."""
+        local = self.kv.layout.num_kv_heads
+        if ps.dst_start == 0 and ps.count == local:
+            return self.sink
+        key = (ps.dst_start, ps.count)
+        with self._lock:
+            got = self._share_sinks.get(key)
+        if got is None:
+            if self.kv.heads is None or not hasattr(self.sink, "for_heads"):
+                raise TPMismatch(f"this decode's sink ({type(self.sink).__name__}) takes whole shards only; "
+                                 f"heads {ps.dst_start}..{ps.dst_start + ps.count - 1} of its {local} would come "
+                                 f"from prefill rank {ps.prefill_rank} alone")
+            m = self.kv.heads(*key)
+            lay = self.kv.layout
+            got = self.sink.for_heads(m, vllm_layout_desc(m, lay.name, lay.dtype, lay.block_size, ps.count,
+                                                          lay.head_dim))
+            with self._lock:
+                self._share_sinks.setdefault(key, got)
+        return got
 
     # ---------------------------------------------------------------- idle check, shutdown
     def snapshot(self) -> dict:

@@ -16,7 +16,7 @@ buffers: :class:`RingBuffer` (prefill ring, decode receive ring), :class:`BankBu
 :class:`KVRegionMap` and the stream pairing of their block runs.
 """
 from vllm_hawk.kvflow.bank_pool import BankBufferPool, RecvSlice
-from vllm_hawk.kvflow.decode import DecodeEndpoint, FetchResult
+from vllm_hawk.kvflow.decode import WHOLE, DecodeEndpoint, FetchResult, Share
 from vllm_hawk.kvflow.errors import BufferFull, KVFlowError, PeerFailed, RingClosed, TransferUnsettled
 from vllm_hawk.kvflow.gn_host import GNHostSink, WireLayout
 from vllm_hawk.kvflow.leases import LeaseKeeper
@@ -39,5 +39,6 @@ from vllm_hawk.kvflow.streams import KVRegionMap, LayerRegion
 __all__ = ["BankBufferPool", "BufferFull", "DecodeEndpoint", "FetchResult", "GNHostSink", "KVFlowError",
            "KVPageAddresses", "KVRegionMap", "KVSink", "KVSource", "Landing", "LayerRegion", "LeaseKeeper",
            "PeerFailed", "PrefillEndpoint", "RecvSlice", "RingAllocator", "RingBuffer", "RingClosed",
-           "RingGatherSource", "SINK_MODES", "TTSink", "TileTransformSource", "TransferUnsettled", "VllmBlockSource",
+           "RingGatherSource", "SINK_MODES", "Share", "TTSink", "TileTransformSource", "TransferUnsettled",
+           "VllmBlockSource", "WHOLE",
            "VllmPagedSink", "VllmStagedSink", "WireLayout", "layout_desc", "vllm_layout_desc", "vllm_sink"]

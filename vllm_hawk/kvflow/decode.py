@@ -28,6 +28,12 @@ waited for up to :data:`SETTLE_WAIT_S`; if it has not drained, :class:`TransferU
 names the unsafe destination blocks and carries the batch's ``settled`` event.
 A failed fetch returns at the latest ``pull_timeout_s + RELEASE_TIMEOUT_S`` (+
 ``SETTLE_WAIT_S`` for direct sinks) after it started.
+
+Tensor parallelism. A fetch may move one :class:`Share` of a request: a range of the
+prefill rank's KV heads (``KVRequest.head_start`` / ``num_heads``), into a sink that
+holds just those heads of this decode rank or chip (see :mod:`vllm_hawk.layout.tp`).
+Its KVRequest and Release name the share; the sink's receive memory and registrations
+are keyed by ``Share.key`` so that shares of one request never collide.
 """
 from __future__ import annotations
 
@@ -52,6 +58,27 @@ SETTLE_LIMIT_S = 60.0  # background free of receive buffers gives up (quarantine
 NO_SPACE_BACKOFF_S = 0.05  # first wait before asking a full prefill ring again
 NO_SPACE_BACKOFF_MAX_S = 0.5
 LEASE_MARGIN_S = 1.0  # reads end this long before the prefill's lease does (at most a quarter of it)
+
+
+@dataclass(frozen=True)
+class Share:
+    """The part of a request one fetch moves: the prefill's local KV heads
+    ``[head_start, head_start + num_heads)`` (``num_heads`` 0: all of them), share
+    ``index`` of the ``consumers`` shares the prefill serves; ``tag`` makes the sink's
+    key unique among the shares of one request this decode pulls at once (e.g. the
+    destination heads)."""
+
+    head_start: int = 0
+    num_heads: int = 0
+    consumers: int = 1
+    index: int = 0
+    tag: str = ""
+
+    def key(self, req_id: str) -> str:
+        return req_id if not self.tag else f"{req_id}\x00{self.tag}"
+
+
+WHOLE = Share()
 
 
 @dataclass
@@ -125,6 +152,7 @@ class _Flight:
     t_ready: float
     read_deadline: float
     note: str
+    share: Share = WHOLE
 
 
 class DecodeEndpoint:
@@ -163,7 +191,7 @@ class DecodeEndpoint:
     # ------------------------------------------------------------------ D1-D8
     def fetch(self, req_id: str, num_tokens: int, sink: KVSink, dst_blocks, *, first_block: int = 0,
               timeout_s: float | None = None, release: bool = True, time_cap_s: float | None = None,
-              layer_groups: int = 1) -> FetchResult:
+              layer_groups: int = 1, share: Share = WHOLE) -> FetchResult:
         """Move source blocks ``first_block ..`` of request ``req_id`` (``num_tokens``
         prefilled tokens) into ``sink``'s blocks ``dst_blocks``.
 
@@ -173,35 +201,37 @@ class DecodeEndpoint:
         i.e. Tenstorrent sinks): the request is asked for as that many layer groups at
         once and each group's READs go out as soon as its KVReady arrives, so the
         transfer of group i overlaps the prefill's transform of group i+1 (same
-        guarantees). Raises as the module doc says, with nothing held."""
+        guarantees). ``share``: only those heads (module doc). Raises as the module doc
+        says, with nothing held."""
         timeout = self.pull_timeout_s if timeout_s is None else timeout_s
         t0 = time.monotonic()
         deadline = t0 + timeout
         dst = self._check_dst(req_id, num_tokens, sink, dst_blocks, first_block)
         groups = split_layers(sink.layout.num_layers, layer_groups)
         if len(groups) > 1 and getattr(sink, "layer_groups", False) and time_cap_s is None:
-            return self._fetch_groups(req_id, num_tokens, sink, dst, first_block, groups, timeout, t0, release)
+            return self._fetch_groups(req_id, num_tokens, sink, dst, first_block, groups, timeout, t0, release,
+                                      share)
         plan = sink.plan(dst)
         res = FetchResult(req_id, sink.mode)
-        msg = self._kv_request(req_id, num_tokens, sink, dst, first_block, timeout)
+        msg = self._kv_request(req_id, num_tokens, sink, dst, first_block, timeout, share)
         try:
             ready = self._request_kv(msg, deadline)  # D1 -> P7
         except (ProtocolTimeout, RemoteError) as e:
-            self._release_quietly(req_id, ok=False)  # also cancels a request still being served
+            self._release_quietly(req_id, ok=False, share=share)  # also cancels a request still being served
             raise PeerFailed(f"request {req_id}: {e}", req_id) from e
         t1, hello = time.monotonic(), self.client.hello
         res.request_s, res.segments = t1 - t0, len(ready.segments)
         rdeadline, note = _read_deadline(ready, t1, deadline)
-        landing = self._land(req_id, ready, plan, sink, hello, rdeadline, note)
+        landing = self._land(req_id, ready, plan, sink, hello, rdeadline, note, share=share)
         try:
             return self._fetch_landed(req_id, res, ready, landing, dst, hello, t0, t1, rdeadline, deadline, note,
-                                      release, time_cap_s)
+                                      release, time_cap_s, share)
         finally:
             if landing.unexpose is not None:  # the batch is over (done, failed or abandoned)
                 landing.unexpose()
 
     def _fetch_landed(self, req_id, res, ready, landing, dst, hello, t0, t1, rdeadline, deadline, note, release,
-                      time_cap_s) -> FetchResult:
+                      time_cap_s, share: Share = WHOLE) -> FetchResult:
         res.entries, res.nbytes = len(landing.entries), sum(e[2] for e in landing.entries)
         res.extra.update(landing.figures)
         peer = hello.transfer_endpoint
@@ -209,8 +239,8 @@ class DecodeEndpoint:
         step = 4096 if time_cap_s is not None else max(1, len(landing.entries))
         done = 0
         while done < len(landing.entries):  # ONE batch unless a per-tile run is time-capped
-            h = self._submit(peer, landing.entries[done:done + step], req_id, landing)
-            self._wait(_Flight(req_id, dst, landing, h, ready, t1, rdeadline, note), deadline)
+            h = self._submit(peer, landing.entries[done:done + step], req_id, landing, share)
+            self._wait(_Flight(req_id, dst, landing, h, ready, t1, rdeadline, note, share), deadline)
             done += min(step, len(landing.entries) - done)
             if time_cap_s is not None and time.monotonic() - t2 > time_cap_s:
                 break
@@ -220,16 +250,17 @@ class DecodeEndpoint:
         try:
             res.extra.update(landing.complete())  # D6-D7 (frees the receive memory)
         except Exception as e:
-            self._release_quietly(req_id, ok=False)
+            self._release_quietly(req_id, ok=False, share=share)
             raise PeerFailed(f"request {req_id}: copying into the destination failed: {e}", req_id) from e
         t4 = time.monotonic()
         res.copy_s, res.total_s = t4 - t3, t4 - t0
         if release:  # D8
-            self._release_done(req_id, ready, t1, deadline, dst)
+            self._release_done(req_id, ready, t1, deadline, dst, share)
             res.release_s = time.monotonic() - t4
         return res
 
-    def _fetch_groups(self, req_id, num_tokens, sink, dst, first_block, groups, timeout, t0, release) -> FetchResult:
+    def _fetch_groups(self, req_id, num_tokens, sink, dst, first_block, groups, timeout, t0, release,
+                      share: Share = WHOLE) -> FetchResult:
         """:meth:`fetch` by layer groups: every group's D1 at once; D2 (receive memory)
         once at the first KVReady; each group's READ batch as its KVReady arrives; D6-D8
         once. On failure: every submitted batch is abandoned together (receive memory
@@ -238,7 +269,7 @@ class DecodeEndpoint:
         plan = sink.plan(dst)
         res = FetchResult(req_id, f"{sink.mode}-layer-groups")
         res.extra["layer_groups"] = len(groups)
-        base = self._kv_request(req_id, num_tokens, sink, dst, first_block, timeout)
+        base = self._kv_request(req_id, num_tokens, sink, dst, first_block, timeout, share)
         futs = [self.client.call_async(msgspec.structs.replace(base, first_layer=lo, num_layers=hi - lo))
                 for lo, hi in groups]
         landing, handles, first = None, [], None
@@ -263,7 +294,7 @@ class DecodeEndpoint:
                     raise PeerFailed(f"request {req_id}: {err}", req_id)
                 if landing is None:
                     wait = max(0.0, min(self.claim_wait_s, rdeadline - time.monotonic()))
-                    landing = sink.land_groups(req_id, plan, wait)  # D2
+                    landing = sink.land_groups(share.key(req_id), plan, wait)  # D2
                 entries = landing.entries(ready, hello.export_base_addr, lo, hi)
                 handles.append(self.transport.submit("read", hello.transfer_endpoint, entries))
                 res.entries += len(entries)
@@ -276,9 +307,9 @@ class DecodeEndpoint:
                 fut.cancel()
             unsafe: list[int] = []
             if landing is not None:
-                f = _Flight(req_id, dst, landing, _AllSettled(handles), first, t_ready, deadline, "")
+                f = _Flight(req_id, dst, landing, _AllSettled(handles), first, t_ready, deadline, "", share)
                 unsafe = self._abandon(f, deadline, time.monotonic() + SETTLE_WAIT_S)
-            self._release_quietly(req_id, ok=False)  # also cancels groups the prefill is still serving
+            self._release_quietly(req_id, ok=False, share=share)  # also cancels groups still being served
             if unsafe:
                 raise TransferUnsettled(f"request {req_id}: {e}; READs did not drain within {SETTLE_WAIT_S} s and "
                                         f"may still write destination blocks {unsafe}: do not use them", req_id,
@@ -297,12 +328,12 @@ class DecodeEndpoint:
         try:
             res.extra.update(landing.complete())  # D6-D7 (frees the receive memory)
         except Exception as e:
-            self._release_quietly(req_id, ok=False)
+            self._release_quietly(req_id, ok=False, share=share)
             raise PeerFailed(f"request {req_id}: copying into the destination failed: {e}", req_id) from e
         t4 = time.monotonic()
         res.copy_s, res.total_s = t4 - t3, t4 - t0
         if release:  # D8
-            self._release_done(req_id, first, t_ready, deadline, dst)
+            self._release_done(req_id, first, t_ready, deadline, dst, share)
             res.release_s = time.monotonic() - t4
         return res
 
@@ -331,10 +362,12 @@ class DecodeEndpoint:
         ``req_ids`` (at most ``MAX_RENEW_IDS``); returns its ``Renewed``."""
         return self.client.renew(list(req_ids), timeout_s=self.pull_timeout_s if timeout_s is None else timeout_s)
 
-    def release(self, req_id: str, ok: bool = True, timeout_s: float | None = None) -> None:
-        """D8 without a fetch: the decode will not read ``req_id`` (e.g. it had the prefix
-        locally, or the request was aborted). Raises RemoteError/ProtocolTimeout."""
-        self.client.release(req_id, ok=ok, timeout_s=self.pull_timeout_s if timeout_s is None else timeout_s)
+    def release(self, req_id: str, ok: bool = True, timeout_s: float | None = None, share: Share = WHOLE) -> None:
+        """D8 without a fetch: the decode will not read ``req_id`` (or ``share`` of it;
+        e.g. it had the prefix locally, or the request was aborted). Raises
+        RemoteError/ProtocolTimeout."""
+        self.client.release(req_id, ok=ok, timeout_s=self.pull_timeout_s if timeout_s is None else timeout_s,
+                            share=share.index)
 
     # ------------------------------------------------------------------ pieces
     @staticmethod
@@ -348,12 +381,14 @@ class DecodeEndpoint:
         return dst
 
     @staticmethod
-    def _kv_request(req_id, num_tokens, sink, dst, first_block, timeout) -> KVRequest:
+    def _kv_request(req_id, num_tokens, sink, dst, first_block, timeout, share: Share = WHOLE) -> KVRequest:
         return KVRequest(req_id=req_id, dst_layout=sink.layout, num_tokens=num_tokens,
                          dst_block_ids=[int(b) for b in dst], first_block=first_block,
-                         deadline_ms=int((time.time() + timeout) * 1000))
+                         deadline_ms=int((time.time() + timeout) * 1000), head_start=share.head_start,
+                         num_heads=share.num_heads, consumers=share.consumers, share=share.index)
 
-    def _land(self, req_id, ready, plan, sink, hello, rdeadline, note, release_on_fail: bool = True) -> Landing:
+    def _land(self, req_id, ready, plan, sink, hello, rdeadline, note, release_on_fail: bool = True,
+              share: Share = WHOLE) -> Landing:
         """Check KVReady against the sink's plan, then D2-D5 (claim and pair)."""
         try:
             err = sink.check_ready(ready, plan, hello.export_nbytes)
@@ -361,24 +396,24 @@ class DecodeEndpoint:
                 raise PeerFailed(f"request {req_id}: {err}", req_id)
             wait = max(0.0, min(self.claim_wait_s, rdeadline - time.monotonic()))
             try:
-                return sink.land(req_id, ready, plan, hello.export_base_addr, wait)
+                return sink.land(share.key(req_id), ready, plan, hello.export_base_addr, wait)
             except ValueError as e:
                 raise PeerFailed(f"request {req_id}: KVReady does not fit this sink: {e}", req_id) from e
         except KVFlowError as e:
             if release_on_fail:
-                self._release_quietly(req_id, ok=False)
+                self._release_quietly(req_id, ok=False, share=share)
             if isinstance(e, BufferFull) and note and time.monotonic() >= rdeadline:
                 raise BufferFull(f"{e}{note}", req_id) from e
             raise
 
-    def _submit(self, peer: str, entries, req_id: str, landing: Landing):
+    def _submit(self, peer: str, entries, req_id: str, landing: Landing, share: Share = WHOLE):
         """Submit one READ batch; a refused submit frees what was taken and Releases."""
         try:
             return self.transport.submit("read", peer, entries)
         except Exception:
             if landing.free is not None:
                 landing.free()
-            self._release_quietly(req_id, ok=False)
+            self._release_quietly(req_id, ok=False, share=share)
             raise
 
     def _wait(self, f: _Flight, deadline: float) -> None:
@@ -387,7 +422,7 @@ class DecodeEndpoint:
             self.transport.wait(f.handle, max(0.0, f.read_deadline - time.monotonic()))
         except (TransferFailed, TransferTimeout) as e:
             unsafe = self._abandon(f, deadline, time.monotonic() + SETTLE_WAIT_S)
-            self._release_quietly(f.rid, ok=False)
+            self._release_quietly(f.rid, ok=False, share=f.share)
             msg = f"request {f.rid}: transfer from {self.peer} failed: {e}{f.note}"
             if unsafe:
                 raise TransferUnsettled(f"{msg}; its READs did not drain within {SETTLE_WAIT_S} s and may still "
@@ -436,17 +471,19 @@ class DecodeEndpoint:
         with self._lock:
             return self._pending_frees
 
-    def _release_quietly(self, req_id: str, ok: bool) -> None:
+    def _release_quietly(self, req_id: str, ok: bool, share: Share = WHOLE) -> None:
         try:
-            self.client.release(req_id, ok=ok, timeout_s=RELEASE_TIMEOUT_S)
+            self.client.release(req_id, ok=ok, timeout_s=RELEASE_TIMEOUT_S, share=share.index)
         except Exception as e:  # noqa: BLE001 - the prefill's lease frees it anyway
             logger.debug("release of %s failed: %s", req_id, e)
 
-    def _release_done(self, req_id: str, ready: KVReady, t_ready: float, deadline: float, blocks) -> None:
+    def _release_done(self, req_id: str, ready: KVReady, t_ready: float, deadline: float, blocks,
+                      share: Share = WHOLE) -> None:
         """D8 after the KV is in place. A prefill that no longer knows the request
         (``unknown_request``: its lease ran out) may have reused the range mid-read."""
         try:
-            self.client.release(req_id, ok=True, timeout_s=max(RELEASE_TIMEOUT_S, deadline - time.monotonic()))
+            self.client.release(req_id, ok=True, timeout_s=max(RELEASE_TIMEOUT_S, deadline - time.monotonic()),
+                                share=share.index)
         except RemoteError as e:
             if e.code == "unknown_request":
                 age = time.monotonic() - t_ready

@@ -37,12 +37,20 @@ lease expiry (a request served by layer groups: one ring range for all its group
 peer's READ of anything else is refused by the transport.
 ``registration="whole"`` registers the ring (or the source's exports) once, as before.
 
+Tensor parallelism (:mod:`vllm_hawk.layout.tp`): a decode rank or chip that holds only
+some of this rank's KV heads asks for a *share* (``KVRequest.head_start`` /
+``num_heads``, numbered ``share`` of ``consumers``). Each share is produced, reserved, announced and released on its own
+(ring ranges, exposure and layer-group streams are keyed by the share); the request's
+blocks are freed when ``consumers`` shares (the most any KVRequest announced) have been
+released, or at a lease expiry (which frees every share).
+
 Ownership and bounds (peers are the side channel's authenticated sender ids):
 
-* the first decode whose KVRequest for an id is accepted owns it; a KVRequest, Release
-  or Renew for that id from any other peer is refused (``unknown_request``, counted
-  ``not_owner``), so a stranger cannot free ring space a decode is still reading;
-  before that, any authenticated peer may Release or Renew it. This is what lets the
+* the decodes whose KVRequests for an id are accepted own it (at most ``consumers``
+  peers: the decode ranks that pull shares of it); a KVRequest, Release or Renew for
+  that id from any other peer is refused (``unknown_request``, counted ``not_owner``),
+  so a stranger cannot free ring space a decode is still reading; before that, any
+  authenticated peer may Release or Renew it. This is what lets the
   proxy (a control peer with the shared secret) free a request its decode refused
   before the decode's engine saw it: an unclaimed request only, never a claimed one;
 * early KVRequests are parked at most :data:`MAX_EARLY` at once and
@@ -91,13 +99,25 @@ MAX_GONE = 4096  # finished ids remembered to answer late messages precisely
 MAX_DST_BLOCK_ID = 1 << 24
 
 
+def share_key(req_id: str, share: int = 0) -> str:
+    """The key of share ``share`` of a request (share 0, also the whole request: the id)."""
+    return req_id if not share else f"{req_id}\x00s{share}"
+
+
 @dataclass
 class _Req:
     src_blocks: np.ndarray
     num_tokens: int
     expiry: float  # unix s; 0 = never (until Release)
     hold_end: float = 0.0  # unix s: renewals never move expiry past this; 0 = unbounded
-    owner: str = ""  # the peer whose KVRequest was accepted; "" = nobody yet
+    owners: set = field(default_factory=set)  # peers whose KVRequests were accepted; empty = nobody yet
+    consumers: int = 1  # shares to release before the blocks are free (the most any KVRequest said)
+    shares: set = field(default_factory=set)  # share keys pending or served (hold ring / exposure state)
+    done: set = field(default_factory=set)  # share keys released
+    ok: bool = True  # every released share reported success
+
+    def may_claim(self, peer: str, consumers: int) -> bool:
+        return peer in self.owners or len(self.owners) < max(self.consumers, consumers)
 
 
 @dataclass
@@ -135,30 +155,32 @@ class PrefillEndpoint:
     KVReady; 0 = forever); max_hold_s: renewals never hold a request longer than this after
     its hand-over (0 = no bound); on_finished(req_id, ok): the request's source blocks are free
     for the engine; observer(req_id, msg, src_blocks): called before its bytes are
-    produced (debug dumps). A failing ``__init__`` leaves nothing registered or running.
+    produced (debug dumps); tp_info: HelloAck's tensor-parallel fields (see
+    :meth:`tp_info`). A failing ``__init__`` leaves nothing registered or running.
     """
 
     def __init__(self, source: KVSource, transport, compat: CompatFields, *, ring_nbytes: int = 64 << 20,
                  bind: str = "tcp://127.0.0.1:0", secret: bytes | None = None, auth: str | None = None,
                  claim_wait_s: float = 5.0,
                  lease_s: float = 60.0, max_hold_s: float = 600.0, workers: int = 1, on_finished=None, observer=None,
-                 server_id: str = "", registration: str = "per_request") -> None:
+                 server_id: str = "", registration: str = "per_request", tp_info: dict | None = None) -> None:
         self.source, self.transport, self.compat = source, transport, compat
+        self._tp_info = dict(tp_info or {})
         self.claim_wait_s, self.lease_s, self.max_hold_s = claim_wait_s, lease_s, max_hold_s
         self.on_finished, self.observer = on_finished, observer
         self.stats = PrefillStats()
         self._lock = threading.Lock()
         self._requests: dict[str, _Req] = {}
-        self._served: dict[str, float] = {}  # req_id -> monotonic time of its KVReady
+        self._served: dict[str, tuple[float, str]] = {}  # share key -> (monotonic time of its KVReady, req_id)
         self._pending: set[str] = set()
         self._cancelled: set[str] = set()  # pending requests whose decode already sent Release
-        # rid -> ([(msg, reply)], until, peer): parked KVRequests (several: layer groups)
+        # rid -> ([(msg, reply, peer)], until): parked KVRequests (several: layer groups, shares)
         self._early: collections.OrderedDict[str, tuple] = collections.OrderedDict()
         self._early_ids = 0  # destination block ids held by _early
         self._early_release: collections.OrderedDict[str, float] = collections.OrderedDict()  # rid -> until
         self._rlog = RateLimitedLog(logger)
         self._gone: collections.OrderedDict[str, str] = collections.OrderedDict()  # rid -> "released"|"expired"
-        self._streams: dict[str, _Stream] = {}  # requests served by layer groups
+        self._streams: dict[str, _Stream] = {}  # share key -> its layer-group stream
         self.ring: RingBuffer | None = None
         self._exported: list[int] = []
         self.registration = check_registration(registration)
@@ -218,10 +240,10 @@ class PrefillEndpoint:
         if early_release:  # the decode released it before the hand-over: free at once
             self._notify(req_id, True)
         elif serve is not None:
-            pairs, _until, peer = serve
+            pairs, _until = serve
             with self._lock:
-                self._early_ids -= sum(max(1, len(m.dst_block_ids)) for m, _r in pairs)
-            for msg, reply in pairs:  # in arrival order (layer groups: the first one opens the stream)
+                self._early_ids -= sum(max(1, len(m.dst_block_ids)) for m, _r, _p in pairs)
+            for msg, reply, peer in pairs:  # in arrival order (layer groups: the first one opens the stream)
                 out = self.on_kv_request(peer, msg, reply)
                 if out is not None:
                     reply(out)
@@ -249,6 +271,11 @@ class PrefillEndpoint:
     def hello_info(self) -> tuple[str, int, int]:
         return self.transport.endpoint, self.export_base, self.export_nbytes
 
+    def tp_info(self) -> dict:
+        """HelloAck's tensor-parallel fields (tp_size, tp_rank, num_kv_heads, head_start,
+        num_heads); empty without TP information."""
+        return dict(self._tp_info)
+
     def refused_input(self) -> int:
         """Side-channel input refused so far: this endpoint's refusals plus the server's."""
         n = self.stats.refusals.total()
@@ -263,14 +290,19 @@ class PrefillEndpoint:
 
     def on_kv_request(self, peer: str, msg: KVRequest, reply):
         rid = msg.req_id
+        key = share_key(rid, msg.share)
         grouped = bool(msg.num_layers or msg.first_layer)
+        if "\x00" in rid:
+            return ErrorMsg(code="bad_message", detail="request id contains a NUL byte", req_id=rid[:256])
         with self._lock:
             req = self._requests.get(rid)
-            if req is not None and req.owner and req.owner != peer:
+            if req is not None and not req.may_claim(peer, msg.consumers):
                 return self._refuse("not_owner", rid, "unknown_request", "another decode requested this id")
-            st = self._streams.get(rid)
-            if rid in self._pending or rid in self._served:
-                if not grouped or st is None or msg.first_layer in st.requested or rid in self._cancelled:
+            if req is not None and key in req.done:
+                return ErrorMsg(code="unknown_request", detail="this share was already released", req_id=rid)
+            st = self._streams.get(key)
+            if key in self._pending or key in self._served:
+                if not grouped or st is None or msg.first_layer in st.requested or key in self._cancelled:
                     return ErrorMsg(code="bad_message", detail="request already in flight", req_id=rid)
                 err = self._check_layers(msg)
                 if err:
@@ -278,20 +310,23 @@ class PrefillEndpoint:
                     return ErrorMsg(code="layout_mismatch", detail=err[:1000], req_id=rid)
                 st.requested.add(msg.first_layer)  # a further layer group of a request being served
                 st.inflight += 1
-                self._pending.add(rid)
+                self._pending.add(key)
                 return self._submit_serve(msg, reply)
             early = self._early.get(rid)
-            if early is not None:  # parked before the hand-over: only further layer groups of the same decode join
-                pairs, _until, epeer = early
-                if (not grouped or epeer != peer or not pairs[0][0].num_layers
-                        or any(m.first_layer == msg.first_layer for m, _r in pairs)):
+            if early is not None:  # parked before the hand-over: further groups or shares join
+                pairs, _until = early
+                same = [(m, p) for m, _r, p in pairs if share_key(rid, m.share) == key]
+                if same and (not grouped or same[0][1] != peer or not same[0][0].num_layers
+                             or any(m.first_layer == msg.first_layer for m, _p in same)):
                     return ErrorMsg(code="bad_message", detail="request already in flight", req_id=rid)
+                if not same and len({p for _m, _r, p in pairs} | {peer}) > max(m.consumers for m, _r, _p in pairs):
+                    return self._refuse("not_owner", rid, "unknown_request", "another decode requested this id")
                 n_ids = max(1, len(msg.dst_block_ids))
                 if self._early_ids + n_ids > MAX_EARLY_BLOCK_IDS:
                     return self._refuse("early_full", rid, "unknown_request",
                                         f"no finished prefill with this id, and early requests already hold "
                                         f"{self._early_ids} block ids")
-                pairs.append((msg, reply))
+                pairs.append((msg, reply, peer))
                 self._early_ids += n_ids
                 return None
             if req is None:
@@ -307,8 +342,8 @@ class PrefillEndpoint:
                     return self._refuse("early_full", rid, "unknown_request",
                                         f"no finished prefill with this id, and {len(self._early)} early requests "
                                         f"({self._early_ids} block ids) already wait for theirs")
-                # (KVRequest, reply) pairs (several: the layer groups of one request), until, peer
-                self._early[rid] = ([(msg, reply)], time.monotonic() + EARLY_REQUEST_WAIT_S, peer)
+                # (KVRequest, reply, peer) triples (several: layer groups, shares), until
+                self._early[rid] = ([(msg, reply, peer)], time.monotonic() + EARLY_REQUEST_WAIT_S)
                 self._early_ids += n_ids
                 logger.debug("prefill: KVRequest for %s came before the engine's hand-over; waiting", rid)
             else:
@@ -316,10 +351,12 @@ class PrefillEndpoint:
                 if err:
                     self.stats.refused += 1
                     return ErrorMsg(code="layout_mismatch", detail=err[:1000], req_id=rid)
-                req.owner = peer
-                self._pending.add(rid)
+                req.owners.add(peer)
+                req.consumers = max(req.consumers, msg.consumers)
+                req.shares.add(key)
+                self._pending.add(key)
                 if grouped:
-                    self._streams[rid] = _Stream(requested={msg.first_layer}, inflight=1)
+                    self._streams[key] = _Stream(requested={msg.first_layer}, inflight=1)
         if req is None:
             return None
         with self._lock:
@@ -327,15 +364,16 @@ class PrefillEndpoint:
 
     def _submit_serve(self, msg: KVRequest, reply):
         """Queue ``msg`` for a worker (lock held); undo the pending mark if the pool is closed."""
+        key = share_key(msg.req_id, msg.share)
         try:
             self._pool.submit(self._serve, msg, reply)
         except RuntimeError:  # pool shut down
-            st = self._streams.get(msg.req_id)
+            st = self._streams.get(key)
             if st is not None:
                 st.inflight -= 1
             if st is None or (st.inflight == 0 and st.served == 0):
-                self._pending.discard(msg.req_id)
-                self._streams.pop(msg.req_id, None)
+                self._pending.discard(key)
+                self._streams.pop(key, None)
             return ErrorMsg(code="internal", detail="prefill endpoint is closing", req_id=msg.req_id)
         return None
 
@@ -350,16 +388,15 @@ class PrefillEndpoint:
 
     def on_release(self, peer: str, msg: Release, reply):
         rid = msg.req_id
+        key = share_key(rid, msg.share)
         with self._lock:
             req = self._requests.get(rid)
-            if req is not None and req.owner and req.owner != peer:
+            if req is not None and req.owners and peer not in req.owners:
                 return self._refuse("not_owner", rid, "unknown_request",
                                     "only the decode that requested this id may release it")
-            if rid in self._pending:  # KVReady not sent yet: the worker cancels it
-                self._cancelled.add(rid)
+            if key in self._pending:  # KVReady not sent yet: the worker cancels it
+                self._cancelled.add(key)
                 return Ack(req_id=rid)
-            served = self._served.pop(rid, None) is not None
-            req = self._requests.pop(rid, None)
             if req is None:
                 gone = self._gone.get(rid)
                 if gone is not None:
@@ -371,15 +408,31 @@ class PrefillEndpoint:
                     self._early_release.popitem(last=False)
                     self.stats.refusals.count("early_release_evicted")
                 return Ack(req_id=rid)  # it beat the hand-over
-            self._remember_gone_locked(rid, "released")
-            self.stats.released += 1
+            served = self._served.pop(key, None) is not None
+            finished, ok = self._share_done_locked(rid, req, key, msg.ok)
         if served and self.ring is not None:
-            self.ring.release(rid)  # P8
-        self.exposure.release(rid)
+            self.ring.release(key)  # P8
+        self.exposure.release(key)
         if not msg.ok:
             logger.warning("prefill: decode reported a failed transfer of %s", rid)
-        self._notify(rid, msg.ok)  # P9: the blocks are free for the engine
+        if finished:
+            self._notify(rid, ok)  # P9: the blocks are free for the engine
         return Ack(req_id=rid)
+
+    def _share_done_locked(self, rid: str, req: _Req, key: str, ok: bool, count: bool = True) -> tuple[bool, bool]:
+        """Share ``key`` of ``rid`` is released (lock held; ``count``: a Release, not a
+        cancel). Returns (the whole request is finished and forgotten, all its shares
+        succeeded)."""
+        req.shares.discard(key)
+        self._streams.pop(key, None)
+        req.done.add(key)
+        req.ok = req.ok and ok
+        if len(req.done) < req.consumers:
+            return False, req.ok
+        self._requests.pop(rid, None)
+        self._remember_gone_locked(rid, "released")
+        self.stats.released += count
+        return True, req.ok
 
     def on_renew(self, peer: str, msg: Renew, reply):
         """Heartbeat: extend the lease of every id in ``msg`` that is held, not yet
@@ -395,10 +448,10 @@ class PrefillEndpoint:
                     if rid in self._gone:
                         gone.append(rid)
                     continue
-                if req.owner and req.owner != peer:
+                if req.owners and peer not in req.owners:
                     strangers += 1
                     continue
-                if not req.expiry or rid in self._pending or rid in self._served:
+                if not req.expiry or req.shares:  # in flight: its lease runs from KVReady
                     continue
                 new = now + self.lease_s
                 if req.hold_end:
@@ -414,80 +467,86 @@ class PrefillEndpoint:
 
     # ------------------------------------------------------------------ P4-P7
     def _serve(self, msg: KVRequest, reply) -> None:
-        with self._lock:
-            st = self._streams.get(msg.req_id)
-        if st is not None:
-            self._serve_group(msg, reply, st)
-            return
         rid = msg.req_id
+        key = share_key(rid, msg.share)
+        with self._lock:
+            st = self._streams.get(key)
+        if st is not None:
+            self._serve_group(msg, reply, st, key)
+            return
         reserved = False
         try:
             with self._lock:
                 req = self._requests.get(rid)
             if req is None:
                 raise _Refuse("unknown_request", "request dropped by the engine")
-            if self._is_cancelled(rid):
+            if self._is_cancelled(key):
                 raise _Cancelled()
             src = req.src_blocks[msg.first_block:msg.first_block + len(msg.dst_block_ids)]
             prep = self.source.prepare(msg, src, self.export_base)
             off = 0
             if prep.nbytes:
-                off = self._reserve(msg, prep.nbytes)  # P5
+                off = self._reserve(key, msg, prep.nbytes)  # P5
                 reserved = True
-                if self._is_cancelled(rid):
+                if self._is_cancelled(key):
                     raise _Cancelled()
                 if self.observer is not None:
                     self.observer(rid, msg, src)
                 t0 = time.perf_counter()
                 prep.fill(self.ring.base_addr + off, self.ring.view(off, prep.nbytes))  # P4 + P6
-                self._note_produce(rid, time.perf_counter() - t0)
+                self._note_produce(rid, time.perf_counter() - t0, add=key != rid)
             elif self.observer is not None:
                 self.observer(rid, msg, src)
             segs = prep.segments(off)
             if not prep.nbytes and self.registration == "per_request":  # served in place: expose its runs
-                self.exposure.acquire(rid, [(self.export_base + s.offset_bytes, s.nbytes) for s in segs],
+                self.exposure.acquire(key, [(self.export_base + s.offset_bytes, s.nbytes) for s in segs],
                                       domains=self._export_regions)
             out = KVReady(req_id=rid, ring_offset=off, total_nbytes=sum(s.nbytes for s in segs), segments=segs,
                           lease_ms=int(self.lease_s * 1000))
             with self._lock:  # the cancel check and the move to _served are one step
-                if rid in self._cancelled:
+                if key in self._cancelled:
                     raise _Cancelled()
-                self._pending.discard(rid)
-                self._served[rid] = time.monotonic()
+                self._pending.discard(key)
+                self._served[key] = (time.monotonic(), rid)
                 self.stats.served += 1
             reply(out)  # P7
         except Exception as e:  # noqa: BLE001 - every failure becomes a typed reply
             if reserved:
-                self.ring.release(rid)  # P8
-            self.exposure.release(rid)
+                self.ring.release(key)  # P8
+            self.exposure.release(key)
+            finished = False
             with self._lock:
-                self._pending.discard(rid)
-                cancelled = rid in self._cancelled
-                self._cancelled.discard(rid)
-                if cancelled:  # the decode gave up and sent Release: done with it (P9)
-                    self._requests.pop(rid, None)
-                    self._remember_gone_locked(rid, "released")
+                self._pending.discard(key)
+                cancelled = key in self._cancelled
+                self._cancelled.discard(key)
+                req = self._requests.get(rid)
+                if cancelled:  # the decode gave up and sent Release: this share is done (P9 when all are)
                     self.stats.cancelled += 1
+                    if req is not None:
+                        finished, _ok = self._share_done_locked(rid, req, key, False, count=False)
                 else:
                     self.stats.refused += 1
-            self._fail_reply(rid, e, cancelled, reply)
+                    if req is not None:
+                        req.shares.discard(key)
+            self._fail_reply(rid, e, cancelled, reply, finished)
 
-    def _reserve(self, msg: KVRequest, nbytes: int) -> int:
+    def _reserve(self, key: str, msg: KVRequest, nbytes: int) -> int:
         timeout = self.claim_wait_s  # a far-future deadline must not hold the worker
         if msg.deadline_ms:
             timeout = min(timeout, max(0.0, msg.deadline_ms / 1000.0 - time.time()))
         try:
-            return self.ring.reserve(msg.req_id, nbytes, timeout)
+            return self.ring.reserve(key, nbytes, timeout)
         except RingClosed as e:
             raise _Refuse("internal", f"prefill endpoint is closing: {e}") from None
         except BufferFull as e:
             raise _Refuse("no_space", str(e)) from None
 
-    def _fail_reply(self, rid: str, e: Exception, cancelled: bool, reply) -> None:
+    def _fail_reply(self, rid: str, e: Exception, cancelled: bool, reply, finished: bool = False) -> None:
         if cancelled:  # no reply: nobody waits for it
             logger.warning("prefill: %s released by the decode before its KVReady (%s); range freed",
                            rid, "cancelled" if isinstance(e, _Cancelled) else f"{type(e).__name__}: {e}")
-            self._notify(rid, False)
+            if finished:
+                self._notify(rid, False)
             return
         if isinstance(e, _Refuse):
             reply(ErrorMsg(code=e.code, detail=str(e)[:1000], req_id=rid))
@@ -495,12 +554,12 @@ class PrefillEndpoint:
             logger.exception("prefill: serving %s failed", rid)
             reply(ErrorMsg(code="internal", detail=f"{type(e).__name__}: {str(e)[:900]}", req_id=rid))
 
-    def _serve_group(self, msg: KVRequest, reply, st: _Stream) -> None:
-        """One layer group of a request (P4-P7 for layers first_layer..+num_layers). The
-        first group served plans and reserves the whole request's range; each group
+    def _serve_group(self, msg: KVRequest, reply, st: _Stream, key: str) -> None:
+        """One layer group of a request's share (P4-P7 for layers first_layer..+num_layers).
+        The first group served plans and reserves the whole share's range; each group
         fills its own bytes and sends its own KVReady. The range is freed by Release
         (P8), or here when the last group in flight fails or is cancelled while no
-        KVReady of the request is out."""
+        KVReady of the share is out."""
         rid = msg.req_id
         lo, hi = msg.first_layer, msg.first_layer + msg.num_layers
         try:
@@ -508,7 +567,7 @@ class PrefillEndpoint:
                 req = self._requests.get(rid)
             if req is None:
                 raise _Refuse("unknown_request", "request dropped by the engine")
-            if self._is_cancelled(rid):
+            if self._is_cancelled(key):
                 raise _Cancelled()
             src = req.src_blocks[msg.first_block:msg.first_block + len(msg.dst_block_ids)]
             with st.lock:  # the first group plans and reserves for all
@@ -516,12 +575,12 @@ class PrefillEndpoint:
                     prep = self.source.prepare(msg, src, self.export_base)
                     if not prep.nbytes or prep.fill_layers is None:
                         raise _Refuse("layout_mismatch", "this source does not serve layer groups")
-                    st.offset = self._reserve(msg, prep.nbytes)  # P5
+                    st.offset = self._reserve(key, msg, prep.nbytes)  # P5
                     st.prep = prep
                     if self.observer is not None:
                         self.observer(rid, msg, src)
             prep, off = st.prep, st.offset
-            if self._is_cancelled(rid):
+            if self._is_cancelled(key):
                 raise _Cancelled()
             t0 = time.perf_counter()
             prep.fill_layers(self.ring.base_addr + off, self.ring.view(off, prep.nbytes), lo, hi)  # P4 + P6
@@ -530,39 +589,44 @@ class PrefillEndpoint:
             out = KVReady(req_id=rid, ring_offset=off, total_nbytes=sum(s.nbytes for s in segs), segments=segs,
                           lease_ms=int(self.lease_s * 1000))
             with self._lock:
-                if rid in self._cancelled:
+                if key in self._cancelled:
                     raise _Cancelled()
                 st.inflight -= 1
                 st.served += 1
                 if st.inflight == 0:
-                    self._pending.discard(rid)
-                self._served[rid] = time.monotonic()
+                    self._pending.discard(key)
+                self._served[key] = (time.monotonic(), rid)
                 if st.served == 1:
                     self.stats.served += 1
             reply(out)  # P7 for this group
         except Exception as e:  # noqa: BLE001 - every failure becomes a typed reply
+            finished = False
             with self._lock:
                 st.inflight -= 1
                 last = st.inflight == 0
-                cancelled = rid in self._cancelled
+                cancelled = key in self._cancelled
                 free = last and st.offset >= 0 and (cancelled or st.served == 0)
                 if last:
-                    self._pending.discard(rid)
-                if cancelled and last:  # the decode gave up and sent Release: done with it (P9)
-                    self._cancelled.discard(rid)
-                    self._served.pop(rid, None)
-                    self._requests.pop(rid, None)
-                    self._remember_gone_locked(rid, "released")
+                    self._pending.discard(key)
+                req = self._requests.get(rid)
+                if cancelled and last:  # the decode gave up and sent Release: this share is done
+                    self._cancelled.discard(key)
+                    self._served.pop(key, None)
                     self.stats.cancelled += 1
+                    if req is not None:
+                        finished, _ok = self._share_done_locked(rid, req, key, False, count=False)
                 elif not cancelled:
                     self.stats.refused += 1
+                    if last and st.served == 0 and req is not None:
+                        req.shares.discard(key)
+                        self._streams.pop(key, None)
                 if free:
                     st.offset = -1
             if free:
-                self.ring.release(rid)  # P8
+                self.ring.release(key)  # P8
             if cancelled and not last:
                 return  # the last group still in flight finishes the cancel
-            self._fail_reply(rid, e, cancelled, reply)
+            self._fail_reply(rid, e, cancelled, reply, finished)
 
     def _check(self, msg: KVRequest, req: _Req) -> str:
         """'' when the request's token and block counts can be served, else why not."""
@@ -594,9 +658,9 @@ class PrefillEndpoint:
         with self._lock:
             return self.stats.produce_s.get(req_id)
 
-    def _is_cancelled(self, rid: str) -> bool:
+    def _is_cancelled(self, key: str) -> bool:
         with self._lock:
-            return rid in self._cancelled
+            return key in self._cancelled
 
     def _remember_gone_locked(self, rid: str, why: str) -> None:
         self._streams.pop(rid, None)
@@ -619,34 +683,39 @@ class PrefillEndpoint:
             self.reap_expired()
 
     def reap_expired(self) -> list[str]:
-        """Free every request whose lease ran out (held and never asked for, or served
-        without Release), and answer early KVRequests whose hand-over never came. The
-        engine hears ``on_finished(req_id, False)`` for each freed one. Returns their ids."""
+        """Free every request whose lease ran out (held and never asked for, or a share
+        served without Release: then all its shares), and answer early KVRequests whose
+        hand-over never came. The engine hears ``on_finished(req_id, False)`` for each
+        freed one. Returns their ids."""
         now, mono = time.time(), time.monotonic()
-        late = []
+        late, keys = [], []
         with self._lock:
-            dead = [r for r, t in self._served.items() if self.lease_s and mono - t > self.lease_s]
-            for r in dead:
-                del self._served[r]
+            dead = list(dict.fromkeys(r for t, r in self._served.values() if self.lease_s and mono - t > self.lease_s))
             dead += [r for r, q in self._requests.items()
-                     if q.expiry and now > q.expiry and r not in self._pending and r not in dead]
+                     if q.expiry and now > q.expiry and not q.shares and r not in dead]
             for r in dead:
-                self._requests.pop(r, None)
+                q = self._requests.pop(r, None)
+                shares = (q.shares if q is not None else set()) | {r}
+                for k in shares:
+                    self._served.pop(k, None)
+                    self._streams.pop(k, None)
+                keys.append((r, shares))
                 self._remember_gone_locked(r, "expired")
                 self.stats.expired += 1
             while self._early and next(iter(self._early.values()))[1] < mono:
                 late.append(self._early.popitem(last=False))
-                self._early_ids -= sum(max(1, len(m.dst_block_ids)) for m, _r in late[-1][1][0])
+                self._early_ids -= sum(max(1, len(m.dst_block_ids)) for m, _r, _p in late[-1][1][0])
             while self._early_release and next(iter(self._early_release.values())) < mono:
                 self._early_release.popitem(last=False)
-        for rid, (pairs, _u, _p) in late:
-            for _m, reply in pairs:
+        for rid, (pairs, _u) in late:
+            for _m, reply, _p in pairs:
                 reply(ErrorMsg(code="unknown_request", detail="no finished prefill with this id", req_id=rid))
-        for r in dead:
+        for r, shares in keys:
             logger.warning("prefill: lease of %s expired without Release; freeing it", r)
-            if self.ring is not None and r in self.ring.alloc.live():
-                self.ring.release(r)
-            self.exposure.release(r)
+            for k in shares:
+                if self.ring is not None and k in self.ring.alloc.live():
+                    self.ring.release(k)
+                self.exposure.release(k)
             self._notify(r, False)  # P9: the blocks are free for the engine
         return dead
 

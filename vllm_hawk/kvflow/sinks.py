@@ -25,6 +25,7 @@ from D2 until ``GroupLanding.unexpose`` after the last group's batch.
 """
 from __future__ import annotations
 
+import copy
 import ctypes
 import time
 from dataclasses import dataclass, field
@@ -140,6 +141,15 @@ class VllmPagedSink:
 
     def check_ready(self, ready: KVReady, plan, export_nbytes: int) -> str:
         return _vllm_check(ready, self.region_map, len(plan), export_nbytes)
+
+    def for_heads(self, region_map: KVRegionMap, layout: LayoutDesc) -> "VllmPagedSink":
+        """This sink restricted to some KV heads (``region_map``/``layout`` of those heads;
+        a share of a request, see :class:`~vllm_hawk.kvflow.decode.Share`). It shares this
+        sink's registrations and receive memory (keys are share keys) and is closed with it."""
+        view = copy.copy(self)
+        view.region_map, view.layout = region_map, layout
+        view.close = lambda: None  # the parent owns what is registered
+        return view
 
     def land(self, req_id, ready, plan, remote_base, claim_wait_s) -> Landing:
         entries = pair_stream(ready.segments, remote_base, self.region_map, plan.tolist(), 0)

@@ -11,6 +11,11 @@ replies; a source only knows its bytes. Three sources:
   ``[N_ch, -1, tile_chunk]`` for the decode's Tenstorrent layout, straight into a ring
   range, one segment per destination bank.
 
+Tensor parallelism: a KVRequest may ask for a range of this rank's KV heads
+(``head_start`` / ``num_heads``, :mod:`vllm_hawk.layout.tp`); every source then serves
+just those heads (a head-sliced region map or head-sliced transform views, built once per
+range) and checks the destination layout against them.
+
 A source's ``check`` bounds everything sized from the peer's layout before any plan;
 ``prepare`` returns a :class:`Prepared` (ring bytes needed, 0 = served in place) whose
 ``fill(addr, view)`` writes the bytes at a ring range and ``segments(offset)`` lists
@@ -23,6 +28,7 @@ import threading
 from dataclasses import dataclass
 from typing import Callable, Protocol, Sequence
 
+import msgspec
 import numpy as np
 import torch
 
@@ -80,6 +86,21 @@ def vllm_layout_desc(region_map: KVRegionMap, name: str, dtype: str, block_size:
                       page_nbytes=r0.block_stride_nbytes)
 
 
+def head_range_error(msg: KVRequest, num_kv_heads: int) -> str:
+    """'' when ``msg``'s head range lies inside this rank's ``num_kv_heads`` heads."""
+    if msg.num_heads and msg.head_start + msg.num_heads > num_kv_heads:
+        return (f"KV heads {msg.head_start}..{msg.head_start + msg.num_heads - 1} asked for, this prefill rank "
+                f"holds {num_kv_heads} (check both sides' tensor_parallel_size)")
+    return ""
+
+
+def share_heads(msg: KVRequest, num_kv_heads: int) -> tuple[int, int] | None:
+    """``(start, count)`` of a KVRequest for part of the heads, or None for all of them."""
+    if not msg.num_heads or (msg.head_start == 0 and msg.num_heads == num_kv_heads):
+        return None
+    return msg.head_start, msg.num_heads
+
+
 def _shape_mismatch(mine: LayoutDesc, theirs: LayoutDesc, fields: Sequence[str]) -> str:
     for f in fields:
         if getattr(mine, f) != getattr(theirs, f):
@@ -88,15 +109,41 @@ def _shape_mismatch(mine: LayoutDesc, theirs: LayoutDesc, fields: Sequence[str])
 
 
 class _VllmStreams:
-    """Shared by the two vLLM-layout sources: the decode must have the same block bytes."""
+    """Shared by the two vLLM-layout sources: the decode must have the same block bytes.
+    ``heads(start, count)``: the region map of those KV heads only (None: no shares)."""
 
-    def __init__(self, region_map: KVRegionMap, layout: LayoutDesc, storages: Sequence[tuple[int, int]]) -> None:
+    def __init__(self, region_map: KVRegionMap, layout: LayoutDesc, storages: Sequence[tuple[int, int]],
+                 heads: Callable[[int, int], KVRegionMap] | None = None) -> None:
         self.region_map, self.layout, self.storages = region_map, layout, list(storages)
+        self.heads, self._maps = heads, {}
+        self._maps_lock = threading.Lock()
+
+    def share_map(self, msg: KVRequest) -> KVRegionMap:
+        """The region map of the heads ``msg`` asks for (built once per head range)."""
+        sh = share_heads(msg, self.layout.num_kv_heads)
+        if sh is None:
+            return self.region_map
+        with self._maps_lock:
+            got = self._maps.get(sh)
+            if got is None:
+                if self.heads is None:
+                    raise ValueError("this prefill serves whole requests only (no head ranges)")
+                got = self._maps[sh] = self.heads(*sh)
+            return got
 
     def check(self, msg: KVRequest) -> str:
         d = msg.dst_layout
-        err = _shape_mismatch(self.layout, d, ("num_layers", "num_kv_heads", "head_dim", "block_size", "dtype",
-                                               "tile_nbytes"))
+        err = head_range_error(msg, self.layout.num_kv_heads)
+        if err:
+            return err
+        mine = self.layout
+        if share_heads(msg, mine.num_kv_heads) is not None:
+            if self.heads is None:
+                return "this prefill serves whole requests only (no head ranges)"
+            mine = msgspec.structs.replace(mine, num_kv_heads=msg.num_heads,
+                                           tile_nbytes=self.share_map(msg).layers[0].block_nbytes)
+        err = _shape_mismatch(mine, d, ("num_layers", "num_kv_heads", "head_dim", "block_size", "dtype",
+                                        "tile_nbytes"))
         if err:
             return err
         if d.num_banks != 1:
@@ -115,7 +162,7 @@ class VllmBlockSource(_VllmStreams):
         return self.storages
 
     def prepare(self, msg: KVRequest, src_blocks: np.ndarray, export_base: int) -> Prepared:
-        segs = source_segments(self.region_map, src_blocks.tolist(), export_base)
+        segs = source_segments(self.share_map(msg), src_blocks.tolist(), export_base)
         return Prepared(0, lambda addr, view: None, lambda off: segs)
 
 
@@ -130,14 +177,15 @@ class RingGatherSource(_VllmStreams):
 
     def prepare(self, msg: KVRequest, src_blocks: np.ndarray, export_base: int) -> Prepared:
         ids = src_blocks.tolist()
-        self.region_map.check_blocks(ids)
+        rmap = self.share_map(msg)
+        rmap.check_blocks(ids)
         n = len(ids)
 
         def fill(addr: int, view) -> None:
-            for dst, src, nb in gather_copies(self.region_map, ids, addr):
+            for dst, src, nb in gather_copies(rmap, ids, addr):
                 ctypes.memmove(dst, src, nb)
 
-        return Prepared(n * self.region_map.block_nbytes, fill, lambda off: ring_segments(self.region_map, n, off))
+        return Prepared(n * rmap.block_nbytes, fill, lambda off: ring_segments(rmap, n, off))
 
 
 def spec_from_desc(desc: LayoutDesc, num_blocks: int) -> TTKVCacheSpec:
@@ -178,13 +226,32 @@ class TileTransformSource:
 
     def __init__(self, views, layout: LayoutDesc, profile: DeviceProfile | None) -> None:
         self.views, self.layout, self.profile = as_transform_source(views), layout, profile
+        self._shares: dict = {}  # (head_start, num_heads) -> head-sliced TransformSource
+        self._shares_lock = threading.Lock()
 
     def exports(self) -> list[tuple[int, int]]:
         return []
 
+    def share_views(self, msg: KVRequest):
+        """The transform input of the heads ``msg`` asks for (built once per head range)."""
+        sh = share_heads(msg, self.layout.num_kv_heads)
+        if sh is None:
+            return self.views
+        with self._shares_lock:
+            got = self._shares.get(sh)
+            if got is None:
+                got = self._shares[sh] = self.views.heads(*sh)
+            return got
+
     def check(self, msg: KVRequest) -> str:
         d = msg.dst_layout
-        err = _shape_mismatch(self.layout, d, ("num_layers", "num_kv_heads", "head_dim", "block_size"))
+        err = head_range_error(msg, self.layout.num_kv_heads)
+        if err:
+            return err
+        mine = self.layout
+        if share_heads(msg, mine.num_kv_heads) is not None:
+            mine = msgspec.structs.replace(mine, num_kv_heads=msg.num_heads)
+        err = _shape_mismatch(mine, d, ("num_layers", "num_kv_heads", "head_dim", "block_size"))
         if err:
             return err
         if d.dtype not in KV_DTYPES or tile_format(d.dtype).tile_nbytes != d.tile_nbytes:
@@ -210,9 +277,10 @@ class TileTransformSource:
 
         memo: dict = {}  # per-tile kernel arguments, shared by the request's layer groups
         L = self.layout.num_layers
+        views = self.share_views(msg)
 
         def fill_layers(addr: int, view, lo: int, hi: int) -> None:  # CPU: every layout read in place
-            transform_source(self.views, src_blocks, self.layout.block_size, plan, view,
+            transform_source(views, src_blocks, self.layout.block_size, plan, view,
                              None if (lo, hi) == (0, L) else (lo, hi), memo=memo)
 
         def segments_layers(off: int, lo: int, hi: int) -> list[Segment]:

@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import bisect
 from dataclasses import dataclass
-from typing import Sequence
+from typing import Callable, Sequence
 
 from vllm_hawk.protocol import Segment
 
@@ -173,3 +173,17 @@ def region_map_from_caches(caches: Sequence, templates: Sequence[Sequence[tuple[
     if len(nb) != 1:
         raise ValueError(f"layers have different block counts {sorted(nb)}")
     return KVRegionMap(tuple(layers), nb.pop())
+
+
+def head_maps(caches: Sequence) -> Callable[[int, int], KVRegionMap]:
+    """``(start, count) -> KVRegionMap`` of KV heads ``[start, start+count)`` of per-layer
+    caches ``[num_blocks, H, ...]`` (dim 1 = heads in every vLLM 0.32 layout; byte runs
+    from the head-sliced views' strides: one run per block for head-outer layouts such
+    as CPU_ATTN, one per token for FlashAttention's NHD)."""
+    from vllm_hawk.layout.vllm_kv import block_byte_ranges
+
+    def for_heads(start: int, count: int) -> KVRegionMap:
+        sliced = [c[:, start:start + count] for c in caches]
+        return region_map_from_caches(sliced, [block_byte_ranges(c, 0) for c in sliced])
+
+    return for_heads

@@ -21,7 +21,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-__all__ = ["HeadShard", "Pull", "TPMismatch", "shard_heads", "plan_pulls", "consumers", "serving_rank"]
+__all__ = ["HeadShard", "Pull", "TPMismatch", "shard_heads", "plan_pulls", "consumers", "share_index",
+           "serving_rank"]
 
 
 class TPMismatch(ValueError):
@@ -111,3 +112,12 @@ def consumers(num_kv_heads: int, prefill_tp: int, decode_tp: int, prefill_rank: 
     request: it frees the request's blocks after that many Releases."""
     return sum(p.prefill_rank == prefill_rank
                for d in range(decode_tp) for p in plan_pulls(num_kv_heads, prefill_tp, decode_tp, d))
+
+
+def share_index(num_kv_heads: int, prefill_tp: int, decode_tp: int, decode_rank: int, prefill_rank: int) -> int:
+    """The number of decode target ``decode_rank``'s pull among all pulls aimed at
+    ``prefill_rank`` (ordered by target): the ``share`` its KVRequest and Release name."""
+    n = 0
+    for d in range(decode_rank):
+        n += sum(p.prefill_rank == prefill_rank for p in plan_pulls(num_kv_heads, prefill_tp, decode_tp, d))
+    return n

@@ -337,6 +337,18 @@ class TransformSource:
     def num_blocks(self) -> int:
         return int(self.views[0][0].shape[0] if self.views is not None else self.caches[0].shape[0])
 
+    def heads(self, start: int, count: int) -> "TransformSource":
+        """The same caches restricted to KV heads ``[start, start + count)`` (no copy: head
+        slices of the views, or of the caches for gathered layouts; dim 1 is heads in
+        every vLLM 0.32 layer cache ``[num_blocks, H, N, C]``)."""
+        if self.views is not None:
+            return TransformSource.of_views([(k[:, start:start + count], v[:, start:start + count])
+                                             for k, v in self.views])
+        from dataclasses import replace
+
+        return TransformSource([replace(a, num_kv_heads=count) for a in self.adapters],
+                               [c[:, start:start + count] for c in self.caches])
+
     def select(self, block_ids) -> tuple[list[tuple[torch.Tensor, torch.Tensor]], np.ndarray]:
         """(per-layer logical (K, V), ids into them) for the blocks ``block_ids`` (1-D)."""
         ids = np.asarray(block_ids, dtype=np.int64).reshape(-1)

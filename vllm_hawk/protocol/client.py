@@ -41,6 +41,7 @@ from vllm_hawk.protocol.messages import (
 )
 from vllm_hawk.protocol.server import resolve_auth
 from vllm_hawk.protocol.wakeup import Wakeup
+from vllm_hawk.protocol.zmq_context import shared_context
 from vllm_hawk.security import RateLimitedLog, curve_keypairs
 
 logger = logging.getLogger(__name__)
@@ -103,7 +104,7 @@ class ProtocolClient:
         self._reconnected = False  # set by the monitor: the connection was lost after a handshake
         self._lock = threading.Lock()
         self._outbox: queue.SimpleQueue = queue.SimpleQueue()
-        self._ctx = zmq.Context.instance()
+        self._ctx = shared_context()
         self._sock = self._ctx.socket(zmq.DEALER)
         self._sock.setsockopt(zmq.LINGER, 0)
         self._sock.setsockopt(zmq.MAXMSGSIZE, max_message_nbytes + 4096)
@@ -167,9 +168,9 @@ class ProtocolClient:
                                            f"outside the {ring}-byte exported region"), self.endpoint)
         return out
 
-    def release(self, req_id: str, ok: bool = True, timeout_s: float | None = None) -> None:
-        """D8: tell the prefill to free the request's ring region (P8)."""
-        self.call(Release(req_id=req_id, ok=ok), timeout_s)
+    def release(self, req_id: str, ok: bool = True, timeout_s: float | None = None, *, share: int = 0) -> None:
+        """D8: tell the prefill to free the request's (or one share's) ring region (P8)."""
+        self.call(Release(req_id=req_id, ok=ok, share=share), timeout_s)
 
     def renew(self, req_ids: list[str], timeout_s: float | None = None) -> Renewed:
         """Heartbeat: extend the leases of ``req_ids`` (at most ``MAX_RENEW_IDS``)."""

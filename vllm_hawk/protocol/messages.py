@@ -35,10 +35,18 @@ ask for one layer group of a request (layer-group pipelining: the decode sends o
 KVRequest per group at once and reads group i while the prefill transforms group i+1); a
 KVReady then covers only that group's bytes, and one Release ends the whole request.
 
-Version 5 (this one) adds lease renewal (``Renew`` / ``Renewed``: a decode keeps the
+Version 5 added lease renewal (``Renew`` / ``Renewed``: a decode keeps the
 leases of the requests it still wants alive while they wait in its queue) and
 ``ControlHello`` (the proxy releases the prefill's blocks of a request the decode
-refused before its engine saw it); envelope magic ``HAWK/5``.
+refused before its engine saw it).
+
+Version 6 (this one) adds tensor parallelism (:mod:`vllm_hawk.layout.tp`): ``HelloAck``
+says which TP rank the prefill side channel serves and which KV heads it holds;
+``KVRequest.head_start`` / ``num_heads`` ask for a range of those heads (one *share* of
+the request: a decode rank or chip holding only some of them) and ``consumers`` says how
+many shares of the request all decode targets together will pull from this rank and
+``share`` which one this is; ``Release`` names the share it ends. The prefill frees a request's blocks when all its
+shares are released. Envelope magic ``HAWK/6``.
 """
 from __future__ import annotations
 
@@ -47,12 +55,13 @@ from typing import Annotated, Literal, Union
 import msgspec
 from msgspec import Meta, Struct
 
-PROTOCOL_VERSION = 5
+PROTOCOL_VERSION = 6
 
 MAX_SEGMENTS = 4096  # per KVReady: N_ch banks x layers x K/V stays well below this
 MAX_BLOCK_IDS = 1 << 16
 MAX_STR = 256
 MAX_DETAIL = 1024
+MAX_CONSUMERS = 64  # shares of one request one prefill rank serves (decode ranks x chips)
 MAX_RENEW_IDS = 2048  # ids per Renew / Renewed: <= 2048 x 256 chars, well under a message's 1 MiB
 
 U64 = Annotated[int, Meta(ge=0, le=2**63 - 1)]  # msgspec bounds must fit int64
@@ -143,6 +152,11 @@ class HelloAck(_Base, tag="hello_ack"):
     transfer_endpoint: Name
     export_base_addr: U64
     export_nbytes: U64
+    tp_size: Annotated[int, Meta(gt=0, le=1024)] = 1
+    tp_rank: Annotated[int, Meta(ge=0, le=1023)] = 0
+    num_kv_heads: U32 = 0  # the model's KV heads (all ranks); 0 = not told
+    head_start: U32 = 0  # global index of this rank's first KV head
+    num_heads: U32 = 0  # KV heads this rank holds; 0 = not told
 
 
 class KVRequest(_Base, tag="kv_request"):
@@ -152,7 +166,12 @@ class KVRequest(_Base, tag="kv_request"):
     ...`` in order; deadline_ms: unix ms after which the decode gives up (0 = none); first_layer,
     num_layers: only layers ``first_layer .. first_layer + num_layers - 1`` (one layer
     group; num_layers 0 = the whole request). Every group of a request carries the same
-    blocks and layout; the prefill produces the request's bytes once, group by group."""
+    blocks and layout; the prefill produces the request's bytes once, group by group.
+    head_start, num_heads: only the prefill's local KV heads ``head_start ..
+    head_start + num_heads - 1`` (one share; num_heads 0 = all; ``dst_layout.num_kv_heads``
+    is the share's head count); consumers: how many shares of this request the decode
+    side pulls from this prefill in all (the prefill frees the blocks after that many
+    Releases); share: this share's index among them (0 .. consumers - 1)."""
 
     req_id: ReqId
     dst_layout: LayoutDesc
@@ -162,6 +181,10 @@ class KVRequest(_Base, tag="kv_request"):
     deadline_ms: U64 = 0
     first_layer: Annotated[int, Meta(ge=0, le=1 << 16)] = 0
     num_layers: Annotated[int, Meta(ge=0, le=1 << 16)] = 0
+    head_start: Annotated[int, Meta(ge=0, le=1 << 16)] = 0
+    num_heads: Annotated[int, Meta(ge=0, le=1 << 16)] = 0
+    consumers: Annotated[int, Meta(ge=1, le=MAX_CONSUMERS)] = 1
+    share: Annotated[int, Meta(ge=0, lt=MAX_CONSUMERS)] = 0
 
 
 class KVReady(_Base, tag="kv_ready"):
@@ -178,10 +201,12 @@ class KVReady(_Base, tag="kv_ready"):
 
 
 class Release(_Base, tag="release"):
-    """D8/P8. ok=False tells the prefill the transfer failed (it frees the region anyway)."""
+    """D8/P8. ok=False tells the prefill the transfer failed (it frees the region anyway).
+    share: the share it ends (its KVRequest's ``share``; 0 also for a whole request)."""
 
     req_id: ReqId
     ok: bool = True
+    share: Annotated[int, Meta(ge=0, lt=MAX_CONSUMERS)] = 0
 
 
 class Renew(_Base, tag="renew"):

@@ -69,6 +69,7 @@ from vllm_hawk.protocol.messages import (
     Renewed,
 )
 from vllm_hawk.protocol.wakeup import Wakeup
+from vllm_hawk.protocol.zmq_context import new_context
 from vllm_hawk.security import RateLimitedLog, Refusals, curve_keypairs
 
 logger = logging.getLogger(__name__)
@@ -103,7 +104,9 @@ class ProtocolHandler(Protocol):
     """What the prefill side plugs into :class:`ProtocolServer`."""
 
     def hello_info(self) -> tuple[str, int, int]:
-        """``(transfer_endpoint, export_base_addr, export_nbytes)`` for HelloAck."""
+        """``(transfer_endpoint, export_base_addr, export_nbytes)`` for HelloAck. A handler
+        may also define ``tp_info() -> dict`` with HelloAck's ``tp_size``, ``tp_rank``,
+        ``num_kv_heads``, ``head_start`` and ``num_heads``."""
 
     def on_kv_request(self, peer: str, msg: KVRequest, reply: Reply) -> Message | None:
         """D1 -> P1-P7: return KVReady/ErrorMsg now, or None and call ``reply`` later.
@@ -175,7 +178,7 @@ class ProtocolServer:
         self._send_lock = threading.Lock()  # number + queue a reply as one step (see _send)
         # Our own context: the ZAP handler is per context, and a process may run several
         # servers (the benchmark's prefill does).
-        self._ctx = zmq.Context()
+        self._ctx = new_context()
         self._auth = None
         self._sock = self._ctx.socket(zmq.ROUTER)
         self._monitor = None
@@ -418,8 +421,10 @@ class ProtocolServer:
         else:
             self._control.discard(identity)
         endpoint, base, nbytes = self._handler.hello_info()
+        tp = getattr(self._handler, "tp_info", None)
         return HelloAck(compat_hash=self._hash, server_id=self.server_id,
-                        transfer_endpoint=endpoint, export_base_addr=base, export_nbytes=nbytes)
+                        transfer_endpoint=endpoint, export_base_addr=base, export_nbytes=nbytes,
+                        **(tp() if tp is not None else {}))
 
 
 class _OnceReply:

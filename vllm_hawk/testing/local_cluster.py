@@ -23,6 +23,7 @@ same core.
 """
 from __future__ import annotations
 
+import contextlib
 import http.client
 import json
 import os
@@ -67,6 +68,50 @@ def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
+
+
+def free_port_run(n: int) -> int:
+    """The first of ``n`` consecutive ports free right now (a TP prefill's side channels:
+    rank r listens on port + r)."""
+    for _ in range(200):
+        base = free_port()
+        if base + n > 65535:
+            continue
+        socks = []
+        try:
+            for p in range(base, base + n):
+                s = socket.socket()
+                socks.append(s)
+                s.bind(("127.0.0.1", p))
+            return base
+        except OSError:
+            continue
+        finally:
+            for s in socks:
+                s.close()
+    raise RuntimeError(f"no run of {n} free ports found")
+
+
+def remove_vllm_shm() -> list[str]:
+    """vLLM 0.32's CPU build leaves ``/dev/shm/vllm_dist_*cpushm*`` files behind at every
+    shutdown of a tensor-parallel engine; remove those no process holds open."""
+    import glob
+
+    held = set()
+    for fd_dir in glob.glob("/proc/[0-9]*/fd"):
+        try:
+            for fd in os.listdir(fd_dir):
+                with contextlib.suppress(OSError):
+                    held.add(os.readlink(os.path.join(fd_dir, fd)))
+        except OSError:
+            continue
+    removed = []
+    for f in glob.glob("/dev/shm/vllm_dist_*cpushm*"):
+        if f not in held:
+            with contextlib.suppress(OSError):
+                os.unlink(f)
+                removed.append(f)
+    return removed
 
 
 def http_get(url: str, timeout: float = 5.0) -> tuple[int, bytes]:
@@ -114,15 +159,21 @@ def kv_usage(base_url: str) -> float:
     return scrape_metrics(base_url).get("vllm:kv_cache_usage_perc", -1.0)
 
 
-def connector_states(dump_dir: str | os.PathLike) -> dict[str, dict]:
+def connector_states(dump_dir: str | os.PathLike, every: bool = False) -> dict:
     """The connectors' idle snapshots, by role: ``state-<role>-*.json`` that each engine
-    writes under ``HAWK_DEBUG_DIR`` (:mod:`vllm_hawk.connector.debug`)."""
-    out = {}
-    for f in Path(dump_dir).glob("state-*.json"):
+    worker writes under ``HAWK_DEBUG_DIR`` (:mod:`vllm_hawk.connector.debug`). ``every``:
+    a list per role, one per worker (tensor-parallel ranks), instead of one of them."""
+    out: dict = {}
+    for f in sorted(Path(dump_dir).glob("state-*.json")):
         try:
-            out[f.name.split("-")[1]] = json.loads(f.read_text())
+            state = json.loads(f.read_text())
         except (OSError, ValueError):
-            pass
+            continue
+        role = f.name.split("-")[1]
+        if every:
+            out.setdefault(role, []).append(state)
+        else:
+            out[role] = state
     return out
 
 
@@ -130,13 +181,15 @@ def idle_state(cluster, dump_dir: str | os.PathLike) -> tuple[bool, dict]:
     """(idle?, what was seen): nothing held or in flight on either connector (prefill: held
     requests, ring ranges; decode: pulls, renewed ids, receive slices) and vLLM's KV cache
     usage 0 on both servers."""
-    s = connector_states(dump_dir)
-    p, d = s.get("prefill", {}).get("prefill", {}), s.get("decode", {}).get("decode", {})
+    s = connector_states(dump_dir, every=True)
+    ps = [x.get("prefill", {}) for x in s.get("prefill", [])] or [{}]
+    ds = [x.get("decode", {}) for x in s.get("decode", [])] or [{}]
     usage = (kv_usage(cluster.prefill_url), kv_usage(cluster.decode_url))
-    ok = (p.get("held") == 0 and p.get("ring_live") == 0 and p.get("ring_used", 0) == 0
-          and d.get("inflight") == 0 and d.get("renewing", 0) == 0 and d.get("recv_live", 0) == 0
+    ok = (all(p.get("held") == 0 and p.get("ring_live") == 0 and p.get("ring_used", 0) == 0 for p in ps)
+          and all(d.get("inflight") == 0 and d.get("renewing", 0) == 0 and d.get("recv_live", 0) == 0 for d in ds)
           and usage == (0.0, 0.0))
-    return ok, {"prefill": p, "decode": d, "usage": usage}
+    one = (lambda xs: xs[0]) if len(ps) == len(ds) == 1 else (lambda xs: xs)
+    return ok, {"prefill": one(ps), "decode": one(ds), "usage": usage}
 
 
 def wait_idle(cluster, dump_dir: str | os.PathLike, timeout_s: float = 30.0) -> dict:
@@ -232,6 +285,8 @@ class LocalCluster:
     extra_env: dict = field(default_factory=dict)  # environment of both servers
     auth: str = "curve"  # side-channel authentication of both servers (a fresh secret file unless "none")
     startup_timeout_s: float = 400.0
+    prefill_tp: int = 1  # --tensor-parallel-size of each side (ranks bind both CPUs: VLLM_CPU_OMP_THREADS_BIND 0|1)
+    decode_tp: int = 1
     python: str = sys.executable
     servers: dict[str, Server] = field(default_factory=dict)
 
@@ -288,6 +343,11 @@ class LocalCluster:
         env.update({k: str(v) for k, v in self.extra_env.items()})
         if cpu is not None:
             env["VLLM_CPU_OMP_THREADS_BIND"] = cpu
+        if cpu == "nobind":
+            # Tensor-parallel ranks: vLLM's default binding refuses 2 ranks on one NUMA node, and
+            # pinning 2 ranks of each server to the 2 cores starved the side channel for tens of
+            # seconds (a rank's main thread busy-polls vLLM's shared-memory queue on its core).
+            env["OMP_NUM_THREADS"] = "1"
         root = str(Path(__file__).resolve().parents[2])
         tt_dir = self._tt_entry_point_dir() if tt else None
         env["PYTHONPATH"] = os.pathsep.join(p for p in (root, tt_dir, env.get("PYTHONPATH")) if p)
@@ -295,6 +355,10 @@ class LocalCluster:
 
     def _vllm(self, role: str, kv_role: str, config: dict, cpu: str | None) -> Server:
         work = Path(self.workdir)
+        tp = self.prefill_tp if role == "prefill" else self.decode_tp
+        tp_args = ["--tensor-parallel-size", str(tp)] if tp > 1 else []
+        if tp > 1:  # see _env: ranks unpinned, one OpenMP thread each
+            cpu = "nobind"
         port = free_port()
         ktc = {"kv_connector": "HawkConnector", "kv_connector_module_path": "vllm_hawk.connector",
                "kv_role": kv_role, "kv_connector_extra_config": config}
@@ -310,7 +374,7 @@ class LocalCluster:
                 "--enforce-eager", "--dtype", self.dtype, "--max-model-len", str(self.max_model_len),
                 "--block-size", str(self.block_size), "--max-num-seqs", str(self.max_num_seqs),
                 "--chat-template", str(work / "chat_template.jinja"),
-                *map(str, self.extra_args), "--kv-transfer-config", json.dumps(ktc)]
+                *tp_args, *map(str, self.extra_args), "--kv-transfer-config", json.dumps(ktc)]
         tt = role == "decode" and bool(self.decode_tt)
         return Server(role, argv, self._env(cpu, tt), work / f"{role}.log", f"http://127.0.0.1:{port}")
 
@@ -322,7 +386,7 @@ class LocalCluster:
         p_cpu, d_cpu = (str(cpus[0]), str(cpus[1])) if len(cpus) >= 2 else (None, None)
         tt = {"device_profile": self.decode_tt.get("device", "p150a")} if self.decode_tt else {}
         tt.update(self._auth_config(work))
-        p_cfg = {"side_channel_port": free_port(), **tt, **self.extra_config, **self.prefill_config}
+        p_cfg = {"side_channel_port": free_port_run(self.prefill_tp), **tt, **self.extra_config, **self.prefill_config}
         d_cfg = {**tt, **self.extra_config, **self.decode_config}
         self.servers["prefill"] = self._vllm("prefill", "kv_producer", p_cfg, p_cpu)
         self.servers["decode"] = self._vllm("decode", "kv_consumer", d_cfg, d_cpu)
@@ -383,6 +447,8 @@ class LocalCluster:
             s = self.servers.get(name)
             if s is not None:
                 s.stop()
+        if max(self.prefill_tp, self.decode_tp) > 1:
+            remove_vllm_shm()
 
     def leftover_processes(self) -> list[int]:
         """Process groups of this cluster that still exist (should be empty after stop)."""
