@@ -37,6 +37,16 @@ GG-Direct cache, the receive pools and the KV pool registered once at start — 
 before per-request registration); ``both`` runs the two one after the other in this
 invocation and prints per-request / whole latency ratios per row and size.
 Block tables are contiguous runs (a fresh cache) unless ``--fragmented``.
+
+Tensor parallelism (default: the paper's Llama-3.1-70B, prefill TP=4 -> 4 p150a chips):
+``--prefill-tp P`` spawns one prefill process per rank holding its shard, ``--decode-tp D``
+(alias ``--chips``) makes one emulated device per chip with its own decodes; P must equal D
+(chip d pulls the whole shard of the rank serving its heads, :func:`vllm_hawk.layout.tp.plan_pulls`;
+heterogeneous TP is refused: the e2e tests measure it). The chips' pulls of one request run
+concurrently (one thread per chip); its latency is from the first chip's request to the last
+chip's KV in place. ``--sizes-mb`` is the request's bf16 KV over all KV heads (each chip
+gets its share). Every row reports per chip: bytes moved, bytes per DRAM bank (largest
+bank), segments (in KVReady) and READ entries, plus totals.
 """
 from __future__ import annotations
 
