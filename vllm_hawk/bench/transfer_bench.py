@@ -160,8 +160,9 @@ def tp_plan(model: str, prefill_tp: int, decode_tp: int) -> list:
     pulls = [plan_pulls(h, prefill_tp, decode_tp, d) for d in range(decode_tp)]
     if prefill_tp != decode_tp:
         raise HeterogeneousTP(
-            f"prefill TP {prefill_tp} -> decode TP {decode_tp}: heterogeneous TP (a chip pulls parts of prefill "
-            f"shards: {sum(map(len, pulls))} pulls over {decode_tp} chips) is measured in the e2e tests; "
+            f"prefill TP {prefill_tp} -> decode TP {decode_tp}: heterogeneous TP (a chip's heads come from "
+            f"several prefill ranks or from part of one rank's shard: {sum(map(len, pulls))} pulls over "
+            f"{decode_tp} chips) is measured in the e2e tests; "
             "`hawk layout --prefill-tp P --decode-tp D` reports its plan. This benchmark runs prefill TP == "
             "decode TP (one whole shard per chip)")
     assert all(len(p) == 1 for p in pulls)
@@ -350,7 +351,7 @@ def _row_figures(row, dtype, mb, n, block_size, per_token, runs, reps, cpu_ms, c
         t0 = min(t for _, t in run)
         return max(t - t0 + chip_total(r) for r, t in run)
 
-    def med(f) -> float:  # median over repeats of the slowest chip's figure
+    def med(f) -> float:  # median over repeats of the largest figure over the chips
         return statistics.median(max(f(r) for r, _ in run) for run in runs)
 
     per_chip = []
@@ -525,8 +526,8 @@ def main(argv: list[str] | None = None) -> int:
                               ("cpu_norm_gg_direct", "CPU/GG-Direct", ".2f")])
     print("\nsrc MB: the request's bf16 KV over all KV heads; per chip: the largest chip's figure (bytes/bank: its "
           "largest DRAM bank; nan: a vLLM-layout decode, no banks); segments: in KVReady; READs: transfer entries; "
-          "latency: first chip's request -> last chip's KV in place; request/transform/transfer/copy: the slowest "
-          "chip's.")
+          "latency: first chip's request -> last chip's KV in place; request/transform/transfer/copy: each the "
+          "largest over the chips.")
     print("request = D1 -> P7 (includes the prefill transform for HAWK rows); transform = prefill transform "
           "(HAWK) or decode-side layout fix (GN-Host); copy/fix = intra-bank copies (staged) or the GN-Host fix "
           "+ write; bfloat8_b rows move fewer bytes: that gain is the format, not a faster transfer.")
