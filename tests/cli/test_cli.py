@@ -22,7 +22,8 @@ def test_help_lists_commands():
 def test_layout_default_is_the_70b_p150a_case():
     r = hawk("layout", "--tokens", "1024")
     assert r.returncode == 0, r.stderr
-    assert "llama-3.1-70b TP=4" in r.stdout and "p150a (8 DRAM banks)" in r.stdout and "bfloat8_b" in r.stdout
+    assert "prefill TP=4 (2 KV heads/rank) -> decode TP=4: 4 x p150a (8 DRAM banks) with 2 KV" in r.stdout
+    assert "llama-3.1-70b" in r.stdout and "bfloat8_b" in r.stdout
     r = hawk("layout", "--tokens", "1024", "--json")
     rep = json.loads(r.stdout)
     assert rep["num_banks"] == 8 and rep["blocks"] == 16
@@ -31,11 +32,13 @@ def test_layout_default_is_the_70b_p150a_case():
     assert {b["bytes"] for b in rep["banks"]} == {16 * 16 * 160 * 1088 // 8}
     staged = [p for p in rep["plans"] if p["mode"] == "staged"]
     assert all(p["rdma_ops"] == 8 for p in staged)
+    assert [c["prefill_ranks"] for c in rep["chips"]] == [[0], [1], [2], [3]]
+    assert rep["totals"]["target_bytes"] == 4 * rep["target_bytes"] and rep["totals"]["segments"] == 32
 
 
 def test_layout_bad_input_names_the_problem():
     r = hawk("layout", "--device", "p999")
-    assert r.returncode == 2 and "unknown device profile 'p999'" in r.stdout
+    assert r.returncode == 2 and "unknown device profile 'p999'" in r.stderr
     r = hawk("layout", "--tokens", "0")
     assert r.returncode != 0 and "--tokens" in r.stderr
 

@@ -133,7 +133,7 @@ def test_hawk_layout_and_doctor_run_outside_the_checkout(installed):
     assert r.returncode == 0, r.stdout + r.stderr
     rep = json.loads(r.stdout)
     assert rep["num_banks"] == 8 and rep["blocks"] == 16  # p150a, llama-3.1-70b: shipped YAML
-    r = run([hawk, "layout", "--model", "llama-3.1-8b", "--tp", "1", "--device", "n150",
+    r = run([hawk, "layout", "--model", "llama-3.1-8b", "--prefill-tp", "1", "--device", "n150",
              "--tokens", "256"], cwd=outside, env=env)
     assert r.returncode == 0 and "n150 (12 DRAM banks)" in r.stdout, r.stdout + r.stderr
 

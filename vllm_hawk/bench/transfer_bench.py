@@ -37,6 +37,16 @@ GG-Direct cache, the receive pools and the KV pool registered once at start — 
 before per-request registration); ``both`` runs the two one after the other in this
 invocation and prints per-request / whole latency ratios per row and size.
 Block tables are contiguous runs (a fresh cache) unless ``--fragmented``.
+
+Tensor parallelism (default: the paper's Llama-3.1-70B, prefill TP=4 -> 4 p150a chips):
+``--prefill-tp P`` spawns one prefill process per rank holding its shard, ``--decode-tp D``
+(alias ``--chips``) makes one emulated device per chip with its own decodes; P must equal D
+(chip d pulls the whole shard of the rank serving its heads, :func:`vllm_hawk.layout.tp.plan_pulls`;
+heterogeneous TP is refused: the e2e tests measure it). The chips' pulls of one request run
+concurrently (one thread per chip); its latency is from the first chip's request to the last
+chip's KV in place. ``--sizes-mb`` is the request's bf16 KV over all KV heads (each chip
+gets its share). Every row reports per chip: bytes moved, bytes per DRAM bank (largest
+bank), segments (in KVReady) and READ entries, plus totals.
 """
 from __future__ import annotations
 
@@ -51,6 +61,7 @@ import numpy as np
 
 from vllm_hawk.bench.common import print_table, progress, write_json
 from vllm_hawk.child_process import stop_pipe_process
+from vllm_hawk.layout_report import tp_args
 
 ROWS = ("GG-Host", "GN-Host", "GG-Direct", "GN-HAWK staged", "GN-HAWK direct", "per-tile", "GN-HAWK pipelined",
         "GN-HAWK direct pipelined")
@@ -102,13 +113,23 @@ def _prefill_main(cfg: dict, conn) -> None:
 
 
 class _Prefill:
-    def __init__(self, cfg: dict, start_timeout_s: float = 300.0) -> None:
+    """One prefill rank's process; ``wait=False`` returns at once (call :meth:`wait`), so
+    several ranks start together."""
+
+    def __init__(self, cfg: dict, start_timeout_s: float = 300.0, wait: bool = True) -> None:
         ctx = mp.get_context("spawn")
         self.conn, child = ctx.Pipe()
         self.proc = ctx.Process(target=_prefill_main, args=(cfg, child), daemon=True)
         self.proc.start()
         child.close()
-        if not self.conn.poll(start_timeout_s):
+        self.start_timeout_s, self.endpoints = start_timeout_s, None
+        if wait:
+            self.wait()
+
+    def wait(self) -> None:
+        if self.endpoints is not None:
+            return
+        if not self.conn.poll(self.start_timeout_s):
             self.stop()
             raise RuntimeError("prefill process did not start")
         self.endpoints = self.conn.recv()
@@ -122,9 +143,42 @@ class _Prefill:
 
 
 # ---------------------------------------------------------------------------- decode side
-def run(model: str = "llama-3.1-70b", tp: int = 4, device_profile: str = "p150a", block_size: int = 64,
-        sizes_mb=DEFAULT_SIZES, repeats: int = 5, rows=ROWS, per_tile_cap_s: float = 10.0,
-        fragmented: bool = False, seed: int = 0, layer_groups: int = 4, registration: str = "per_request") -> dict:
+class HeterogeneousTP(ValueError):
+    """Prefill TP != decode TP: a chip's pulls are parts of shards, which this benchmark does
+    not run (it moves whole shards through the one data path)."""
+
+
+def tp_plan(model: str, prefill_tp: int, decode_tp: int) -> list:
+    """Each decode chip's one pull (:func:`vllm_hawk.layout.tp.plan_pulls`) when the sides'
+    TP sizes match: the whole shard of ``H/tp`` heads (one head when ``H < tp``) from the
+    prefill rank serving it. Raises :class:`~vllm_hawk.layout.tp.TPMismatch` (both sizes
+    named) or :class:`HeterogeneousTP`."""
+    from vllm_hawk.layout.model_shapes import load_model_shape
+    from vllm_hawk.layout.tp import plan_pulls
+
+    h = load_model_shape(model).num_kv_heads
+    pulls = [plan_pulls(h, prefill_tp, decode_tp, d) for d in range(decode_tp)]
+    if prefill_tp != decode_tp:
+        raise HeterogeneousTP(
+            f"prefill TP {prefill_tp} -> decode TP {decode_tp}: heterogeneous TP (a chip's heads come from "
+            f"several prefill ranks or from part of one rank's shard: {sum(map(len, pulls))} pulls over "
+            f"{decode_tp} chips) is measured in the e2e tests; "
+            "`hawk layout --prefill-tp P --decode-tp D` reports its plan. This benchmark runs prefill TP == "
+            "decode TP (one whole shard per chip)")
+    assert all(len(p) == 1 for p in pulls)
+    return [p[0] for p in pulls]
+
+
+def run(model: str = "llama-3.1-70b", prefill_tp: int = 4, decode_tp: int | None = None,
+        device_profile: str = "p150a", block_size: int = 64, sizes_mb=DEFAULT_SIZES, repeats: int = 5, rows=ROWS,
+        per_tile_cap_s: float = 10.0, fragmented: bool = False, seed: int = 0, layer_groups: int = 4,
+        registration: str = "per_request") -> dict:
+    """Measure every row for requests of ``sizes_mb`` MB (bf16 KV of all the model's KV heads)
+    moved from ``prefill_tp`` prefill processes to ``decode_tp`` chips (= prefill_tp: each
+    chip pulls one shard; the pulls of one request run concurrently, one thread per chip)."""
+    import concurrent.futures as cf
+    import time
+
     from vllm_hawk.kvflow.gn_host import wire_layout_of
     from vllm_hawk.layout.device_profiles import load_profile
     from vllm_hawk.layout.model_shapes import load_model_shape
@@ -135,18 +189,23 @@ def run(model: str = "llama-3.1-70b", tp: int = 4, device_profile: str = "p150a"
     from vllm_hawk.testing.paged_cache import PagedKVCache
     from vllm_hawk.transport import make_transport
 
+    decode_tp = prefill_tp if decode_tp is None else decode_tp
+    pulls = tp_plan(model, prefill_tp, decode_tp)
     shape = load_model_shape(model)
-    heads = shape.kv_heads_per_rank(tp)
-    per_token = shape.kv_bytes_per_token(tp, 2)
-    n_blocks = {mb: max(1, round(mb * 1e6 / per_token / block_size)) for mb in sizes_mb}
+    heads = shape.kv_heads_per_rank(decode_tp)  # per chip = per prefill rank
+    per_token = shape.kv_bytes_per_token(decode_tp, 2)  # one chip's bytes per token (bf16)
+    n_blocks = {mb: max(1, round(mb * 1e6 / shape.kv_bytes_per_token(1, 2) / block_size)) for mb in sizes_mb}
     max_n = max(n_blocks.values())
     cache_blocks = (2 * max_n if fragmented else max_n) + 1
     src_nbytes = max_n * block_size * per_token
     compat_args = (shape.name, "bfloat16", block_size, "vllm-flash-nhd", "tt-paged", device_profile)
     host_chunk = 4 << 20
-    pre = _Prefill({"shape": (shape.num_layers, cache_blocks, heads, block_size, shape.head_dim), "seed": seed,
-                    "compat": compat_args, "ring_nbytes": int(src_nbytes * 1.05) + (8 << 20), "host_chunk": host_chunk,
-                    "registration": registration})
+    ranks = sorted({p.prefill_rank for p in pulls})
+    pre: dict = {}
+    for r in ranks:  # start every prefill rank's process, then wait for each
+        pre[r] = _Prefill({"shape": (shape.num_layers, cache_blocks, heads, block_size, shape.head_dim),
+                           "seed": seed + r, "compat": compat_args, "ring_nbytes": int(src_nbytes * 1.05) + (8 << 20),
+                           "host_chunk": host_chunk, "registration": registration}, wait=False)
     compat = make_compat(*compat_args)
     mc, hs = make_transport("mooncake"), make_transport("host_staged", chunk_nbytes=host_chunk)
     spec = {dt: TTKVCacheSpec(shape.num_layers, cache_blocks, heads, block_size, shape.head_dim, dt)
@@ -156,54 +215,83 @@ def run(model: str = "llama-3.1-70b", tp: int = 4, device_profile: str = "p150a"
     recv_per_bank = -(-src_nbytes // nb) + (1 << 20)  # the largest request's G' spread over the banks, + slack
     need = sum(-(-s.tiles_per_tensor // nb) * prof.aligned_page(s.tile_nbytes) * 2 * s.num_layers
                for s in spec.values()) + recv_per_bank
-    dev = EmulatedDevice(device_profile, max(256 << 20, -(-int(need * 1.1) // (1 << 20)) << 20))
     closers = []
     results: list[dict] = []
+    chips: list[dict] = []
+    pool = cf.ThreadPoolExecutor(decode_tp, thread_name_prefix="bench-chip") if decode_tp > 1 else None
     try:
-        hawk = {}
-        for dt in ("bfloat16", "bfloat8_b"):
-            hawk[dt] = TTDecode(dev, spec[dt], mc, pre.endpoints["hawk"], compat, recv_nbytes_per_bank=recv_per_bank,
-                                pool=hawk["bfloat16"].pool if dt != "bfloat16" else None, timeout_s=600,
-                                registration=registration)
-            closers.append(hawk[dt].close)
-        dcache = PagedKVCache(shape.num_layers, cache_blocks, heads, block_size, shape.head_dim)
-        gg_direct = VllmDecode(dcache, mc, pre.endpoints["gg_direct"], compat, timeout_s=600,
-                               registration=registration)
-        closers.append(gg_direct.close)
-        gg_host = VllmDecode(dcache, hs, pre.endpoints["gg_host"], compat, timeout_s=600, registration=registration)
-        closers.append(gg_host.close)
-        # GN-Host: GG-Host's transfer into a receive ring, then the runtime sink's layout fix into the KV pool
-        gn_host = GNHostDecode(dev, spec["bfloat16"], hs, pre.endpoints["gg_host"], compat,
-                               wire_layout_of(dcache.adapter, dcache.layers[0]), recv_nbytes=src_nbytes + (1 << 20),
-                               timeout_s=600, registration=registration, layout=hawk["bfloat16"].layout,
-                               bufs=hawk["bfloat16"].bufs)
-        closers.append(gn_host.close)
+        for p in pre.values():
+            p.wait()
+        for d, pull in enumerate(pulls):  # chip d: an emulated device and one decode per row kind
+            eps = pre[pull.prefill_rank].endpoints
+            dev = EmulatedDevice(device_profile, max(256 << 20, -(-int(need * 1.1) // (1 << 20)) << 20))
+            closers.append(dev.close)
+            c = {"chip": d, "prefill_rank": pull.prefill_rank, "heads": [pull.head, pull.head + pull.count]}
+            hawk = c["hawk"] = {}
+            for dt in ("bfloat16", "bfloat8_b"):
+                hawk[dt] = TTDecode(dev, spec[dt], mc, eps["hawk"], compat, recv_nbytes_per_bank=recv_per_bank,
+                                    pool=hawk["bfloat16"].pool if dt != "bfloat16" else None, timeout_s=600,
+                                    registration=registration)
+                closers.append(hawk[dt].close)
+            dcache = PagedKVCache(shape.num_layers, cache_blocks, heads, block_size, shape.head_dim)
+            c["gg_direct"] = VllmDecode(dcache, mc, eps["gg_direct"], compat, timeout_s=600,
+                                        registration=registration)
+            closers.append(c["gg_direct"].close)
+            c["gg_host"] = VllmDecode(dcache, hs, eps["gg_host"], compat, timeout_s=600, registration=registration)
+            closers.append(c["gg_host"].close)
+            # GN-Host: GG-Host's transfer into a receive ring, then the runtime sink's layout fix into the KV pool
+            c["gn_host"] = GNHostDecode(dev, spec["bfloat16"], hs, eps["gg_host"], compat,
+                                        wire_layout_of(dcache.adapter, dcache.layers[0]),
+                                        recv_nbytes=src_nbytes + (1 << 20), timeout_s=600, registration=registration,
+                                        layout=hawk["bfloat16"].layout, bufs=hawk["bfloat16"].bufs)
+            closers.append(c["gn_host"].close)
+            chips.append(c)
 
         cases = [(r, "bfloat16", mb) for mb in sizes_mb for r in rows]
         cases += [(r, "bfloat8_b", mb) for mb in sizes_mb for r in HAWK_BFP8_ROWS if r in rows]
         rng = np.random.default_rng(seed)
         counter = [0]
 
-        def one(row: str, dtype: str, n: int, src, dst):
+        def kind_of(row: str) -> str:
+            return {"GG-Host": "gg_host", "GN-Host": "gg_host", "GG-Direct": "gg_direct"}.get(row, "hawk")
+
+        def fetch(c: dict, row: str, dtype: str, rid: str, tokens: int, dst):
+            t0 = time.monotonic()
+            if row == "GG-Host":
+                r = c["gg_host"].fetch(rid, tokens, dst)
+            elif row == "GN-Host":  # into the receive ring, then the layout fix into the device's KV pool
+                r = c["gn_host"].fetch(rid, tokens, dst)
+            elif row == "GG-Direct":
+                r = c["gg_direct"].fetch(rid, tokens, dst)
+            else:
+                mode = {"GN-HAWK staged": "staged", "GN-HAWK direct": "direct", "per-tile": "per_tile",
+                        "GN-HAWK pipelined": "staged", "GN-HAWK direct pipelined": "direct"}[row]
+                groups = layer_groups if row.endswith("pipelined") else 1
+                r = c["hawk"][dtype].fetch(rid, tokens, dst, mode,
+                                           time_cap_s=per_tile_cap_s if mode == "per_tile" else None,
+                                           layer_groups=groups)
+            return r, t0
+
+        def one(row: str, dtype: str, n: int, src, dst) -> list:
+            """One request: every chip's pull (concurrently when there are several chips);
+            per chip (FetchResult, start time)."""
             counter[0] += 1
-            rid = f"{row}-{dtype}-{counter[0]}"
             tokens = n * block_size
-            if row in ("GG-Host", "GN-Host"):
-                pre.call("add", "gg_host", rid, src, tokens)
-                if row == "GN-Host":  # into the receive ring, then the layout fix into the device's KV pool
-                    return gn_host.fetch(rid, tokens, dst)
-                return gg_host.fetch(rid, tokens, dst)
-            if row == "GG-Direct":
-                pre.call("add", "gg_direct", rid, src, tokens)
-                return gg_direct.fetch(rid, tokens, dst)
-            pre.call("add", "hawk", rid, src, tokens)
-            mode = {"GN-HAWK staged": "staged", "GN-HAWK direct": "direct", "per-tile": "per_tile",
-                    "GN-HAWK pipelined": "staged", "GN-HAWK direct pipelined": "direct"}[row]
-            groups = layer_groups if row.endswith("pipelined") else 1
-            r = hawk[dtype].fetch(rid, tokens, dst, mode, time_cap_s=per_tile_cap_s if mode == "per_tile" else None,
-                                  layer_groups=groups)
-            r.extra["transform_s"] = pre.call("transform_s", rid) or 0.0
-            return r
+            rids = [f"{row}-{dtype}-{counter[0]}-chip{c['chip']}" for c in chips]
+            for c, rid in zip(chips, rids):
+                pre[c["prefill_rank"]].call("add", kind_of(row), rid, src, tokens)
+            if pool is None:
+                out = [fetch(chips[0], row, dtype, rids[0], tokens, dst)]
+            else:
+                out = [f.result() for f in [pool.submit(fetch, c, row, dtype, rid, tokens, dst)
+                                            for c, rid in zip(chips, rids)]]
+            if kind_of(row) == "hawk":
+                for c, rid, (r, _) in zip(chips, rids, out):
+                    r.extra["transform_s"] = pre[c["prefill_rank"]].call("transform_s", rid) or 0.0
+            return out
+
+        def prefill_cpu_s() -> float:
+            return sum(p.call("cpu_s") for p in pre.values())
 
         for i, (row, dtype, mb) in enumerate(cases):
             progress(i, len(cases), f"{row} {dtype} {mb} MB")
@@ -214,24 +302,15 @@ def run(model: str = "llama-3.1-70b", tp: int = 4, device_profile: str = "p150a"
                 src, dst = np.arange(1, n + 1), np.arange(1, n + 1)
             reps = repeats if row != "per-tile" else (1 if mb >= 160 else min(repeats, 3))
             one(row, dtype, n, src, dst)  # warm-up
-            c0 = _cpu_s() + pre.call("cpu_s")
+            c0 = _cpu_s() + prefill_cpu_s()
             runs = [one(row, dtype, n, src, dst) for _ in range(reps)]
-            cpu_ms = (_cpu_s() + pre.call("cpu_s") - c0) / reps * 1e3
-            med = lambda f: statistics.median(f(r) for r in runs)  # noqa: E731
-            frac = min(r.fraction for r in runs)
-            total = statistics.median(r.request_s + (r.total_s - r.request_s) / r.fraction for r in runs)
-            results.append({
-                "row": row, "dtype": dtype, "size_mb": mb, "source_bytes": int(n * block_size * per_token),
-                "blocks": n, "bytes_moved": runs[0].nbytes, "entries": runs[0].entries, "repeats": reps,
-                "latency_ms": total * 1e3, "request_ms": med(lambda r: r.request_s) * 1e3,
-                "transform_ms": med(lambda r: r.extra.get("transform_s", r.extra.get("fix_transform_s", 0.0))) * 1e3,
-                "transfer_ms": med(lambda r: r.transfer_s / r.fraction) * 1e3,
-                "copy_ms": med(lambda r: r.copy_s) * 1e3, "fraction_done": frac, "capped": frac < 1.0,
-                "cpu_ms": cpu_ms,
-                "all_ms": [r.total_s * 1e3 for r in runs]})
+            cpu_ms = (_cpu_s() + prefill_cpu_s() - c0) / reps * 1e3
+            results.append(_row_figures(row, dtype, mb, n, block_size, per_token, runs, reps, cpu_ms, chips))
         progress(len(cases), len(cases), "done")
-        snap = pre.call("snapshot")
+        snap = {f"{k}@rank{r}": v for r, p in pre.items() for k, v in p.call("snapshot").items()}
     finally:
+        if pool is not None:
+            pool.shutdown()
         for c in reversed(closers):
             try:
                 c()
@@ -239,8 +318,8 @@ def run(model: str = "llama-3.1-70b", tp: int = 4, device_profile: str = "p150a"
                 pass
         mc.close()
         hs.close()
-        pre.stop()
-        dev.close()
+        for p in pre.values():
+            p.stop()
     for r in results:
         base = next((b for b in results if b["row"] == "GG-Host" and b["size_mb"] == r["size_mb"]), None)
         r["norm_gg_host"] = r["latency_ms"] / base["latency_ms"] if base else float("nan")
@@ -248,11 +327,58 @@ def run(model: str = "llama-3.1-70b", tp: int = 4, device_profile: str = "p150a"
         r["norm_gg_direct"] = r["latency_ms"] / gd["latency_ms"] if gd else float("nan")
         r["cpu_norm_gg_direct"] = r["cpu_ms"] / gd["cpu_ms"] if gd and gd["cpu_ms"] > 0 else float("nan")
     return {"rows": results, "targets": check_targets(results), "prefill_snapshot": snap,
-            "config": {"model": model, "tp": tp, "device": device_profile, "block_size": block_size,
-                       "kv_heads_per_rank": heads, "num_layers": shape.num_layers, "head_dim": shape.head_dim,
+            "config": {"model": model, "prefill_tp": prefill_tp, "decode_tp": decode_tp, "chips": decode_tp,
+                       "tp": decode_tp, "device": device_profile, "block_size": block_size,
+                       "num_kv_heads": shape.num_kv_heads, "kv_heads_per_rank": heads,
+                       "num_layers": shape.num_layers, "head_dim": shape.head_dim,
+                       "pulls": [{"chip": c["chip"], "prefill_rank": c["prefill_rank"], "heads": c["heads"]}
+                                 for c in chips],
+                       "pulls_run": "concurrently, one thread per chip" if decode_tp > 1 else "one chip",
                        "fragmented": fragmented, "per_tile_cap_s": per_tile_cap_s, "repeats": repeats,
                        "layer_groups": layer_groups, "cores": os.cpu_count(), "load_average": os.getloadavg(),
                        "registration": registration}}
+
+
+def _row_figures(row, dtype, mb, n, block_size, per_token, runs, reps, cpu_ms, chips) -> dict:
+    """One table row from ``runs`` (per repeat: per chip (FetchResult, start)): the request's
+    latency is from the first chip's D1 to the last chip's KV in place (a time-capped
+    per-tile pull extrapolated as before); per chip: bytes, bytes per DRAM bank (largest
+    bank; NaN where the decode has no banks: GG rows), segments, READ entries; totals."""
+    def chip_total(r) -> float:  # D1 -> KV in place, a capped per-tile run extrapolated linearly
+        return r.request_s + (r.total_s - r.request_s) / r.fraction
+
+    def latency(run) -> float:
+        t0 = min(t for _, t in run)
+        return max(t - t0 + chip_total(r) for r, t in run)
+
+    def med(f) -> float:  # median over repeats of the largest figure over the chips
+        return statistics.median(max(f(r) for r, _ in run) for run in runs)
+
+    per_chip = []
+    for k, c in enumerate(chips):
+        r = runs[0][k][0]
+        bpb = r.extra.get("bytes_per_bank")
+        per_chip.append({"chip": c["chip"], "prefill_rank": c["prefill_rank"], "heads": c["heads"],
+                         "bytes_moved": r.nbytes, "bytes_per_bank": max(bpb) if bpb else float("nan"),
+                         "segments": r.segments, "entries": r.entries,
+                         "latency_ms": statistics.median(chip_total(run[k][0]) for run in runs) * 1e3})
+    frac = min(r.fraction for run in runs for r, _ in run)
+    return {
+        "row": row, "dtype": dtype, "size_mb": mb, "source_bytes": int(n * block_size * per_token) * len(chips),
+        "blocks": n, "chips": per_chip,
+        "bytes_moved": sum(c["bytes_moved"] for c in per_chip), "entries": sum(c["entries"] for c in per_chip),
+        "segments": sum(c["segments"] for c in per_chip),
+        "bytes_per_chip": max(c["bytes_moved"] for c in per_chip),
+        "bytes_per_bank": max(c["bytes_per_bank"] for c in per_chip),
+        "segments_per_chip": max(c["segments"] for c in per_chip),
+        "entries_per_chip": max(c["entries"] for c in per_chip), "repeats": reps,
+        "latency_ms": statistics.median(latency(run) for run in runs) * 1e3,
+        "request_ms": med(lambda r: r.request_s) * 1e3,
+        "transform_ms": med(lambda r: r.extra.get("transform_s", r.extra.get("fix_transform_s", 0.0))) * 1e3,
+        "transfer_ms": med(lambda r: r.transfer_s / r.fraction) * 1e3,
+        "copy_ms": med(lambda r: r.copy_s) * 1e3, "fraction_done": frac, "capped": frac < 1.0,
+        "cpu_ms": cpu_ms,
+        "all_ms": [latency(run) * 1e3 for run in runs]}
 
 
 def _cpu_s() -> float:
@@ -333,8 +459,8 @@ def plot(result: dict, path: str) -> str:
     ax.axhline(1.0, color="k", lw=0.8)
     ax.set_ylabel("latency / GG-Host (log)")
     cfg = result["config"]
-    ax.set_title(f"KV transfer latency, {cfg['model']} TP={cfg['tp']} -> {cfg['device']} (emulated), block "
-                 f"{cfg['block_size']}; source KV size (bf16)")
+    ax.set_title(f"KV transfer latency, {cfg['model']} prefill TP={cfg['prefill_tp']} -> {cfg['chips']} x "
+                 f"{cfg['device']} (emulated), block {cfg['block_size']}; request KV size (bf16)")
     ax.legend(fontsize=7, ncol=2)
     fig.tight_layout()
     fig.savefig(path, dpi=120)
@@ -344,11 +470,17 @@ def plot(result: dict, path: str) -> str:
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="hawk bench transfer", description=__doc__.splitlines()[0])
     ap.add_argument("--model", default="llama-3.1-70b")
-    ap.add_argument("--tp", type=int, default=4)
+    ap.add_argument("--prefill-tp", type=int, default=None,
+                    help="prefill tensor-parallel size: one prefill process per rank (default 4)")
+    ap.add_argument("--decode-tp", "--chips", dest="decode_tp", type=int, default=None,
+                    help="decode tensor-parallel size = the Tenstorrent decode's chips, one emulated device each "
+                         "(default: --prefill-tp; must equal it here)")
+    ap.add_argument("--tp", type=int, default=None, help="deprecated: --prefill-tp N --decode-tp N")
     ap.add_argument("--device-profile", default="p150a")
     ap.add_argument("--block-size", type=int, default=64)
     ap.add_argument("--sizes-mb", type=float, nargs="+", default=list(DEFAULT_SIZES),
-                    help="source KV sizes (bf16 MB); 1280 needs ~8 GB RAM on this host, so it is opt-in")
+                    help="request sizes: bf16 KV of all the model's KV heads (MB), split over the chips; 1280 on "
+                         "one chip needs ~8 GB RAM on this host, so it is opt-in")
     ap.add_argument("--rows", nargs="+", default=list(ROWS), choices=ROWS)
     ap.add_argument("--repeats", type=int, default=5)
     ap.add_argument("--per-tile-cap-s", type=float, default=10.0)
@@ -362,26 +494,41 @@ def main(argv: list[str] | None = None) -> int:
     if a.plot is None:
         a.plot = os.path.splitext(a.out)[0] + ".png"
     sizes = [int(s) if float(s).is_integer() else s for s in a.sizes_mb]
+    a.prefill_tp, a.decode_tp = tp_args(ap, a)
+    try:
+        tp_plan(a.model, a.prefill_tp, a.decode_tp)  # TPMismatch or HeterogeneousTP before any process starts
+    except ValueError as e:
+        print(f"hawk bench transfer: {e}", file=sys.stderr)
+        return 2
     if a.registration == "both":
         return _main_both(a, sizes)
-    res = run(a.model, a.tp, a.device_profile, a.block_size, sizes, a.repeats, a.rows, a.per_tile_cap_s,
-              a.fragmented, layer_groups=a.layer_groups, registration=a.registration)
+    res = run(a.model, a.prefill_tp, a.decode_tp, a.device_profile, a.block_size, sizes, a.repeats, a.rows,
+              a.per_tile_cap_s, a.fragmented, layer_groups=a.layer_groups, registration=a.registration)
     cfg = res["config"]
-    print(f"KV transfer, decode request -> KV in pool; {cfg['model']} TP={cfg['tp']} ({cfg['kv_heads_per_rank']} KV "
-          f"heads, {cfg['num_layers']} layers) -> {cfg['device']} emulated, block {cfg['block_size']}, "
+    print(f"KV transfer, decode request -> KV in pool; {cfg['model']} ({cfg['num_kv_heads']} KV heads, "
+          f"{cfg['num_layers']} layers) prefill TP={cfg['prefill_tp']} -> {cfg['chips']} x {cfg['device']} emulated "
+          f"({cfg['kv_heads_per_rank']} KV heads per rank and chip; pulls: "
+          + ", ".join(f"rank {p['prefill_rank']} -> chip {p['chip']}" for p in cfg["pulls"])
+          + f"; the chips' pulls of a request run {cfg['pulls_run']}), block {cfg['block_size']}, "
           f"{'fragmented' if a.fragmented else 'contiguous'} block tables; median of {a.repeats} "
           f"(per-tile: fewer, capped at {a.per_tile_cap_s:.0f} s and extrapolated); Mooncake TCP loopback, "
           f"{cfg['cores']} cores, load average {cfg['load_average'][0]:.2f} at the end; layer groups "
           f"{a.layer_groups} in the pipelined rows")
     print_table(res["rows"], [("row", "row", ""), ("dtype", "target", ""), ("size_mb", "src MB", ""),
-                              ("bytes_moved", "bytes moved", ","), ("entries", "entries", ","),
+                              ("bytes_per_chip", "bytes/chip", ","), ("bytes_per_bank", "bytes/bank", ","),
+                              ("segments_per_chip", "segs/chip", ","), ("entries_per_chip", "READs/chip", ","),
+                              ("bytes_moved", "bytes total", ","), ("entries", "READs total", ","),
                               ("latency_ms", "latency ms", ".1f"), ("norm_gg_host", "/GG-Host", ".3f"),
                               ("norm_gg_direct", "/GG-Direct", ".3f"),
                               ("request_ms", "request ms", ".1f"), ("transform_ms", "transform ms", ".1f"),
                               ("transfer_ms", "transfer ms", ".1f"), ("copy_ms", "copy/fix ms", ".1f"),
                               ("fraction_done", "done", ".2f"), ("cpu_ms", "CPU ms", ".1f"),
                               ("cpu_norm_gg_direct", "CPU/GG-Direct", ".2f")])
-    print("\nrequest = D1 -> P7 (includes the prefill transform for HAWK rows); transform = prefill transform "
+    print("\nsrc MB: the request's bf16 KV over all KV heads; per chip: the largest chip's figure (bytes/bank: its "
+          "largest DRAM bank; nan: a vLLM-layout decode, no banks); segments: in KVReady; READs: transfer entries; "
+          "latency: first chip's request -> last chip's KV in place; request/transform/transfer/copy: each the "
+          "largest over the chips.")
+    print("request = D1 -> P7 (includes the prefill transform for HAWK rows); transform = prefill transform "
           "(HAWK) or decode-side layout fix (GN-Host); copy/fix = intra-bank copies (staged) or the GN-Host fix "
           "+ write; bfloat8_b rows move fewer bytes: that gain is the format, not a faster transfer.")
     print("\ntargets (ratios within this run):")
@@ -404,8 +551,8 @@ def _main_both(a, sizes) -> int:
     out = {}
     for reg in ("whole", "per_request"):
         print(f"--- registration {reg}", flush=True)
-        out[reg] = run(a.model, a.tp, a.device_profile, a.block_size, sizes, a.repeats, a.rows, a.per_tile_cap_s,
-                       a.fragmented, layer_groups=a.layer_groups, registration=reg)
+        out[reg] = run(a.model, a.prefill_tp, a.decode_tp, a.device_profile, a.block_size, sizes, a.repeats, a.rows,
+                       a.per_tile_cap_s, a.fragmented, layer_groups=a.layer_groups, registration=reg)
     rows = []
     for r in out["per_request"]["rows"]:
         w = _get(out["whole"]["rows"], r["row"], r["dtype"], r["size_mb"])
