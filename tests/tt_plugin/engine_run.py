@@ -9,7 +9,8 @@ Run as a subprocess (the vLLM platform is chosen once per process):
 ``reference``: vLLM's stock CPU platform; saves greedy tokens, top-2 logprobs and each
 prompt's K/V read from the CPU cache (logical [blocks, H, block_size, D]).
 ``tt``: HAWK_TT_PLATFORM=emulated, one engine per ``device:kv_dtype[:abort][:chips=N]``
-(``chips=N``: HAWK_TT_CHIPS=N; its key keeps ``:chips=N``) run one after the other; saves
+(``chips=N``: HAWK_TT_CHIPS=N; its key keeps ``:chips=N``; ``fails``: the engine must
+refuse to start, its error is saved) run one after the other; saves
 tokens, logprobs, the bank bytes of each prompt's blocks (all heads, and per chip on a
 mesh of several), the K/V the model handed to the cache (captured at
 ``do_kv_cache_update``) and, with ``abort``, the block-pool and device-buffer counts
@@ -143,6 +144,24 @@ def run_tt(model: str, device: str, kv_dtype: str, abort: bool, chips: str | Non
     return out
 
 
+def _start_error(model: str, device: str, kv_dtype: str, chips: str | None) -> str | None:
+    """Start an engine that must fail; returns the error's text (None if it started)."""
+    from vllm_fixtures import inprocess_llm
+
+    os.environ.update(HAWK_TT_DEVICE=device, HAWK_TT_KV_DTYPE=kv_dtype, HAWK_TT_CHIPS=chips or "")
+    try:
+        with inprocess_llm(model, **LLM_KW):
+            return None
+    except Exception as e:  # noqa: BLE001 - the error is what the test checks
+        chain, err = [], e
+        while err is not None:
+            chain.append(f"{type(err).__name__}: {err}")
+            err = err.__cause__ or err.__context__
+        return "\n".join(chain)
+    finally:
+        os.environ.pop("HAWK_TT_CHIPS", None)
+
+
 def _device_kv_bytes(worker) -> int:
     """The KV bytes the device allows (before the explicit VLLM_CPU_KVCACHE_SPACE cap)."""
     return worker.model_runner.hawk_kv_budget_bytes()
@@ -191,7 +210,10 @@ def main() -> None:
             device, kv_dtype, *flags = spec.split(":")
             chips = next((f.split("=", 1)[1] for f in flags if f.startswith("chips=")), None)
             key = f"{device}:{kv_dtype}" + (f":chips={chips}" if chips else "")
-            data[key] = run_tt(model, device, kv_dtype, "abort" in flags, chips)
+            if "fails" in flags:  # the engine must refuse to start: save its error
+                data[key] = dict(error=_start_error(model, device, kv_dtype, chips))
+            else:
+                data[key] = run_tt(model, device, kv_dtype, "abort" in flags, chips)
     torch.save(data, out_path)
 
 

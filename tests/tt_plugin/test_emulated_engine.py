@@ -169,3 +169,9 @@ def test_mesh_budget_counts_the_heads_of_one_chip(tt_runs):
     assert two["device_kv_bytes"] >= 2 * one["device_kv_bytes"], (one["device_kv_bytes"], two["device_kv_bytes"])
     n300 = tt_runs["n300:bfloat8_b"]
     assert (n300["device"], n300["num_banks"]) == ("n300", 12)  # each chip: an n150's banks
+
+
+def test_chips_that_cannot_split_the_heads_fail_at_start_up(tt_runs):
+    err = tt_runs["p150a:bfloat16:chips=3"]["error"]
+    assert err is not None, "an engine with HAWK_TT_CHIPS=3 and 4 KV heads started"
+    assert "HAWK_TT_CHIPS=3 does not divide the model's 4 KV heads (device p150a, set)" in err, err
