@@ -50,7 +50,7 @@ def test_each_chip_holds_its_heads_in_tile_layout(profile, n, dtype):
     single = TTPagedKVCache(EmulatedDevice(profile, bank_size_bytes=4 << 20), _spec(heads, dtype), ["l0", "l1"])
     k, v = _fill([mesh, single], heads, blocks, 80)
     per = heads // n
-    assert mesh.num_chips == n and mesh.num_kv_heads == heads
+    assert mesh.num_chips == n and mesh.num_kv_heads == heads and mesh.num_banks == load_profile(profile).num_banks
     for c, chip in enumerate(mesh.chips):
         assert mesh.heads_of(c) == HeadShard(c, c * per, per)
         assert chip.spec.num_kv_heads == per and chip.spec.tensor_shape == (10, per, BS, D)

@@ -85,6 +85,11 @@ class TTMeshKVCache:
         return self.shards[chip]
 
     @property
+    def num_banks(self) -> int:
+        """DRAM banks of each chip (all chips share one profile)."""
+        return self.chips[0].num_banks
+
+    @property
     def layer_names(self) -> list[str]:
         return self.chips[0].layer_names
 
