@@ -34,6 +34,8 @@ variable                   default                 meaning
 ``HAWK_TT_PLATFORM``       unset                   Tenstorrent decode plugin: ``emulated`` |
                                                    ``ttnn``; unset = plugin off
 ``HAWK_TT_DEVICE``         ``p150a``               device profile name or YAML path
+``HAWK_TT_CHIPS``          profile's ``chips``     chips the KV heads are sharded over (n300: 2;
+                                                   p150a: 1, or 2 / 4 for a Blackhole group)
 ``HAWK_TT_KV_DTYPE``       ``bfloat16``            KV dtype in the Tenstorrent cache
                                                    (``bfloat16`` | ``bfloat8_b``)
 ``HAWK_TT_BANK_MIB``       ``256``                 emulated DRAM per bank (MiB)
@@ -62,7 +64,8 @@ CPU_AMX = "HAWK_CPU_AMX"
 CPU_AMX_MODES = ("auto", "on", "off")
 CPU_AMX_DECIDED = "HAWK_CPU_AMX_DECIDED"
 TRANSFORM_IMPLS = ("auto", "torch", "cpu_kernel")
-TT_VARS = ("HAWK_TT_PLATFORM", "HAWK_TT_DEVICE", "HAWK_TT_KV_DTYPE", "HAWK_TT_BANK_MIB", "HAWK_TT_KV_FRACTION")
+TT_VARS = ("HAWK_TT_PLATFORM", "HAWK_TT_DEVICE", "HAWK_TT_CHIPS", "HAWK_TT_KV_DTYPE", "HAWK_TT_BANK_MIB",
+           "HAWK_TT_KV_FRACTION")
 
 
 class HawkEnvError(ValueError):

@@ -59,3 +59,12 @@ def test_load_by_path(tmp_path):
     m = tmp_path / "m.yaml"
     m.write_text("num_layers: 3\nnum_kv_heads: 2\nhead_dim: 64\n")
     assert load_model_shape(str(m)).name == "m"
+
+
+def test_chips_field(tmp_path):
+    f = tmp_path / "group.yaml"
+    f.write_text(P150A.format(name="group") + "chips: 4\n")
+    assert load_profile(f).chips == 4 and load_profile("p150a").chips == 1 and load_profile("n300").chips == 2
+    f.write_text(P150A.format(name="group") + "chips: 0\n")
+    with pytest.raises(ValueError, match="'chips' must be a positive int"):
+        load_profile(f)

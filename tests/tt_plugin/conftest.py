@@ -12,11 +12,14 @@ import pytest
 
 HERE = Path(__file__).resolve().parent
 REPO = HERE.parents[1]
-#: device:kv_dtype[:abort] engines of the emulated run, one after the other
-TT_CONFIGS = ("p150a:bfloat16:abort", "n150:bfloat16", "p150a:bfloat8_b")
+#: device:kv_dtype[:abort][:chips=N] engines of the emulated run, one after the other; the
+#: multi-chip ones (n300: 2 Wormhole chips; a 2-chip Blackhole group) are compared with the
+#: single-chip p150a runs of the same KV dtype; 3 chips cannot split 4 KV heads (``fails``)
+TT_CONFIGS = ("p150a:bfloat16:abort", "n150:bfloat16", "p150a:bfloat8_b", "n300:bfloat8_b",
+              "p150a:bfloat16:chips=2", "p150a:bfloat16:chips=3:fails")
 
 
-def _run(out: Path, *args: str, timeout: float = 400) -> dict:
+def _run(out: Path, *args: str, timeout: float = 600) -> dict:
     import torch
 
     pytest.importorskip("vllm")

@@ -3,14 +3,18 @@
 Run as a subprocess (the vLLM platform is chosen once per process):
 
     python tests/tt_plugin/engine_run.py OUT.pt MODEL reference
-    python tests/tt_plugin/engine_run.py OUT.pt MODEL tt p150a:bfloat16:abort n150:bfloat16 ...
+    python tests/tt_plugin/engine_run.py OUT.pt MODEL tt p150a:bfloat16:abort n300:bfloat8_b \
+        p150a:bfloat16:chips=2 ...
 
 ``reference``: vLLM's stock CPU platform; saves greedy tokens, top-2 logprobs and each
 prompt's K/V read from the CPU cache (logical [blocks, H, block_size, D]).
-``tt``: HAWK_TT_PLATFORM=emulated, one engine per ``device:kv_dtype[:abort]`` run one
-after the other; saves tokens, logprobs, the bank bytes of each prompt's blocks, the
-K/V the model handed to the cache (captured at ``do_kv_cache_update``) and, with
-``abort``, the block-pool and device-buffer counts around aborted requests.
+``tt``: HAWK_TT_PLATFORM=emulated, one engine per ``device:kv_dtype[:abort][:chips=N]``
+(``chips=N``: HAWK_TT_CHIPS=N; its key keeps ``:chips=N``; ``fails``: the engine must
+refuse to start, its error is saved) run one after the other; saves
+tokens, logprobs, the bank bytes of each prompt's blocks (all heads, and per chip on a
+mesh of several), the K/V the model handed to the cache (captured at
+``do_kv_cache_update``) and, with ``abort``, the block-pool and device-buffer counts
+around aborted requests.
 """
 from __future__ import annotations
 
@@ -78,7 +82,7 @@ def run_reference(model: str) -> dict:
     return dict(results=res)
 
 
-def run_tt(model: str, device: str, kv_dtype: str, abort: bool) -> dict:
+def run_tt(model: str, device: str, kv_dtype: str, abort: bool, chips: str | None = None) -> dict:
     import torch
     from vllm_fixtures import engine_core, inprocess_llm
 
@@ -87,6 +91,10 @@ def run_tt(model: str, device: str, kv_dtype: str, abort: bool) -> dict:
 
     os.environ["HAWK_TT_DEVICE"] = device
     os.environ["HAWK_TT_KV_DTYPE"] = kv_dtype
+    if chips is None:
+        os.environ.pop("HAWK_TT_CHIPS", None)
+    else:
+        os.environ["HAWK_TT_CHIPS"] = chips
     written: dict[int, list] = {}
     orig = TTPagedAttentionImpl.do_kv_cache_update
 
@@ -104,11 +112,15 @@ def run_tt(model: str, device: str, kv_dtype: str, abort: bool) -> dict:
         with inprocess_llm(model, **LLM_KW) as llm:
             out["startup_s"] = time.monotonic() - t0
             cache = registry.get_kv_cache()
-            out["device"] = cache.device.profile.name
-            out["num_banks"] = cache.num_banks
+            chip0 = cache.chips[0]
+            out["device"] = chip0.device.profile.name
+            out["num_chips"] = cache.num_chips
+            out["heads"] = [(cache.heads_of(c).start, cache.heads_of(c).count) for c in range(cache.num_chips)]
+            out["num_banks"] = chip0.num_banks
             out["num_blocks"] = cache.spec.num_blocks
-            out["tiles_per_tensor"] = cache.spec.tiles_per_tensor
+            out["tiles_per_tensor"] = chip0.spec.tiles_per_tensor
             out["tile_dtype"] = cache.spec.dtype
+            out["device_kv_bytes"] = llm.collective_rpc(_device_kv_bytes)[0]
             t0 = time.monotonic()
             res = _generate(llm)
             out["generate_s"] = time.monotonic() - t0
@@ -116,16 +128,43 @@ def run_tt(model: str, device: str, kv_dtype: str, abort: bool) -> dict:
                 r["bank_bytes"] = [(cache.read_block_bytes(i, 0, r["blocks"]),
                                     cache.read_block_bytes(i, 1, r["blocks"]))
                                    for i in range(cache.spec.num_layers)]
+                if cache.num_chips > 1:
+                    r["chip_bytes"] = [[(chip.read_block_bytes(i, 0, r["blocks"]),
+                                         chip.read_block_bytes(i, 1, r["blocks"]))
+                                        for i in range(cache.spec.num_layers)] for chip in cache.chips]
             out["written"] = {i: (torch.cat([w[0] for w in ws]), torch.cat([w[1] for w in ws]),
                                   torch.cat([w[2] for w in ws])) for i, ws in written.items()}
             out["results"] = res
             if abort:
-                out["abort"] = _abort_check(llm, engine_core(llm), cache)
+                out["abort"] = _abort_check(llm, engine_core(llm), chip0)
         out["registered_after_shutdown"] = registry.registered_keys()
-        out["device_buffers_after_shutdown"] = len(cache.device.live_buffers())
+        out["device_buffers_after_shutdown"] = sum(len(c.device.live_buffers()) for c in cache.chips)
     finally:
         TTPagedAttentionImpl.do_kv_cache_update = orig
     return out
+
+
+def _start_error(model: str, device: str, kv_dtype: str, chips: str | None) -> str | None:
+    """Start an engine that must fail; returns the error's text (None if it started)."""
+    from vllm_fixtures import inprocess_llm
+
+    os.environ.update(HAWK_TT_DEVICE=device, HAWK_TT_KV_DTYPE=kv_dtype, HAWK_TT_CHIPS=chips or "")
+    try:
+        with inprocess_llm(model, **LLM_KW):
+            return None
+    except Exception as e:  # noqa: BLE001 - the error is what the test checks
+        chain, err = [], e
+        while err is not None:
+            chain.append(f"{type(err).__name__}: {err}")
+            err = err.__cause__ or err.__context__
+        return "\n".join(chain)
+    finally:
+        os.environ.pop("HAWK_TT_CHIPS", None)
+
+
+def _device_kv_bytes(worker) -> int:
+    """The KV bytes the device allows (before the explicit VLLM_CPU_KVCACHE_SPACE cap)."""
+    return worker.model_runner.hawk_kv_budget_bytes()
 
 
 def _abort_check(llm, core, cache) -> dict:
@@ -169,7 +208,12 @@ def main() -> None:
         data = {}
         for spec in configs:
             device, kv_dtype, *flags = spec.split(":")
-            data[f"{device}:{kv_dtype}"] = run_tt(model, device, kv_dtype, "abort" in flags)
+            chips = next((f.split("=", 1)[1] for f in flags if f.startswith("chips=")), None)
+            key = f"{device}:{kv_dtype}" + (f":chips={chips}" if chips else "")
+            if "fails" in flags:  # the engine must refuse to start: save its error
+                data[key] = dict(error=_start_error(model, device, kv_dtype, chips))
+            else:
+                data[key] = run_tt(model, device, kv_dtype, "abort" in flags, chips)
     torch.save(data, out_path)
 
 

@@ -51,7 +51,7 @@ def _dense_written(run: dict, layer: int, blocks: list[int], bs: int) -> tuple[t
     return dense[0], dense[1]
 
 
-@pytest.mark.parametrize("config", (*BF16, "p150a:bfloat8_b"))
+@pytest.mark.parametrize("config", (*BF16, "p150a:bfloat8_b", "n300:bfloat8_b", "p150a:bfloat16:chips=2"))
 def test_bank_bytes_are_tilize_pack_of_the_models_kv(tt_runs, config):
     """Bytes in the banks for each prompt's blocks == tilize_pack(K/V the model computed)."""
     run = tt_runs[config]
@@ -112,7 +112,66 @@ def test_aborted_requests_leak_nothing(tt_runs):
     assert a["buffers_after"] == a["buffers_before"], a
 
 
-@pytest.mark.parametrize("config", ("p150a:bfloat16", "n150:bfloat16", "p150a:bfloat8_b"))
+@pytest.mark.parametrize("config", ("p150a:bfloat16", "n150:bfloat16", "p150a:bfloat8_b", "n300:bfloat8_b",
+                                    "p150a:bfloat16:chips=2"))
 def test_shutdown_frees_device_and_registry(tt_runs, config):
     run = tt_runs[config]
     assert run["registered_after_shutdown"] == [] and run["device_buffers_after_shutdown"] == 0
+
+
+# ---- meshes: KV heads sharded over the chips (tt_plugin.mesh) --------------------------
+#: multi-chip run -> the single-chip run it must reproduce (same KV dtype)
+MESHES = {"n300:bfloat8_b": "p150a:bfloat8_b", "p150a:bfloat16:chips=2": "p150a:bfloat16"}
+
+
+@pytest.mark.parametrize("config", MESHES)
+def test_mesh_greedy_tokens_equal_single_chip(tt_runs, config):
+    """Each chip attends over its own heads' cache and the outputs are gathered: the
+    per-head arithmetic is the single chip's, so tokens and logprobs are identical."""
+    run, single = tt_runs[config], tt_runs[MESHES[config]]
+    assert run["num_chips"] == 2 and run["heads"] == [(0, 2), (2, 2)]
+    for i, (a, b) in enumerate(zip(run["results"], single["results"])):
+        assert a["tokens"] == b["tokens"], f"prompt {i}"
+        assert a["top2"] == b["top2"], f"prompt {i}"
+
+
+def _slice_heads(per_block: torch.Tensor, start: int, count: int, heads: int = 4) -> torch.Tensor:
+    """Tile bytes of heads [start, start+count) from ``[nblk, H * tiles per head, tile bytes]``."""
+    t = per_block.view(per_block.shape[0], heads, -1, per_block.shape[2])[:, start:start + count]
+    return t.reshape(-1, per_block.shape[2])
+
+
+@pytest.mark.parametrize("config", MESHES)
+def test_mesh_chip_bytes_are_tilize_pack_of_their_heads(tt_runs, config):
+    """Chip c's bank bytes of each prompt's blocks == tilize_pack of heads [c*H/n,
+    (c+1)*H/n) of the K/V the model computed == those heads' tiles in the single-chip cache."""
+    run, single = tt_runs[config], tt_runs[MESHES[config]]
+    dtype = run["tile_dtype"]
+    for r, rs in zip(run["results"], single["results"]):
+        nblk = len(r["blocks"])
+        for layer in range(len(r["bank_bytes"])):
+            k, v = _dense_written(run, layer, r["blocks"], 64)
+            for c, (start, count) in enumerate(run["heads"]):
+                for kv, x in ((0, k), (1, v)):
+                    got = r["chip_bytes"][c][layer][kv]
+                    assert torch.equal(got, tilize_pack(x[:, start:start + count].contiguous(), dtype)), \
+                        f"chip {c} layer {layer} kv {kv}"
+                    ref = rs["bank_bytes"][layer][kv]
+                    assert torch.equal(got, _slice_heads(ref.view(nblk, -1, ref.shape[1]), start, count))
+
+
+def test_mesh_budget_counts_the_heads_of_one_chip(tt_runs):
+    """Each chip holds half the heads: a block takes half the tiles per chip, and the
+    device allows twice the KV bytes (lockstep rounding aside; the engines then cap it at
+    VLLM_CPU_KVCACHE_SPACE)."""
+    one, two = tt_runs["p150a:bfloat16"], tt_runs["p150a:bfloat16:chips=2"]
+    assert two["tiles_per_tensor"] == two["num_blocks"] * (one["tiles_per_tensor"] // one["num_blocks"]) // 2
+    assert two["device_kv_bytes"] >= 2 * one["device_kv_bytes"], (one["device_kv_bytes"], two["device_kv_bytes"])
+    n300 = tt_runs["n300:bfloat8_b"]
+    assert (n300["device"], n300["num_banks"]) == ("n300", 12)  # each chip: an n150's banks
+
+
+def test_chips_that_cannot_split_the_heads_fail_at_start_up(tt_runs):
+    err = tt_runs["p150a:bfloat16:chips=3"]["error"]
+    assert err is not None, "an engine with HAWK_TT_CHIPS=3 and 4 KV heads started"
+    assert "HAWK_TT_CHIPS=3 does not divide the model's 4 KV heads (device p150a, set)" in err, err

@@ -48,8 +48,9 @@ def test_entry_point_is_visible_to_vllms_loader():
 
 
 def test_launcher_flags():
-    env, rest = split_tt_flags(["--tt-platform", "emulated", "--tt-device=n150", "serve", "m", "--tt-x"])
-    assert env == {"HAWK_TT_PLATFORM": "emulated", "HAWK_TT_DEVICE": "n150"}
+    env, rest = split_tt_flags(["--tt-platform", "emulated", "--tt-device=n150", "--tt-chips", "2", "serve",
+                                "m", "--tt-x"])
+    assert env == {"HAWK_TT_PLATFORM": "emulated", "HAWK_TT_DEVICE": "n150", "HAWK_TT_CHIPS": "2"}
     assert rest == ["serve", "m", "--tt-x"]
 
 

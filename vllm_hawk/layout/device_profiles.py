@@ -26,6 +26,8 @@ class DeviceProfile:
     dram_alignment_bytes: page alignment (A).
     bank_offsets: byte offset of each bank inside its channel (Wormhole odd banks: 1 GiB).
     bank_channels: GDDR channel of each bank.
+    chips: chips of the board (n300: 2), each organised as the fields above describe; a
+    buffer lives on one chip, so every other field is per chip.
     """
 
     name: str
@@ -84,8 +86,11 @@ def load_profile(name_or_path: str | os.PathLike) -> DeviceProfile:
     if base % a:
         raise ValueError(f"{path}: field 'dram_unreserved_base' {base:#x} is not a multiple of "
                          f"dram_alignment_bytes {a}")
+    chips = raw.get("chips", 1)
+    if not isinstance(chips, int) or chips <= 0:
+        raise ValueError(f"{path}: field 'chips' must be a positive int, got {chips!r}")
     return DeviceProfile(
         name=raw["name"], arch=raw["arch"], num_banks=nb, bank_size_bytes=raw["bank_size_bytes"],
         dram_alignment_bytes=a, bank_offsets=tuple(raw["bank_offsets"]),
-        bank_channels=tuple(raw["bank_channels"]), dram_unreserved_base=base, chips=int(raw.get("chips", 1)),
+        bank_channels=tuple(raw["bank_channels"]), dram_unreserved_base=base, chips=chips,
     )

@@ -5,7 +5,9 @@ Two backends, chosen explicitly with ``HAWK_TT_PLATFORM`` (see :mod:`.config` fo
 
 * ``emulated``: runs on the CPU (:mod:`.platform`). The KV cache lives in an emulated
   Tenstorrent device's DRAM banks in the device's paged tile layout (bf16 or bfloat8_b)
-  and decode attention reads it in that layout (:mod:`.attention`, :mod:`.kv_cache`).
+  and decode attention reads it in that layout (:mod:`.attention`, :mod:`.kv_cache`);
+  on several chips (``HAWK_TT_CHIPS``, an n300) the KV heads are sharded over them
+  (:mod:`.mesh`).
 * ``ttnn``: a Tenstorrent device through ttnn, following tt-metal's ``tt_transformers``
   models (:mod:`.ttnn_backend`). Import-guarded. Its KV-cache side (allocation, page
   table, bank-buffer API, landing G') runs on Tenstorrent's simulator in CI (tests/ttsim);

@@ -1,6 +1,6 @@
 """Run vLLM's CLI with the Tenstorrent platform plugin active.
 
-    python -m vllm_hawk.tt_plugin --tt-platform emulated [--tt-device n150]
+    python -m vllm_hawk.tt_plugin --tt-platform emulated [--tt-device n150] [--tt-chips 2]
         [--tt-kv-dtype bfloat8_b] serve MODEL --enforce-eager ...
 
 The ``--tt-*`` flags (before the vLLM command) set the matching ``HAWK_TT_*`` variables
@@ -16,9 +16,10 @@ import sys
 
 from vllm_hawk.cpu_amx import apply_inherited_decision
 from vllm_hawk.tt_plugin import ensure_entry_point, entry_point_path
-from vllm_hawk.tt_plugin.config import ENV_DEVICE, ENV_KV_DTYPE, ENV_PLATFORM, TTPluginConfig
+from vllm_hawk.tt_plugin.config import ENV_CHIPS, ENV_DEVICE, ENV_KV_DTYPE, ENV_PLATFORM, TTPluginConfig
 
-_FLAGS = {"--tt-platform": ENV_PLATFORM, "--tt-device": ENV_DEVICE, "--tt-kv-dtype": ENV_KV_DTYPE}
+_FLAGS = {"--tt-platform": ENV_PLATFORM, "--tt-device": ENV_DEVICE, "--tt-chips": ENV_CHIPS,
+          "--tt-kv-dtype": ENV_KV_DTYPE}
 
 
 def split_tt_flags(argv: list[str]) -> tuple[dict[str, str], list[str]]:

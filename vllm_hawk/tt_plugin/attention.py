@@ -1,5 +1,6 @@
 """``HAWK_TT_PAGED``: a vLLM attention backend whose KV cache is the emulated device's
-tiled, bank-interleaved paged cache (:class:`~vllm_hawk.tt_plugin.kv_cache.TTPagedKVCache`).
+tiled, bank-interleaved paged cache (:class:`~vllm_hawk.tt_plugin.kv_cache.TTPagedKVCache`),
+one per chip, KV heads sharded over the chips (:class:`~vllm_hawk.tt_plugin.mesh.TTMeshKVCache`).
 
 * KV update (``do_kv_cache_update``, called by vLLM before ``forward``): the new tokens'
   K/V are packed to the tile format (bf16 or bfloat8_b) and written into the banks.
@@ -7,7 +8,8 @@ tiled, bank-interleaved paged cache (:class:`~vllm_hawk.tt_plugin.kv_cache.TTPag
   read from the banks and unpacked, then causal attention runs in float32 (GQA,
   any mix of prefill, chunked prefill and decode in one batch). Prefill attends over
   the cache too, so the values it sees are the stored (possibly quantized) ones, as in
-  a device kernel that reads the paged cache.
+  a device kernel that reads the paged cache. On a mesh each chip computes the query
+  heads of its KV heads from its own cache and the outputs are gathered.
 
 The layer finds its cache through ``layer.hawk_tt_cache`` / ``layer.hawk_tt_layer``,
 set by the platform's model runner when the KV cache is allocated. Until then (vLLM's
@@ -35,7 +37,7 @@ from vllm.v1.kv_cache_interface import AttentionSpec, KVCacheLayout
 
 from vllm_hawk.layout.formats import tile_format
 from vllm_hawk.tt_plugin.config import ATTN_BACKEND_NAME, ATTN_BACKEND_PATH, TTPluginConfig, kv_dtype_for
-from vllm_hawk.tt_plugin.kv_cache import TTPagedKVCache, paged_attention
+from vllm_hawk.tt_plugin.mesh import TTMeshKVCache
 
 BACKEND_NAME, BACKEND_PATH = ATTN_BACKEND_NAME, ATTN_BACKEND_PATH
 
@@ -151,7 +153,7 @@ class TTPagedAttentionImpl(AttentionImpl[TTPagedMetadata]):
 
     def do_kv_cache_update(self, layer, key: torch.Tensor, value: torch.Tensor,
                            kv_cache: torch.Tensor, slot_mapping: torch.Tensor) -> None:
-        cache: TTPagedKVCache | None = getattr(layer, "hawk_tt_cache", None)
+        cache: TTMeshKVCache | None = getattr(layer, "hawk_tt_cache", None)
         if cache is None:  # profiling / warm-up before the KV cache exists
             return
         n = slot_mapping.shape[0]
@@ -165,9 +167,9 @@ class TTPagedAttentionImpl(AttentionImpl[TTPagedMetadata]):
             raise NotImplementedError(f"{BACKEND_NAME}: fused output quantization")
         if attn_metadata is None:  # profiling run: no KV cache, nothing to attend
             return output
-        cache: TTPagedKVCache = layer.hawk_tt_cache  # type: ignore[attr-defined]
+        cache: TTMeshKVCache = layer.hawk_tt_cache  # type: ignore[attr-defined]
         n = attn_metadata.num_actual_tokens
-        paged_attention(cache, layer.hawk_tt_layer, query[:n], attn_metadata.query_start_loc,  # type: ignore[attr-defined]
-                        attn_metadata.seq_lens, attn_metadata.block_table, self.scale, output[:n])
+        cache.paged_attention(layer.hawk_tt_layer, query[:n], attn_metadata.query_start_loc,  # type: ignore[attr-defined]
+                              attn_metadata.seq_lens, attn_metadata.block_table, self.scale, output[:n])
         return output
 

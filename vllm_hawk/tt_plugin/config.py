@@ -6,6 +6,11 @@ never changes what vLLM does on a GPU node. Every variable, its values and its d
 ``HAWK_TT_PLATFORM``    ``emulated`` | ``ttnn`` (unset, empty, ``0``, ``off``: plugin inactive)
 ``HAWK_TT_DEVICE``      device profile name (shipped in ``vllm_hawk/layout/profiles/devices``, or
                         in ``HAWK_CONFIG_DIR``) or YAML path, default ``p150a``
+``HAWK_TT_CHIPS``       chips of a mesh the KV heads are sharded over, a positive integer; default:
+                        the profile's ``chips`` (n300: 2 Wormhole chips; p150a: 1; ``p150a`` with
+                        2 or 4 is a Blackhole group). Chip ``c`` holds KV heads ``[c*H/n,
+                        (c+1)*H/n)`` (:func:`vllm_hawk.layout.tp.shard_heads`); a count that cannot
+                        split the model's heads fails at engine start-up naming this variable
 ``HAWK_TT_KV_DTYPE``    tile format of the KV cache: ``bfloat16`` (default) | ``bfloat8_b``.
                         vLLM's ``kv_cache_dtype`` must stay ``auto`` or ``bfloat16``: it is a
                         closed set of names that has no block-float entry.
@@ -24,6 +29,7 @@ from vllm_hawk import envs
 
 ENV_PLATFORM = "HAWK_TT_PLATFORM"
 ENV_DEVICE = "HAWK_TT_DEVICE"
+ENV_CHIPS = "HAWK_TT_CHIPS"
 ENV_KV_DTYPE = "HAWK_TT_KV_DTYPE"
 ENV_BANK_MIB = "HAWK_TT_BANK_MIB"
 ENV_KV_FRACTION = "HAWK_TT_KV_FRACTION"
@@ -49,6 +55,7 @@ class TTPluginConfig:
     kv_dtype: str = "bfloat16"
     bank_mib: int = 256
     kv_fraction: float = 0.5
+    chips: int | None = None  # None: the device profile's ``chips``
 
     @property
     def bank_size_bytes(self) -> int:
@@ -76,7 +83,20 @@ class TTPluginConfig:
             raise TTPluginConfigError(f"{ENV_BANK_MIB}={bank_mib}: must be positive")
         if not 0.0 < kv_fraction <= 1.0:
             raise TTPluginConfigError(f"{ENV_KV_FRACTION}={kv_fraction}: must be in (0, 1]")
-        return cls(backend, device, kv_dtype, bank_mib, kv_fraction)
+        raw_chips = env.get(ENV_CHIPS, "").strip()
+        chips = None
+        if raw_chips:
+            try:
+                chips = int(raw_chips)
+            except ValueError:
+                raise TTPluginConfigError(f"{ENV_CHIPS}={raw_chips!r}: expected a positive integer") from None
+            if chips <= 0:
+                raise TTPluginConfigError(f"{ENV_CHIPS}={chips}: must be positive")
+        return cls(backend, device, kv_dtype, bank_mib, kv_fraction, chips)
+
+    def num_chips(self, profile_chips: int) -> int:
+        """Chips of the mesh: ``HAWK_TT_CHIPS``, else the device profile's ``chips``."""
+        return self.chips if self.chips is not None else profile_chips
 
 
 def kv_dtype_for(vllm_cache_dtype: str, cfg: TTPluginConfig) -> str:

@@ -70,8 +70,8 @@ class TTEmulatedPlatform(CpuPlatform):
         if par.world_size > 1:
             raise NotImplementedError("the emulated Tenstorrent platform runs one worker (TP=PP=1)")
         super().check_and_update_config(vllm_config)
-        logger.info("HAWK Tenstorrent platform (emulated %s, KV %s, block %d tokens)",
-                    cfg.device, cfg.kv_dtype, cache.block_size)
+        logger.info("HAWK Tenstorrent platform (emulated %s, chips %s, KV %s, block %d tokens)",
+                    cfg.device, cfg.chips or "from the profile", cfg.kv_dtype, cache.block_size)
 
     @classmethod
     def pack_kv_cache(cls, kv_cache, indices) -> None:

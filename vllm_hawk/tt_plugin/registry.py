@@ -1,6 +1,6 @@
 """Where a KV connector finds the running engine's Tenstorrent KV cache.
 
-The platform's model runner registers its :class:`~vllm_hawk.tt_plugin.kv_cache.TTPagedKVCache`
+The platform's model runner registers its :class:`~vllm_hawk.tt_plugin.mesh.TTMeshKVCache`
 here when vLLM initialises the KV cache, BEFORE vLLM calls the connector's
 ``register_kv_caches`` (same worker process). The tensors vLLM hands to
 ``register_kv_caches`` under this platform are placeholders (``[num_blocks, 1]`` uint8,
@@ -8,10 +8,17 @@ no KV in them); a connector uses instead::
 
     from vllm_hawk.tt_plugin import registry
     cache = registry.get_kv_cache(vllm_config)     # or registry.get_kv_cache() if one engine
-    cache.device            # EmulatedDevice: bank-buffer API (map_buffer_dma, ...)
-    cache.layout            # TTKVCacheLayout: spec, num_banks, aligned_page, addresses
-    cache.buffer(layer, kv) # the DeviceBuffer of one layer's K (0) or V (1)
+    cache.num_kv_heads      # the model's KV heads (all chips)
+    cache.heads_of(c)       # HeadShard: global KV heads [start, stop) chip c holds
     cache.layer_names       # vLLM layer names, in layer-index order
+    chip = cache.chips[c]   # chip c's TTMeshKVCache:
+    chip.device             # its EmulatedDevice: bank-buffer API (map_buffer_dma, ...)
+    chip.layout             # TTKVCacheLayout: spec, num_banks, aligned_page, addresses
+    chip.spec               # TTKVCacheSpec; num_kv_heads = the heads on that chip
+    chip.buffer(layer, kv)  # the DeviceBuffer of one layer's K (0) or V (1)
+
+With one chip, ``cache.device`` / ``.layout`` / ``.buffers`` / ``.buffer()`` are
+``cache.chips[0]``'s. ``cache.spec`` is the model's (global) spec.
 
 Keys are the engine's ``VllmConfig.instance_id`` (one per engine; a connector built from
 the same config finds it). Entries are removed when the worker shuts down.
@@ -20,12 +27,12 @@ from __future__ import annotations
 
 import threading
 
-from vllm_hawk.tt_plugin.kv_cache import TTPagedKVCache
+from vllm_hawk.tt_plugin.mesh import TTMeshKVCache
 
 __all__ = ["register", "unregister", "get_kv_cache", "registered_keys", "engine_key"]
 
 _lock = threading.Lock()
-_caches: dict[str, TTPagedKVCache] = {}
+_caches: dict[str, TTMeshKVCache] = {}
 
 
 def engine_key(vllm_config) -> str:
@@ -38,7 +45,7 @@ def engine_key(vllm_config) -> str:
     return key
 
 
-def register(vllm_config, cache: TTPagedKVCache) -> str:
+def register(vllm_config, cache: TTMeshKVCache) -> str:
     """Record ``cache`` as the KV cache of the engine; returns its key."""
     key = engine_key(vllm_config)
     with _lock:
@@ -48,13 +55,13 @@ def register(vllm_config, cache: TTPagedKVCache) -> str:
     return key
 
 
-def unregister(vllm_config) -> TTPagedKVCache | None:
+def unregister(vllm_config) -> TTMeshKVCache | None:
     """Forget the engine's cache (does not free it); returns it, or None."""
     with _lock:
         return _caches.pop(engine_key(vllm_config), None)
 
 
-def get_kv_cache(vllm_config=None) -> TTPagedKVCache:
+def get_kv_cache(vllm_config=None) -> TTMeshKVCache:
     """The KV cache of the engine ``vllm_config`` (a VllmConfig or its key).
 
     Without an argument: the only registered cache of this process; raises LookupError

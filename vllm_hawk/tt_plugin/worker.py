@@ -3,17 +3,22 @@
 They are vLLM's CPU worker and CPU model runner (the model itself runs in torch on the
 host) with the KV cache moved into an :class:`~vllm_hawk.npu.emulated.EmulatedDevice`:
 
+* the device is a mesh of ``HAWK_TT_CHIPS`` chips (default: the profile's ``chips``), one
+  :class:`~vllm_hawk.npu.emulated.EmulatedDevice` each, the KV heads sharded over them
+  (:mod:`.mesh`); one chip is a mesh of one.
 * ``determine_available_memory``: the KV budget is the device's, not the host's:
   ``HAWK_TT_KV_FRACTION`` of every bank, minus the lockstep rounding (each K or V
-  tensor takes ``ceil(tiles / num_banks)`` pages in EVERY bank), capped by an explicit
-  ``kv_cache_memory_bytes`` / ``VLLM_CPU_KVCACHE_SPACE`` when one is set.
-* ``initialize_kv_cache_tensors``: allocates K and V per layer on the device
-  (:class:`~vllm_hawk.tt_plugin.kv_cache.TTPagedKVCache`), attaches it to each
+  tensor takes ``ceil(tiles / num_banks)`` pages in EVERY bank), for a block of the
+  heads ONE chip holds, capped by an explicit ``kv_cache_memory_bytes`` /
+  ``VLLM_CPU_KVCACHE_SPACE`` when one is set. A chip count that cannot split the
+  model's heads fails here, at start-up, naming ``HAWK_TT_CHIPS``.
+* ``initialize_kv_cache_tensors``: allocates K and V per layer on every chip
+  (:class:`~vllm_hawk.tt_plugin.mesh.TTMeshKVCache`), attaches it to each
   attention layer, registers it for connectors (:mod:`.registry`) and gives vLLM one
   ``[num_blocks, 1]`` uint8 placeholder per layer instead of a KV view, so that code
   which copies "block i" by position moves nothing instead of corrupting tiles.
 * block zeroing and copy-on-write copies, which vLLM does on its own views, are done
-  through the layout (``TTPagedKVCache.zero_blocks`` / ``copy_blocks``).
+  through the layout on every chip (``TTMeshKVCache.zero_blocks`` / ``copy_blocks``).
 """
 from __future__ import annotations
 
@@ -24,12 +29,14 @@ import torch
 from vllm.v1.worker.cpu_model_runner import CPUModelRunner
 from vllm.v1.worker.cpu_worker import CPUWorker
 
+from vllm_hawk.layout.device_profiles import load_profile
 from vllm_hawk.layout.tt_kv_cache import TTKVCacheSpec
 from vllm_hawk.npu.emulated import EmulatedDevice
 from vllm_hawk.tt_plugin import registry
 from vllm_hawk.tt_plugin.attention import TTPagedAttentionBackend, tt_kv_dtype
-from vllm_hawk.tt_plugin.config import TTPluginConfig
-from vllm_hawk.tt_plugin.kv_cache import TTPagedKVCache, kv_budget_blocks
+from vllm_hawk.tt_plugin.config import ENV_CHIPS, TTPluginConfig
+from vllm_hawk.tt_plugin.kv_cache import kv_budget_blocks
+from vllm_hawk.tt_plugin.mesh import TPMismatch, TTMeshKVCache, chip_shards
 
 logger = logging.getLogger("vllm.hawk.tt_plugin")
 
@@ -47,22 +54,29 @@ class TTEmulatedModelRunner(CPUModelRunner):
     Built by :class:`TTEmulatedWorker` (which turns the CPU runner it constructed into
     this class: no state of its own is needed before the KV cache exists)."""
 
-    hawk_tt_cache: TTPagedKVCache | None = None
-    hawk_tt_device: EmulatedDevice | None = None
+    hawk_tt_cache: TTMeshKVCache | None = None
+    hawk_tt_devices: list[EmulatedDevice] | None = None
 
     # ---- sizing ----------------------------------------------------------------------
-    def hawk_device(self) -> EmulatedDevice:
-        if self.hawk_tt_device is None:
+    def hawk_devices(self) -> list[EmulatedDevice]:
+        """One emulated chip per mesh chip (``HAWK_TT_CHIPS``, default the profile's
+        ``chips``), each with its own banks and allocator."""
+        if self.hawk_tt_devices is None:
             cfg = TTPluginConfig.from_env()
-            self.hawk_tt_device = EmulatedDevice(cfg.device, bank_size_bytes=cfg.bank_size_bytes)
-            logger.info("HAWK emulated Tenstorrent device: %s, %d banks x %d MiB",
-                        self.hawk_tt_device.profile.name, self.hawk_tt_device.num_banks, cfg.bank_mib)
-        return self.hawk_tt_device
+            profile = load_profile(cfg.device)
+            n = cfg.num_chips(profile.chips)
+            self.hawk_tt_devices = [EmulatedDevice(profile, bank_size_bytes=cfg.bank_size_bytes)
+                                    for _ in range(n)]
+            logger.info("HAWK emulated Tenstorrent device: %s, %d chip(s) x %d banks x %d MiB",
+                        profile.name, n, profile.num_banks, cfg.bank_mib)
+        return self.hawk_tt_devices
 
     def hawk_kv_budget_bytes(self) -> int:
-        """vLLM-visible KV bytes that fit the device (see module docstring)."""
+        """vLLM-visible KV bytes that fit every chip (see module docstring): each chip
+        holds its share of the KV heads, so a block takes that share's tiles per chip."""
         cfg = TTPluginConfig.from_env()
-        dev = self.hawk_device()
+        devs = self.hawk_devices()
+        dev = devs[0]
         specs = [s for s in self.get_kv_cache_spec().values()]
         if not specs:
             return 0
@@ -70,8 +84,16 @@ class TTEmulatedModelRunner(CPUModelRunner):
         if any((s.block_size, s.num_kv_heads, s.head_size, s.page_size_bytes)
                != (s0.block_size, s0.num_kv_heads, s0.head_size, s0.page_size_bytes) for s in specs):
             raise NotImplementedError("the emulated Tenstorrent platform needs uniform attention layers")
+        where = f"device {cfg.device}, {'set' if cfg.chips is not None else 'the profile default'}"
+        try:
+            shards = chip_shards(s0.num_kv_heads, len(devs), ENV_CHIPS)
+        except TPMismatch as e:
+            raise TPMismatch(f"{e} ({where})") from None
+        hq = self.model_config.get_num_attention_heads(self.parallel_config)
+        if hq % len(devs):
+            raise TPMismatch(f"{ENV_CHIPS}={len(devs)} does not divide the model's {hq} query heads ({where})")
         dtype = tt_kv_dtype(self.cache_config.cache_dtype)
-        probe = TTKVCacheSpec(len(specs), 1, s0.num_kv_heads, s0.block_size, s0.head_size, dtype)
+        probe = TTKVCacheSpec(len(specs), 1, max(sh.count for sh in shards), s0.block_size, s0.head_size, dtype)
         ap = dev.profile.aligned_page(probe.tile_nbytes)
         budget = int(dev.bank_size * cfg.kv_fraction) // ap * ap
         blocks = kv_budget_blocks(probe.tiles_per_block, len(specs), dev.num_banks, ap, budget)
@@ -102,17 +124,18 @@ class TTEmulatedModelRunner(CPUModelRunner):
                                 spec.head_size, tt_kv_dtype(self.cache_config.cache_dtype))
         if self.hawk_tt_cache is not None:  # re-initialisation: drop the previous cache
             self.hawk_shutdown()
-        cache = TTPagedKVCache(self.hawk_device(), tt_spec, names)
+        cache = TTMeshKVCache(self.hawk_devices(), tt_spec, names, ENV_CHIPS)
         self.hawk_tt_cache = cache
         for i, n in enumerate(names):
             layers[n].hawk_tt_cache = cache
             layers[n].hawk_tt_layer = i
         registry.register(self.vllm_config, cache)
-        lay = cache.layout
-        logger.info("HAWK KV cache on %s: %d layers x (K, V) x %d blocks x %d tiles of %s, "
-                    "%d B per bank per tensor (%d tiles per tensor over %d banks)",
-                    self.hawk_device().profile.name, len(names), num_blocks, tt_spec.tiles_per_block,
-                    tt_spec.dtype, lay.size_per_bank, tt_spec.tiles_per_tensor, lay.num_banks)
+        chip = cache.chips[0]
+        logger.info("HAWK KV cache on %s x %d chip(s) (%d of %d KV heads each): %d layers x (K, V) x "
+                    "%d blocks x %d tiles of %s per chip, %d B per bank per tensor (%d tiles per tensor "
+                    "over %d banks)", chip.device.profile.name, cache.num_chips, chip.spec.num_kv_heads,
+                    tt_spec.num_kv_heads, len(names), num_blocks, chip.spec.tiles_per_block, tt_spec.dtype,
+                    chip.layout.size_per_bank, chip.spec.tiles_per_tensor, chip.num_banks)
         placeholder = torch.zeros((num_blocks, 1), dtype=torch.uint8)
         kv_caches = {n: placeholder for n in names}
         bind_kv_cache(kv_caches, self.compilation_config.static_forward_context, self.kv_caches,
