@@ -1,5 +1,5 @@
 """GN-Host through the connector's strategies (``layout_fix: decode``), without vLLM:
-``make_source`` serves plain vLLM blocks, ``make_sink`` builds the GN-Host sink over the
+``make_source`` serves plain vLLM blocks, ``make_sinks`` builds the GN-Host sink over the
 plugin's Tenstorrent KV cache, the host-staged transport moves the bytes and the
 decode's banks hold ``tilize_pack`` of the prefill's K/V. A GN-Host decode and a
 GN-HAWK prefill (or the reverse) are refused at the handshake, naming both values."""
@@ -10,7 +10,7 @@ import torch
 
 from vllm_hawk.connector.config import HawkConfig
 from vllm_hawk.connector.describe import LocalKV, tt_compat
-from vllm_hawk.connector.worker import make_sink, make_source
+from vllm_hawk.connector.worker import make_sinks, make_source
 from vllm_hawk.kvflow import DecodeEndpoint, GNHostSink, PrefillEndpoint, RingGatherSource, VllmBlockSource
 from vllm_hawk.kvflow.gn_host import wire_layout_of
 from vllm_hawk.layout.formats import tilize_pack
@@ -43,7 +43,7 @@ def test_gn_host_over_host_staged_lands_exact_bytes(mode, source):
     src = make_source(cfg, pkv)
     assert type(src) is source
     pre = PrefillEndpoint(src, tp, compat, ring_nbytes=cfg.ring_nbytes)
-    sink = make_sink(cfg, LocalKV(compat, pkv.wire.layout_desc(L), tt_cache=cache, wire=pkv.wire), td)
+    sink = make_sinks(cfg, LocalKV(compat, pkv.wire.layout_desc(L), tt_cache=cache, wire=pkv.wire), td)[0]
     dec = DecodeEndpoint(td, pre.endpoint, compat, pull_timeout_s=10)
     try:
         assert isinstance(sink, GNHostSink)

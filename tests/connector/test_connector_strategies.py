@@ -1,6 +1,6 @@
 """The connector's strategies on the shipped Algorithm 1 path, without vLLM.
 
-``make_source`` / ``make_sink`` (what ``HawkConnectorWorker`` builds from its config)
+``make_source`` / ``make_sinks`` (what ``HawkConnectorWorker`` builds from its config)
 driven through :class:`~vllm_hawk.kvflow.PrefillEndpoint` and
 :class:`~vllm_hawk.kvflow.DecodeEndpoint` over the in-process transport:
 
@@ -23,7 +23,7 @@ import torch
 
 from vllm_hawk.connector.config import HawkConfig
 from vllm_hawk.connector.describe import LocalKV, tt_compat
-from vllm_hawk.connector.worker import make_sink, make_source
+from vllm_hawk.connector.worker import make_sinks, make_source
 from vllm_hawk.kvflow import (
     DecodeEndpoint,
     PeerFailed,
@@ -77,11 +77,11 @@ def test_strategies_follow_the_config():
     t = make_transport("inprocess")
     try:
         for mode, cls in (("direct", VllmPagedSink), ("staged", VllmStagedSink)):
-            sink = make_sink(HawkConfig(mode=mode, ring_nbytes=1 << 20), kv, t)
+            sink = make_sinks(HawkConfig(mode=mode, ring_nbytes=1 << 20), kv, t)[0]
             assert type(sink) is cls
             sink.close()
         with pytest.raises(NotImplementedError, match="HAWK_TT_PLATFORM"):
-            make_sink(HawkConfig(device_profile="p150a"), kv, t)
+            make_sinks(HawkConfig(device_profile="p150a"), kv, t)[0]
         assert len(t._regions) == 0
     finally:
         t.close()
@@ -99,7 +99,7 @@ def test_gn_hawk_lands_exact_bytes_in_the_device_banks(device, dtype, mode):
     cache = TTPagedKVCache(dev, TTKVCacheSpec(L, DST_BLOCKS, H, BS, D, dtype))
     tp, td = make_transport("inprocess"), _Counting()
     pre = PrefillEndpoint(make_source(cfg, _vllm_kv(src_cache, compat)), tp, compat, ring_nbytes=1 << 20)
-    sink = make_sink(cfg, LocalKV(compat, None, tt_cache=cache), td)
+    sink = make_sinks(cfg, LocalKV(compat, None, tt_cache=cache), td)[0]
     dec = DecodeEndpoint(td, pre.endpoint, compat, pull_timeout_s=10)
     try:
         assert sink.layout.num_banks == dev.num_banks and sink.layout.dtype == dtype
@@ -150,7 +150,7 @@ def test_staged_release_while_queued_cancels_and_leaks_no_ring_space():
     pre = PrefillEndpoint(make_source(cfg, kv), tp, compat, ring_nbytes=cfg.ring_nbytes, workers=1,
                           observer=observer, on_finished=lambda r, ok: finished.append((r, ok)))
     dst_cache = PagedKVCache(L, 40, H, BS, D)
-    sink = make_sink(cfg, _vllm_kv(dst_cache, compat), td)
+    sink = make_sinks(cfg, _vllm_kv(dst_cache, compat), td)[0]
     dec = DecodeEndpoint(td, pre.endpoint, compat, pull_timeout_s=10)
     try:
         pre.add_request("a", [1, 2], 2 * BS)

@@ -97,7 +97,8 @@ def test_shares_land_every_head_exactly_and_free_once(p_tp, d_tp, mode):
             shares = [(dec.eps[ps.prefill_rank], dec.sink_for(ps), ps) for ps in plan]
             results.append(fetch_shares("r", n_tok, shares, dst[t]))
             if t < d_tp - 1:
-                served = {ps.prefill_rank for d in range(t + 1, d_tp) for ps in plan_shares(H, p_tp, d_tp, d, H // d_tp)}
+                later = [plan_shares(H, p_tp, d_tp, d, H // d_tp) for d in range(t + 1, d_tp)]
+                served = {ps.prefill_rank for plan_d in later for ps in plan_d}
                 for r in served:
                     assert pres[r].finished == [], f"prefill rank {r} freed before its last share"
         for p in pres:

@@ -54,10 +54,12 @@ def prefill_dumper(d: Path, source, tag: str = "", when=None):
 
 
 def dump_landed(d: Path, key: str, cache, dst_blocks) -> None:
-    """Save the bank bytes of ``dst_blocks`` of a Tenstorrent cache after a pull."""
+    """Save the bank bytes of ``dst_blocks`` of a Tenstorrent cache after a pull (a mesh:
+    the bytes of all heads, as one chip holding them all would have them)."""
     blocks = [int(b) for b in dst_blocks]
     _save(d, f"decode-{_safe(key)}.pt", {
-        "dst_blocks": blocks, "dtype": cache.spec.dtype, "device": cache.device.profile.name,
+        "dst_blocks": blocks, "dtype": cache.spec.dtype,
+        "device": getattr(cache, "chips", [cache])[0].device.profile.name,
         "bytes": [(cache.read_block_bytes(i, 0, blocks).clone(), cache.read_block_bytes(i, 1, blocks).clone())
                   for i in range(cache.spec.num_layers)]})
 

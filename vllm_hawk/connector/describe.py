@@ -126,8 +126,9 @@ def describe_tt_cache(cache, vllm_config, cfg: HawkConfig) -> LocalKV:
     KV cache (the sink registers its own memory)."""
     from vllm_hawk.kvflow.sinks import layout_desc
 
-    s = cache.spec
-    dev = cache.device.profile.name
+    s = cache.spec  # all heads; each chip of a mesh holds its share of them (cache.chips)
+    chip = getattr(cache, "chips", [cache])[0]
+    dev = chip.device.profile.name
     if dev != cfg.device_profile:
         raise HawkConfigError(f"kv_connector_extra_config.device_profile={cfg.device_profile!r} but "
                               f"this engine's Tenstorrent device is {dev!r}")
@@ -141,7 +142,7 @@ def describe_tt_cache(cache, vllm_config, cfg: HawkConfig) -> LocalKV:
         return LocalKV(compat, wire.layout_desc(s.num_layers), tt_cache=cache, wire=wire,
                        num_kv_heads=total_kv_heads(vllm_config))
     compat = tt_compat(mid, dtype, s.block_size, cfg.device_profile)
-    return LocalKV(compat, layout_desc(cache.layout), tt_cache=cache, num_kv_heads=total_kv_heads(vllm_config))
+    return LocalKV(compat, layout_desc(chip.layout), tt_cache=cache, num_kv_heads=total_kv_heads(vllm_config))
 
 
 def tt_cache_of(vllm_config):

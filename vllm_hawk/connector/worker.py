@@ -135,22 +135,34 @@ def make_source(cfg: HawkConfig, kv: LocalKV):
     return VllmBlockSource(kv.region_map, kv.layout, kv.storages, kv.heads)
 
 
-def make_sink(cfg: HawkConfig, kv: LocalKV, transport):
-    """The decode's sink for this configuration (see module doc)."""
+def make_sinks(cfg: HawkConfig, kv: LocalKV, transport) -> list:
+    """The decode's sinks for this configuration (see module doc): one per chip of a
+    Tenstorrent mesh (each chip's banks, its heads), else one."""
     if kv.tt_cache is not None and cfg.layout_fix == "decode":
-        c = kv.tt_cache
+        chips = getattr(kv.tt_cache, "chips", [kv.tt_cache])
+        if len(chips) != 1:
+            raise HawkConfigError(f"layout_fix 'decode' (GN-Host) with {len(chips)} chips: GN-Host lands on one "
+                                  "chip; use layout_fix 'prefill' (GN-HAWK) for a mesh, or HAWK_TT_CHIPS=1")
+        c = chips[0]
         sink = GNHostSink(c.device, c.layout, c.buffers, transport, kv.wire, cfg.ring_nbytes)
         _in_background(sink.warm, "GN-Host layout fix")
-        return sink
+        return [sink]
     if kv.tt_cache is not None:
-        c = kv.tt_cache
-        align = c.device.profile.dram_alignment_bytes
-        per_bank = max(align, cfg.ring_nbytes // c.layout.num_banks // align * align)
-        return TTSink(c.device, c.layout, c.buffers, transport, cfg.mode, recv_nbytes_per_bank=per_bank)
+        sinks = []
+        try:
+            for c in getattr(kv.tt_cache, "chips", [kv.tt_cache]):  # each chip: its own banks, buffers, allocator
+                align = c.device.profile.dram_alignment_bytes
+                per_bank = max(align, cfg.ring_nbytes // c.layout.num_banks // align * align)
+                sinks.append(TTSink(c.device, c.layout, c.buffers, transport, cfg.mode, recv_nbytes_per_bank=per_bank))
+        except BaseException:
+            for x in sinks:
+                x.close()
+            raise
+        return sinks
     if cfg.device_profile != VLLM_PROFILE:
         raise NotImplementedError(f"HawkConnector: device_profile {cfg.device_profile!r} on the decode needs "
                                   "the Tenstorrent platform plugin (HAWK_TT_PLATFORM)")
-    return vllm_sink(kv.region_map, kv.layout, transport, cfg.mode, kv.storages, cfg.ring_nbytes)
+    return [vllm_sink(kv.region_map, kv.layout, transport, cfg.mode, kv.storages, cfg.ring_nbytes)]
 
 
 def make_transport_for(cfg: HawkConfig):
@@ -189,6 +201,7 @@ class HawkConnectorWorker:
         self._engines: dict[str, str] = {}  # side channel -> remote engine id (for messages)
         self._connecting: set[str] = set()  # side channels the lease keeper is handshaking with
         self.transport = self.prefill = self.sink = self._pool = self.keeper = None
+        self.sinks: list = []  # decode: one per target this worker lands (chips of a mesh), sinks[0] is self.sink
         self._debug = envs.debug_dir()
         self.tp_rank, self.tp_size = 0, 1
         self._share_sinks: dict = {}  # (dst_start, count) -> the sink restricted to those heads
@@ -207,17 +220,18 @@ class HawkConnectorWorker:
         else:
             self.kv = describe_vllm_caches(kv_caches, self.vllm_config, self.cfg)
         self.tp_rank, self.tp_size = tp_rank_and_size()
-        if self.tp_size > 1 and tt_cache is None and self.cfg.device_profile != VLLM_PROFILE:
-            raise HawkConfigError(f"kv_connector_extra_config.device_profile={self.cfg.device_profile!r} with "
-                                  f"tensor_parallel_size={self.tp_size}: GN-HAWK and GN-Host prefills serve TP=1 "
-                                  "only for now (GG pairs take any TP on both sides)")
+        if self.tp_size > 1 and self.cfg.layout_fix == "decode":
+            raise HawkConfigError(f"kv_connector_extra_config.layout_fix='decode' (GN-Host) with "
+                                  f"tensor_parallel_size={self.tp_size}: GN-Host serves TP=1 only (GN-HAWK and GG "
+                                  "pairs take any TP on both sides)")
         with unpinned_threads():  # the threads started here must not share the model's core
             self.transport = make_transport_for(self.cfg)
             try:
                 if self.is_producer:
                     self._start_prefill()
                 if self.is_consumer:
-                    self.sink = make_sink(self.cfg, self.kv, self.transport)
+                    self.sinks = make_sinks(self.cfg, self.kv, self.transport)
+                    self.sink = self.sinks[0]
                     self._pool = cf.ThreadPoolExecutor(self.cfg.max_pulls, thread_name_prefix="hawk-pull",
                                                        initializer=unpin_current_thread)
                     self.keeper = LeaseKeeper(self._keeper_endpoint, self.cfg.renew_interval_s,
@@ -369,7 +383,12 @@ class HawkConnectorWorker:
         try:
             end = spec.first_block + len(spec.local_block_ids)  # the blocks this pull ends at
             num_tokens = min(spec.remote_num_tokens, end * self.kv.layout.block_size)
-            shares = [(self._rank_endpoint(spec, ps.prefill_rank), self._sink_for(ps), ps) for ps in self._plan(spec)]
+            try:
+                shares = [(self._rank_endpoint(spec, ps.prefill_rank), self._sink_for(ps), ps)
+                          for ps in self._plan(spec)]
+            except TPMismatch as e:
+                self._release_after_mismatch(spec, e)
+                raise
             self._release_idle_ranks(spec)
             res = fetch_shares(spec.remote_request_id, num_tokens, shares, spec.local_block_ids,
                                first_block=spec.first_block, layer_groups=self.cfg.layer_groups)
@@ -434,14 +453,20 @@ class HawkConnectorWorker:
         """Debug file suffix of this TP rank ('' without TP)."""
         return f"-r{self.tp_rank}" if self.tp_size > 1 else ""
 
-    def _targets(self) -> tuple[int, int, int]:
-        """(decode targets in all, this worker's target, KV heads it holds): one per TP rank."""
-        return self.tp_size, self.tp_rank, self.kv.layout.num_kv_heads
+    def _targets(self) -> tuple[int, list[int], int]:
+        """(decode targets in all, this worker's targets, KV heads each holds): a TP rank
+        each, or each chip of a Tenstorrent mesh (the plugin's engine runs TP=1)."""
+        local = self.kv.layout.num_kv_heads
+        if self.kv.tt_cache is not None:
+            n = len(self.sinks)
+            return n, list(range(n)), local
+        return self.tp_size, [self.tp_rank], local
 
     def _plan(self, spec: RecvSpec) -> list[PlannedShare]:
         """The shares this worker pulls for ``spec`` (one WHOLE share without TP)."""
-        total, target, local = self._targets()
-        return plan_shares(self.kv.num_kv_heads or local, spec.remote_tp_size, total, target, local)
+        total, targets, local = self._targets()
+        return [ps for t in targets
+                for ps in plan_shares(self.kv.num_kv_heads or local, spec.remote_tp_size, total, t, local)]
 
     def _rank_endpoint(self, spec: RecvSpec, rank: int) -> DecodeEndpoint:
         """The endpoint of prefill TP rank ``rank``; its HelloAck must say it is that rank."""
@@ -449,9 +474,11 @@ class HawkConnectorWorker:
         h = ep.hello
         if h.num_kv_heads and ((h.tp_size, h.tp_rank) != (spec.remote_tp_size, rank)
                                or h.num_kv_heads != self.kv.num_kv_heads):
-            raise TPMismatch(f"prefill side channel {spec.side_channel_of(rank)} says it is TP rank {h.tp_rank} of "
+            err = TPMismatch(f"prefill side channel {spec.side_channel_of(rank)} says it is TP rank {h.tp_rank} of "
                              f"{h.tp_size} with {h.num_kv_heads} KV heads; kv_transfer_params name rank {rank} of "
                              f"{spec.remote_tp_size}, and this decode's model has {self.kv.num_kv_heads}")
+            err.hello = h
+            raise err
         return ep
 
     def _side_channels(self, spec: RecvSpec) -> list[str]:
@@ -475,6 +502,14 @@ class HawkConnectorWorker:
         for r in idle_ranks(self.kv.num_kv_heads, spec.remote_tp_size, self._targets()[0]):
             self._pool.submit(self._release_rank, spec, r)
 
+    def _release_after_mismatch(self, spec: RecvSpec, e: TPMismatch) -> None:
+        """A pull that cannot be planned (the two sides disagree on TP): release the request
+        on every rank the prefill says it has, so its blocks are not held until the lease."""
+        if e.hello is None or self.tp_rank != 0:
+            return
+        for r in range(e.hello.tp_size):
+            self._pool.submit(self._release_rank, spec, r)
+
     def _release_rank(self, spec: RecvSpec, rank: int) -> None:
         try:
             self._endpoint_at(spec.side_channel_of(rank), spec.remote_engine_id).release(
@@ -484,9 +519,16 @@ class HawkConnectorWorker:
                            spec.remote_request_id, rank, e)
 
     def _sink_for(self, ps: PlannedShare):
-        """The sink of share ``ps``: this worker's sink, or a view of it restricted to the
-        share's destination heads (vLLM caches)."""
+        """The sink of share ``ps``: its chip's sink (a mesh), this worker's sink, or a view
+        of it restricted to the share's destination heads (vLLM caches)."""
         local = self.kv.layout.num_kv_heads
+        if self.kv.tt_cache is not None:
+            if (ps.dst_start, ps.count) != (0, local):
+                raise TPMismatch(f"chip {ps.target} holds {local} KV heads; heads {ps.dst_start}.."
+                                 f"{ps.dst_start + ps.count - 1} of them would come from prefill rank "
+                                 f"{ps.prefill_rank} alone, and a Tenstorrent chip lands whole head shards: use a "
+                                 "prefill tensor_parallel_size <= the decode's chips")
+            return self.sinks[ps.target]
         if ps.dst_start == 0 and ps.count == local:
             return self.sink
         key = (ps.dst_start, ps.count)
@@ -519,8 +561,8 @@ class HawkConnectorWorker:
             with self._lock:
                 d = {"inflight": len(self._pulls.inflight), "quarantined": len(self._pulls.quarantined)}
             if isinstance(self.sink, TTSink):
-                d.update(recv_live=len(self.sink.pool.live()) if self.sink.pool else 0,
-                         device_buffers=len(getattr(self.sink.device, "live_buffers", list)()))
+                d.update(recv_live=sum(len(x.pool.live()) if x.pool else 0 for x in self.sinks),
+                         device_buffers=sum(len(getattr(x.device, "live_buffers", list)()) for x in self.sinks))
             elif isinstance(self.sink, GNHostSink):
                 d.update(recv_live=len(self.sink.recv.alloc.live()) if self.sink.recv else 0,
                          device_buffers=len(getattr(self.sink.device, "live_buffers", list)()))
@@ -543,10 +585,11 @@ class HawkConnectorWorker:
             peers, self._peers = list(self._peers.values()), {}
         for p in peers:
             p.close()
-        for part in (self.prefill, self.sink, self.transport):
+        for part in (self.prefill, *(self.sinks or [self.sink]), self.transport):
             if part is not None:
                 try:
                     part.close()
                 except Exception:  # noqa: BLE001
                     logger.exception("HawkConnector: shutdown of %s failed", type(part).__name__)
         self.prefill = self.sink = self.transport = self._pool = None
+        self.sinks = []

@@ -27,7 +27,10 @@ __all__ = ["HeadShard", "Pull", "TPMismatch", "shard_heads", "plan_pulls", "cons
 
 class TPMismatch(ValueError):
     """The two sides' tensor-parallel sizes cannot split the model's KV heads; the
-    message names both sides' values."""
+    message names both sides' values. ``hello``: the prefill's HelloAck when a side
+    channel said it (its real TP size), else None."""
+
+    hello = None
 
 
 @dataclass(frozen=True)

@@ -279,7 +279,8 @@ class LocalCluster:
     decode_config: dict = field(default_factory=dict)
     decode_policy: str = "fail"  # kv_load_failure_policy
     #: GN-HAWK: run the decode on the emulated Tenstorrent platform plugin, e.g.
-    #: ``{"device": "p150a", "kv_dtype": "bfloat16"}`` (sets ``device_profile`` too)
+    #: ``{"device": "p150a", "kv_dtype": "bfloat16"}`` (sets ``device_profile`` too; ``"chips": 2``
+    #: shards the KV heads over a mesh of 2 chips, ``HAWK_TT_CHIPS``)
     decode_tt: dict | None = None
     extra_args: list = field(default_factory=list)  # vLLM CLI args for both servers
     extra_env: dict = field(default_factory=dict)  # environment of both servers
@@ -368,7 +369,8 @@ class LocalCluster:
         if role == "decode" and self.decode_tt:
             launcher = ["-m", "vllm_hawk.tt_plugin", "--tt-platform", "emulated",
                         "--tt-device", self.decode_tt.get("device", "p150a"),
-                        "--tt-kv-dtype", self.decode_tt.get("kv_dtype", "bfloat16")]
+                        "--tt-kv-dtype", self.decode_tt.get("kv_dtype", "bfloat16"),
+                        *(["--tt-chips", str(self.decode_tt["chips"])] if self.decode_tt.get("chips") else [])]
         argv = [self.python, *launcher, "serve", str(self.model),
                 "--host", "127.0.0.1", "--port", str(port), "--served-model-name", "tiny",
                 "--enforce-eager", "--dtype", self.dtype, "--max-model-len", str(self.max_model_len),
