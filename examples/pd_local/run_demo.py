@@ -2,8 +2,9 @@
 
     python examples/pd_local/run_demo.py [--transport mooncake-tcp|host-staged]
                                          [--mode direct|staged] [--workdir DIR]
-                                         [--gn-hawk both|off|only] [--tt-device p150a|n150]
+                                         [--gn-hawk both|off|only] [--tt-device p150a|n150|n300]
                                          [--tt-kv-dtype bfloat16|bfloat8_b]
+                                         [--gn-prefill-tp N] [--tt-chips N]
 
 Builds the offline tiny Llama (float32), starts the three servers (HawkConnector moves
 the KV from the prefill's cache into the decode's), sends a few streaming requests
@@ -12,14 +13,17 @@ through the proxy and on a single engine (the decode server alone, cold cache), 
 KV pull (time, bytes, transport operations) from the decode's Prometheus metrics.
 Everything is shut down at the end (also on Ctrl-C), and no process is left behind.
 
-Second phase (``--gn-hawk both``, the default): GN-HAWK. The prefill runs on the CPU
-engine (vLLM's paged layout, the GPU stand-in), the decode on the emulated Tenstorrent
-Blackhole (p150a, 8 DRAM banks; the vLLM platform plugin ``vllm_hawk.tt_plugin``), with
-the tiny Llama in bf16. The prefill transforms each request's KV into the decode's tile
-layout, one segment per bank, and the decode READs it in one batch into per-bank receive
-buffers (``--mode staged``) or straight into its KV pages (``--mode direct``). Printed per
-request: TTFT next to GG-Direct's for the same prompt, and the transfer (bytes per bank,
-segments, READ operations, intra-bank copies, time).
+Second phase (``--gn-hawk both``, the default): GN-HAWK, the paper's configuration in
+miniature: a tensor-parallel prefill (``--gn-prefill-tp``, default 2 ranks) on the CPU
+engine (vLLM's paged layout, the GPU stand-in) and a decode on a mesh of emulated
+Tenstorrent Blackhole chips (``--tt-chips``, default 2 x p150a, 8 DRAM banks each; the
+vLLM platform plugin ``vllm_hawk.tt_plugin``), with the tiny Llama in bf16 (4 KV heads:
+2 per prefill rank, 2 per chip). Each prefill rank transforms its heads of each request
+into its chip's tile layout, one segment per bank, and the decode READs every chip's
+segments at once into per-bank receive buffers (``--mode staged``) or straight into the
+KV pages (``--mode direct``). Printed per request: TTFT next to GG-Direct's for the same
+prompt, and the transfer per chip (prefill rank, bytes per bank, segments, READ
+operations, intra-bank copies) and in all.
 """
 from __future__ import annotations
 
@@ -99,8 +103,10 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--workdir", default=None, help="logs and config (default: a temp folder)")
     ap.add_argument("--gn-hawk", default="both", choices=["both", "off", "only"],
                     help="also run GN-HAWK (decode on the emulated Tenstorrent device)")
-    ap.add_argument("--tt-device", default="p150a", choices=["p150a", "n150"])
+    ap.add_argument("--tt-device", default="p150a", choices=["p150a", "n150", "n300"])
     ap.add_argument("--tt-kv-dtype", default="bfloat16", choices=["bfloat16", "bfloat8_b"])
+    ap.add_argument("--gn-prefill-tp", type=int, default=2, help="GN-HAWK prefill tensor-parallel ranks")
+    ap.add_argument("--tt-chips", type=int, default=2, help="chips of the emulated Tenstorrent decode mesh")
     args = ap.parse_args(argv)
     workdir = Path(args.workdir or tempfile.mkdtemp(prefix="hawk-pd-demo-"))
     ok, gg_ttft = True, {}
@@ -131,13 +137,16 @@ def run_gn(args, workdir: Path, gg_ttft: dict) -> bool:
 
     model = build_tiny_llama(dtype="bfloat16")
     transport = "mooncake-tcp" if args.transport == "host-staged" else args.transport
-    cluster = LocalCluster(model, workdir, dtype="bfloat16",
-                           decode_tt={"device": args.tt_device, "kv_dtype": args.tt_kv_dtype},
-                           extra_config={"transport": transport, "mode": args.mode})
+    cluster = LocalCluster(model, workdir, dtype="bfloat16", prefill_tp=args.gn_prefill_tp,
+                           decode_tt={"device": args.tt_device, "kv_dtype": args.tt_kv_dtype,
+                                      "chips": args.tt_chips},
+                           extra_config={"transport": transport, "mode": args.mode,
+                                         "pull_timeout_s": 60.0, "handshake_timeout_s": 30.0})
     progress, tty = _progress_printer()
     t_start = time.monotonic()
-    print(f"\n=== GN-HAWK: prefill vLLM on the CPU -> decode vLLM on an emulated {args.tt_device} "
-          f"({args.tt_kv_dtype} tiles), mode {args.mode}, transport {transport} (logs in {workdir})")
+    print(f"\n=== GN-HAWK: prefill vLLM on the CPU (TP={args.gn_prefill_tp}) -> decode vLLM on "
+          f"{args.tt_chips} emulated {args.tt_device} chip(s) ({args.tt_kv_dtype} tiles), mode {args.mode}, "
+          f"transport {transport} (logs in {workdir})")
     ok = False
     try:
         cluster.start(progress)
@@ -162,11 +171,17 @@ def run_gn(args, workdir: Path, gg_ttft: dict) -> bool:
                   f"{f.get('total_ms', 0):6.1f}ms {f.get('nbytes', 0) / 1024:6.0f} "
                   f"{f.get('segments', 0):>4} {f.get('entries', 0):>5} {f.get('intra_bank_ops', 0):>6}  "
                   f"[{per_bank}]")
+            for sh in f.get("shares", []):  # one line per chip: who fed it, what landed where
+                banks = " ".join(f"{b / 1024:.0f}" for b in sh.get("bytes_per_bank", []))
+                print(f"{'':>2}   chip {sh['target']} <- prefill rank {sh['prefill_rank']} (KV heads "
+                      f"{sh['heads'][0]}..{sh['heads'][0] + sh['heads'][1] - 1} of the chip): "
+                      f"{sh['nbytes'] / 1024:.0f} KiB, {sh['segments']} segs, {sh['entries']} READs, "
+                      f"per bank [{banks}]")
         print("\nTTFT GN: through the proxy to the Tenstorrent decode; TTFT GG: GG-Direct "
               "(first phase, float32 model) for the same prompt.\npull: KVRequest -> KV in the "
-              "device banks (includes the prefill's transform); segs: one per bank; READs: "
-              "transport operations in the one batch;\ncopies: intra-bank copies from the receive "
-              "buffers into the KV pages (staged mode).")
+              "device banks of every chip (includes the prefill's transform); segs: one per bank and chip; "
+              "READs: transport operations (one batch per chip, all chips at once);\ncopies: intra-bank "
+              "copies from the receive buffers into the KV pages (staged mode). Emulated devices: CPU figures.")
         for i, (_p, _t, _f, text) in enumerate(rows):
             print(f"{i:>2} output: {text!r}")
         ok = all(r[2].get("ok") for r in rows)

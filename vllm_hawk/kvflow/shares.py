@@ -64,8 +64,8 @@ def fetch_shares(req_id: str, num_tokens: int, shares: list[tuple[object, object
                  dst_blocks, *, first_block: int = 0, layer_groups: int = 1,
                  on_result: Callable[[PlannedShare, FetchResult], None] | None = None) -> FetchResult:
     """Fetch every ``(endpoint, sink, planned)`` share of ``req_id`` at once (see module
-    doc); returns the sum (``extra["shares"]``: per share, prefill rank, heads, bytes,
-    segments, entries)."""
+    doc); returns the sum (``extra["shares"]``: per share, prefill rank, target, heads,
+    bytes, segments, entries and, for Tenstorrent sinks, bytes per bank)."""
     if len(shares) == 1:
         ep, sink, ps = shares[0]
         return ep.fetch(req_id, num_tokens, sink, dst_blocks, first_block=first_block, layer_groups=layer_groups,
@@ -101,7 +101,11 @@ def fetch_shares(req_id: str, num_tokens: int, shares: list[tuple[object, object
         total.total_s = max(total.total_s, r.total_s)
         total.release_s = max(total.release_s, r.release_s)
         per.append({"prefill_rank": ps.prefill_rank, "target": ps.target, "heads": [ps.dst_start, ps.count],
-                    "nbytes": r.nbytes, "segments": r.segments, "entries": r.entries})
+                    "nbytes": r.nbytes, "segments": r.segments, "entries": r.entries,
+                    **{k: v for k, v in r.extra.items() if k in ("bytes_per_bank", "banks", "intra_bank_ops")}})
+        for k in ("intra_bank_ops",):
+            if k in r.extra:
+                total.extra[k] = total.extra.get(k, 0) + r.extra[k]
         if on_result is not None:
             on_result(ps, r)
     total.extra["shares"] = per
