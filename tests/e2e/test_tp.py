@@ -30,8 +30,9 @@ from pathlib import Path
 
 import pytest
 import torch
+from test_gn_hawk import _complete
+from test_pd_serving import greedy_divergence
 
-from tests.e2e.test_pd_serving import greedy_divergence
 from vllm_hawk.testing.local_cluster import http_post_json, wait_idle
 
 pytestmark = [pytest.mark.vllm, pytest.mark.tp]
@@ -91,16 +92,6 @@ def _prompts() -> list[list[int]]:
     return [[0] + [rng.randrange(2, 1024) for _ in range(n - 1)] for n in (5, 33, 64, 100, 200)]
 
 
-def _complete(url: str, prompt, logprobs: int | None = None) -> dict:
-    body = {"model": "tiny", "prompt": prompt, "max_tokens": MAX_TOKENS, "temperature": 0,
-            "ignore_eos": True, "return_token_ids": True}
-    if logprobs:
-        body.update(logprobs=logprobs, return_tokens_as_token_ids=True)
-    status, out = http_post_json(url + "/v1/completions", body)
-    assert status == 200, out
-    return {**out["choices"][0], "kv_transfer_params": out.get("kv_transfer_params")}
-
-
 def _all_heads(parts: list[torch.Tensor], tp: int) -> torch.Tensor:
     """K or V ``[n, H, N, D]`` from per-rank ``[n, H/tp, N, D]`` (rank order = head order;
     with more ranks than heads a rank's one head is a replica: every (tp/H)-th rank)."""
@@ -154,10 +145,10 @@ def test_tp_pair_serves_exactly(cluster, record_property):
     ties, mismatches, figs = [], [], []
     t0 = time.monotonic()
     for prompt in _prompts():
-        got = _complete(cluster.proxy_url, prompt)
+        got = _complete(cluster.proxy_url, prompt, max_tokens=MAX_TOKENS)
         fig = (got["kv_transfer_params"] or {}).get("hawk_transfer") or {}
         figs.append((len(prompt), fig.get("nbytes"), fig.get("segments"), fig.get("entries")))
-        ref = _complete(ref_url, prompt, logprobs=2)
+        ref = _complete(ref_url, prompt, logprobs=2, max_tokens=MAX_TOKENS)
         div = greedy_divergence(got["token_ids"], ref)
         if div is not None:
             (ties if div[1] < TIE_MARGIN[name[:2]] else mismatches).append((len(prompt), *div))
@@ -172,13 +163,13 @@ def test_tp_pair_serves_exactly(cluster, record_property):
     for rid in landed:
         (_check_gn if gn else _check_gg)(cluster, rid)
     wait_idle(cluster, cluster.hawk_dump, 30.0)
+    if name == "GG-P2-D1":  # one configuration is enough
+        _mismatched_tp_fails_the_pull_with_both_values(cluster)
 
 
-def test_mismatched_tp_fails_the_pull_with_both_values(cluster):
+def _mismatched_tp_fails_the_pull_with_both_values(cluster):
     """A prefill that claims a TP size its side channels do not have: the pull fails
     with an error naming both sides' values, and nothing stays held."""
-    if cluster.hawk_name != "GG-P2-D1":
-        pytest.skip("one configuration is enough")
     prompt = [0] + list(range(7, 60))
     status, out = http_post_json(cluster.prefill_url + "/v1/completions",
                                  {"model": "tiny", "prompt": prompt, "max_tokens": 1,
