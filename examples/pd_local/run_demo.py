@@ -173,8 +173,8 @@ def run_gn(args, workdir: Path, gg_ttft: dict) -> bool:
                   f"[{per_bank}]")
             for sh in f.get("shares", []):  # one line per chip: who fed it, what landed where
                 banks = " ".join(f"{b / 1024:.0f}" for b in sh.get("bytes_per_bank", []))
-                print(f"{'':>2}   chip {sh['target']} <- prefill rank {sh['prefill_rank']} (KV heads "
-                      f"{sh['heads'][0]}..{sh['heads'][0] + sh['heads'][1] - 1} of the chip): "
+                print(f"{'':>2}   chip {sh['target']} <- prefill rank {sh['prefill_rank']} ({sh['heads'][1]} KV "
+                      f"heads): "
                       f"{sh['nbytes'] / 1024:.0f} KiB, {sh['segments']} segs, {sh['entries']} READs, "
                       f"per bank [{banks}]")
         print("\nTTFT GN: through the proxy to the Tenstorrent decode; TTFT GG: GG-Direct "
