@@ -73,6 +73,7 @@ class Share:
     consumers: int = 1
     index: int = 0
     tag: str = ""
+    chip: int = 0  # the destination chip (or decode TP rank); KVReady must name it back
 
     def key(self, req_id: str) -> str:
         return req_id if not self.tag else f"{req_id}\x00{self.tag}"
@@ -118,6 +119,12 @@ def _read_deadline(ready: KVReady, t_ready: float, deadline: float) -> tuple[flo
         return deadline, ""
     return end, (f" (read deadline capped by the prefill's lease of {ready.lease_ms} ms less {margin:.2f} s: "
                  "after the lease the prefill frees the range and may reuse it)")
+
+
+def _chip_error(ready: KVReady, share: "Share") -> str:
+    if ready.chip != share.chip:
+        return f"KVReady names chip {ready.chip}, this share lands on chip {share.chip}"
+    return ""
 
 
 def split_layers(num_layers: int, groups: int) -> list[tuple[int, int]]:
@@ -289,7 +296,8 @@ class DecodeEndpoint:
                     first = ready
                     res.request_s = t_ready - t0  # first group's KVReady
                     rdeadline, note = _read_deadline(ready, t_ready, deadline)
-                err = sink.check_group(ready, plan, hello.export_nbytes, lo, hi, first.ring_offset)
+                err = _chip_error(ready, share) or sink.check_group(ready, plan, hello.export_nbytes, lo, hi,
+                                                                    first.ring_offset)
                 if err:
                     raise PeerFailed(f"request {req_id}: {err}", req_id)
                 if landing is None:
@@ -385,13 +393,14 @@ class DecodeEndpoint:
         return KVRequest(req_id=req_id, dst_layout=sink.layout, num_tokens=num_tokens,
                          dst_block_ids=[int(b) for b in dst], first_block=first_block,
                          deadline_ms=int((time.time() + timeout) * 1000), head_start=share.head_start,
-                         num_heads=share.num_heads, consumers=share.consumers, share=share.index)
+                         num_heads=share.num_heads, consumers=share.consumers, share=share.index,
+                         dst_chip=share.chip)
 
     def _land(self, req_id, ready, plan, sink, hello, rdeadline, note, release_on_fail: bool = True,
               share: Share = WHOLE) -> Landing:
         """Check KVReady against the sink's plan, then D2-D5 (claim and pair)."""
         try:
-            err = sink.check_ready(ready, plan, hello.export_nbytes)
+            err = _chip_error(ready, share) or sink.check_ready(ready, plan, hello.export_nbytes)
             if err:
                 raise PeerFailed(f"request {req_id}: {err}", req_id)
             wait = max(0.0, min(self.claim_wait_s, rdeadline - time.monotonic()))

@@ -502,7 +502,7 @@ class PrefillEndpoint:
                 self.exposure.acquire(key, [(self.export_base + s.offset_bytes, s.nbytes) for s in segs],
                                       domains=self._export_regions)
             out = KVReady(req_id=rid, ring_offset=off, total_nbytes=sum(s.nbytes for s in segs), segments=segs,
-                          lease_ms=int(self.lease_s * 1000))
+                          lease_ms=int(self.lease_s * 1000), chip=msg.dst_chip)
             with self._lock:  # the cancel check and the move to _served are one step
                 if key in self._cancelled:
                     raise _Cancelled()
@@ -587,7 +587,7 @@ class PrefillEndpoint:
             self._note_produce(rid, time.perf_counter() - t0, add=True)
             segs = prep.segments_layers(off, lo, hi)
             out = KVReady(req_id=rid, ring_offset=off, total_nbytes=sum(s.nbytes for s in segs), segments=segs,
-                          lease_ms=int(self.lease_s * 1000))
+                          lease_ms=int(self.lease_s * 1000), chip=msg.dst_chip)
             with self._lock:
                 if key in self._cancelled:
                     raise _Cancelled()

@@ -18,7 +18,7 @@ import threading
 from dataclasses import dataclass
 from typing import Callable
 
-from vllm_hawk.kvflow.decode import WHOLE, FetchResult, Share
+from vllm_hawk.kvflow.decode import FetchResult, Share
 from vllm_hawk.kvflow.errors import TransferUnsettled
 from vllm_hawk.layout.tp import consumers, plan_pulls, share_index
 
@@ -41,7 +41,8 @@ def plan_shares(num_kv_heads: int, prefill_tp: int, decode_targets: int, target:
                 local_heads: int) -> list[PlannedShare]:
     """The shares decode target ``target`` (of ``decode_targets`` ranks or chips, holding
     ``local_heads`` heads) pulls. A pull of a prefill rank's whole shard into the whole
-    target, with no other consumer, is the plain :data:`WHOLE` request (as without TP).
+    target, with no other consumer, is a plain whole request (as without TP); every share
+    names its target as ``chip`` (KVRequest ``dst_chip``, echoed in KVReady).
     Raises :class:`~vllm_hawk.layout.tp.TPMismatch` naming both sides' values."""
     src_heads = max(1, num_kv_heads // prefill_tp)
     out = []
@@ -49,7 +50,8 @@ def plan_shares(num_kv_heads: int, prefill_tp: int, decode_targets: int, target:
         n = consumers(num_kv_heads, prefill_tp, decode_targets, p.prefill_rank)
         whole = p.count == src_heads == local_heads and n == 1
         idx = share_index(num_kv_heads, prefill_tp, decode_targets, target, p.prefill_rank)
-        share = WHOLE if whole else Share(p.src_start, p.count, n, idx, tag=f"t{target}d{p.dst_start}")
+        share = Share(chip=target) if whole else Share(p.src_start, p.count, n, idx, tag=f"t{target}d{p.dst_start}",
+                                                       chip=target)
         out.append(PlannedShare(target, p.prefill_rank, share, p.dst_start, p.count))
     return out
 

@@ -171,7 +171,8 @@ class KVRequest(_Base, tag="kv_request"):
     head_start + num_heads - 1`` (one share; num_heads 0 = all; ``dst_layout.num_kv_heads``
     is the share's head count); consumers: how many shares of this request the decode
     side pulls from this prefill in all (the prefill frees the blocks after that many
-    Releases); share: this share's index among them (0 .. consumers - 1)."""
+    Releases); share: this share's index among them (0 .. consumers - 1); dst_chip: the
+    decode chip (or tensor-parallel rank) the share lands on, named back in KVReady."""
 
     req_id: ReqId
     dst_layout: LayoutDesc
@@ -185,19 +186,22 @@ class KVRequest(_Base, tag="kv_request"):
     num_heads: Annotated[int, Meta(ge=0, le=1 << 16)] = 0
     consumers: Annotated[int, Meta(ge=1, le=MAX_CONSUMERS)] = 1
     share: Annotated[int, Meta(ge=0, lt=MAX_CONSUMERS)] = 0
+    dst_chip: Annotated[int, Meta(ge=0, le=1023)] = 0
 
 
 class KVReady(_Base, tag="kv_ready"):
     """P7. The request occupies ``total_nbytes`` bytes from ``ring_offset`` (bytes from
     the export base; 0 when served in place); ``segments`` list the bytes per bank (G')
     or per layer (vLLM streams). lease_ms: how long from this message the prefill keeps
-    the bytes without a Release (0 = until Release)."""
+    the bytes without a Release (0 = until Release). chip: the destination chip of the
+    segments' banks (the KVRequest's ``dst_chip``; a mesh gets one G' per chip)."""
 
     req_id: ReqId
     ring_offset: U64
     total_nbytes: U64
     segments: Annotated[list[Segment], Meta(max_length=MAX_SEGMENTS)]
     lease_ms: U64 = 0
+    chip: Annotated[int, Meta(ge=0, le=1023)] = 0
 
 
 class Release(_Base, tag="release"):
