@@ -131,3 +131,19 @@ def test_heartbeat_and_hold_follow_the_lease_when_unset():
     assert cfg.renew_interval_s == 1.0 and cfg.max_hold_s == 1000.0
     with pytest.raises(HawkConfigError, match="renew_interval_s=1.5.*1.0"):
         parse_config({"shared_secret": SECRET, "lease_s": 2.0, "renew_interval_s": 1.5})
+
+
+def test_prefill_tp_pairing_is_checked_at_start_up():
+    from vllm_hawk.connector.worker import check_pairing
+
+    check_pairing(4, 2, 2, [0], 2, chips=False)  # GG 2 -> 2
+    check_pairing(4, 2, 1, [0], 4, chips=False)  # GG 2 -> 1: two prefill ranks into one cache
+    check_pairing(8, 4, 4, range(4), 2, chips=True)  # the paper: TP 4 -> 4 chips
+    check_pairing(4, 1, 2, range(2), 2, chips=True)  # one rank, a G' per chip
+    with pytest.raises(HawkConfigError, match=r"prefill_tp=3 .*\(1 TP ranks, 4 KV heads\).*prefill TP 3"):
+        check_pairing(4, 3, 1, [0], 4, chips=False)
+    with pytest.raises(HawkConfigError, match=r"prefill_tp=4 .*2 chips.*whole head shards"):
+        check_pairing(4, 4, 2, range(2), 2, chips=True)
+    assert parse_config({"prefill_tp": 2, "auth": "none"}).prefill_tp == 2
+    with pytest.raises(HawkConfigError, match="prefill_tp"):
+        parse_config({"prefill_tp": -1, "auth": "none"})

@@ -43,8 +43,9 @@ MAX_TOKENS = 10
 CONFIGS = {
     "GG-P2-D2": dict(prefill_tp=2, decode_tp=2),
     "GG-P2-D1": dict(prefill_tp=2, decode_tp=1),
-    "GG-P1-D2": dict(prefill_tp=1, decode_tp=2),
-    "GN-P2-n300": dict(prefill_tp=2, tt={"device": "n300", "kv_dtype": "bfloat8_b", "chips": 2}, mode="direct"),
+    "GG-P1-D2": dict(prefill_tp=1, decode_tp=2, decode_config={"prefill_tp": 1}),  # pairing checked at start-up
+    "GN-P2-n300": dict(prefill_tp=2, tt={"device": "n300", "kv_dtype": "bfloat8_b", "chips": 2}, mode="direct",
+                       decode_config={"prefill_tp": 2}),
     "GN-P1-p150ax2": dict(prefill_tp=1, tt={"device": "p150a", "kv_dtype": "bfloat16", "chips": 2}, mode="staged"),
 }
 TIE_MARGIN = {"GG": 1e-3, "GN": 2.0 ** -6}  # GN: bf16 logits, see test_gn_hawk
@@ -71,7 +72,8 @@ def cluster(request, tmp_path_factory):
     c = LocalCluster(build_tiny_llama(dtype=dtype, kv_heads=KV_HEADS), work, dtype=dtype, block_size=BLOCK,
                      max_model_len=512, max_num_seqs=4, prefill_tp=cfg["prefill_tp"],
                      decode_tp=cfg.get("decode_tp", 1), decode_tt=cfg.get("tt"), extra_config=extra,
-                     prefill_config={"lease_s": 120.0}, extra_args=["--no-enable-prefix-caching"],
+                     prefill_config={"lease_s": 120.0}, decode_config=cfg.get("decode_config", {}),
+                     extra_args=["--no-enable-prefix-caching"],
                      extra_env={"HAWK_DEBUG_DIR": str(dump)})
     c.hawk_name, c.hawk_cfg, c.hawk_dump = request.param, cfg, dump
     t0 = time.monotonic()

@@ -100,6 +100,11 @@ field                  default             meaning
                                            layer groups; the prefill transforms group i+1
                                            while the decode READs group i (one KVRequest
                                            and KVReady per group, one Release); 1 = off
+``prefill_tp``         ``0``               decode: the prefills' tensor_parallel_size; checked
+                                           at start-up against this decode's TP (or chips)
+                                           and the model's KV heads, and against each
+                                           request's ``remote_tp_size``; 0 = any (each pull
+                                           checks its own pairing)
 =====================  ==================  ==================================================
 
 Validated once at start-up; an error names the field, the bad value and what is allowed
@@ -213,6 +218,7 @@ class HawkConfig:
     ring_nbytes: int = 64 << 20
     max_pulls: int = 2
     layer_groups: int = 1
+    prefill_tp: int = 0
     secret_bytes: bytes | None = field(default=None, repr=False, compare=False)  # resolved, not a field
 
     def transport_kind_and_options(self) -> tuple[str, dict[str, Any]]:
@@ -288,6 +294,7 @@ def parse_config(extra: Mapping[str, Any] | None, *, dp_rank: int = 0) -> HawkCo
     out["ring_nbytes"] = _number("ring_nbytes", out["ring_nbytes"], integer=True, low=1 << 16)
     out["max_pulls"] = _number("max_pulls", out["max_pulls"], integer=True, low=1, high=64)
     out["layer_groups"] = _number("layer_groups", out["layer_groups"], integer=True, low=1, high=64)
+    out["prefill_tp"] = _number("prefill_tp", out["prefill_tp"], integer=True, low=0, high=64)
 
     profile = out["device_profile"]
     if profile != VLLM_PROFILE:

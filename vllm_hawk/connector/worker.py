@@ -122,6 +122,23 @@ def tp_rank_and_size() -> tuple[int, int]:
         return 0, 1
 
 
+def check_pairing(num_kv_heads: int, prefill_tp: int, total: int, targets, local: int, *, chips: bool) -> None:
+    """Raise HawkConfigError (naming both sides' values) unless decode targets ``targets``
+    of ``total`` (TP ranks, or ``chips`` of a Tenstorrent mesh: those take their heads
+    whole from one prefill rank), each holding ``local`` heads, can pull from a prefill
+    with ``prefill_tp`` ranks."""
+    what = "chips" if chips else "TP ranks"
+    try:
+        for t in targets:
+            for ps in plan_shares(num_kv_heads, prefill_tp, total, t, local):
+                if chips and (ps.dst_start, ps.count) != (0, local):
+                    raise TPMismatch(f"chip {t} would take {ps.count} of its {local} KV heads from prefill rank "
+                                     f"{ps.prefill_rank} alone; a chip lands whole head shards (prefill TP <= chips)")
+    except TPMismatch as e:
+        raise HawkConfigError(f"kv_connector_extra_config.prefill_tp={prefill_tp} cannot feed this decode ({total} "
+                              f"{what}, {num_kv_heads} KV heads): {e}") from None
+
+
 def make_source(cfg: HawkConfig, kv: LocalKV):
     """The prefill's source for this configuration (see module doc)."""
     if cfg.device_profile != VLLM_PROFILE and cfg.layout_fix == "prefill":
@@ -232,6 +249,8 @@ class HawkConnectorWorker:
                 if self.is_consumer:
                     self.sinks = make_sinks(self.cfg, self.kv, self.transport)
                     self.sink = self.sinks[0]
+                    if self.cfg.prefill_tp:
+                        self._check_pairing(self.cfg.prefill_tp)
                     self._pool = cf.ThreadPoolExecutor(self.cfg.max_pulls, thread_name_prefix="hawk-pull",
                                                        initializer=unpin_current_thread)
                     self.keeper = LeaseKeeper(self._keeper_endpoint, self.cfg.renew_interval_s,
@@ -462,9 +481,18 @@ class HawkConnectorWorker:
             return n, list(range(n)), local
         return self.tp_size, [self.tp_rank], local
 
+    def _check_pairing(self, prefill_tp: int) -> None:
+        """Start-up (``prefill_tp`` set): this decode's targets can pull from such a prefill."""
+        total, targets, local = self._targets()
+        check_pairing(self.kv.num_kv_heads or local, prefill_tp, total, targets, local,
+                      chips=self.kv.tt_cache is not None)
+
     def _plan(self, spec: RecvSpec) -> list[PlannedShare]:
         """The shares this worker pulls for ``spec`` (one WHOLE share without TP)."""
         total, targets, local = self._targets()
+        if self.cfg.prefill_tp and spec.remote_tp_size != self.cfg.prefill_tp:
+            raise TPMismatch(f"kv_transfer_params name a prefill with tensor_parallel_size {spec.remote_tp_size}; "
+                             f"this decode is configured for prefill_tp={self.cfg.prefill_tp}")
         return [ps for t in targets
                 for ps in plan_shares(self.kv.num_kv_heads or local, spec.remote_tp_size, total, t, local)]
 
