@@ -19,7 +19,7 @@ from vllm_hawk.layout.device_profiles import load_profile
 from vllm_hawk.layout.formats import tilize_pack
 from vllm_hawk.layout.tt_kv_cache import TTKVCacheSpec
 from vllm_hawk.npu.emulated import EmulatedDevice
-from vllm_hawk.protocol import make_compat
+from vllm_hawk.protocol import RemoteError, make_compat
 from vllm_hawk.testing.endpoints import TTDecode
 from vllm_hawk.testing.paged_cache import PagedKVCache
 from vllm_hawk.transport import make_transport
@@ -168,6 +168,19 @@ def test_bad_shares_are_refused_and_strangers_cannot_claim():
         with pytest.raises(PeerFailed, match="another decode"):  # a third peer: both shares are claimed
             decs[2].eps[0].fetch("s", BS, decs[2].sink, [0], share=Share(1, 1, 2, 1, "t1"))
         assert pre.ep.refused_input() >= 1
+        with pytest.raises(RemoteError, match="only the decode"):  # nor may it release them
+            decs[2].eps[0].release("s", share=Share(index=1))
+        for i in range(2):
+            decs[i].eps[0].release("s", share=Share(index=i))
+        assert pre.finished[-1:] == [("s", True)]
+        # a consumer with nothing to pull releases its own share; the request ends with it
+        pre.ep.add_request("u", [4], BS)
+        decs[0].eps[0].fetch("u", BS, decs[0].sink, [0], share=Share(0, 1, 2, 0, "t0"))
+        assert pre.finished[-1:] != [("u", True)]
+        with pytest.raises(RemoteError, match="only the decode"):  # share 0 is claimed by decs[0]
+            decs[2].eps[0].release("u", share=Share(index=0))
+        decs[1].eps[0].release("u", share=Share(index=1))
+        assert pre.finished[-1:] == [("u", True)]
     finally:
         for d in decs:
             d.close()

@@ -392,8 +392,12 @@ class PrefillEndpoint:
         with self._lock:
             req = self._requests.get(rid)
             if req is not None and req.owners and peer not in req.owners:
-                return self._refuse("not_owner", rid, "unknown_request",
-                                    "only the decode that requested this id may release it")
+                # a further consumer that had nothing to pull may end its own, unclaimed share
+                if not (msg.share < req.consumers and len(req.owners) < req.consumers
+                        and key not in req.shares and key not in req.done):
+                    return self._refuse("not_owner", rid, "unknown_request",
+                                        "only the decode that requested this id may release it")
+                req.owners.add(peer)
             if key in self._pending:  # KVReady not sent yet: the worker cancels it
                 self._cancelled.add(key)
                 return Ack(req_id=rid)
