@@ -50,9 +50,11 @@ Ownership and bounds (peers are the side channel's authenticated sender ids):
   peers: the decode ranks that pull shares of it); a KVRequest, Release or Renew for
   that id from any other peer is refused (``unknown_request``, counted ``not_owner``),
   so a stranger cannot free ring space a decode is still reading; before that, any
-  authenticated peer may Release or Renew it. This is what lets the
-  proxy (a control peer with the shared secret) free a request its decode refused
-  before the decode's engine saw it: an unclaimed request only, never a claimed one;
+  authenticated peer may Release or Renew it. This is what lets the proxy (a control
+  peer with the shared secret) free a request its decode refused before the decode's
+  engine saw it: an unclaimed request only, never a claimed one. A further consumer
+  that had nothing to pull may Release its own share while fewer than ``consumers``
+  peers own the id, never a share that is claimed or already released;
 * early KVRequests are parked at most :data:`MAX_EARLY` at once and
   :data:`MAX_EARLY_BLOCK_IDS` destination block ids in all (about 10 MB; each parked
   KVRequest, layer groups included, counts at least one); beyond that a
