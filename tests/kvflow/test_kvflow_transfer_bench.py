@@ -91,6 +91,7 @@ def test_one_prefill_rank_serves_two_chips(tmp_path, capsys):
                               "--plot", ""])
     assert rc == 0
     res = json.loads(out.read_text())
+    assert res["failed"] == []
     assert [(p["chip"], p["prefill_ranks"], p["heads"]) for p in res["config"]["pulls"]] == \
         [(0, [0], [0, 4]), (1, [0], [4, 8])]
     assert [p["shares"][0]["src_heads"] for p in res["config"]["pulls"]] == [[0, 4], [4, 8]]
@@ -118,6 +119,7 @@ def test_two_prefill_ranks_fill_one_decode_gg_rows(tmp_path, capsys):
                               "--repeats", "1", "--rows", "GG-Host", "GG-Direct", "--out", str(out), "--plot", ""])
     assert rc == 0
     res = json.loads(out.read_text())
+    assert res["failed"] == []
     (pull,) = res["config"]["pulls"]
     assert pull["prefill_ranks"] == [0, 1] and [s["dst_heads"] for s in pull["shares"]] == [[0, 4], [4, 8]]
     for r in res["rows"]:

@@ -53,7 +53,9 @@ chips' pulls of one request run concurrently (one thread per chip, one per share
 latency is from the first chip's request to the last chip's KV in place. ``--sizes-mb``
 is the request's bf16 KV over all KV heads (each chip gets its share). Every row reports
 per chip: the prefill rank(s) it pulled from, bytes moved, bytes per DRAM bank (largest
-bank), segments (in KVReady) and READ entries, plus totals.
+bank), segments (in KVReady) and READ entries, plus totals. A row whose pull the prefill
+refuses (e.g. a share of an NHD cache served in place needs one segment per token and
+layer, past the protocol's 4096 per KVReady) is reported as not measured, with the reason.
 """
 from __future__ import annotations
 
@@ -190,7 +192,7 @@ def run(model: str = "llama-3.1-70b", prefill_tp: int = 4, decode_tp: int | None
     import concurrent.futures as cf
     import time
 
-    from vllm_hawk.kvflow import DecodeEndpoint
+    from vllm_hawk.kvflow import DecodeEndpoint, PeerFailed
     from vllm_hawk.kvflow.gn_host import wire_layout_of
     from vllm_hawk.kvflow.shares import fetch_shares, idle_ranks
     from vllm_hawk.kvflow.sources import vllm_layout_desc
@@ -237,6 +239,7 @@ def run(model: str = "llama-3.1-70b", prefill_tp: int = 4, decode_tp: int | None
                for s in spec.values()) + recv_per_bank
     closers = []
     results: list[dict] = []
+    failed: list[dict] = []  # rows whose pull was refused: row, dtype, size_mb, error
     chips: list[dict] = []
     pool = cf.ThreadPoolExecutor(decode_tp, thread_name_prefix="bench-chip") if decode_tp > 1 else None
 
@@ -328,7 +331,9 @@ def run(model: str = "llama-3.1-70b", prefill_tp: int = 4, decode_tp: int | None
             if pool is None:
                 out = [fetch(chips[0], row, dtype, rid, tokens, dst)]
             else:
-                out = [f.result() for f in [pool.submit(fetch, c, row, dtype, rid, tokens, dst) for c in chips]]
+                futs = [pool.submit(fetch, c, row, dtype, rid, tokens, dst) for c in chips]
+                cf.wait(futs)  # every chip's pull ended (a failure is raised after all of them)
+                out = [f.result() for f in futs]
             for ep in (e for (k, _r), e in chips[0]["idle_eps"].items() if k == kind_of(row)):
                 ep.release(rid, ok=True)
             if kind_of(row) == "hawk":
@@ -348,7 +353,11 @@ def run(model: str = "llama-3.1-70b", prefill_tp: int = 4, decode_tp: int | None
             else:
                 src, dst = np.arange(1, n + 1), np.arange(1, n + 1)
             reps = repeats if row != "per-tile" else (1 if mb >= 160 else min(repeats, 3))
-            one(row, dtype, n, src, dst)  # warm-up
+            try:
+                one(row, dtype, n, src, dst)  # warm-up
+            except PeerFailed as e:  # the pull is refused (e.g. too many segments): reported, the rest runs
+                failed.append({"row": row, "dtype": dtype, "size_mb": mb, "error": str(e)})
+                continue
             c0 = _cpu_s() + prefill_cpu_s()
             runs = [one(row, dtype, n, src, dst) for _ in range(reps)]
             cpu_ms = (_cpu_s() + prefill_cpu_s() - c0) / reps * 1e3
@@ -373,7 +382,7 @@ def run(model: str = "llama-3.1-70b", prefill_tp: int = 4, decode_tp: int | None
         gd = next((b for b in results if b["row"] == "GG-Direct" and b["size_mb"] == r["size_mb"]), None)
         r["norm_gg_direct"] = r["latency_ms"] / gd["latency_ms"] if gd else float("nan")
         r["cpu_norm_gg_direct"] = r["cpu_ms"] / gd["cpu_ms"] if gd and gd["cpu_ms"] > 0 else float("nan")
-    return {"rows": results, "targets": check_targets(results), "prefill_snapshot": snap,
+    return {"rows": results, "failed": failed, "targets": check_targets(results), "prefill_snapshot": snap,
             "config": {"model": model, "prefill_tp": prefill_tp, "decode_tp": decode_tp, "chips": decode_tp,
                        "tp": decode_tp, "device": device_profile, "block_size": block_size,
                        "num_kv_heads": shape.num_kv_heads, "kv_heads_per_rank": heads,
@@ -580,6 +589,8 @@ def main(argv: list[str] | None = None) -> int:
                               ("transfer_ms", "transfer ms", ".1f"), ("copy_ms", "copy/fix ms", ".1f"),
                               ("fraction_done", "done", ".2f"), ("cpu_ms", "CPU ms", ".1f"),
                               ("cpu_norm_gg_direct", "CPU/GG-Direct", ".2f")])
+    for f in res["failed"]:
+        print(f"\nnot measured: {f['row']} ({f['dtype']}) @ {f['size_mb']} MB: {f['error']}")
     if cfg["chips"] > 1:
         big = max(sizes)
         print(f"\nper chip at {big} MB (prefill ranks: the ranks the chip pulled its shares from):")
