@@ -87,8 +87,8 @@ def test_one_prefill_rank_serves_two_chips(tmp_path, capsys):
 
     out = tmp_path / "t.json"
     rc = transfer_bench.main(["--model", "llama-3.1-8b", "--prefill-tp", "1", "--chips", "2", "--sizes-mb", "1",
-                              "--repeats", "1", "--rows", "GG-Direct", "GN-Host", "GN-HAWK staged", "--out", str(out),
-                              "--plot", ""])
+                              "--repeats", "1", "--rows", "GG-Direct", "GG-Staged", "GN-Host", "GN-HAWK staged",
+                              "--out", str(out), "--plot", ""])
     assert rc == 0
     res = json.loads(out.read_text())
     assert res["failed"] == []
@@ -97,9 +97,11 @@ def test_one_prefill_rank_serves_two_chips(tmp_path, capsys):
     assert [p["shares"][0]["src_heads"] for p in res["config"]["pulls"]] == [[0, 4], [4, 8]]
     by = {(r["row"], r["dtype"]): r for r in res["rows"]}
     whole = _request_bytes("llama-3.1-8b", by[("GG-Direct", "bfloat16")]["blocks"])
-    for key in (("GG-Direct", "bfloat16"), ("GN-Host", "bfloat16"), ("GN-HAWK staged", "bfloat16")):
+    for key in (("GG-Direct", "bfloat16"), ("GG-Staged", "bfloat16"), ("GN-Host", "bfloat16"),
+                ("GN-HAWK staged", "bfloat16")):
         assert [c["prefill_ranks"] for c in by[key]["chips"]] == [[0], [0]]
         assert sum(c["bytes_moved"] for c in by[key]["chips"]) == by[key]["bytes_moved"] == whole, key
+    assert [c["segments"] for c in by[("GG-Staged", "bfloat16")]["chips"]] == [32, 32]  # a layer each (ring)
     for dtype in ("bfloat16", "bfloat8_b"):
         r = by[("GN-HAWK staged", dtype)]
         lay = layout_report("llama-3.1-8b", 1, 2, "p150a", dtype, 64, r["blocks"] * 64)
@@ -116,12 +118,14 @@ def test_two_prefill_ranks_fill_one_decode_gg_rows(tmp_path, capsys):
     vLLM-layout cache restricted to those heads; the shares add up to the whole request."""
     out = tmp_path / "t.json"
     rc = transfer_bench.main(["--model", "llama-3.1-8b", "--prefill-tp", "2", "--decode-tp", "1", "--sizes-mb", "1",
-                              "--repeats", "1", "--rows", "GG-Host", "GG-Direct", "--out", str(out), "--plot", ""])
+                              "--repeats", "1", "--rows", "GG-Host", "GG-Direct", "GG-Staged", "--out", str(out),
+                              "--plot", ""])
     assert rc == 0
     res = json.loads(out.read_text())
     assert res["failed"] == []
     (pull,) = res["config"]["pulls"]
     assert pull["prefill_ranks"] == [0, 1] and [s["dst_heads"] for s in pull["shares"]] == [[0, 4], [4, 8]]
+    assert {r["row"] for r in res["rows"]} == {"GG-Host", "GG-Direct", "GG-Staged"}
     for r in res["rows"]:
         (c,) = r["chips"]
         assert c["prefill_ranks"] == [0, 1] and c["segments"] > 0

@@ -11,6 +11,9 @@ GN-Host            GG-Host's transfer into a host receive ring, then the layout 
                    side (tilize/pack = the HAWK transform, run after arrival) and the write into
                    the device KV pool: the serving path's sink (``kvflow.gn_host.GNHostSink``)
 GG-Direct          Mooncake, vLLM layout to vLLM layout, block runs coalesced, no transform
+GG-Staged          opt-in (``--rows``): the connector's GG ``mode: staged``: the prefill gathers the
+                   blocks' layer streams (a share: its heads) into its ring, one segment per layer;
+                   the decode READs them into a receive ring and copies into its vLLM-layout blocks
 GN-HAWK staged     Mooncake + prefill transform into the ring + one READ per bank into the
                    per-bank receive buffers + intra-bank copies (Algorithm 1)
 GN-HAWK direct     as staged, but the READs target the KV pages (coalesced runs), no copy
@@ -74,6 +77,7 @@ from vllm_hawk.layout_report import tp_args
 
 ROWS = ("GG-Host", "GN-Host", "GG-Direct", "GN-HAWK staged", "GN-HAWK direct", "per-tile", "GN-HAWK pipelined",
         "GN-HAWK direct pipelined")
+EXTRA_ROWS = ("GG-Staged",)  # opt-in (--rows): GG through the prefill's ring, the connector's mode staged
 HAWK_BFP8_ROWS = ("GN-HAWK staged", "GN-HAWK direct", "GN-HAWK pipelined", "GN-HAWK direct pipelined")
 HAWK_ROWS = ("GN-HAWK staged", "GN-HAWK direct", "GN-HAWK pipelined", "GN-HAWK direct pipelined")
 DEFAULT_SIZES = (10, 40, 160, 640)
@@ -97,6 +101,11 @@ def _prefill_main(cfg: dict, conn) -> None:
            "gg_direct": prefill_endpoint(cache, transports["gg_direct"], compat, "vllm", lease_s=600,
                                          registration=reg),
            "gg_host": prefill_endpoint(cache, transports["gg_host"], compat, "vllm", lease_s=600, registration=reg)}
+    if cfg.get("gg_staged"):  # the blocks' layer streams (or a share's heads) gathered into a ring
+        transports["gg_staged"] = make_transport("mooncake")
+        eps["gg_staged"] = prefill_endpoint(cache, transports["gg_staged"], compat, "staged",
+                                            ring_nbytes=cfg["ring_nbytes"], claim_wait_s=60, lease_s=600,
+                                            registration=reg)
     conn.send({k: e.endpoint for k, e in eps.items()})
     try:
         while True:
@@ -152,7 +161,7 @@ class _Prefill:
 
 
 # ---------------------------------------------------------------------------- decode side
-GG_ROWS = ("GG-Host", "GG-Direct")  # vLLM-layout decodes: any TP pairing
+GG_ROWS = ("GG-Host", "GG-Direct", "GG-Staged")  # vLLM-layout decodes: any TP pairing
 
 
 class HeterogeneousTP(ValueError):
@@ -226,10 +235,14 @@ def run(model: str = "llama-3.1-70b", prefill_tp: int = 4, decode_tp: int | None
                                      shape.head_dim),
                            "seed": seed + r, "compat": compat_args,
                            "ring_nbytes": int(rank_nbytes * 1.05) + (8 << 20),  # every share of the rank at once
-                           "host_chunk": host_chunk, "registration": registration}, wait=False)
+                           "host_chunk": host_chunk, "registration": registration,
+                           "gg_staged": "GG-Staged" in rows}, wait=False)
     compat = make_compat(*compat_args)
     mc, hs = make_transport("mooncake"), make_transport("host_staged", chunk_nbytes=host_chunk)
     transport_of = {"hawk": mc, "gg_direct": mc, "gg_host": hs}
+    gg_kinds = ("gg_direct", "gg_host") + (("gg_staged",) if "GG-Staged" in rows else ())
+    if "GG-Staged" in rows:
+        transport_of["gg_staged"] = mc
     spec = {dt: TTKVCacheSpec(shape.num_layers, cache_blocks, heads, block_size, shape.head_dim, dt)
             for dt in ("bfloat16", "bfloat8_b")}
     prof = load_profile(device_profile)
@@ -270,6 +283,10 @@ def run(model: str = "llama-3.1-70b", prefill_tp: int = 4, decode_tp: int | None
             closers.append(c["gg_direct"].close)
             c["gg_host"] = VllmDecode(dcache, hs, eps["gg_host"], compat, timeout_s=600, registration=registration)
             closers.append(c["gg_host"].close)
+            if "gg_staged" in gg_kinds:  # READs into a receive ring, then copies into the blocks
+                c["gg_staged"] = VllmDecode(dcache, mc, eps["gg_staged"], compat, mode="staged", timeout_s=600,
+                                            recv_nbytes=src_nbytes + (1 << 20), registration=registration)
+                closers.append(c["gg_staged"].close)
             # GN-Host: GG-Host's transfer into a receive ring, then the runtime sink's layout fix into the KV pool
             c["gn_host"] = GNHostDecode(dev, spec["bfloat16"], hs, eps["gg_host"], compat,
                                         wire_layout_of(dcache.adapter, dcache.layers[0]),
@@ -278,7 +295,7 @@ def run(model: str = "llama-3.1-70b", prefill_tp: int = 4, decode_tp: int | None
             closers.append(c["gn_host"].close)
             # GG rows with prefill TP > chips: the other ranks' endpoints, and sinks restricted to each share's heads
             c["more_eps"] = {(kind, ps.prefill_rank): endpoint(kind, ps.prefill_rank)
-                             for ps in plan[1:] for kind in ("gg_direct", "gg_host")}
+                             for ps in plan[1:] for kind in gg_kinds}
             c["views"] = {}
             for ps in plan:
                 if (ps.dst_start, ps.count) != (0, heads):
@@ -286,7 +303,7 @@ def run(model: str = "llama-3.1-70b", prefill_tp: int = 4, decode_tp: int | None
                     desc = vllm_layout_desc(m, dcache.desc.name, dcache.desc.dtype, block_size, ps.count,
                                             shape.head_dim)
                     c["views"][(ps.dst_start, ps.count)] = {k: c[k].sink.for_heads(m, desc)
-                                                            for k in ("gg_direct", "gg_host")}
+                                                            for k in gg_kinds}
             # chip 0 releases the prefill ranks nobody pulls from (replicated heads)
             c["idle_eps"] = {(kind, r): endpoint(kind, r) for r in idle for kind in transport_of} if d == 0 else {}
             chips.append(c)
@@ -297,7 +314,8 @@ def run(model: str = "llama-3.1-70b", prefill_tp: int = 4, decode_tp: int | None
         counter = [0]
 
         def kind_of(row: str) -> str:
-            return {"GG-Host": "gg_host", "GN-Host": "gg_host", "GG-Direct": "gg_direct"}.get(row, "hawk")
+            return {"GG-Host": "gg_host", "GN-Host": "gg_host", "GG-Direct": "gg_direct",
+                    "GG-Staged": "gg_staged"}.get(row, "hawk")
 
         def share_of(c: dict, row: str, dtype: str, mode: str, ps) -> tuple:
             """(endpoint, sink, share) of one share of chip ``c``'s pull for ``row``."""
@@ -382,6 +400,8 @@ def run(model: str = "llama-3.1-70b", prefill_tp: int = 4, decode_tp: int | None
         gd = next((b for b in results if b["row"] == "GG-Direct" and b["size_mb"] == r["size_mb"]), None)
         r["norm_gg_direct"] = r["latency_ms"] / gd["latency_ms"] if gd else float("nan")
         r["cpu_norm_gg_direct"] = r["cpu_ms"] / gd["cpu_ms"] if gd and gd["cpu_ms"] > 0 else float("nan")
+        gs = next((b for b in results if b["row"] == "GG-Staged" and b["size_mb"] == r["size_mb"]), None)
+        r["norm_gg_staged"] = r["latency_ms"] / gs["latency_ms"] if gs else float("nan")
     return {"rows": results, "failed": failed, "targets": check_targets(results), "prefill_snapshot": snap,
             "config": {"model": model, "prefill_tp": prefill_tp, "decode_tp": decode_tp, "chips": decode_tp,
                        "tp": decode_tp, "device": device_profile, "block_size": block_size,
@@ -508,7 +528,7 @@ def plot(result: dict, path: str) -> str:
 
     rows = result["rows"]
     sizes = sorted({r["size_mb"] for r in rows})
-    series = [(r, "bfloat16") for r in ROWS] + [(r, "bfloat8_b") for r in HAWK_BFP8_ROWS]
+    series = [(r, "bfloat16") for r in ROWS + EXTRA_ROWS] + [(r, "bfloat8_b") for r in HAWK_BFP8_ROWS]
     series = [s for s in series if any(_get(rows, s[0], s[1], mb) for mb in sizes)]
     fig, ax = plt.subplots(figsize=(11, 4.5))
     w = 0.8 / len(series)
@@ -544,7 +564,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--sizes-mb", type=float, nargs="+", default=list(DEFAULT_SIZES),
                     help="request sizes: bf16 KV of all the model's KV heads (MB), split over the chips; 1280 on "
                          "one chip needs ~8 GB RAM on this host, so it is opt-in")
-    ap.add_argument("--rows", nargs="+", default=list(ROWS), choices=ROWS)
+    ap.add_argument("--rows", nargs="+", default=list(ROWS), choices=ROWS + EXTRA_ROWS,
+                    help="rows to run (default: all but GG-Staged, the connector's GG mode staged: the prefill "
+                         "gathers the blocks, or a share's heads, into its ring)")
     ap.add_argument("--repeats", type=int, default=5)
     ap.add_argument("--per-tile-cap-s", type=float, default=10.0)
     ap.add_argument("--fragmented", action="store_true", help="random block tables instead of contiguous runs")
@@ -585,6 +607,7 @@ def main(argv: list[str] | None = None) -> int:
                               ("bytes_moved", "bytes total", ","), ("entries", "READs total", ","),
                               ("latency_ms", "latency ms", ".1f"), ("norm_gg_host", "/GG-Host", ".3f"),
                               ("norm_gg_direct", "/GG-Direct", ".3f"),
+                              *([("norm_gg_staged", "/GG-Staged", ".3f")] if "GG-Staged" in a.rows else []),
                               ("request_ms", "request ms", ".1f"), ("transform_ms", "transform ms", ".1f"),
                               ("transfer_ms", "transfer ms", ".1f"), ("copy_ms", "copy/fix ms", ".1f"),
                               ("fraction_done", "done", ".2f"), ("cpu_ms", "CPU ms", ".1f"),
