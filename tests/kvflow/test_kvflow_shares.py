@@ -194,3 +194,31 @@ def test_replicated_heads_name_one_serving_rank_and_release_the_rest():
     assert idle_ranks(2, 4, 1) == [1, 3]
     assert [ps.prefill_rank for ps in plan_shares(2, 4, 1, 0, 2)] == [0, 2]
     assert idle_ranks(4, 2, 1) == []
+
+
+def test_a_share_needing_too_many_segments_is_refused_at_once():
+    """Heads of an NHD cache served in place are one run per token: past the protocol's
+    4096 segments per KVReady the prefill refuses (naming the count) instead of sending a
+    KVReady the decode would drop, and the request is freed by the decode's Release."""
+    from vllm_hawk.kvflow import Share
+
+    tp, td = make_transport("inprocess"), make_transport("inprocess")
+    cache = PagedKVCache(L, 70, 2, BS, D).fill_random(1)
+    done = threading.Event()
+    pre = PrefillEndpoint(VllmBlockSource(cache.region_map, cache.desc, cache.storages, head_maps(cache.layers)),
+                          tp, COMPAT, ring_nbytes=1 << 20, on_finished=lambda rid, ok: done.set())
+    dcache = PagedKVCache(L, 70, 1, BS, D)
+    sink = vllm_sink(dcache.region_map, dcache.desc, td, "direct", dcache.storages, 1 << 20)
+    ep = DecodeEndpoint(td, pre.endpoint, COMPAT, pull_timeout_s=10)
+    try:
+        n = 65  # 2 layers x 65 blocks x 32 tokens = 4160 runs
+        pre.add_request("r", list(range(n)), n * BS)
+        with pytest.raises(PeerFailed, match="4160 segments"):
+            ep.fetch("r", n * BS, sink, list(range(n)), share=Share(1, 1, 1, 0, "t"))
+        assert done.wait(5) and pre.snapshot()["requests"] == 0
+    finally:
+        ep.close()
+        sink.close()
+        pre.close()
+        tp.close()
+        td.close()

@@ -55,8 +55,8 @@ def test_two_chips_pull_one_shard_each(tmp_path, capsys):
                               "--plot", ""])
     assert rc == 0
     res = json.loads(out.read_text())
-    assert res["config"]["pulls"] == [{"chip": 0, "prefill_rank": 0, "heads": [0, 4]},
-                                      {"chip": 1, "prefill_rank": 1, "heads": [4, 8]}]
+    assert [(p["chip"], p["prefill_ranks"], p["heads"]) for p in res["config"]["pulls"]] == \
+        [(0, [0], [0, 4]), (1, [1], [4, 8])]
     by = {(r["row"], r["dtype"]): r for r in res["rows"]}
     for dtype in ("bfloat16", "bfloat8_b"):
         r = by[("GN-HAWK staged", dtype)]
@@ -71,3 +71,65 @@ def test_two_chips_pull_one_shard_each(tmp_path, capsys):
     assert all(s["requests"] == 0 and s["served"] == s["released"] for s in res["prefill_snapshot"].values())
     assert {k.split("@")[1] for k in res["prefill_snapshot"]} == {"rank0", "rank1"}
     assert "run concurrently, one thread per chip" in capsys.readouterr().out
+
+
+def _request_bytes(model: str, blocks: int) -> int:
+    from vllm_hawk.layout.model_shapes import load_model_shape
+
+    return int(blocks * 64 * load_model_shape(model).kv_bytes_per_token(1, 2))
+
+
+def test_one_prefill_rank_serves_two_chips(tmp_path, capsys):
+    """Prefill TP=1 -> 2 chips: each chip pulls its half of the rank's heads as a share (the
+    rank frees the request after both); the chips' bytes add up to the whole request, and a
+    staged share lands as one segment per DRAM bank."""
+    from vllm_hawk.layout_report import layout_report
+
+    out = tmp_path / "t.json"
+    rc = transfer_bench.main(["--model", "llama-3.1-8b", "--prefill-tp", "1", "--chips", "2", "--sizes-mb", "1",
+                              "--repeats", "1", "--rows", "GG-Direct", "GG-Staged", "GN-Host", "GN-HAWK staged",
+                              "--out", str(out), "--plot", ""])
+    assert rc == 0
+    res = json.loads(out.read_text())
+    assert res["failed"] == []
+    assert [(p["chip"], p["prefill_ranks"], p["heads"]) for p in res["config"]["pulls"]] == \
+        [(0, [0], [0, 4]), (1, [0], [4, 8])]
+    assert [p["shares"][0]["src_heads"] for p in res["config"]["pulls"]] == [[0, 4], [4, 8]]
+    by = {(r["row"], r["dtype"]): r for r in res["rows"]}
+    whole = _request_bytes("llama-3.1-8b", by[("GG-Direct", "bfloat16")]["blocks"])
+    for key in (("GG-Direct", "bfloat16"), ("GG-Staged", "bfloat16"), ("GN-Host", "bfloat16"),
+                ("GN-HAWK staged", "bfloat16")):
+        assert [c["prefill_ranks"] for c in by[key]["chips"]] == [[0], [0]]
+        assert sum(c["bytes_moved"] for c in by[key]["chips"]) == by[key]["bytes_moved"] == whole, key
+    assert [c["segments"] for c in by[("GG-Staged", "bfloat16")]["chips"]] == [32, 32]  # a layer each (ring)
+    for dtype in ("bfloat16", "bfloat8_b"):
+        r = by[("GN-HAWK staged", dtype)]
+        lay = layout_report("llama-3.1-8b", 1, 2, "p150a", dtype, 64, r["blocks"] * 64)
+        for c, want in zip(r["chips"], lay["chips"]):
+            assert c["segments"] == lay["num_banks"] == 8 and c["entries"] == want["reads_staged"]
+            assert c["bytes_moved"] == want["target_bytes"] and c["bytes_per_bank"] == want["max_bytes_per_bank"]
+    assert all(s["requests"] == 0 for s in res["prefill_snapshot"].values())
+    assert {k.split("@")[1] for k in res["prefill_snapshot"]} == {"rank0"}
+    assert "rank 0 -> chip 0, rank 0 -> chip 1" in capsys.readouterr().out
+
+
+def test_two_prefill_ranks_fill_one_decode_gg_rows(tmp_path, capsys):
+    """Prefill TP=2 -> 1 decode, GG rows: the decode pulls a share from each rank into its
+    vLLM-layout cache restricted to those heads; the shares add up to the whole request."""
+    out = tmp_path / "t.json"
+    rc = transfer_bench.main(["--model", "llama-3.1-8b", "--prefill-tp", "2", "--decode-tp", "1", "--sizes-mb", "1",
+                              "--repeats", "1", "--rows", "GG-Host", "GG-Direct", "GG-Staged", "--out", str(out),
+                              "--plot", ""])
+    assert rc == 0
+    res = json.loads(out.read_text())
+    assert res["failed"] == []
+    (pull,) = res["config"]["pulls"]
+    assert pull["prefill_ranks"] == [0, 1] and [s["dst_heads"] for s in pull["shares"]] == [[0, 4], [4, 8]]
+    assert {r["row"] for r in res["rows"]} == {"GG-Host", "GG-Direct", "GG-Staged"}
+    for r in res["rows"]:
+        (c,) = r["chips"]
+        assert c["prefill_ranks"] == [0, 1] and c["segments"] > 0
+        assert c["bytes_moved"] == r["bytes_moved"] == _request_bytes("llama-3.1-8b", r["blocks"]), r["row"]
+    assert all(s["requests"] == 0 for s in res["prefill_snapshot"].values())
+    assert {k.split("@")[1] for k in res["prefill_snapshot"]} == {"rank0", "rank1"}
+    assert "ranks 0+1 -> chip 0" in capsys.readouterr().out

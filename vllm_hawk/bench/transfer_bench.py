@@ -11,6 +11,9 @@ GN-Host            GG-Host's transfer into a host receive ring, then the layout 
                    side (tilize/pack = the HAWK transform, run after arrival) and the write into
                    the device KV pool: the serving path's sink (``kvflow.gn_host.GNHostSink``)
 GG-Direct          Mooncake, vLLM layout to vLLM layout, block runs coalesced, no transform
+GG-Staged          opt-in (``--rows``): the connector's GG ``mode: staged``: the prefill gathers the
+                   blocks' layer streams (a share: its heads) into its ring, one segment per layer;
+                   the decode READs them into a receive ring and copies into its vLLM-layout blocks
 GN-HAWK staged     Mooncake + prefill transform into the ring + one READ per bank into the
                    per-bank receive buffers + intra-bank copies (Algorithm 1)
 GN-HAWK direct     as staged, but the READs target the KV pages (coalesced runs), no copy
@@ -40,13 +43,22 @@ Block tables are contiguous runs (a fresh cache) unless ``--fragmented``.
 
 Tensor parallelism (default: the paper's Llama-3.1-70B, prefill TP=4 -> 4 p150a chips):
 ``--prefill-tp P`` spawns one prefill process per rank holding its shard, ``--decode-tp D``
-(alias ``--chips``) makes one emulated device per chip with its own decodes; P must equal D
-(chip d pulls the whole shard of the rank serving its heads, :func:`vllm_hawk.layout.tp.plan_pulls`;
-heterogeneous TP is refused: the e2e tests measure it). The chips' pulls of one request run
-concurrently (one thread per chip); its latency is from the first chip's request to the last
-chip's KV in place. ``--sizes-mb`` is the request's bf16 KV over all KV heads (each chip
-gets its share). Every row reports per chip: bytes moved, bytes per DRAM bank (largest
-bank), segments (in KVReady) and READ entries, plus totals.
+(alias ``--chips``) makes one emulated device per chip with its own decodes. Each chip pulls
+its shares (:func:`vllm_hawk.kvflow.shares.plan_shares`, fetched by
+:func:`~vllm_hawk.kvflow.shares.fetch_shares`, the connector's path): with P = D the
+whole shard of its prefill rank, with P < D part of one rank's shard (that rank serves
+D/P chips and frees the request after the last share's Release), with P > D one share
+from each of several ranks. GN rows need a chip's heads whole from one prefill rank
+(P <= D, as the connector's Tenstorrent mesh does); P > D runs the GG rows only (their
+vLLM-layout sinks are restricted to each share's heads) and refuses GN rows, naming both
+sizes. Prefill ranks nobody pulls from (replicated heads) are released by chip 0. The
+chips' pulls of one request run concurrently (one thread per chip, one per share); its
+latency is from the first chip's request to the last chip's KV in place. ``--sizes-mb``
+is the request's bf16 KV over all KV heads (each chip gets its share). Every row reports
+per chip: the prefill rank(s) it pulled from, bytes moved, bytes per DRAM bank (largest
+bank), segments (in KVReady) and READ entries, plus totals. A row whose pull the prefill
+refuses (e.g. a share of an NHD cache served in place needs one segment per token and
+layer, past the protocol's 4096 per KVReady) is reported as not measured, with the reason.
 """
 from __future__ import annotations
 
@@ -65,6 +77,7 @@ from vllm_hawk.layout_report import tp_args
 
 ROWS = ("GG-Host", "GN-Host", "GG-Direct", "GN-HAWK staged", "GN-HAWK direct", "per-tile", "GN-HAWK pipelined",
         "GN-HAWK direct pipelined")
+EXTRA_ROWS = ("GG-Staged",)  # opt-in (--rows): GG through the prefill's ring, the connector's mode staged
 HAWK_BFP8_ROWS = ("GN-HAWK staged", "GN-HAWK direct", "GN-HAWK pipelined", "GN-HAWK direct pipelined")
 HAWK_ROWS = ("GN-HAWK staged", "GN-HAWK direct", "GN-HAWK pipelined", "GN-HAWK direct pipelined")
 DEFAULT_SIZES = (10, 40, 160, 640)
@@ -88,6 +101,11 @@ def _prefill_main(cfg: dict, conn) -> None:
            "gg_direct": prefill_endpoint(cache, transports["gg_direct"], compat, "vllm", lease_s=600,
                                          registration=reg),
            "gg_host": prefill_endpoint(cache, transports["gg_host"], compat, "vllm", lease_s=600, registration=reg)}
+    if cfg.get("gg_staged"):  # the blocks' layer streams (or a share's heads) gathered into a ring
+        transports["gg_staged"] = make_transport("mooncake")
+        eps["gg_staged"] = prefill_endpoint(cache, transports["gg_staged"], compat, "staged",
+                                            ring_nbytes=cfg["ring_nbytes"], claim_wait_s=60, lease_s=600,
+                                            registration=reg)
     conn.send({k: e.endpoint for k, e in eps.items()})
     try:
         while True:
@@ -143,30 +161,33 @@ class _Prefill:
 
 
 # ---------------------------------------------------------------------------- decode side
+GG_ROWS = ("GG-Host", "GG-Direct", "GG-Staged")  # vLLM-layout decodes: any TP pairing
+
+
 class HeterogeneousTP(ValueError):
-    """Prefill TP != decode TP: a chip's pulls are parts of shards, which this benchmark does
-    not run (it moves whole shards through the one data path)."""
+    """A GN row asked for with prefill TP > chips: a chip's heads would come from several
+    prefill ranks, and a Tenstorrent chip lands whole head shards (as in the connector)."""
 
 
-def tp_plan(model: str, prefill_tp: int, decode_tp: int) -> list:
-    """Each decode chip's one pull (:func:`vllm_hawk.layout.tp.plan_pulls`) when the sides'
-    TP sizes match: the whole shard of ``H/tp`` heads (one head when ``H < tp``) from the
-    prefill rank serving it. Raises :class:`~vllm_hawk.layout.tp.TPMismatch` (both sizes
-    named) or :class:`HeterogeneousTP`."""
+def tp_plan(model: str, prefill_tp: int, decode_tp: int, rows=ROWS) -> list:
+    """Per decode chip, its shares (:func:`vllm_hawk.kvflow.shares.plan_shares`) of a
+    request. Raises :class:`~vllm_hawk.layout.tp.TPMismatch` (both sizes named) or
+    :class:`HeterogeneousTP` (GN rows with ``prefill_tp > decode_tp``)."""
+    from vllm_hawk.kvflow.shares import plan_shares
     from vllm_hawk.layout.model_shapes import load_model_shape
-    from vllm_hawk.layout.tp import plan_pulls
 
-    h = load_model_shape(model).num_kv_heads
-    pulls = [plan_pulls(h, prefill_tp, decode_tp, d) for d in range(decode_tp)]
-    if prefill_tp != decode_tp:
+    shape = load_model_shape(model)
+    h = shape.num_kv_heads
+    plans = [plan_shares(h, prefill_tp, decode_tp, d, shape.kv_heads_per_rank(decode_tp)) for d in range(decode_tp)]
+    gn = [r for r in rows if r not in GG_ROWS]
+    split = [d for d, plan in enumerate(plans) if len(plan) > 1]
+    if gn and split:
         raise HeterogeneousTP(
-            f"prefill TP {prefill_tp} -> decode TP {decode_tp}: heterogeneous TP (a chip's heads come from "
-            f"several prefill ranks or from part of one rank's shard: {sum(map(len, pulls))} pulls over "
-            f"{decode_tp} chips) is measured in the e2e tests; "
-            "`hawk layout --prefill-tp P --decode-tp D` reports its plan. This benchmark runs prefill TP == "
-            "decode TP (one whole shard per chip)")
-    assert all(len(p) == 1 for p in pulls)
-    return [p[0] for p in pulls]
+            f"prefill TP {prefill_tp} -> decode TP {decode_tp} ({h} KV heads): chip {split[0]}'s heads come from "
+            f"prefill ranks {[ps.prefill_rank for ps in plans[split[0]]]}, and a Tenstorrent chip lands whole head "
+            f"shards from one prefill rank (prefill TP <= chips), so rows {gn} cannot run; use "
+            f"--prefill-tp <= --decode-tp, or --rows {' '.join(GG_ROWS)}")
+    return plans
 
 
 def run(model: str = "llama-3.1-70b", prefill_tp: int = 4, decode_tp: int | None = None,
@@ -174,14 +195,20 @@ def run(model: str = "llama-3.1-70b", prefill_tp: int = 4, decode_tp: int | None
         per_tile_cap_s: float = 10.0, fragmented: bool = False, seed: int = 0, layer_groups: int = 4,
         registration: str = "per_request") -> dict:
     """Measure every row for requests of ``sizes_mb`` MB (bf16 KV of all the model's KV heads)
-    moved from ``prefill_tp`` prefill processes to ``decode_tp`` chips (= prefill_tp: each
-    chip pulls one shard; the pulls of one request run concurrently, one thread per chip)."""
+    moved from ``prefill_tp`` prefill processes to ``decode_tp`` chips (default prefill_tp;
+    each chip pulls its shares, module doc; the pulls of one request run concurrently, one
+    thread per chip)."""
     import concurrent.futures as cf
     import time
 
+    from vllm_hawk.kvflow import DecodeEndpoint, PeerFailed
     from vllm_hawk.kvflow.gn_host import wire_layout_of
+    from vllm_hawk.kvflow.shares import fetch_shares, idle_ranks
+    from vllm_hawk.kvflow.sources import vllm_layout_desc
+    from vllm_hawk.kvflow.streams import head_maps
     from vllm_hawk.layout.device_profiles import load_profile
     from vllm_hawk.layout.model_shapes import load_model_shape
+    from vllm_hawk.layout.tp import shard_heads
     from vllm_hawk.layout.tt_kv_cache import TTKVCacheSpec
     from vllm_hawk.npu.emulated import EmulatedDevice
     from vllm_hawk.protocol import make_compat
@@ -190,24 +217,32 @@ def run(model: str = "llama-3.1-70b", prefill_tp: int = 4, decode_tp: int | None
     from vllm_hawk.transport import make_transport
 
     decode_tp = prefill_tp if decode_tp is None else decode_tp
-    pulls = tp_plan(model, prefill_tp, decode_tp)
+    plans = tp_plan(model, prefill_tp, decode_tp, rows)
     shape = load_model_shape(model)
-    heads = shape.kv_heads_per_rank(decode_tp)  # per chip = per prefill rank
+    heads = shape.kv_heads_per_rank(decode_tp)  # per chip
     per_token = shape.kv_bytes_per_token(decode_tp, 2)  # one chip's bytes per token (bf16)
     n_blocks = {mb: max(1, round(mb * 1e6 / shape.kv_bytes_per_token(1, 2) / block_size)) for mb in sizes_mb}
     max_n = max(n_blocks.values())
     cache_blocks = (2 * max_n if fragmented else max_n) + 1
-    src_nbytes = max_n * block_size * per_token
+    src_nbytes = max_n * block_size * per_token  # one chip's share of the largest request
+    rank_nbytes = max_n * block_size * shape.kv_bytes_per_token(prefill_tp, 2)  # one prefill rank's shard of it
     compat_args = (shape.name, "bfloat16", block_size, "vllm-flash-nhd", "tt-paged", device_profile)
     host_chunk = 4 << 20
-    ranks = sorted({p.prefill_rank for p in pulls})
+    idle = idle_ranks(shape.num_kv_heads, prefill_tp, decode_tp)
     pre: dict = {}
-    for r in ranks:  # start every prefill rank's process, then wait for each
-        pre[r] = _Prefill({"shape": (shape.num_layers, cache_blocks, heads, block_size, shape.head_dim),
-                           "seed": seed + r, "compat": compat_args, "ring_nbytes": int(src_nbytes * 1.05) + (8 << 20),
-                           "host_chunk": host_chunk, "registration": registration}, wait=False)
+    for r in range(prefill_tp):  # start every prefill rank's process, then wait for each
+        pre[r] = _Prefill({"shape": (shape.num_layers, cache_blocks, shape.kv_heads_per_rank(prefill_tp), block_size,
+                                     shape.head_dim),
+                           "seed": seed + r, "compat": compat_args,
+                           "ring_nbytes": int(rank_nbytes * 1.05) + (8 << 20),  # every share of the rank at once
+                           "host_chunk": host_chunk, "registration": registration,
+                           "gg_staged": "GG-Staged" in rows}, wait=False)
     compat = make_compat(*compat_args)
     mc, hs = make_transport("mooncake"), make_transport("host_staged", chunk_nbytes=host_chunk)
+    transport_of = {"hawk": mc, "gg_direct": mc, "gg_host": hs}
+    gg_kinds = ("gg_direct", "gg_host") + (("gg_staged",) if "GG-Staged" in rows else ())
+    if "GG-Staged" in rows:
+        transport_of["gg_staged"] = mc
     spec = {dt: TTKVCacheSpec(shape.num_layers, cache_blocks, heads, block_size, shape.head_dim, dt)
             for dt in ("bfloat16", "bfloat8_b")}
     prof = load_profile(device_profile)
@@ -217,16 +252,25 @@ def run(model: str = "llama-3.1-70b", prefill_tp: int = 4, decode_tp: int | None
                for s in spec.values()) + recv_per_bank
     closers = []
     results: list[dict] = []
+    failed: list[dict] = []  # rows whose pull was refused: row, dtype, size_mb, error
     chips: list[dict] = []
     pool = cf.ThreadPoolExecutor(decode_tp, thread_name_prefix="bench-chip") if decode_tp > 1 else None
+
+    def endpoint(kind: str, rank: int) -> DecodeEndpoint:
+        ep = DecodeEndpoint(transport_of[kind], pre[rank].endpoints[kind], compat, pull_timeout_s=600)
+        closers.append(ep.close)
+        return ep
+
     try:
         for p in pre.values():
             p.wait()
-        for d, pull in enumerate(pulls):  # chip d: an emulated device and one decode per row kind
-            eps = pre[pull.prefill_rank].endpoints
+        for d, plan in enumerate(plans):  # chip d: an emulated device and one decode per row kind
+            eps = pre[plan[0].prefill_rank].endpoints  # the decodes' own endpoints: the chip's first share's rank
+            own = shard_heads(shape.num_kv_heads, decode_tp, d, "decode tensor_parallel_size (or chips)")
             dev = EmulatedDevice(device_profile, max(256 << 20, -(-int(need * 1.1) // (1 << 20)) << 20))
             closers.append(dev.close)
-            c = {"chip": d, "prefill_rank": pull.prefill_rank, "heads": [pull.head, pull.head + pull.count]}
+            c = {"chip": d, "plan": plan, "prefill_ranks": [ps.prefill_rank for ps in plan],
+                 "heads": [own.start, own.stop]}
             hawk = c["hawk"] = {}
             for dt in ("bfloat16", "bfloat8_b"):
                 hawk[dt] = TTDecode(dev, spec[dt], mc, eps["hawk"], compat, recv_nbytes_per_bank=recv_per_bank,
@@ -239,12 +283,29 @@ def run(model: str = "llama-3.1-70b", prefill_tp: int = 4, decode_tp: int | None
             closers.append(c["gg_direct"].close)
             c["gg_host"] = VllmDecode(dcache, hs, eps["gg_host"], compat, timeout_s=600, registration=registration)
             closers.append(c["gg_host"].close)
+            if "gg_staged" in gg_kinds:  # READs into a receive ring, then copies into the blocks
+                c["gg_staged"] = VllmDecode(dcache, mc, eps["gg_staged"], compat, mode="staged", timeout_s=600,
+                                            recv_nbytes=src_nbytes + (1 << 20), registration=registration)
+                closers.append(c["gg_staged"].close)
             # GN-Host: GG-Host's transfer into a receive ring, then the runtime sink's layout fix into the KV pool
             c["gn_host"] = GNHostDecode(dev, spec["bfloat16"], hs, eps["gg_host"], compat,
                                         wire_layout_of(dcache.adapter, dcache.layers[0]),
                                         recv_nbytes=src_nbytes + (1 << 20), timeout_s=600, registration=registration,
                                         layout=hawk["bfloat16"].layout, bufs=hawk["bfloat16"].bufs)
             closers.append(c["gn_host"].close)
+            # GG rows with prefill TP > chips: the other ranks' endpoints, and sinks restricted to each share's heads
+            c["more_eps"] = {(kind, ps.prefill_rank): endpoint(kind, ps.prefill_rank)
+                             for ps in plan[1:] for kind in gg_kinds}
+            c["views"] = {}
+            for ps in plan:
+                if (ps.dst_start, ps.count) != (0, heads):
+                    m = head_maps(dcache.layers)(ps.dst_start, ps.count)
+                    desc = vllm_layout_desc(m, dcache.desc.name, dcache.desc.dtype, block_size, ps.count,
+                                            shape.head_dim)
+                    c["views"][(ps.dst_start, ps.count)] = {k: c[k].sink.for_heads(m, desc)
+                                                            for k in gg_kinds}
+            # chip 0 releases the prefill ranks nobody pulls from (replicated heads)
+            c["idle_eps"] = {(kind, r): endpoint(kind, r) for r in idle for kind in transport_of} if d == 0 else {}
             chips.append(c)
 
         cases = [(r, "bfloat16", mb) for mb in sizes_mb for r in rows]
@@ -253,23 +314,28 @@ def run(model: str = "llama-3.1-70b", prefill_tp: int = 4, decode_tp: int | None
         counter = [0]
 
         def kind_of(row: str) -> str:
-            return {"GG-Host": "gg_host", "GN-Host": "gg_host", "GG-Direct": "gg_direct"}.get(row, "hawk")
+            return {"GG-Host": "gg_host", "GN-Host": "gg_host", "GG-Direct": "gg_direct",
+                    "GG-Staged": "gg_staged"}.get(row, "hawk")
+
+        def share_of(c: dict, row: str, dtype: str, mode: str, ps) -> tuple:
+            """(endpoint, sink, share) of one share of chip ``c``'s pull for ``row``."""
+            if row in GG_ROWS:
+                k = kind_of(row)
+                ep = c[k].ep if ps.prefill_rank == c["prefill_ranks"][0] else c["more_eps"][(k, ps.prefill_rank)]
+                view = c["views"].get((ps.dst_start, ps.count))
+                return ep, view[k] if view else c[k].sink, ps
+            if row == "GN-Host":  # into the receive ring, then the layout fix into the device's KV pool
+                return c["gn_host"].ep, c["gn_host"].sink, ps
+            return c["hawk"][dtype].ep, c["hawk"][dtype].sink(mode), ps
 
         def fetch(c: dict, row: str, dtype: str, rid: str, tokens: int, dst):
+            """Chip ``c``'s shares of request ``rid`` (:func:`fetch_shares`, the connector's path)."""
             t0 = time.monotonic()
-            if row == "GG-Host":
-                r = c["gg_host"].fetch(rid, tokens, dst)
-            elif row == "GN-Host":  # into the receive ring, then the layout fix into the device's KV pool
-                r = c["gn_host"].fetch(rid, tokens, dst)
-            elif row == "GG-Direct":
-                r = c["gg_direct"].fetch(rid, tokens, dst)
-            else:
-                mode = {"GN-HAWK staged": "staged", "GN-HAWK direct": "direct", "per-tile": "per_tile",
-                        "GN-HAWK pipelined": "staged", "GN-HAWK direct pipelined": "direct"}[row]
-                groups = layer_groups if row.endswith("pipelined") else 1
-                r = c["hawk"][dtype].fetch(rid, tokens, dst, mode,
-                                           time_cap_s=per_tile_cap_s if mode == "per_tile" else None,
-                                           layer_groups=groups)
+            mode = {"GN-HAWK staged": "staged", "GN-HAWK direct": "direct", "per-tile": "per_tile",
+                    "GN-HAWK pipelined": "staged", "GN-HAWK direct pipelined": "direct"}.get(row, "")
+            groups = layer_groups if row.endswith("pipelined") else 1
+            r = fetch_shares(rid, tokens, [share_of(c, row, dtype, mode, ps) for ps in c["plan"]], dst,
+                             layer_groups=groups, time_cap_s=per_tile_cap_s if mode == "per_tile" else None)
             return r, t0
 
         def one(row: str, dtype: str, n: int, src, dst) -> list:
@@ -277,17 +343,21 @@ def run(model: str = "llama-3.1-70b", prefill_tp: int = 4, decode_tp: int | None
             per chip (FetchResult, start time)."""
             counter[0] += 1
             tokens = n * block_size
-            rids = [f"{row}-{dtype}-{counter[0]}-chip{c['chip']}" for c in chips]
-            for c, rid in zip(chips, rids):
-                pre[c["prefill_rank"]].call("add", kind_of(row), rid, src, tokens)
+            rid = f"{row}-{dtype}-{counter[0]}"
+            for p in pre.values():  # every prefill rank prefilled the request (its shard)
+                p.call("add", kind_of(row), rid, src, tokens)
             if pool is None:
-                out = [fetch(chips[0], row, dtype, rids[0], tokens, dst)]
+                out = [fetch(chips[0], row, dtype, rid, tokens, dst)]
             else:
-                out = [f.result() for f in [pool.submit(fetch, c, row, dtype, rid, tokens, dst)
-                                            for c, rid in zip(chips, rids)]]
+                futs = [pool.submit(fetch, c, row, dtype, rid, tokens, dst) for c in chips]
+                cf.wait(futs)  # every chip's pull ended (a failure is raised after all of them)
+                out = [f.result() for f in futs]
+            for ep in (e for (k, _r), e in chips[0]["idle_eps"].items() if k == kind_of(row)):
+                ep.release(rid, ok=True)
             if kind_of(row) == "hawk":
-                for c, rid, (r, _) in zip(chips, rids, out):
-                    r.extra["transform_s"] = pre[c["prefill_rank"]].call("transform_s", rid) or 0.0
+                ts = {r: pre[r].call("transform_s", rid) or 0.0 for c in chips for r in c["prefill_ranks"]}
+                for c, (r, _) in zip(chips, out):
+                    r.extra["transform_s"] = max(ts[p] for p in c["prefill_ranks"])
             return out
 
         def prefill_cpu_s() -> float:
@@ -301,7 +371,11 @@ def run(model: str = "llama-3.1-70b", prefill_tp: int = 4, decode_tp: int | None
             else:
                 src, dst = np.arange(1, n + 1), np.arange(1, n + 1)
             reps = repeats if row != "per-tile" else (1 if mb >= 160 else min(repeats, 3))
-            one(row, dtype, n, src, dst)  # warm-up
+            try:
+                one(row, dtype, n, src, dst)  # warm-up
+            except PeerFailed as e:  # the pull is refused (e.g. too many segments): reported, the rest runs
+                failed.append({"row": row, "dtype": dtype, "size_mb": mb, "error": str(e)})
+                continue
             c0 = _cpu_s() + prefill_cpu_s()
             runs = [one(row, dtype, n, src, dst) for _ in range(reps)]
             cpu_ms = (_cpu_s() + prefill_cpu_s() - c0) / reps * 1e3
@@ -326,13 +400,22 @@ def run(model: str = "llama-3.1-70b", prefill_tp: int = 4, decode_tp: int | None
         gd = next((b for b in results if b["row"] == "GG-Direct" and b["size_mb"] == r["size_mb"]), None)
         r["norm_gg_direct"] = r["latency_ms"] / gd["latency_ms"] if gd else float("nan")
         r["cpu_norm_gg_direct"] = r["cpu_ms"] / gd["cpu_ms"] if gd and gd["cpu_ms"] > 0 else float("nan")
-    return {"rows": results, "targets": check_targets(results), "prefill_snapshot": snap,
+        gs = next((b for b in results if b["row"] == "GG-Staged" and b["size_mb"] == r["size_mb"]), None)
+        r["norm_gg_staged"] = r["latency_ms"] / gs["latency_ms"] if gs else float("nan")
+    return {"rows": results, "failed": failed, "targets": check_targets(results), "prefill_snapshot": snap,
             "config": {"model": model, "prefill_tp": prefill_tp, "decode_tp": decode_tp, "chips": decode_tp,
                        "tp": decode_tp, "device": device_profile, "block_size": block_size,
                        "num_kv_heads": shape.num_kv_heads, "kv_heads_per_rank": heads,
                        "num_layers": shape.num_layers, "head_dim": shape.head_dim,
-                       "pulls": [{"chip": c["chip"], "prefill_rank": c["prefill_rank"], "heads": c["heads"]}
+                       "kv_heads_per_prefill_rank": shape.kv_heads_per_rank(prefill_tp),
+                       "pulls": [{"chip": c["chip"], "prefill_ranks": c["prefill_ranks"], "heads": c["heads"],
+                                  "shares": [{"prefill_rank": ps.prefill_rank,
+                                              "src_heads": [ps.share.head_start,
+                                                            ps.share.head_start + (ps.share.num_heads or ps.count)],
+                                              "dst_heads": [ps.dst_start, ps.dst_start + ps.count],
+                                              "consumers": ps.share.consumers} for ps in c["plan"]]}
                                  for c in chips],
+                       "idle_ranks": idle,
                        "pulls_run": "concurrently, one thread per chip" if decode_tp > 1 else "one chip",
                        "fragmented": fragmented, "per_tile_cap_s": per_tile_cap_s, "repeats": repeats,
                        "layer_groups": layer_groups, "cores": os.cpu_count(), "load_average": os.getloadavg(),
@@ -358,7 +441,7 @@ def _row_figures(row, dtype, mb, n, block_size, per_token, runs, reps, cpu_ms, c
     for k, c in enumerate(chips):
         r = runs[0][k][0]
         bpb = r.extra.get("bytes_per_bank")
-        per_chip.append({"chip": c["chip"], "prefill_rank": c["prefill_rank"], "heads": c["heads"],
+        per_chip.append({"chip": c["chip"], "prefill_ranks": c["prefill_ranks"], "heads": c["heads"],
                          "bytes_moved": r.nbytes, "bytes_per_bank": max(bpb) if bpb else float("nan"),
                          "segments": r.segments, "entries": r.entries,
                          "latency_ms": statistics.median(chip_total(run[k][0]) for run in runs) * 1e3})
@@ -445,7 +528,7 @@ def plot(result: dict, path: str) -> str:
 
     rows = result["rows"]
     sizes = sorted({r["size_mb"] for r in rows})
-    series = [(r, "bfloat16") for r in ROWS] + [(r, "bfloat8_b") for r in HAWK_BFP8_ROWS]
+    series = [(r, "bfloat16") for r in ROWS + EXTRA_ROWS] + [(r, "bfloat8_b") for r in HAWK_BFP8_ROWS]
     series = [s for s in series if any(_get(rows, s[0], s[1], mb) for mb in sizes)]
     fig, ax = plt.subplots(figsize=(11, 4.5))
     w = 0.8 / len(series)
@@ -474,14 +557,16 @@ def main(argv: list[str] | None = None) -> int:
                     help="prefill tensor-parallel size: one prefill process per rank (default 4)")
     ap.add_argument("--decode-tp", "--chips", dest="decode_tp", type=int, default=None,
                     help="decode tensor-parallel size = the Tenstorrent decode's chips, one emulated device each "
-                         "(default: --prefill-tp; must equal it here)")
+                         "(default: --prefill-tp; GN rows need --prefill-tp <= it)")
     ap.add_argument("--tp", type=int, default=None, help="deprecated: --prefill-tp N --decode-tp N")
     ap.add_argument("--device-profile", default="p150a")
     ap.add_argument("--block-size", type=int, default=64)
     ap.add_argument("--sizes-mb", type=float, nargs="+", default=list(DEFAULT_SIZES),
                     help="request sizes: bf16 KV of all the model's KV heads (MB), split over the chips; 1280 on "
                          "one chip needs ~8 GB RAM on this host, so it is opt-in")
-    ap.add_argument("--rows", nargs="+", default=list(ROWS), choices=ROWS)
+    ap.add_argument("--rows", nargs="+", default=list(ROWS), choices=ROWS + EXTRA_ROWS,
+                    help="rows to run (default: all but GG-Staged, the connector's GG mode staged: the prefill "
+                         "gathers the blocks, or a share's heads, into its ring)")
     ap.add_argument("--repeats", type=int, default=5)
     ap.add_argument("--per-tile-cap-s", type=float, default=10.0)
     ap.add_argument("--fragmented", action="store_true", help="random block tables instead of contiguous runs")
@@ -496,7 +581,7 @@ def main(argv: list[str] | None = None) -> int:
     sizes = [int(s) if float(s).is_integer() else s for s in a.sizes_mb]
     a.prefill_tp, a.decode_tp = tp_args(ap, a)
     try:
-        tp_plan(a.model, a.prefill_tp, a.decode_tp)  # TPMismatch or HeterogeneousTP before any process starts
+        tp_plan(a.model, a.prefill_tp, a.decode_tp, a.rows)  # TPMismatch or HeterogeneousTP before any process
     except ValueError as e:
         print(f"hawk bench transfer: {e}", file=sys.stderr)
         return 2
@@ -507,8 +592,10 @@ def main(argv: list[str] | None = None) -> int:
     cfg = res["config"]
     print(f"KV transfer, decode request -> KV in pool; {cfg['model']} ({cfg['num_kv_heads']} KV heads, "
           f"{cfg['num_layers']} layers) prefill TP={cfg['prefill_tp']} -> {cfg['chips']} x {cfg['device']} emulated "
-          f"({cfg['kv_heads_per_rank']} KV heads per rank and chip; pulls: "
-          + ", ".join(f"rank {p['prefill_rank']} -> chip {p['chip']}" for p in cfg["pulls"])
+          f"({cfg['kv_heads_per_prefill_rank']} KV heads per prefill rank, {cfg['kv_heads_per_rank']} per chip; "
+          "pulls: " + ", ".join(f"rank{'s' if len(p['prefill_ranks']) > 1 else ''} "
+                                f"{'+'.join(map(str, p['prefill_ranks']))} -> chip {p['chip']}" for p in cfg["pulls"])
+          + (f"; idle prefill ranks {cfg['idle_ranks']} released by chip 0" if cfg["idle_ranks"] else "")
           + f"; the chips' pulls of a request run {cfg['pulls_run']}), block {cfg['block_size']}, "
           f"{'fragmented' if a.fragmented else 'contiguous'} block tables; median of {a.repeats} "
           f"(per-tile: fewer, capped at {a.per_tile_cap_s:.0f} s and extrapolated); Mooncake TCP loopback, "
@@ -520,10 +607,23 @@ def main(argv: list[str] | None = None) -> int:
                               ("bytes_moved", "bytes total", ","), ("entries", "READs total", ","),
                               ("latency_ms", "latency ms", ".1f"), ("norm_gg_host", "/GG-Host", ".3f"),
                               ("norm_gg_direct", "/GG-Direct", ".3f"),
+                              *([("norm_gg_staged", "/GG-Staged", ".3f")] if "GG-Staged" in a.rows else []),
                               ("request_ms", "request ms", ".1f"), ("transform_ms", "transform ms", ".1f"),
                               ("transfer_ms", "transfer ms", ".1f"), ("copy_ms", "copy/fix ms", ".1f"),
                               ("fraction_done", "done", ".2f"), ("cpu_ms", "CPU ms", ".1f"),
                               ("cpu_norm_gg_direct", "CPU/GG-Direct", ".2f")])
+    for f in res["failed"]:
+        print(f"\nnot measured: {f['row']} ({f['dtype']}) @ {f['size_mb']} MB: {f['error']}")
+    if cfg["chips"] > 1:
+        big = max(sizes)
+        print(f"\nper chip at {big} MB (prefill ranks: the ranks the chip pulled its shares from):")
+        print_table([{"row": r["row"], "dtype": r["dtype"], **c, "ranks": "+".join(map(str, c["prefill_ranks"])),
+                      "heads": f"{c['heads'][0]}..{c['heads'][1] - 1}"}
+                     for r in res["rows"] if r["size_mb"] == big for c in r["chips"]],
+                    [("row", "row", ""), ("dtype", "target", ""), ("chip", "chip", ""), ("heads", "KV heads", ""),
+                     ("ranks", "prefill ranks", ""), ("bytes_moved", "bytes", ","),
+                     ("bytes_per_bank", "bytes/bank", ","), ("segments", "segs", ","), ("entries", "READs", ","),
+                     ("latency_ms", "chip ms", ".1f")])
     print("\nsrc MB: the request's bf16 KV over all KV heads; per chip: the largest chip's figure (bytes/bank: its "
           "largest DRAM bank; nan: a vLLM-layout decode, no banks); segments: in KVReady; READs: transfer entries; "
           "latency: first chip's request -> last chip's KV in place; request/transform/transfer/copy: each the "

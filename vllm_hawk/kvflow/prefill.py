@@ -89,6 +89,7 @@ from vllm_hawk.protocol import (
     Renew,
     Renewed,
 )
+from vllm_hawk.protocol.messages import MAX_SEGMENTS
 from vllm_hawk.security import RateLimitedLog, Refusals
 
 logger = logging.getLogger("vllm.hawk.kvflow.prefill")
@@ -504,6 +505,8 @@ class PrefillEndpoint:
             elif self.observer is not None:
                 self.observer(rid, msg, src)
             segs = prep.segments(off)
+            if len(segs) > MAX_SEGMENTS:  # a KVReady the decode would drop: refuse now, naming why
+                raise _Refuse("layout_mismatch", _too_many_segments(len(segs), self.source, msg))
             if not prep.nbytes and self.registration == "per_request":  # served in place: expose its runs
                 self.exposure.acquire(key, [(self.export_base + s.offset_bytes, s.nbytes) for s in segs],
                                       domains=self._export_regions)
@@ -752,6 +755,14 @@ class PrefillEndpoint:
 
 class _Cancelled(Exception):
     """Internal: the decode sent Release while the request was still being served."""
+
+
+def _too_many_segments(n: int, source, msg: KVRequest) -> str:
+    share = f"heads {msg.head_start}..{msg.head_start + msg.num_heads - 1} of " if msg.num_heads else ""
+    return (f"KVReady would carry {n} segments ({share}{len(msg.dst_block_ids)} blocks served in place by "
+            f"{getattr(source, 'name', type(source).__name__)}: one per byte run per layer), the protocol allows "
+            f"{MAX_SEGMENTS}; use mode staged (the ring gathers each layer into one segment), contiguous blocks, "
+            "or a head-outer cache layout for shares")
 
 
 class _Refuse(Exception):

@@ -63,22 +63,24 @@ def idle_ranks(num_kv_heads: int, prefill_tp: int, decode_targets: int) -> list[
 
 
 def fetch_shares(req_id: str, num_tokens: int, shares: list[tuple[object, object, PlannedShare]],
-                 dst_blocks, *, first_block: int = 0, layer_groups: int = 1,
+                 dst_blocks, *, first_block: int = 0, layer_groups: int = 1, time_cap_s: float | None = None,
                  on_result: Callable[[PlannedShare, FetchResult], None] | None = None) -> FetchResult:
     """Fetch every ``(endpoint, sink, planned)`` share of ``req_id`` at once (see module
     doc); returns the sum (``extra["shares"]``: per share, prefill rank, target, heads,
-    bytes, segments, entries and, for Tenstorrent sinks, bytes per bank)."""
+    bytes, segments, entries and, for Tenstorrent sinks, bytes per bank; one share: its own
+    result). ``time_cap_s``: as :meth:`~vllm_hawk.kvflow.decode.DecodeEndpoint.fetch`
+    (per-tile benchmark rows)."""
     if len(shares) == 1:
         ep, sink, ps = shares[0]
         return ep.fetch(req_id, num_tokens, sink, dst_blocks, first_block=first_block, layer_groups=layer_groups,
-                        share=ps.share)
+                        time_cap_s=time_cap_s, share=ps.share)
     results: list = [None] * len(shares)
 
     def one(i: int) -> None:
         ep, sink, ps = shares[i]
         try:
             results[i] = ep.fetch(req_id, num_tokens, sink, dst_blocks, first_block=first_block,
-                                  layer_groups=layer_groups, share=ps.share)
+                                  layer_groups=layer_groups, time_cap_s=time_cap_s, share=ps.share)
         except BaseException as e:  # noqa: BLE001 - raised below, after every share ended
             results[i] = e
 
@@ -102,6 +104,7 @@ def fetch_shares(req_id: str, num_tokens: int, shares: list[tuple[object, object
         total.copy_s = max(total.copy_s, r.copy_s)
         total.total_s = max(total.total_s, r.total_s)
         total.release_s = max(total.release_s, r.release_s)
+        total.fraction = min(total.fraction, r.fraction)
         per.append({"prefill_rank": ps.prefill_rank, "target": ps.target, "heads": [ps.dst_start, ps.count],
                     "nbytes": r.nbytes, "segments": r.segments, "entries": r.entries,
                     **{k: v for k, v in r.extra.items() if k in ("bytes_per_bank", "banks", "intra_bank_ops")}})

@@ -5,7 +5,8 @@ endpoints the connector builds, and calls them.
 
 * :func:`prefill_endpoint` — a :class:`~vllm_hawk.kvflow.PrefillEndpoint` over a
   :class:`~vllm_hawk.testing.paged_cache.PagedKVCache` with the source for ``kind``:
-  ``hawk`` (tile transform), ``staged`` (ring gather) or ``vllm`` (blocks in place);
+  ``hawk`` (tile transform), ``staged`` (ring gather) or ``vllm`` (blocks in place),
+  each serving any head range (shares of a tensor-parallel pull);
 * :class:`TTDecode` — an emulated Tenstorrent KV pool, one sink per mode over it and a
   :class:`~vllm_hawk.kvflow.DecodeEndpoint`;
 * :class:`VllmDecode` — a vLLM-layout decode cache with its sink and endpoint;
@@ -25,6 +26,7 @@ from vllm_hawk.kvflow import (
     vllm_sink,
 )
 from vllm_hawk.kvflow.sinks import layout_desc
+from vllm_hawk.kvflow.streams import head_maps
 from vllm_hawk.layout.device_profiles import load_profile
 from vllm_hawk.layout.tt_kv_cache import TTKVCacheSpec
 
@@ -36,9 +38,9 @@ def make_source(cache, kind: str, device_profile: str | None = "p150a"):
         return TileTransformSource(cache.kv_views(), cache.desc, load_profile(device_profile) if device_profile
                                    else None)
     if kind == "staged":
-        return RingGatherSource(cache.region_map, cache.desc, cache.storages)
+        return RingGatherSource(cache.region_map, cache.desc, cache.storages, head_maps(cache.layers))
     if kind == "vllm":
-        return VllmBlockSource(cache.region_map, cache.desc, cache.storages)
+        return VllmBlockSource(cache.region_map, cache.desc, cache.storages, head_maps(cache.layers))
     raise ValueError(f"source kind must be one of {SOURCE_KINDS}, got {kind!r}")
 
 
