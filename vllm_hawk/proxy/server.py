@@ -45,6 +45,7 @@ upstream's ``/health`` and answers 503 naming the ones that fail), ``GET /v1/mod
 from __future__ import annotations
 
 import asyncio
+import errno
 import itertools
 import json
 import logging
@@ -153,7 +154,7 @@ class Proxy:
         self.session: aiohttp.ClientSession | None = None
         self.served = 0
         self.stats = {"truncated_streams": 0, "slow_clients_dropped": 0, "refused_bodies": 0,
-                      "decode_refused": 0, "upstream_resent": 0}
+                      "decode_refused": 0, "upstream_resent": 0, "upstream_emfile_retries": 0}
         self.metrics = ProxyMetrics()
 
     # ---------------------------------------------------------------- app
@@ -228,12 +229,21 @@ class Proxy:
         """Send the upstream request ``make()`` builds; its response headers must come within
         ``first_byte_s``. When the upstream closed a pooled keep-alive connection just as we
         sent on it (``ServerDisconnectedError`` before any response; seen under load) the
-        request is sent once more."""
-        try:
-            return await asyncio.wait_for(make(), self.limits.first_byte_s)
-        except aiohttp.ServerDisconnectedError:
-            self.stats["upstream_resent"] += 1
-            return await asyncio.wait_for(make(), self.limits.first_byte_s)
+        request is sent once more. A connect that failed for lack of file descriptors (a
+        client flood at the fd limit: the evictions that free them close on the next loop
+        turn) is tried again up to :data:`EMFILE_RETRIES` times, :data:`EMFILE_WAIT_S` apart."""
+        for attempt in range(EMFILE_RETRIES + 1):
+            try:
+                return await asyncio.wait_for(make(), self.limits.first_byte_s)
+            except aiohttp.ServerDisconnectedError:
+                self.stats["upstream_resent"] += 1
+                return await asyncio.wait_for(make(), self.limits.first_byte_s)
+            except aiohttp.ClientConnectorError as e:
+                if getattr(e.os_error, "errno", None) != errno.EMFILE or attempt == EMFILE_RETRIES:
+                    raise
+                self.stats["upstream_emfile_retries"] += 1
+                await asyncio.sleep(EMFILE_WAIT_S)
+        raise AssertionError("unreachable")
 
     async def _read(self, r: aiohttp.ClientResponse) -> bytes:
         """An upstream body, each chunk within ``idle_s`` of the previous one."""
@@ -386,6 +396,8 @@ class _BoundedServer:
         return self.inner(*args, **kwargs)
 
 
+EMFILE_RETRIES = 5  # upstream connects retried after EMFILE (see Proxy._open)
+EMFILE_WAIT_S = 0.05
 BACKLOG = 128  # asyncio accepts up to this many connections in one go (before any eviction closes)
 
 

@@ -393,6 +393,9 @@ class HostStagedTransport:
             self._pending[conn] = time.monotonic()
             bufs[conn] = bytearray()
             sel.register(conn, selectors.EVENT_READ)
+            # a legitimate client's hello is usually here already: check it now, before a
+            # later accept of this burst can evict the connection as the oldest pending one
+            self._pending_readable(sel, bufs, conn)
 
     def _drop_pending(self, sel, bufs, conn) -> None:
         self._pending.pop(conn, None)
