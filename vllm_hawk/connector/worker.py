@@ -53,10 +53,11 @@ from vllm_hawk.kvflow import (
     VllmBlockSource,
     vllm_sink,
 )
-from vllm_hawk.kvflow.decode import SETTLE_LIMIT_S
+from vllm_hawk.kvflow.decode import SETTLE_LIMIT_S, WHOLE, Share
 from vllm_hawk.kvflow.gn_host import GNHostSink
 from vllm_hawk.kvflow.shares import PlannedShare, fetch_shares, idle_ranks, plan_shares
 from vllm_hawk.kvflow.sources import vllm_layout_desc
+from vllm_hawk.kvflow.streams import PerHeadRange
 from vllm_hawk.layout.tp import TPMismatch, shard_heads
 from vllm_hawk.transport import make_transport
 
@@ -131,12 +132,21 @@ def check_pairing(num_kv_heads: int, prefill_tp: int, total: int, targets, local
     try:
         for t in targets:
             for ps in plan_shares(num_kv_heads, prefill_tp, total, t, local):
-                if chips and (ps.dst_start, ps.count) != (0, local):
-                    raise TPMismatch(f"chip {t} would take {ps.count} of its {local} KV heads from prefill rank "
-                                     f"{ps.prefill_rank} alone; a chip lands whole head shards (prefill TP <= chips)")
+                if chips:
+                    check_whole_chip(ps, local)
     except TPMismatch as e:
         raise HawkConfigError(f"kv_connector_extra_config.prefill_tp={prefill_tp} cannot feed this decode ({total} "
                               f"{what}, {num_kv_heads} KV heads): {e}") from None
+
+
+def check_whole_chip(ps: PlannedShare, local: int) -> None:
+    """A Tenstorrent chip lands whole head shards: raise TPMismatch unless share ``ps``
+    brings all ``local`` heads of its chip."""
+    if (ps.dst_start, ps.count) != (0, local):
+        last = ps.dst_start + ps.count - 1
+        raise TPMismatch(f"chip {ps.target} holds {local} KV heads; heads {ps.dst_start}..{last} "
+                         f"of them would come from prefill rank {ps.prefill_rank} alone, and a Tenstorrent chip lands "
+                         "whole head shards: use a prefill tensor_parallel_size <= the decode's chips")
 
 
 def make_source(cfg: HawkConfig, kv: LocalKV):
@@ -221,7 +231,7 @@ class HawkConnectorWorker:
         self.sinks: list = []  # decode: one per target this worker lands (chips of a mesh), sinks[0] is self.sink
         self._debug = envs.debug_dir()
         self.tp_rank, self.tp_size = 0, 1
-        self._share_sinks: dict = {}  # (dst_start, count) -> the sink restricted to those heads
+        self._share_sinks = PerHeadRange(self._share_sink)  # (dst_start, count) -> the sink of those heads
 
     # ---------------------------------------------------------------- set-up
     def register_kv_caches(self, kv_caches) -> None:
@@ -460,12 +470,7 @@ class HawkConnectorWorker:
             return
         self._release_idle_ranks(spec)
         for ps in planned:
-            try:
-                self._endpoint_at(spec.side_channel_of(ps.prefill_rank), spec.remote_engine_id).release(
-                    spec.remote_request_id, ok=True, timeout_s=self.cfg.handshake_timeout_s, share=ps.share)
-            except Exception as e:  # noqa: BLE001 - the prefill's lease frees it
-                logger.warning("HawkConnector decode: release of %s on prefill rank %d not delivered (%s); the "
-                               "prefill frees it when its lease expires", spec.remote_request_id, ps.prefill_rank, e)
+            self._release_rank(spec, ps.prefill_rank, ps.share)
 
     # ---------------------------------------------------------------- tensor parallelism
     def _rank_tag(self) -> str:
@@ -538,42 +543,34 @@ class HawkConnectorWorker:
         for r in range(e.hello.tp_size):
             self._pool.submit(self._release_rank, spec, r)
 
-    def _release_rank(self, spec: RecvSpec, rank: int) -> None:
+    def _release_rank(self, spec: RecvSpec, rank: int, share: Share = WHOLE) -> None:
+        """Release (D8 without a fetch) ``share`` of the request on prefill rank ``rank``."""
         try:
             self._endpoint_at(spec.side_channel_of(rank), spec.remote_engine_id).release(
-                spec.remote_request_id, ok=True, timeout_s=self.cfg.handshake_timeout_s)
+                spec.remote_request_id, ok=True, timeout_s=self.cfg.handshake_timeout_s, share=share)
         except Exception as e:  # noqa: BLE001 - the prefill's lease frees it
-            logger.warning("HawkConnector decode: release of %s on idle prefill rank %d not delivered (%s)",
-                           spec.remote_request_id, rank, e)
+            logger.warning("HawkConnector decode: release of %s on prefill rank %d not delivered (%s); the "
+                           "prefill frees it when its lease expires", spec.remote_request_id, rank, e)
 
     def _sink_for(self, ps: PlannedShare):
         """The sink of share ``ps``: its chip's sink (a mesh), this worker's sink, or a view
         of it restricted to the share's destination heads (vLLM caches)."""
         local = self.kv.layout.num_kv_heads
         if self.kv.tt_cache is not None:
-            if (ps.dst_start, ps.count) != (0, local):
-                raise TPMismatch(f"chip {ps.target} holds {local} KV heads; heads {ps.dst_start}.."
-                                 f"{ps.dst_start + ps.count - 1} of them would come from prefill rank "
-                                 f"{ps.prefill_rank} alone, and a Tenstorrent chip lands whole head shards: use a "
-                                 "prefill tensor_parallel_size <= the decode's chips")
+            check_whole_chip(ps, local)
             return self.sinks[ps.target]
         if ps.dst_start == 0 and ps.count == local:
             return self.sink
-        key = (ps.dst_start, ps.count)
-        with self._lock:
-            got = self._share_sinks.get(key)
-        if got is None:
-            if self.kv.heads is None or not hasattr(self.sink, "for_heads"):
-                raise TPMismatch(f"this decode's sink ({type(self.sink).__name__}) takes whole shards only; "
-                                 f"heads {ps.dst_start}..{ps.dst_start + ps.count - 1} of its {local} would come "
-                                 f"from prefill rank {ps.prefill_rank} alone")
-            m = self.kv.heads(*key)
-            lay = self.kv.layout
-            got = self.sink.for_heads(m, vllm_layout_desc(m, lay.name, lay.dtype, lay.block_size, ps.count,
-                                                          lay.head_dim))
-            with self._lock:
-                self._share_sinks.setdefault(key, got)
-        return got
+        if self.kv.heads is None or not hasattr(self.sink, "for_heads"):
+            raise TPMismatch(f"this decode's sink ({type(self.sink).__name__}) takes whole shards only; "
+                             f"heads {ps.dst_start}..{ps.dst_start + ps.count - 1} of its {local} would come "
+                             f"from prefill rank {ps.prefill_rank} alone")
+        return self._share_sinks(ps.dst_start, ps.count)
+
+    def _share_sink(self, start: int, count: int):
+        """This worker's vLLM sink restricted to its KV heads ``[start, start+count)``."""
+        m, lay = self.kv.heads(start, count), self.kv.layout
+        return self.sink.for_heads(m, vllm_layout_desc(m, lay.name, lay.dtype, lay.block_size, count, lay.head_dim))
 
     # ---------------------------------------------------------------- idle check, shutdown
     def snapshot(self) -> dict:

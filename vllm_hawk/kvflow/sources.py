@@ -32,7 +32,7 @@ import msgspec
 import numpy as np
 import torch
 
-from vllm_hawk.kvflow.streams import KVRegionMap, gather_copies, ring_segments, source_segments
+from vllm_hawk.kvflow.streams import KVRegionMap, PerHeadRange, gather_copies, ring_segments, source_segments
 from vllm_hawk.layout.device_profiles import DeviceProfile
 from vllm_hawk.layout.formats import tile_format
 from vllm_hawk.layout.tt_kv_cache import KV_DTYPES, TTKVCacheLayout, TTKVCacheSpec
@@ -115,21 +115,17 @@ class _VllmStreams:
     def __init__(self, region_map: KVRegionMap, layout: LayoutDesc, storages: Sequence[tuple[int, int]],
                  heads: Callable[[int, int], KVRegionMap] | None = None) -> None:
         self.region_map, self.layout, self.storages = region_map, layout, list(storages)
-        self.heads, self._maps = heads, {}
-        self._maps_lock = threading.Lock()
+        self.heads = heads
+        self._maps = PerHeadRange(heads) if heads is not None else None
 
     def share_map(self, msg: KVRequest) -> KVRegionMap:
         """The region map of the heads ``msg`` asks for (built once per head range)."""
         sh = share_heads(msg, self.layout.num_kv_heads)
         if sh is None:
             return self.region_map
-        with self._maps_lock:
-            got = self._maps.get(sh)
-            if got is None:
-                if self.heads is None:
-                    raise ValueError("this prefill serves whole requests only (no head ranges)")
-                got = self._maps[sh] = self.heads(*sh)
-            return got
+        if self._maps is None:
+            raise ValueError("this prefill serves whole requests only (no head ranges)")
+        return self._maps(*sh)
 
     def check(self, msg: KVRequest) -> str:
         d = msg.dst_layout
@@ -226,8 +222,7 @@ class TileTransformSource:
 
     def __init__(self, views, layout: LayoutDesc, profile: DeviceProfile | None) -> None:
         self.views, self.layout, self.profile = as_transform_source(views), layout, profile
-        self._shares: dict = {}  # (head_start, num_heads) -> head-sliced TransformSource
-        self._shares_lock = threading.Lock()
+        self._shares = PerHeadRange(self.views.heads)  # head-sliced TransformSources
 
     def exports(self) -> list[tuple[int, int]]:
         return []
@@ -235,13 +230,7 @@ class TileTransformSource:
     def share_views(self, msg: KVRequest):
         """The transform input of the heads ``msg`` asks for (built once per head range)."""
         sh = share_heads(msg, self.layout.num_kv_heads)
-        if sh is None:
-            return self.views
-        with self._shares_lock:
-            got = self._shares.get(sh)
-            if got is None:
-                got = self._shares[sh] = self.views.heads(*sh)
-            return got
+        return self.views if sh is None else self._shares(*sh)
 
     def check(self, msg: KVRequest) -> str:
         d = msg.dst_layout

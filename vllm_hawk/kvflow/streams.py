@@ -16,6 +16,7 @@ sides (:func:`pair_stream`), so consecutive blocks on both sides become one entr
 from __future__ import annotations
 
 import bisect
+import threading
 from dataclasses import dataclass
 from typing import Callable, Sequence
 
@@ -173,6 +174,21 @@ def region_map_from_caches(caches: Sequence, templates: Sequence[Sequence[tuple[
     if len(nb) != 1:
         raise ValueError(f"layers have different block counts {sorted(nb)}")
     return KVRegionMap(tuple(layers), nb.pop())
+
+
+class PerHeadRange:
+    """``build(start, count)`` once per KV head range, kept (thread-safe): the head-sliced
+    region maps, transform views and sink views of tensor-parallel shares."""
+
+    def __init__(self, build: Callable[[int, int], object]) -> None:
+        self._build, self._got, self._lock = build, {}, threading.Lock()
+
+    def __call__(self, start: int, count: int):
+        with self._lock:
+            got = self._got.get((start, count))
+            if got is None:
+                got = self._got[(start, count)] = self._build(start, count)
+            return got
 
 
 def head_maps(caches: Sequence) -> Callable[[int, int], KVRegionMap]:
