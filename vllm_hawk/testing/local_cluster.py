@@ -70,13 +70,19 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+SIDE_CHANNEL_PORTS = (20000, 32000)  # below Linux's ephemeral range (32768-60999) and Mooncake's 15xxx-16xxx
+
+
 def free_port_run(n: int) -> int:
     """The first of ``n`` consecutive ports free right now (a TP prefill's side channels:
-    rank r listens on port + r)."""
+    rank r listens on port + r). Taken from :data:`SIDE_CHANNEL_PORTS`, outside the
+    ephemeral range: the ranks bind tens of seconds later, and an ephemeral port picked
+    here was taken in between by another process's outgoing connection (a CI run failed
+    with "Address already in use" on rank 1's port)."""
+    import random
+
     for _ in range(200):
-        base = free_port()
-        if base + n > 65535:
-            continue
+        base = random.randrange(SIDE_CHANNEL_PORTS[0], SIDE_CHANNEL_PORTS[1] - n)
         socks = []
         try:
             for p in range(base, base + n):
