@@ -327,6 +327,45 @@ def test_auth_mismatch_fails_the_handshake_clearly(server_auth, client_auth, mat
         assert COMPAT.model not in str(e.value)  # nothing of the prefill's configuration leaks
 
 
+def test_curve_handshake_survives_a_starved_prefill():
+    """A prefill starved of CPU past its 1 s ZMTP ``HANDSHAKE_IVL`` drops a connection in
+    mid-handshake (CI: 4-6 vLLM processes on 2 cores). The decode's Hello is not failed as
+    an auth error: libzmq reconnects and the queued Hello is answered. Starved here for
+    real: the ZAP handler is a Python thread, and this thread keeps the GIL (switch interval
+    3 s) for 1.6 s while the handshake waits on it."""
+    import sys
+    import threading
+
+    with ProtocolServer(FakePrefill(), COMPAT, secret=SECRET) as s:
+        fails0 = s.stats.zmtp_handshake_failures
+        out: dict = {}
+        old = sys.getswitchinterval()
+        sys.setswitchinterval(3.0)
+        try:
+            c = ProtocolClient(s.endpoint, COMPAT, secret=SECRET, timeout_s=10)  # connects now
+
+            def hello():
+                try:
+                    out["ack"] = c.handshake()
+                except Exception as e:  # noqa: BLE001 - reported below
+                    out["error"] = e
+
+            t = threading.Thread(target=hello)
+            t.start()  # runs until its Hello is queued and it waits for the answer
+            end = time.monotonic() + 1.6
+            while time.monotonic() < end:  # holds the GIL: the ZAP thread cannot answer
+                pass
+        finally:
+            sys.setswitchinterval(old)
+        try:
+            t.join(15)
+            assert "error" not in out, out.get("error")
+            assert isinstance(out["ack"], HelloAck)
+        finally:
+            c.close()
+        assert s.stats.zmtp_handshake_failures > fails0  # the first connection was dropped
+
+
 def test_curve_server_ignores_null_mechanism_peers():
     """auth 'curve': a raw socket without the secret never reaches the server's code."""
     with ProtocolServer(FakePrefill(), COMPAT, secret=SECRET) as s:

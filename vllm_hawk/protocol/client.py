@@ -71,6 +71,7 @@ class AuthRefused(RuntimeError):
     """The handshake failed on authentication: secrets or auth modes differ (the message says which)."""
 
 
+ZMTP_ATTEMPTS = 4  # connections closed during the ZMTP handshake, in a row, before a Hello fails
 _MONITOR_EVENTS = (zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL | zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL
                    | zmq.EVENT_HANDSHAKE_FAILED_AUTH | zmq.EVENT_HANDSHAKE_SUCCEEDED | zmq.EVENT_DISCONNECTED)
 
@@ -102,6 +103,11 @@ class ProtocolClient:
         self._hellos: set[int] = set()  # seqs of pending Hellos
         self._auth_failure = ""  # set by the monitor: why the ZMTP handshake failed
         self._reconnected = False  # set by the monitor: the connection was lost after a handshake
+        self._zmtp_up = False  # the current connection finished its ZMTP handshake
+        self._zmtp_failures = 0  # connections in a row closed during the handshake
+        self._zmtp_closed = ""  # the last handshake-failure event, for the error message
+        self._zmtp_refused = False  # the handshake was refused outright (auth, mechanism)
+        self._refused = ""  # why, once a refusal ended the connection for good
         self._lock = threading.Lock()
         self._outbox: queue.SimpleQueue = queue.SimpleQueue()
         self._ctx = shared_context()
@@ -210,6 +216,10 @@ class ProtocolClient:
         # sequence number lower than one it has seen, so messages must leave in order.
         with self._lock:
             hello = isinstance(msg, (Hello, ControlHello))
+            if hello and self._refused:  # the refusal came before this Hello
+                fut.set_exception(AuthRefused(f"side-channel handshake with {self.endpoint} failed: "
+                                              f"{self._refused}"))
+                return fut
             seq, frames = self._env.pack(msg, recipient="" if hello else self._server_id)
             self._pending[seq] = fut
             if hello:
@@ -298,16 +308,19 @@ class ProtocolClient:
                 return
             kind, value = ev["event"], ev["value"]
             if kind == zmq.EVENT_HANDSHAKE_SUCCEEDED:
-                self._auth_failure = ""
+                self._auth_failure = self._zmtp_closed = self._refused = ""
+                self._zmtp_up, self._zmtp_failures = True, 0
+                continue
+            if kind == zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL:  # the DISCONNECTED that follows decides
+                self._zmtp_closed = f"{zmq.Event(kind).name}, errno {value}"
                 continue
             if kind == zmq.EVENT_DISCONNECTED:
                 if self.hello is not None:
                     self._reconnected = True
-                if self.auth == "curve" and self.hello is None and not self._auth_failure:
-                    # libzmq reports no event when the server cannot open our CURVE HELLO
-                    # (a different secret): it just closes the connection.
-                    self._auth_failure = ("the prefill closed the connection during the CURVE handshake: the "
-                                          "shared secrets differ, or the prefill has auth 'hmac'/'none'")
+                if self._zmtp_up or self._zmtp_refused:  # an established connection was lost (libzmq
+                    self._zmtp_up = self._zmtp_refused = False  # reconnects), or the refusal below ended it
+                    continue
+                self._on_handshake_closed()
                 continue
             if kind == zmq.EVENT_HANDSHAKE_FAILED_AUTH:
                 why = (f"the prefill's ZAP handler refused this decode's CURVE key (status {value}): the shared "
@@ -317,11 +330,36 @@ class ProtocolClient:
                        "not (with a shared secret both sides need the same 'auth'; without one both need "
                        "auth 'none')")
             else:
-                why = (f"the prefill closed the connection during the ZMTP handshake ({zmq.Event(kind).name}, "
-                       f"value {value}): the shared secrets or the auth modes differ (this side: auth {self.auth!r})")
-            self._auth_failure = why
+                why = (f"the ZMTP handshake failed ({zmq.Event(kind).name}, value {value}): the shared secrets "
+                       f"or the auth modes differ (this side: auth {self.auth!r})")
+            self._auth_failure, self._zmtp_refused = why, True
+            with self._lock:  # libzmq does not reconnect after a refusal: later Hellos fail at once
+                self._refused = why
             self._rlog("zmtp", "protocol client %s: %s", self.endpoint, why)
             self._fail_hellos(why)
+
+    def _on_handshake_closed(self) -> None:
+        """A connection closed before its ZMTP handshake finished. A prefill that cannot
+        open our CURVE HELLO (a different secret) closes it at once; so does one whose
+        1 s ``HANDSHAKE_IVL`` ran out because it was starved of CPU (4-6 vLLM processes
+        on 2 cores). libzmq reconnects, and the queued Hello goes out on the next
+        connection; the pending Hellos fail after :data:`ZMTP_ATTEMPTS` such closes in a
+        row (0.5 s for a wrong secret here, with libzmq's 100 ms reconnect interval)."""
+        self._zmtp_failures += 1
+        if self.auth == "curve":
+            why = ("the prefill closed the connection during the CURVE handshake: the shared secrets differ, "
+                   "or the prefill has auth 'hmac'/'none'")
+        else:
+            why = (f"the prefill closed the connection during the ZMTP handshake: the auth modes differ "
+                   f"(this side: auth {self.auth!r})")
+        why += f" ({self._zmtp_failures} connection(s) in a row; {self._zmtp_closed or 'no handshake event'})"
+        self._zmtp_closed = ""
+        self._auth_failure = why
+        if self._zmtp_failures < ZMTP_ATTEMPTS:
+            self._rlog("zmtp-retry", "protocol client %s: %s; reconnecting", self.endpoint, why)
+            return
+        self._rlog("zmtp", "protocol client %s: %s", self.endpoint, why)
+        self._fail_hellos(why)
 
     def _fail_hellos(self, why: str) -> None:
         with self._lock:
