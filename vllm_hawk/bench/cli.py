@@ -8,6 +8,7 @@ BENCHES = {
     "transform": "vllm_hawk.bench.transform_bench",
     "transfer": "vllm_hawk.bench.transfer_bench",
     "serve": "vllm_hawk.bench.serve_bench",
+    "entries": "vllm_hawk.bench.entries_bench",
 }
 
 
