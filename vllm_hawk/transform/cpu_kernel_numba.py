@@ -49,6 +49,66 @@ def _prefetch(typingctx, arr, idx):
     return types.void(arr, idx), codegen
 
 
+_I16, _I8, _I32 = ir.IntType(16), ir.IntType(8), ir.IntType(32)
+_V16 = ir.VectorType(_I16, 16)
+
+
+def _ir_ptr(context, builder, aty, arr, idx):
+    """Pointer to ``arr[idx]`` (no wraparound, no bounds check)."""
+    a = context.make_array(aty)(context, builder, arr)
+    return cgutils.get_item_pointer(context, builder, aty, a, [idx], wraparound=False, boundscheck=False)
+
+
+def _splat(x):
+    return ir.Constant(_V16, [ir.Constant(_I16, x)] * 16)
+
+
+def _ir_exp(builder, v):
+    """Biased exponents of the bf16 lanes ``v`` (<16 x i16>)."""
+    return builder.and_(builder.lshr(v, _splat(7)), _splat(0xFF))
+
+
+def _ir_codes(builder, v, ex, sv, mbits):
+    """Sign+magnitude codes (<16 x i16>, ``mbits + 1`` bits) of the bf16 lanes ``v`` with
+    exponents ``ex`` against the shared exponents ``sv``: :func:`_bfp_code16` per lane."""
+    d = builder.sub(sv, ex)
+    lim = _splat(mbits + 1)
+    d = builder.select(builder.icmp_unsigned(">", d, lim), lim, d)
+    m8 = builder.or_(builder.and_(v, _splat(0x7F)), _splat(0x80))
+    sh = builder.add(d, _splat(8 - mbits))
+    q = builder.lshr(m8, sh)
+    rest = builder.and_(m8, builder.sub(builder.shl(_splat(1), sh), _splat(1)))
+    half = builder.shl(_splat(1), builder.sub(sh, _splat(1)))
+    odd = builder.icmp_unsigned("!=", builder.and_(q, _splat(1)), _splat(0))
+    up = builder.or_(builder.icmp_unsigned(">", rest, half),
+                     builder.and_(builder.icmp_unsigned("==", rest, half), odd))
+    q = builder.add(q, builder.zext(up, _V16))
+    top = _splat((1 << mbits) - 1)
+    q = builder.select(builder.icmp_unsigned(">", q, top), top, q)
+    q = builder.select(builder.icmp_unsigned("==", ex, _splat(0)), _splat(0), q)
+    sign = builder.select(builder.icmp_unsigned("!=", q, _splat(0)), builder.lshr(v, _splat(15)), _splat(0))
+    return builder.or_(builder.shl(sign, _splat(mbits)), q)
+
+
+def _ir_nibble_pairs(builder, a, b):
+    """``a | b << 4`` per lane (<16 x i16> bfloat4_b codes)."""
+    return builder.or_(a, builder.shl(b, _splat(4)))
+
+
+def _ir_transpose(builder, rows):
+    """Rows ``rows`` (2**k vectors of 16 lanes) -> the 16 columns, two by two: vector j of
+    the result holds columns 2j, 2j+1 (k = 4: column j alone), i.e. the concatenation is the
+    column-major order. k interleave stages, each zipping row i with row i + 2**(k-1)
+    (unpacklo/unpackhi on x86)."""
+    n = len(rows)
+    lo = ir.Constant(ir.VectorType(_I32, 16), [x for i in range(8) for x in (i, 16 + i)])
+    hi = ir.Constant(ir.VectorType(_I32, 16), [x for i in range(8, 16) for x in (i, 16 + i)])
+    for _ in range(n.bit_length() - 1):
+        h = n // 2
+        rows = [builder.shuffle_vector(rows[i], rows[i + h], m) for i in range(h) for m in (lo, hi)]
+    return rows
+
+
 def _row_bfp_intrinsic(mbits: int):
     """An intrinsic ``f(src, i, out, e, c)``: the 16 bf16 values ``src[i:i+16]`` (uint16
     bits, one face row) packed as block floats with ``mbits`` magnitude bits: the shared
@@ -63,53 +123,25 @@ def _row_bfp_intrinsic(mbits: int):
             return None
 
         def codegen(context, builder, sig, args):
-            i16, i8 = ir.IntType(16), ir.IntType(8)
-            v16, v8 = ir.VectorType(i16, 16), ir.VectorType(i8, 16)
-
-            def ptr(aty, arr, idx):
-                a = context.make_array(aty)(context, builder, arr)
-                return cgutils.get_item_pointer(context, builder, aty, a, [idx], wraparound=False,
-                                                boundscheck=False)
-
-            def splat(x):
-                return ir.Constant(v16, [ir.Constant(i16, x)] * 16)
-
-            p_src = builder.bitcast(ptr(sig.args[0], args[0], args[1]), v16.as_pointer())
+            v8 = ir.VectorType(_I8, 16)
+            p_src = builder.bitcast(_ir_ptr(context, builder, sig.args[0], args[0], args[1]), _V16.as_pointer())
             v = builder.load(p_src, align=2)
-            ex = builder.and_(builder.lshr(v, splat(7)), splat(0xFF))
-            red = cgutils.get_or_insert_function(builder.module, ir.FunctionType(i16, [v16]),
+            ex = _ir_exp(builder, v)
+            red = cgutils.get_or_insert_function(builder.module, ir.FunctionType(_I16, [_V16]),
                                                  "llvm.vector.reduce.umax.v16i16")
             shared = builder.call(red, [ex])
-            sv = builder.insert_element(ir.Constant(v16, None), shared, ir.Constant(ir.IntType(32), 0))
-            sv = builder.shuffle_vector(sv, ir.Constant(v16, None), ir.Constant(ir.VectorType(ir.IntType(32), 16),
-                                                                                  [0] * 16))
-            d = builder.sub(sv, ex)
-            lim = splat(mbits + 1)
-            d = builder.select(builder.icmp_unsigned(">", d, lim), lim, d)
-            m8 = builder.or_(builder.and_(v, splat(0x7F)), splat(0x80))
-            sh = builder.add(d, splat(8 - mbits))
-            q = builder.lshr(m8, sh)
-            rest = builder.and_(m8, builder.sub(builder.shl(splat(1), sh), splat(1)))
-            half = builder.shl(splat(1), builder.sub(sh, splat(1)))
-            odd = builder.icmp_unsigned("!=", builder.and_(q, splat(1)), splat(0))
-            up = builder.or_(builder.icmp_unsigned(">", rest, half),
-                             builder.and_(builder.icmp_unsigned("==", rest, half), odd))
-            q = builder.add(q, builder.zext(up, v16))
-            top = splat((1 << mbits) - 1)
-            q = builder.select(builder.icmp_unsigned(">", q, top), top, q)
-            q = builder.select(builder.icmp_unsigned("==", ex, splat(0)), splat(0), q)
-            sign = builder.select(builder.icmp_unsigned("!=", q, splat(0)), builder.lshr(v, splat(15)), splat(0))
-            code = builder.or_(builder.shl(sign, splat(mbits)), q)
-            builder.store(builder.trunc(shared, i8), ptr(sig.args[2], args[2], args[3]))
-            p_code = ptr(sig.args[2], args[2], args[4])
+            sv = builder.insert_element(ir.Constant(_V16, None), shared, ir.Constant(_I32, 0))
+            sv = builder.shuffle_vector(sv, ir.Constant(_V16, None), ir.Constant(ir.VectorType(_I32, 16), [0] * 16))
+            code = _ir_codes(builder, v, ex, sv, mbits)
+            builder.store(builder.trunc(shared, _I8), _ir_ptr(context, builder, sig.args[2], args[2], args[3]))
+            p_code = _ir_ptr(context, builder, sig.args[2], args[2], args[4])
             if mbits == 7:
                 builder.store(builder.trunc(code, v8), builder.bitcast(p_code, v8.as_pointer()), align=1)
             else:
-                idx = ir.IntType(32)
-                v8h, w8 = ir.VectorType(i16, 8), ir.VectorType(i8, 8)
-                lo = builder.shuffle_vector(code, code, ir.Constant(ir.VectorType(idx, 8), list(range(0, 16, 2))))
-                hi = builder.shuffle_vector(code, code, ir.Constant(ir.VectorType(idx, 8), list(range(1, 16, 2))))
-                pair = builder.or_(lo, builder.shl(hi, ir.Constant(v8h, [ir.Constant(i16, 4)] * 8)))
+                v8h, w8 = ir.VectorType(_I16, 8), ir.VectorType(_I8, 8)
+                lo = builder.shuffle_vector(code, code, ir.Constant(ir.VectorType(_I32, 8), list(range(0, 16, 2))))
+                hi = builder.shuffle_vector(code, code, ir.Constant(ir.VectorType(_I32, 8), list(range(1, 16, 2))))
+                pair = builder.or_(lo, builder.shl(hi, ir.Constant(v8h, [ir.Constant(_I16, 4)] * 8)))
                 builder.store(builder.trunc(pair, w8), builder.bitcast(p_code, w8.as_pointer()), align=1)
             return context.get_dummy_value()
 
@@ -118,8 +150,52 @@ def _row_bfp_intrinsic(mbits: int):
     return row_bfp
 
 
+def _face_bfp_t_intrinsic(mbits: int):
+    """An intrinsic ``f(src, p, sd, out, e, c)``: one face of a transposed source (kind 1:
+    dim j's 16 tokens are ``src[p + j*sd:][:16]``, uint16 bf16 bits; a face row is one
+    token) packed as block floats with ``mbits`` magnitude bits: the 16 face rows' shared
+    exponents to ``out[e:e+16]``, token t's codes to ``out[c + 16*t:]`` (16 bytes) or
+    ``out[c + 8*t:]`` (8 nibble pairs). Works on the 16 dim vectors as loaded: the face-row
+    max is a lane-wise umax across them, the codes are computed 16 tokens wide, and only the
+    byte codes are transposed (:func:`_ir_transpose`), so no 16-bit tile buffer is needed."""
+
+    @intrinsic
+    def face_bfp_t(typingctx, src, p, sd, out, e, c):
+        if not (isinstance(src, types.Array) and isinstance(out, types.Array)):
+            return None
+
+        def codegen(context, builder, sig, args):
+            i64, v8 = ir.IntType(64), ir.VectorType(_I8, 16)
+            vs = []
+            for j in range(16):
+                idx = builder.add(args[1], builder.mul(args[2], ir.Constant(i64, j)))
+                ptr = _ir_ptr(context, builder, sig.args[0], args[0], idx)
+                vs.append(builder.load(builder.bitcast(ptr, _V16.as_pointer()), align=2))
+            exs = [_ir_exp(builder, v) for v in vs]
+            sv = exs[0]
+            for ex in exs[1:]:
+                sv = builder.select(builder.icmp_unsigned(">", ex, sv), ex, sv)
+            codes = [_ir_codes(builder, v, ex, sv, mbits) for v, ex in zip(vs, exs)]
+            if mbits != 7:
+                codes = [_ir_nibble_pairs(builder, codes[2 * j], codes[2 * j + 1]) for j in range(8)]
+            rows = _ir_transpose(builder, [builder.trunc(x, v8) for x in codes])
+            p_e = _ir_ptr(context, builder, sig.args[3], args[3], args[4])
+            builder.store(builder.trunc(sv, v8), builder.bitcast(p_e, v8.as_pointer()), align=1)
+            for j, row in enumerate(rows):
+                idx = builder.add(args[5], ir.Constant(i64, 16 * j))
+                ptr = _ir_ptr(context, builder, sig.args[3], args[3], idx)
+                builder.store(row, builder.bitcast(ptr, v8.as_pointer()), align=1)
+            return context.get_dummy_value()
+
+        return types.void(src, p, sd, out, e, c), codegen
+
+    return face_bfp_t
+
+
 _row_bfp8 = _row_bfp_intrinsic(7)
 _row_bfp4 = _row_bfp_intrinsic(3)
+_face_bfp8_t = _face_bfp_t_intrinsic(7)
+_face_bfp4_t = _face_bfp_t_intrinsic(3)
 
 
 @numba.njit(cache=True, inline="always")
@@ -255,6 +331,16 @@ def transform_bf16(src, src64, bases, sbs, shs, kinds, sts, sds, tok_off, dim_of
                         _row_bfp8(src, p + U64(16 * h), out, o + fr, o + U64(64) + fr * U64(16))
                     else:
                         _row_bfp4(src, p + U64(16 * h), out, o + fr, o + U64(64) + fr * U64(8))
+            continue
+        if target != 0 and kind == 1:  # whole faces from the 16 dims' token runs
+            for f in range(4):
+                rh, ch = U64(f % 2), U64(f // 2)
+                p = tile + ch * U64(16) * sd + rh * U64(16)
+                fr = rh * U64(32) + ch * U64(16)
+                if mbits == 7:
+                    _face_bfp8_t(src, p, sd, out, o + fr, o + U64(64) + fr * U64(16))
+                else:
+                    _face_bfp4_t(src, p, sd, out, o + fr, o + U64(64) + fr * U64(8))
             continue
         buf = np.empty(1024, dtype=np.uint16)
         _gather_tile(src, tile, kind, st, sd, tok_off[s], dim_off[s], tr0, tc0, buf)
