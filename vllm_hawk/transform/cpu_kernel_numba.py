@@ -59,53 +59,64 @@ def _ir_ptr(context, builder, aty, arr, idx):
     return cgutils.get_item_pointer(context, builder, aty, a, [idx], wraparound=False, boundscheck=False)
 
 
-def _splat(x):
-    return ir.Constant(_V16, [ir.Constant(_I16, x)] * 16)
+def _splat(x, n=16):
+    return ir.Constant(ir.VectorType(_I16, n), [ir.Constant(_I16, x)] * n)
 
 
 def _ir_exp(builder, v):
-    """Biased exponents of the bf16 lanes ``v`` (<16 x i16>)."""
-    return builder.and_(builder.lshr(v, _splat(7)), _splat(0xFF))
+    """Biased exponents of the bf16 lanes ``v`` (<n x i16>)."""
+    n = v.type.count
+    return builder.and_(builder.lshr(v, _splat(7, n)), _splat(0xFF, n))
 
 
 def _ir_codes(builder, v, ex, sv, mbits):
-    """Sign+magnitude codes (<16 x i16>, ``mbits + 1`` bits) of the bf16 lanes ``v`` with
+    """Sign+magnitude codes (<n x i16>, ``mbits + 1`` bits) of the bf16 lanes ``v`` with
     exponents ``ex`` against the shared exponents ``sv``: :func:`_bfp_code16` per lane."""
+    n = v.type.count
+
+    def k(x):
+        return _splat(x, n)
+
     d = builder.sub(sv, ex)
-    lim = _splat(mbits + 1)
+    lim = k(mbits + 1)
     d = builder.select(builder.icmp_unsigned(">", d, lim), lim, d)
-    m8 = builder.or_(builder.and_(v, _splat(0x7F)), _splat(0x80))
-    sh = builder.add(d, _splat(8 - mbits))
+    m8 = builder.or_(builder.and_(v, k(0x7F)), k(0x80))
+    sh = builder.add(d, k(8 - mbits))
     q = builder.lshr(m8, sh)
-    rest = builder.and_(m8, builder.sub(builder.shl(_splat(1), sh), _splat(1)))
-    half = builder.shl(_splat(1), builder.sub(sh, _splat(1)))
-    odd = builder.icmp_unsigned("!=", builder.and_(q, _splat(1)), _splat(0))
+    rest = builder.and_(m8, builder.sub(builder.shl(k(1), sh), k(1)))
+    half = builder.shl(k(1), builder.sub(sh, k(1)))
+    odd = builder.icmp_unsigned("!=", builder.and_(q, k(1)), k(0))
     up = builder.or_(builder.icmp_unsigned(">", rest, half),
                      builder.and_(builder.icmp_unsigned("==", rest, half), odd))
-    q = builder.add(q, builder.zext(up, _V16))
-    top = _splat((1 << mbits) - 1)
+    q = builder.add(q, builder.zext(up, v.type))
+    top = k((1 << mbits) - 1)
     q = builder.select(builder.icmp_unsigned(">", q, top), top, q)
-    q = builder.select(builder.icmp_unsigned("==", ex, _splat(0)), _splat(0), q)
-    sign = builder.select(builder.icmp_unsigned("!=", q, _splat(0)), builder.lshr(v, _splat(15)), _splat(0))
-    return builder.or_(builder.shl(sign, _splat(mbits)), q)
+    q = builder.select(builder.icmp_unsigned("==", ex, k(0)), k(0), q)
+    sign = builder.select(builder.icmp_unsigned("!=", q, k(0)), builder.lshr(v, k(15)), k(0))
+    return builder.or_(builder.shl(sign, k(mbits)), q)
 
 
 def _ir_nibble_pairs(builder, a, b):
-    """``a | b << 4`` per lane (<16 x i16> bfloat4_b codes)."""
-    return builder.or_(a, builder.shl(b, _splat(4)))
+    """``a | b << 4`` per lane (<n x i16> bfloat4_b codes)."""
+    return builder.or_(a, builder.shl(b, _splat(4, a.type.count)))
 
 
 def _ir_transpose(builder, rows):
-    """Rows ``rows`` (2**k vectors of 16 lanes) -> the 16 columns, two by two: vector j of
-    the result holds columns 2j, 2j+1 (k = 4: column j alone), i.e. the concatenation is the
+    """Rows ``rows`` (2**k vectors of n = 16m lanes, m 16x16 blocks side by side) -> each
+    block's 16 columns, two by two: vector j of the result holds, per 16-lane block, its
+    columns 2j, 2j+1 (k = 4: column j alone), i.e. per block the concatenation is the
     column-major order. k interleave stages, each zipping row i with row i + 2**(k-1)
-    (unpacklo/unpackhi on x86)."""
-    n = len(rows)
-    lo = ir.Constant(ir.VectorType(_I32, 16), [x for i in range(8) for x in (i, 16 + i)])
-    hi = ir.Constant(ir.VectorType(_I32, 16), [x for i in range(8, 16) for x in (i, 16 + i)])
+    within each 16-lane block (vpunpcklbw/vpunpckhbw on x86: 128-bit lanes)."""
+    n, m = len(rows), rows[0].type.count
+
+    def zip_mask(off):
+        return ir.Constant(ir.VectorType(_I32, m), [x for b in range(0, m, 16) for i in range(off, off + 8)
+                                                   for x in (b + i, m + b + i)])
+
+    lo, hi = zip_mask(0), zip_mask(8)
     for _ in range(n.bit_length() - 1):
         h = n // 2
-        rows = [builder.shuffle_vector(rows[i], rows[i + h], m) for i in range(h) for m in (lo, hi)]
+        rows = [builder.shuffle_vector(rows[i], rows[i + h], z) for i in range(h) for z in (lo, hi)]
     return rows
 
 
@@ -150,27 +161,37 @@ def _row_bfp_intrinsic(mbits: int):
     return row_bfp
 
 
-def _face_bfp_t_intrinsic(mbits: int):
-    """An intrinsic ``f(src, p, sd, out, e, c)``: one face of a transposed source (kind 1:
-    dim j's 16 tokens are ``src[p + j*sd:][:16]``, uint16 bf16 bits; a face row is one
-    token) packed as block floats with ``mbits`` magnitude bits: the 16 face rows' shared
-    exponents to ``out[e:e+16]``, token t's codes to ``out[c + 16*t:]`` (16 bytes) or
-    ``out[c + 8*t:]`` (8 nibble pairs). Works on the 16 dim vectors as loaded: the face-row
-    max is a lane-wise umax across them, the codes are computed 16 tokens wide, and only the
-    byte codes are transposed (:func:`_ir_transpose`), so no 16-bit tile buffer is needed."""
+def _faces_bfp_t_intrinsic(mbits: int):
+    """An intrinsic ``f(src, p, sd, out, e, c)``: the two faces of one 16-dim half of a
+    transposed source tile (kind 1: dim j's 32 tokens are ``src[p + j*sd:][:32]``, uint16
+    bf16 bits; a face row is one token) packed as block floats with ``mbits`` magnitude
+    bits. Token t < 16: shared exponent to ``out[e + t]``, codes to ``out[c + r*t:]`` (r =
+    16 bytes, or 8 nibble pairs); token 16 + t: the same at ``e + 32``, ``c + 32*r`` (the
+    face below). Works on the 16 dims' 64-byte token runs as loaded: the face-row max is a
+    lane-wise umax across them, the codes are computed 32 tokens wide, and only the byte
+    codes are transposed (:func:`_ir_transpose`), so no 16-bit tile buffer is needed."""
 
     @intrinsic
-    def face_bfp_t(typingctx, src, p, sd, out, e, c):
+    def faces_bfp_t(typingctx, src, p, sd, out, e, c):
         if not (isinstance(src, types.Array) and isinstance(out, types.Array)):
             return None
 
         def codegen(context, builder, sig, args):
-            i64, v8 = ir.IntType(64), ir.VectorType(_I8, 16)
+            i64, v32, v8, v16 = ir.IntType(64), ir.VectorType(_I16, 32), ir.VectorType(_I8, 32), ir.VectorType(_I8, 16)
+            r = 16 if mbits == 7 else 8
+            lo_hi = [ir.Constant(ir.VectorType(_I32, 16), list(range(h, h + 16))) for h in (0, 16)]
+
+            def store16(vec, idx, off):  # bytes 16*half .. of vec to out[idx + off*half]
+                for h, mask in enumerate(lo_hi):
+                    ptr = _ir_ptr(context, builder, sig.args[3], args[3], builder.add(idx, ir.Constant(i64, off * h)))
+                    builder.store(builder.shuffle_vector(vec, vec, mask), builder.bitcast(ptr, v16.as_pointer()),
+                                  align=1)
+
             vs = []
             for j in range(16):
                 idx = builder.add(args[1], builder.mul(args[2], ir.Constant(i64, j)))
                 ptr = _ir_ptr(context, builder, sig.args[0], args[0], idx)
-                vs.append(builder.load(builder.bitcast(ptr, _V16.as_pointer()), align=2))
+                vs.append(builder.load(builder.bitcast(ptr, v32.as_pointer()), align=2))
             exs = [_ir_exp(builder, v) for v in vs]
             sv = exs[0]
             for ex in exs[1:]:
@@ -179,23 +200,20 @@ def _face_bfp_t_intrinsic(mbits: int):
             if mbits != 7:
                 codes = [_ir_nibble_pairs(builder, codes[2 * j], codes[2 * j + 1]) for j in range(8)]
             rows = _ir_transpose(builder, [builder.trunc(x, v8) for x in codes])
-            p_e = _ir_ptr(context, builder, sig.args[3], args[3], args[4])
-            builder.store(builder.trunc(sv, v8), builder.bitcast(p_e, v8.as_pointer()), align=1)
+            store16(builder.trunc(sv, v8), args[4], 32)
             for j, row in enumerate(rows):
-                idx = builder.add(args[5], ir.Constant(i64, 16 * j))
-                ptr = _ir_ptr(context, builder, sig.args[3], args[3], idx)
-                builder.store(row, builder.bitcast(ptr, v8.as_pointer()), align=1)
+                store16(row, builder.add(args[5], ir.Constant(i64, 16 * j)), 32 * r)
             return context.get_dummy_value()
 
         return types.void(src, p, sd, out, e, c), codegen
 
-    return face_bfp_t
+    return faces_bfp_t
 
 
 _row_bfp8 = _row_bfp_intrinsic(7)
 _row_bfp4 = _row_bfp_intrinsic(3)
-_face_bfp8_t = _face_bfp_t_intrinsic(7)
-_face_bfp4_t = _face_bfp_t_intrinsic(3)
+_faces_bfp8_t = _faces_bfp_t_intrinsic(7)
+_faces_bfp4_t = _faces_bfp_t_intrinsic(3)
 
 
 @numba.njit(cache=True, inline="always")
@@ -332,15 +350,14 @@ def transform_bf16(src, src64, bases, sbs, shs, kinds, sts, sds, tok_off, dim_of
                     else:
                         _row_bfp4(src, p + U64(16 * h), out, o + fr, o + U64(64) + fr * U64(8))
             continue
-        if target != 0 and kind == 1:  # whole faces from the 16 dims' token runs
-            for f in range(4):
-                rh, ch = U64(f % 2), U64(f // 2)
-                p = tile + ch * U64(16) * sd + rh * U64(16)
-                fr = rh * U64(32) + ch * U64(16)
+        if target != 0 and kind == 1:  # two faces per 16 dims' 32-token runs
+            for ch in range(2):
+                p = tile + U64(ch * 16) * sd
+                fr = U64(ch * 16)
                 if mbits == 7:
-                    _face_bfp8_t(src, p, sd, out, o + fr, o + U64(64) + fr * U64(16))
+                    _faces_bfp8_t(src, p, sd, out, o + fr, o + U64(64) + fr * U64(16))
                 else:
-                    _face_bfp4_t(src, p, sd, out, o + fr, o + U64(64) + fr * U64(8))
+                    _faces_bfp4_t(src, p, sd, out, o + fr, o + U64(64) + fr * U64(8))
             continue
         buf = np.empty(1024, dtype=np.uint16)
         _gather_tile(src, tile, kind, st, sd, tok_off[s], dim_off[s], tr0, tc0, buf)
