@@ -161,6 +161,52 @@ def _row_bfp_intrinsic(mbits: int):
     return row_bfp
 
 
+def _token_bfp_intrinsic(mbits: int):
+    """An intrinsic ``f(src, i, out, e, c)``: the 32 bf16 values ``src[i:i+32]`` (uint16
+    bits: one token's two face rows, dims 0-15 and 16-31) packed as block floats with
+    ``mbits`` magnitude bits: the shared exponents to ``out[e]`` and ``out[e + 16]``, the
+    codes to ``out[c:]`` and ``out[c + 16*r:]`` (r = 16 bytes, or 8 nibble pairs: the
+    face to the right). One <32 x i16> pass; each 16-lane half's max is a 4-step
+    butterfly, so it is already in every lane of its half."""
+
+    @intrinsic
+    def token_bfp(typingctx, src, i, out, e, c):
+        if not (isinstance(src, types.Array) and isinstance(out, types.Array)):
+            return None
+
+        def codegen(context, builder, sig, args):
+            i64, v32 = ir.IntType(64), ir.VectorType(_I16, 32)
+            r = 16 if mbits == 7 else 8
+
+            def mask(lanes):
+                return ir.Constant(ir.VectorType(_I32, len(lanes)), lanes)
+
+            def at(k, off):  # pointer to out[args[k] + off]
+                return _ir_ptr(context, builder, sig.args[2], args[2], builder.add(args[k], ir.Constant(i64, off)))
+
+            p_src = builder.bitcast(_ir_ptr(context, builder, sig.args[0], args[0], args[1]), v32.as_pointer())
+            v = builder.load(p_src, align=2)
+            ex = _ir_exp(builder, v)
+            sv = ex
+            for step in (8, 4, 2, 1):
+                sw = builder.shuffle_vector(sv, sv, mask([k ^ step for k in range(32)]))
+                sv = builder.select(builder.icmp_unsigned(">", sw, sv), sw, sv)
+            code = _ir_codes(builder, v, ex, sv, mbits)
+            if mbits != 7:
+                lo, hi = (builder.shuffle_vector(code, code, mask(list(range(k, 32, 2)))) for k in (0, 1))
+                code = _ir_nibble_pairs(builder, lo, hi)
+            code = builder.trunc(code, ir.VectorType(_I8, 2 * r))
+            for h in range(2):
+                builder.store(builder.trunc(builder.extract_element(sv, ir.Constant(_I32, 16 * h)), _I8), at(3, 16 * h))
+                part = builder.shuffle_vector(code, code, mask(list(range(r * h, r * h + r))))
+                builder.store(part, builder.bitcast(at(4, 16 * r * h), part.type.as_pointer()), align=1)
+            return context.get_dummy_value()
+
+        return types.void(src, i, out, e, c), codegen
+
+    return token_bfp
+
+
 def _faces_bfp_t_intrinsic(mbits: int):
     """An intrinsic ``f(src, p, sd, out, e, c)``: the two faces of one 16-dim half of a
     transposed source tile (kind 1: dim j's 32 tokens are ``src[p + j*sd:][:32]``, uint16
@@ -212,6 +258,8 @@ def _faces_bfp_t_intrinsic(mbits: int):
 
 _row_bfp8 = _row_bfp_intrinsic(7)
 _row_bfp4 = _row_bfp_intrinsic(3)
+_token_bfp8 = _token_bfp_intrinsic(7)
+_token_bfp4 = _token_bfp_intrinsic(3)
 _faces_bfp8_t = _faces_bfp_t_intrinsic(7)
 _faces_bfp4_t = _faces_bfp_t_intrinsic(3)
 
@@ -340,15 +388,14 @@ def transform_bf16(src, src64, bases, sbs, shs, kinds, sts, sds, tok_off, dim_of
                 for t in range(16):
                     out16[col + U64(512 + t * 16)] = src[p + U64(16 + t)]
             continue
-        if target != 0 and kind == 0:  # face rows straight from the source
+        if target != 0 and kind == 0:  # a token's two face rows straight from the source
             for t in range(32):
                 p = tile + U64(t) * st
-                for h in range(2):
-                    fr = U64((t // 16) * 32 + h * 16 + t % 16)
-                    if mbits == 7:
-                        _row_bfp8(src, p + U64(16 * h), out, o + fr, o + U64(64) + fr * U64(16))
-                    else:
-                        _row_bfp4(src, p + U64(16 * h), out, o + fr, o + U64(64) + fr * U64(8))
+                fr = U64((t // 16) * 32 + t % 16)
+                if mbits == 7:
+                    _token_bfp8(src, p, out, o + fr, o + U64(64) + fr * U64(16))
+                else:
+                    _token_bfp4(src, p, out, o + fr, o + U64(64) + fr * U64(8))
             continue
         if target != 0 and kind == 1:  # two faces per 16 dims' 32-token runs
             for ch in range(2):
