@@ -6,17 +6,21 @@ One job is one destination tile of one source view (slot ``s`` = 2*layer + K|V).
 access kinds are specialised:
 
 * kind 0, rows: ``dim_off[d] = d`` (FlashAttention, CPU V, gathered tensors): a face row
-  is 16 consecutive elements (32 bytes), copied as 64-bit words when aligned;
+  is 16 consecutive elements (32 bytes), copied as 64-bit words when aligned; block floats
+  take a token's two face rows (64 bytes) at a time;
 * kind 1, transposed: ``tok_off[t] = t`` (CPU ``vec``/``vec16`` K, stored ``[D, N]``): each
-  dim's 32 tokens are one contiguous 64-byte load, scattered into the tile in L1;
+  dim's 32 tokens are one contiguous 64-byte load, scattered into the tile in L1 (bf16) or,
+  for block floats, packed 16 dims at a time (two faces) with only the byte codes
+  transposed in registers;
 * kind 2, tables: anything else (CPU ``amx`` K and V, whose token and dim digits are split
   over several axes), read through the two offset tables.
 
 Techniques (measured in issue 15, all byte-identical to :func:`~vllm_hawk.layout.formats.pack_tiles`):
 every index is unsigned 64-bit (numba adds a negative-index fix-up to signed indices, which
 blocks vectorisation); bf16 block-float packing runs in 16-bit lanes (exact: see
-:func:`_bfp_code16`); jobs come in source order (the caller sorts tiles by source
-address, layer K then V); the next tile's source lines are prefetched.
+:func:`_bfp_code16`), written as LLVM vector IR 16 or 32 lanes wide; jobs come in source
+order (the caller sorts tiles by source address, layer K then V); the next tile's source
+lines are prefetched.
 """
 import numba
 import numpy as np
@@ -301,8 +305,9 @@ def _pack_rows(buf, out, o, mbits):
 
 
 @numba.njit(cache=True, inline="always")
-def _gather_tile(src, tile, kind, st, sd, tok_off, dim_off, tr0, tc0, buf):
-    """Read one source tile into ``buf`` (uint16[1024], face order)."""
+def _gather_tile(src, tile, kind, st, tok_off, dim_off, tr0, tc0, buf):
+    """Read one source tile into ``buf`` (uint16[1024], face order); kind 0 or 2 (kind 1
+    never comes here: :func:`transform_bf16` has a path for each target)."""
     if kind == 0:  # rows: 16 consecutive elements per face row
         for t in range(32):
             p = tile + U64(t) * st
@@ -311,14 +316,6 @@ def _gather_tile(src, tile, kind, st, sd, tok_off, dim_off, tr0, tc0, buf):
                 buf[d0 + U64(c)] = src[p + U64(c)]
             for c in range(16):
                 buf[d0 + U64(256) + U64(c)] = src[p + U64(16) + U64(c)]
-    elif kind == 1:  # transposed: 32 consecutive tokens per dim
-        for d in range(32):
-            p = tile + U64(d) * sd
-            col = U64((d // 16) * 256 + d % 16)
-            for t in range(16):
-                buf[col + U64(t * 16)] = src[p + U64(t)]
-            for t in range(16):
-                buf[col + U64(512 + t * 16)] = src[p + U64(16 + t)]
     else:  # offset tables
         for t in range(32):
             p = tile + tok_off[tr0 + U64(t)]
@@ -407,7 +404,7 @@ def transform_bf16(src, src64, bases, sbs, shs, kinds, sts, sds, tok_off, dim_of
                     _faces_bfp4_t(src, p, sd, out, o + fr, o + U64(64) + fr * U64(8))
             continue
         buf = np.empty(1024, dtype=np.uint16)
-        _gather_tile(src, tile, kind, st, sd, tok_off[s], dim_off[s], tr0, tc0, buf)
+        _gather_tile(src, tile, kind, st, tok_off[s], dim_off[s], tr0, tc0, buf)
         if target == 0:
             o16 = o // U64(2)
             for i in range(1024):
