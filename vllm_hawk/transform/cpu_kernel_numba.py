@@ -326,6 +326,19 @@ def _gather_tile(src, tile, kind, st, tok_off, dim_off, tr0, tc0, buf):
                 buf[d0 + U64(256) + U64(c)] = src[p + dim_off[tc0 + U64(16 + c)]]
 
 
+@numba.njit(cache=True, inline="always")
+def _tile_start(bases, sbs, shs, kinds, sts, sds, blk, head, tr, tc, s, k):
+    """Element offset of tile k's first element in view s, and the stride (elements) between
+    its 32 contiguous 64-byte source runs (kind 0: token rows, kind 1: dims; kind 2: 0)."""
+    tile = bases[s] + blk[k] * sbs[s] + head[k] * shs[s]
+    tr0, tc0 = tr[k] * U64(32), tc[k] * U64(32)
+    if kinds[s] == 0:
+        return tile + tr0 * sts[s] + tc0, sts[s]
+    if kinds[s] == 1:
+        return tile + tr0 + tc0 * sds[s], sds[s]
+    return tile, U64(0)
+
+
 @numba.njit(cache=True, parallel=True, boundscheck=False)
 def transform_bf16(src, src64, bases, sbs, shs, kinds, sts, sds, tok_off, dim_off, slots,
                    blk, head, tr, tc, valid, out, out16, out64, first, step, target):
@@ -348,15 +361,12 @@ def transform_bf16(src, src64, bases, sbs, shs, kinds, sts, sds, tok_off, dim_of
         kind = kinds[s]
         st, sd = sts[s], sds[s]
         tr0, tc0 = tr[k] * U64(32), tc[k] * U64(32)
-        tile = bases[s] + blk[k] * sbs[s] + head[k] * shs[s]
-        if kind == 0:
-            tile += tr0 * st + tc0
-        elif kind == 1:
-            tile += tr0 + tc0 * sd
-        if job + 1 < nv * n:  # the next job's first source line
-            k1 = U64((job + 1) % n)
-            s1 = U64((job + 1) // n)
-            _prefetch(src, bases[s1] + blk[k1] * sbs[s1] + head[k1] * shs[s1])
+        tile, _ = _tile_start(bases, sbs, shs, kinds, sts, sds, blk, head, tr, tc, s, k)
+        if job + 1 < nv * n:  # the next job's source lines
+            p1, line = _tile_start(bases, sbs, shs, kinds, sts, sds, blk, head, tr, tc, U64((job + 1) // n),
+                                   U64((job + 1) % n))
+            for i in range(32 if line != 0 else 1):
+                _prefetch(src, p1 + U64(i) * line)
         if valid[k] == 0:
             nbytes = U64(2048) if target == 0 else (U64(1088) if target == 1 else U64(576))
             for i in range(nbytes):
