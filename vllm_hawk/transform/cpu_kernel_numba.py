@@ -6,17 +6,21 @@ One job is one destination tile of one source view (slot ``s`` = 2*layer + K|V).
 access kinds are specialised:
 
 * kind 0, rows: ``dim_off[d] = d`` (FlashAttention, CPU V, gathered tensors): a face row
-  is 16 consecutive elements (32 bytes), copied as 64-bit words when aligned;
+  is 16 consecutive elements (32 bytes), copied as 64-bit words when aligned; block floats
+  take a token's two face rows (64 bytes) at a time;
 * kind 1, transposed: ``tok_off[t] = t`` (CPU ``vec``/``vec16`` K, stored ``[D, N]``): each
-  dim's 32 tokens are one contiguous 64-byte load, scattered into the tile in L1;
+  dim's 32 tokens are one contiguous 64-byte load, scattered into the tile in L1 (bf16) or,
+  for block floats, packed 16 dims at a time (two faces) with only the byte codes
+  transposed in registers;
 * kind 2, tables: anything else (CPU ``amx`` K and V, whose token and dim digits are split
   over several axes), read through the two offset tables.
 
 Techniques (measured in issue 15, all byte-identical to :func:`~vllm_hawk.layout.formats.pack_tiles`):
 every index is unsigned 64-bit (numba adds a negative-index fix-up to signed indices, which
 blocks vectorisation); bf16 block-float packing runs in 16-bit lanes (exact: see
-:func:`_bfp_code16`); jobs come in source order (the caller sorts tiles by source
-address, layer K then V); the next tile's source lines are prefetched.
+:func:`_bfp_code16`), written as LLVM vector IR 16 or 32 lanes wide; jobs come in source
+order (the caller sorts tiles by source address, layer K then V); the next tile's source
+lines are prefetched.
 """
 import numba
 import numpy as np
@@ -49,6 +53,77 @@ def _prefetch(typingctx, arr, idx):
     return types.void(arr, idx), codegen
 
 
+_I16, _I8, _I32 = ir.IntType(16), ir.IntType(8), ir.IntType(32)
+_V16 = ir.VectorType(_I16, 16)
+
+
+def _ir_ptr(context, builder, aty, arr, idx):
+    """Pointer to ``arr[idx]`` (no wraparound, no bounds check)."""
+    a = context.make_array(aty)(context, builder, arr)
+    return cgutils.get_item_pointer(context, builder, aty, a, [idx], wraparound=False, boundscheck=False)
+
+
+def _splat(x, n=16):
+    return ir.Constant(ir.VectorType(_I16, n), [ir.Constant(_I16, x)] * n)
+
+
+def _ir_exp(builder, v):
+    """Biased exponents of the bf16 lanes ``v`` (<n x i16>)."""
+    n = v.type.count
+    return builder.and_(builder.lshr(v, _splat(7, n)), _splat(0xFF, n))
+
+
+def _ir_codes(builder, v, ex, sv, mbits):
+    """Sign+magnitude codes (<n x i16>, ``mbits + 1`` bits) of the bf16 lanes ``v`` with
+    exponents ``ex`` against the shared exponents ``sv``: :func:`_bfp_code16` per lane."""
+    n = v.type.count
+
+    def k(x):
+        return _splat(x, n)
+
+    d = builder.sub(sv, ex)
+    lim = k(mbits + 1)
+    d = builder.select(builder.icmp_unsigned(">", d, lim), lim, d)
+    m8 = builder.or_(builder.and_(v, k(0x7F)), k(0x80))
+    sh = builder.add(d, k(8 - mbits))
+    q = builder.lshr(m8, sh)
+    rest = builder.and_(m8, builder.sub(builder.shl(k(1), sh), k(1)))
+    half = builder.shl(k(1), builder.sub(sh, k(1)))
+    odd = builder.icmp_unsigned("!=", builder.and_(q, k(1)), k(0))
+    up = builder.or_(builder.icmp_unsigned(">", rest, half),
+                     builder.and_(builder.icmp_unsigned("==", rest, half), odd))
+    q = builder.add(q, builder.zext(up, v.type))
+    top = k((1 << mbits) - 1)
+    q = builder.select(builder.icmp_unsigned(">", q, top), top, q)
+    q = builder.select(builder.icmp_unsigned("==", ex, k(0)), k(0), q)
+    sign = builder.select(builder.icmp_unsigned("!=", q, k(0)), builder.lshr(v, k(15)), k(0))
+    return builder.or_(builder.shl(sign, k(mbits)), q)
+
+
+def _ir_nibble_pairs(builder, a, b):
+    """``a | b << 4`` per lane (<n x i16> bfloat4_b codes)."""
+    return builder.or_(a, builder.shl(b, _splat(4, a.type.count)))
+
+
+def _ir_transpose(builder, rows):
+    """Rows ``rows`` (2**k vectors of n = 16m lanes, m 16x16 blocks side by side) -> each
+    block's 16 columns, two by two: vector j of the result holds, per 16-lane block, its
+    columns 2j, 2j+1 (k = 4: column j alone), i.e. per block the concatenation is the
+    column-major order. k interleave stages, each zipping row i with row i + 2**(k-1)
+    within each 16-lane block (vpunpcklbw/vpunpckhbw on x86: 128-bit lanes)."""
+    n, m = len(rows), rows[0].type.count
+
+    def zip_mask(off):
+        return ir.Constant(ir.VectorType(_I32, m), [x for b in range(0, m, 16) for i in range(off, off + 8)
+                                                   for x in (b + i, m + b + i)])
+
+    lo, hi = zip_mask(0), zip_mask(8)
+    for _ in range(n.bit_length() - 1):
+        h = n // 2
+        rows = [builder.shuffle_vector(rows[i], rows[i + h], z) for i in range(h) for z in (lo, hi)]
+    return rows
+
+
 def _row_bfp_intrinsic(mbits: int):
     """An intrinsic ``f(src, i, out, e, c)``: the 16 bf16 values ``src[i:i+16]`` (uint16
     bits, one face row) packed as block floats with ``mbits`` magnitude bits: the shared
@@ -63,53 +138,25 @@ def _row_bfp_intrinsic(mbits: int):
             return None
 
         def codegen(context, builder, sig, args):
-            i16, i8 = ir.IntType(16), ir.IntType(8)
-            v16, v8 = ir.VectorType(i16, 16), ir.VectorType(i8, 16)
-
-            def ptr(aty, arr, idx):
-                a = context.make_array(aty)(context, builder, arr)
-                return cgutils.get_item_pointer(context, builder, aty, a, [idx], wraparound=False,
-                                                boundscheck=False)
-
-            def splat(x):
-                return ir.Constant(v16, [ir.Constant(i16, x)] * 16)
-
-            p_src = builder.bitcast(ptr(sig.args[0], args[0], args[1]), v16.as_pointer())
+            v8 = ir.VectorType(_I8, 16)
+            p_src = builder.bitcast(_ir_ptr(context, builder, sig.args[0], args[0], args[1]), _V16.as_pointer())
             v = builder.load(p_src, align=2)
-            ex = builder.and_(builder.lshr(v, splat(7)), splat(0xFF))
-            red = cgutils.get_or_insert_function(builder.module, ir.FunctionType(i16, [v16]),
+            ex = _ir_exp(builder, v)
+            red = cgutils.get_or_insert_function(builder.module, ir.FunctionType(_I16, [_V16]),
                                                  "llvm.vector.reduce.umax.v16i16")
             shared = builder.call(red, [ex])
-            sv = builder.insert_element(ir.Constant(v16, None), shared, ir.Constant(ir.IntType(32), 0))
-            sv = builder.shuffle_vector(sv, ir.Constant(v16, None), ir.Constant(ir.VectorType(ir.IntType(32), 16),
-                                                                                  [0] * 16))
-            d = builder.sub(sv, ex)
-            lim = splat(mbits + 1)
-            d = builder.select(builder.icmp_unsigned(">", d, lim), lim, d)
-            m8 = builder.or_(builder.and_(v, splat(0x7F)), splat(0x80))
-            sh = builder.add(d, splat(8 - mbits))
-            q = builder.lshr(m8, sh)
-            rest = builder.and_(m8, builder.sub(builder.shl(splat(1), sh), splat(1)))
-            half = builder.shl(splat(1), builder.sub(sh, splat(1)))
-            odd = builder.icmp_unsigned("!=", builder.and_(q, splat(1)), splat(0))
-            up = builder.or_(builder.icmp_unsigned(">", rest, half),
-                             builder.and_(builder.icmp_unsigned("==", rest, half), odd))
-            q = builder.add(q, builder.zext(up, v16))
-            top = splat((1 << mbits) - 1)
-            q = builder.select(builder.icmp_unsigned(">", q, top), top, q)
-            q = builder.select(builder.icmp_unsigned("==", ex, splat(0)), splat(0), q)
-            sign = builder.select(builder.icmp_unsigned("!=", q, splat(0)), builder.lshr(v, splat(15)), splat(0))
-            code = builder.or_(builder.shl(sign, splat(mbits)), q)
-            builder.store(builder.trunc(shared, i8), ptr(sig.args[2], args[2], args[3]))
-            p_code = ptr(sig.args[2], args[2], args[4])
+            sv = builder.insert_element(ir.Constant(_V16, None), shared, ir.Constant(_I32, 0))
+            sv = builder.shuffle_vector(sv, ir.Constant(_V16, None), ir.Constant(ir.VectorType(_I32, 16), [0] * 16))
+            code = _ir_codes(builder, v, ex, sv, mbits)
+            builder.store(builder.trunc(shared, _I8), _ir_ptr(context, builder, sig.args[2], args[2], args[3]))
+            p_code = _ir_ptr(context, builder, sig.args[2], args[2], args[4])
             if mbits == 7:
                 builder.store(builder.trunc(code, v8), builder.bitcast(p_code, v8.as_pointer()), align=1)
             else:
-                idx = ir.IntType(32)
-                v8h, w8 = ir.VectorType(i16, 8), ir.VectorType(i8, 8)
-                lo = builder.shuffle_vector(code, code, ir.Constant(ir.VectorType(idx, 8), list(range(0, 16, 2))))
-                hi = builder.shuffle_vector(code, code, ir.Constant(ir.VectorType(idx, 8), list(range(1, 16, 2))))
-                pair = builder.or_(lo, builder.shl(hi, ir.Constant(v8h, [ir.Constant(i16, 4)] * 8)))
+                v8h, w8 = ir.VectorType(_I16, 8), ir.VectorType(_I8, 8)
+                lo = builder.shuffle_vector(code, code, ir.Constant(ir.VectorType(_I32, 8), list(range(0, 16, 2))))
+                hi = builder.shuffle_vector(code, code, ir.Constant(ir.VectorType(_I32, 8), list(range(1, 16, 2))))
+                pair = builder.or_(lo, builder.shl(hi, ir.Constant(v8h, [ir.Constant(_I16, 4)] * 8)))
                 builder.store(builder.trunc(pair, w8), builder.bitcast(p_code, w8.as_pointer()), align=1)
             return context.get_dummy_value()
 
@@ -118,8 +165,107 @@ def _row_bfp_intrinsic(mbits: int):
     return row_bfp
 
 
+def _token_bfp_intrinsic(mbits: int):
+    """An intrinsic ``f(src, i, out, e, c)``: the 32 bf16 values ``src[i:i+32]`` (uint16
+    bits: one token's two face rows, dims 0-15 and 16-31) packed as block floats with
+    ``mbits`` magnitude bits: the shared exponents to ``out[e]`` and ``out[e + 16]``, the
+    codes to ``out[c:]`` and ``out[c + 16*r:]`` (r = 16 bytes, or 8 nibble pairs: the
+    face to the right). One <32 x i16> pass; each 16-lane half's max is a 4-step
+    butterfly, so it is already in every lane of its half."""
+
+    @intrinsic
+    def token_bfp(typingctx, src, i, out, e, c):
+        if not (isinstance(src, types.Array) and isinstance(out, types.Array)):
+            return None
+
+        def codegen(context, builder, sig, args):
+            i64, v32 = ir.IntType(64), ir.VectorType(_I16, 32)
+            r = 16 if mbits == 7 else 8
+
+            def mask(lanes):
+                return ir.Constant(ir.VectorType(_I32, len(lanes)), lanes)
+
+            def at(k, off):  # pointer to out[args[k] + off]
+                return _ir_ptr(context, builder, sig.args[2], args[2], builder.add(args[k], ir.Constant(i64, off)))
+
+            p_src = builder.bitcast(_ir_ptr(context, builder, sig.args[0], args[0], args[1]), v32.as_pointer())
+            v = builder.load(p_src, align=2)
+            ex = _ir_exp(builder, v)
+            sv = ex
+            for step in (8, 4, 2, 1):
+                sw = builder.shuffle_vector(sv, sv, mask([k ^ step for k in range(32)]))
+                sv = builder.select(builder.icmp_unsigned(">", sw, sv), sw, sv)
+            code = _ir_codes(builder, v, ex, sv, mbits)
+            if mbits != 7:
+                lo, hi = (builder.shuffle_vector(code, code, mask(list(range(k, 32, 2)))) for k in (0, 1))
+                code = _ir_nibble_pairs(builder, lo, hi)
+            code = builder.trunc(code, ir.VectorType(_I8, 2 * r))
+            for h in range(2):
+                builder.store(builder.trunc(builder.extract_element(sv, ir.Constant(_I32, 16 * h)), _I8), at(3, 16 * h))
+                part = builder.shuffle_vector(code, code, mask(list(range(r * h, r * h + r))))
+                builder.store(part, builder.bitcast(at(4, 16 * r * h), part.type.as_pointer()), align=1)
+            return context.get_dummy_value()
+
+        return types.void(src, i, out, e, c), codegen
+
+    return token_bfp
+
+
+def _faces_bfp_t_intrinsic(mbits: int):
+    """An intrinsic ``f(src, p, sd, out, e, c)``: the two faces of one 16-dim half of a
+    transposed source tile (kind 1: dim j's 32 tokens are ``src[p + j*sd:][:32]``, uint16
+    bf16 bits; a face row is one token) packed as block floats with ``mbits`` magnitude
+    bits. Token t < 16: shared exponent to ``out[e + t]``, codes to ``out[c + r*t:]`` (r =
+    16 bytes, or 8 nibble pairs); token 16 + t: the same at ``e + 32``, ``c + 32*r`` (the
+    face below). Works on the 16 dims' 64-byte token runs as loaded: the face-row max is a
+    lane-wise umax across them, the codes are computed 32 tokens wide, and only the byte
+    codes are transposed (:func:`_ir_transpose`), so no 16-bit tile buffer is needed."""
+
+    @intrinsic
+    def faces_bfp_t(typingctx, src, p, sd, out, e, c):
+        if not (isinstance(src, types.Array) and isinstance(out, types.Array)):
+            return None
+
+        def codegen(context, builder, sig, args):
+            i64, v32, v8, v16 = ir.IntType(64), ir.VectorType(_I16, 32), ir.VectorType(_I8, 32), ir.VectorType(_I8, 16)
+            r = 16 if mbits == 7 else 8
+            lo_hi = [ir.Constant(ir.VectorType(_I32, 16), list(range(h, h + 16))) for h in (0, 16)]
+
+            def store16(vec, idx, off):  # bytes 16*half .. of vec to out[idx + off*half]
+                for h, mask in enumerate(lo_hi):
+                    ptr = _ir_ptr(context, builder, sig.args[3], args[3], builder.add(idx, ir.Constant(i64, off * h)))
+                    builder.store(builder.shuffle_vector(vec, vec, mask), builder.bitcast(ptr, v16.as_pointer()),
+                                  align=1)
+
+            vs = []
+            for j in range(16):
+                idx = builder.add(args[1], builder.mul(args[2], ir.Constant(i64, j)))
+                ptr = _ir_ptr(context, builder, sig.args[0], args[0], idx)
+                vs.append(builder.load(builder.bitcast(ptr, v32.as_pointer()), align=2))
+            exs = [_ir_exp(builder, v) for v in vs]
+            sv = exs[0]
+            for ex in exs[1:]:
+                sv = builder.select(builder.icmp_unsigned(">", ex, sv), ex, sv)
+            codes = [_ir_codes(builder, v, ex, sv, mbits) for v, ex in zip(vs, exs)]
+            if mbits != 7:
+                codes = [_ir_nibble_pairs(builder, codes[2 * j], codes[2 * j + 1]) for j in range(8)]
+            rows = _ir_transpose(builder, [builder.trunc(x, v8) for x in codes])
+            store16(builder.trunc(sv, v8), args[4], 32)
+            for j, row in enumerate(rows):
+                store16(row, builder.add(args[5], ir.Constant(i64, 16 * j)), 32 * r)
+            return context.get_dummy_value()
+
+        return types.void(src, p, sd, out, e, c), codegen
+
+    return faces_bfp_t
+
+
 _row_bfp8 = _row_bfp_intrinsic(7)
 _row_bfp4 = _row_bfp_intrinsic(3)
+_token_bfp8 = _token_bfp_intrinsic(7)
+_token_bfp4 = _token_bfp_intrinsic(3)
+_faces_bfp8_t = _faces_bfp_t_intrinsic(7)
+_faces_bfp4_t = _faces_bfp_t_intrinsic(3)
 
 
 @numba.njit(cache=True, inline="always")
@@ -159,8 +305,9 @@ def _pack_rows(buf, out, o, mbits):
 
 
 @numba.njit(cache=True, inline="always")
-def _gather_tile(src, tile, kind, st, sd, tok_off, dim_off, tr0, tc0, buf):
-    """Read one source tile into ``buf`` (uint16[1024], face order)."""
+def _gather_tile(src, tile, kind, st, tok_off, dim_off, tr0, tc0, buf):
+    """Read one source tile into ``buf`` (uint16[1024], face order); kind 0 or 2 (kind 1
+    never comes here: :func:`transform_bf16` has a path for each target)."""
     if kind == 0:  # rows: 16 consecutive elements per face row
         for t in range(32):
             p = tile + U64(t) * st
@@ -169,14 +316,6 @@ def _gather_tile(src, tile, kind, st, sd, tok_off, dim_off, tr0, tc0, buf):
                 buf[d0 + U64(c)] = src[p + U64(c)]
             for c in range(16):
                 buf[d0 + U64(256) + U64(c)] = src[p + U64(16) + U64(c)]
-    elif kind == 1:  # transposed: 32 consecutive tokens per dim
-        for d in range(32):
-            p = tile + U64(d) * sd
-            col = U64((d // 16) * 256 + d % 16)
-            for t in range(16):
-                buf[col + U64(t * 16)] = src[p + U64(t)]
-            for t in range(16):
-                buf[col + U64(512 + t * 16)] = src[p + U64(16 + t)]
     else:  # offset tables
         for t in range(32):
             p = tile + tok_off[tr0 + U64(t)]
@@ -185,6 +324,19 @@ def _gather_tile(src, tile, kind, st, sd, tok_off, dim_off, tr0, tc0, buf):
                 buf[d0 + U64(c)] = src[p + dim_off[tc0 + U64(c)]]
             for c in range(16):
                 buf[d0 + U64(256) + U64(c)] = src[p + dim_off[tc0 + U64(16 + c)]]
+
+
+@numba.njit(cache=True, inline="always")
+def _tile_start(bases, sbs, shs, kinds, sts, sds, blk, head, tr, tc, s, k):
+    """Element offset of tile k's first element in view s, and the stride (elements) between
+    its 32 contiguous 64-byte source runs (kind 0: token rows, kind 1: dims; kind 2: 0)."""
+    tile = bases[s] + blk[k] * sbs[s] + head[k] * shs[s]
+    tr0, tc0 = tr[k] * U64(32), tc[k] * U64(32)
+    if kinds[s] == 0:
+        return tile + tr0 * sts[s] + tc0, sts[s]
+    if kinds[s] == 1:
+        return tile + tr0 + tc0 * sds[s], sds[s]
+    return tile, U64(0)
 
 
 @numba.njit(cache=True, parallel=True, boundscheck=False)
@@ -209,15 +361,12 @@ def transform_bf16(src, src64, bases, sbs, shs, kinds, sts, sds, tok_off, dim_of
         kind = kinds[s]
         st, sd = sts[s], sds[s]
         tr0, tc0 = tr[k] * U64(32), tc[k] * U64(32)
-        tile = bases[s] + blk[k] * sbs[s] + head[k] * shs[s]
-        if kind == 0:
-            tile += tr0 * st + tc0
-        elif kind == 1:
-            tile += tr0 + tc0 * sd
-        if job + 1 < nv * n:  # the next job's first source line
-            k1 = U64((job + 1) % n)
-            s1 = U64((job + 1) // n)
-            _prefetch(src, bases[s1] + blk[k1] * sbs[s1] + head[k1] * shs[s1])
+        tile, _ = _tile_start(bases, sbs, shs, kinds, sts, sds, blk, head, tr, tc, s, k)
+        if job + 1 < nv * n:  # the next job's source lines
+            p1, line = _tile_start(bases, sbs, shs, kinds, sts, sds, blk, head, tr, tc, U64((job + 1) // n),
+                                   U64((job + 1) % n))
+            for i in range(32 if line != 0 else 1):
+                _prefetch(src, p1 + U64(i) * line)
         if valid[k] == 0:
             nbytes = U64(2048) if target == 0 else (U64(1088) if target == 1 else U64(576))
             for i in range(nbytes):
@@ -246,18 +395,26 @@ def transform_bf16(src, src64, bases, sbs, shs, kinds, sts, sds, tok_off, dim_of
                 for t in range(16):
                     out16[col + U64(512 + t * 16)] = src[p + U64(16 + t)]
             continue
-        if target != 0 and kind == 0:  # face rows straight from the source
+        if target != 0 and kind == 0:  # a token's two face rows straight from the source
             for t in range(32):
                 p = tile + U64(t) * st
-                for h in range(2):
-                    fr = U64((t // 16) * 32 + h * 16 + t % 16)
-                    if mbits == 7:
-                        _row_bfp8(src, p + U64(16 * h), out, o + fr, o + U64(64) + fr * U64(16))
-                    else:
-                        _row_bfp4(src, p + U64(16 * h), out, o + fr, o + U64(64) + fr * U64(8))
+                fr = U64((t // 16) * 32 + t % 16)
+                if mbits == 7:
+                    _token_bfp8(src, p, out, o + fr, o + U64(64) + fr * U64(16))
+                else:
+                    _token_bfp4(src, p, out, o + fr, o + U64(64) + fr * U64(8))
+            continue
+        if target != 0 and kind == 1:  # two faces per 16 dims' 32-token runs
+            for ch in range(2):
+                p = tile + U64(ch * 16) * sd
+                fr = U64(ch * 16)
+                if mbits == 7:
+                    _faces_bfp8_t(src, p, sd, out, o + fr, o + U64(64) + fr * U64(16))
+                else:
+                    _faces_bfp4_t(src, p, sd, out, o + fr, o + U64(64) + fr * U64(8))
             continue
         buf = np.empty(1024, dtype=np.uint16)
-        _gather_tile(src, tile, kind, st, sd, tok_off[s], dim_off[s], tr0, tc0, buf)
+        _gather_tile(src, tile, kind, st, tok_off[s], dim_off[s], tr0, tc0, buf)
         if target == 0:
             o16 = o // U64(2)
             for i in range(1024):
