@@ -293,6 +293,14 @@ class KVPageAddresses:
         self._mapped_here = []
 
 
+def intra_bank_copies(device, plan, recv_offset: int) -> int:
+    """D6-D7 of the staged mode: each bank's copies from its receive buffer (at byte
+    ``recv_offset`` in every bank) into the KV pages, all banks at once; returns the count."""
+    ops = [(b, o.src_offset + recv_offset, o.dst_offset, o.nbytes)
+           for b in range(device.num_banks) if len(o := plan.intra_bank.for_bank(b))]
+    return device.copy_in_banks(ops)
+
+
 class TTSink:
     """GN-HAWK: a Tenstorrent KV pool (``layout``, ``kv_buffers`` K0, V0, K1, ...) on a
     device with the bank-buffer API plus ``copy_in_bank``.
@@ -355,13 +363,9 @@ class TTSink:
             entries = [(recv.addr(s.bank), remote_base + s.offset_bytes, s.nbytes) for s in ready.segments]
 
             def complete() -> dict:  # D6-D7: intra-bank copies into the KV pages
-                t0, n_copy = time.monotonic(), 0
+                t0 = time.monotonic()
                 try:
-                    for b in range(self.num_banks):
-                        o = plan.intra_bank.for_bank(b)
-                        if len(o):
-                            self.device.copy_in_bank(b, o.src_offset + recv.device_offset, o.dst_offset, o.nbytes)
-                            n_copy += len(o)
+                    n_copy = intra_bank_copies(self.device, plan, recv.device_offset)
                 finally:
                     self.pool.release(req_id)
                 return {"copy_s": time.monotonic() - t0, "intra_bank_ops": n_copy}
@@ -458,13 +462,9 @@ class GroupLanding:
         """D6-D7 once every group has landed (staged: intra-bank copies, then free)."""
         if self.recv is None:
             return {}
-        sink, t0, n_copy = self.sink, time.monotonic(), 0
+        sink, t0 = self.sink, time.monotonic()
         try:
-            for b in range(sink.num_banks):
-                o = self.plan.intra_bank.for_bank(b)
-                if len(o):
-                    sink.device.copy_in_bank(b, o.src_offset + self.recv.device_offset, o.dst_offset, o.nbytes)
-                    n_copy += len(o)
+            n_copy = intra_bank_copies(sink.device, self.plan, self.recv.device_offset)
         finally:
             sink.pool.release(self.req_id)
         return {"copy_s": time.monotonic() - t0, "intra_bank_ops": n_copy}
