@@ -260,6 +260,36 @@ def _faces_bfp_t_intrinsic(mbits: int):
     return faces_bfp_t
 
 
+@intrinsic
+def _faces_bf16_t(typingctx, src, p, sd, out16, o):
+    """Two faces of one 16-dim half of a transposed source tile (kind 1: dim j's 32 tokens
+    are ``src[p + j*sd:][:32]``, uint16 bf16 bits) -> bfloat16 tile rows: token t < 16 to
+    ``out16[o + 16*t:][:16]``, token 16 + t to ``out16[o + 512 + 16*t:][:16]`` (the face
+    below). The 16 runs are loaded as <32 x i16>, transposed in registers as two 16x16
+    blocks of 16-bit lanes (:func:`_ir_transpose`) and stored one face row (32 bytes) at a
+    time."""
+    if not (isinstance(src, types.Array) and isinstance(out16, types.Array)):
+        return None
+
+    def codegen(context, builder, sig, args):
+        i64, v32 = ir.IntType(64), ir.VectorType(_I16, 32)
+        halves = [ir.Constant(ir.VectorType(_I32, 16), list(range(h, h + 16))) for h in (0, 16)]
+        vs = []
+        for j in range(16):
+            ptr = _ir_ptr(context, builder, sig.args[0], args[0],
+                          builder.add(args[1], builder.mul(args[2], ir.Constant(i64, j))))
+            vs.append(builder.load(builder.bitcast(ptr, v32.as_pointer()), align=2))
+        for t, col in enumerate(_ir_transpose(builder, vs)):
+            for h, mask in enumerate(halves):
+                idx = builder.add(args[4], ir.Constant(i64, 512 * h + 16 * t))
+                ptr = _ir_ptr(context, builder, sig.args[3], args[3], idx)
+                builder.store(builder.shuffle_vector(col, col, mask), builder.bitcast(ptr, _V16.as_pointer()),
+                              align=2)
+        return context.get_dummy_value()
+
+    return types.void(src, p, sd, out16, o), codegen
+
+
 _row_bfp8 = _row_bfp_intrinsic(7)
 _row_bfp4 = _row_bfp_intrinsic(3)
 _token_bfp8 = _token_bfp_intrinsic(7)
@@ -385,15 +415,9 @@ def transform_bf16(src, src64, bases, sbs, shs, kinds, sts, sds, tok_off, dim_of
                 for c in range(4):
                     out64[d0 + U64(64) + U64(c)] = src64[p + U64(4) + U64(c)]
             continue
-        if target == 0 and kind == 1:  # straight into the tile: 32 contiguous tokens per dim
-            o16 = o // U64(2)
-            for d in range(32):
-                p = tile + U64(d) * sd
-                col = o16 + U64((d // 16) * 256 + d % 16)
-                for t in range(16):
-                    out16[col + U64(t * 16)] = src[p + U64(t)]
-                for t in range(16):
-                    out16[col + U64(512 + t * 16)] = src[p + U64(16 + t)]
+        if target == 0 and kind == 1:  # two faces per 16 dims' 32-token runs, transposed in registers
+            for ch in range(2):
+                _faces_bf16_t(src, tile + U64(ch * 16) * sd, sd, out16, o // U64(2) + U64(ch * 256))
             continue
         if target != 0 and kind == 0:  # a token's two face rows straight from the source
             for t in range(32):
