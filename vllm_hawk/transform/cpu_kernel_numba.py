@@ -9,9 +9,9 @@ access kinds are specialised:
   is 16 consecutive elements (32 bytes), copied as 64-bit words when aligned; block floats
   take a token's two face rows (64 bytes) at a time;
 * kind 1, transposed: ``tok_off[t] = t`` (CPU ``vec``/``vec16`` K, stored ``[D, N]``): each
-  dim's 32 tokens are one contiguous 64-byte load, scattered into the tile in L1 (bf16) or,
-  for block floats, packed 16 dims at a time (two faces) with only the byte codes
-  transposed in registers;
+  dim's 32 tokens are one contiguous 64-byte load, 16 dims at a time (two faces):
+  bf16 is transposed in registers as 16-bit lanes and stored a face row (32 bytes) at a
+  time; block floats are packed as loaded and only their byte codes are transposed;
 * kind 2, tables: anything else (CPU ``amx`` K and V, whose token and dim digits are split
   over several axes), read through the two offset tables.
 
@@ -108,9 +108,9 @@ def _ir_nibble_pairs(builder, a, b):
 def _ir_transpose(builder, rows):
     """Rows ``rows`` (2**k vectors of n = 16m lanes, m 16x16 blocks side by side) -> each
     block's 16 columns, two by two: vector j of the result holds, per 16-lane block, its
-    columns 2j, 2j+1 (k = 4: column j alone), i.e. per block the concatenation is the
+    columns 2j, 2j+1 (k = 4: column j alone; any lane width), i.e. per block the concatenation is the
     column-major order. k interleave stages, each zipping row i with row i + 2**(k-1)
-    within each 16-lane block (vpunpcklbw/vpunpckhbw on x86: 128-bit lanes)."""
+    within each 16-lane block (bytes: vpunpcklbw/vpunpckhbw on x86's 128-bit lanes)."""
     n, m = len(rows), rows[0].type.count
 
     def zip_mask(off):
