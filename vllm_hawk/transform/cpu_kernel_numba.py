@@ -9,9 +9,9 @@ access kinds are specialised:
   is 16 consecutive elements (32 bytes), copied as 64-bit words when aligned; block floats
   take a token's two face rows (64 bytes) at a time;
 * kind 1, transposed: ``tok_off[t] = t`` (CPU ``vec``/``vec16`` K, stored ``[D, N]``): each
-  dim's 32 tokens are one contiguous 64-byte load, scattered into the tile in L1 (bf16) or,
-  for block floats, packed 16 dims at a time (two faces) with only the byte codes
-  transposed in registers;
+  dim's 32 tokens are one contiguous 64-byte load, 16 dims at a time (two faces):
+  bf16 is transposed in registers as 16-bit lanes and stored a face row (32 bytes) at a
+  time; block floats are packed as loaded and only their byte codes are transposed;
 * kind 2, tables: anything else (CPU ``amx`` K and V, whose token and dim digits are split
   over several axes), read through the two offset tables.
 
@@ -105,21 +105,25 @@ def _ir_nibble_pairs(builder, a, b):
     return builder.or_(a, builder.shl(b, _splat(4, a.type.count)))
 
 
-def _ir_transpose(builder, rows):
+def _ir_transpose(builder, rows, perm=None):
     """Rows ``rows`` (2**k vectors of n = 16m lanes, m 16x16 blocks side by side) -> each
     block's 16 columns, two by two: vector j of the result holds, per 16-lane block, its
     columns 2j, 2j+1 (k = 4: column j alone), i.e. per block the concatenation is the
-    column-major order. k interleave stages, each zipping row i with row i + 2**(k-1)
-    within each 16-lane block (vpunpcklbw/vpunpckhbw on x86: 128-bit lanes)."""
+    column-major order; any lane width. k interleave stages, each zipping row i with row
+    i + 2**(k-1) within each 16-lane block (bytes: vpunpcklbw/vpunpckhbw on x86's 128-bit
+    lanes). ``perm``: lane order applied to every row first (lane l of the permuted row
+    is lane ``perm[l]``), folded into the first stage's shuffles at no cost."""
     n, m = len(rows), rows[0].type.count
+    perm = list(range(m)) if perm is None else list(perm)
 
-    def zip_mask(off):
+    def zip_mask(off, src):
         return ir.Constant(ir.VectorType(_I32, m), [x for b in range(0, m, 16) for i in range(off, off + 8)
-                                                   for x in (b + i, m + b + i)])
+                                                   for x in (src[b + i], m + src[b + i])])
 
-    lo, hi = zip_mask(0), zip_mask(8)
-    for _ in range(n.bit_length() - 1):
-        h = n // 2
+    ident = list(range(m))
+    for stage in range(n.bit_length() - 1):
+        h, src = n // 2, perm if stage == 0 else ident
+        lo, hi = zip_mask(0, src), zip_mask(8, src)
         rows = [builder.shuffle_vector(rows[i], rows[i + h], z) for i in range(h) for z in (lo, hi)]
     return rows
 
@@ -260,6 +264,35 @@ def _faces_bfp_t_intrinsic(mbits: int):
     return faces_bfp_t
 
 
+@intrinsic
+def _faces_bf16_t(typingctx, src, p, sd, out16, o):
+    """Two faces of one 16-dim half of a transposed source tile (kind 1: dim j's 32 tokens
+    are ``src[p + j*sd:][:32]``, uint16 bf16 bits) -> bfloat16 tile rows: token t < 16 to
+    ``out16[o + 16*t:][:16]``, token 16 + t to ``out16[o + 512 + 16*t:][:16]`` (the face
+    below). The 16 runs are loaded as <32 x i16> and transposed in registers as 16-bit
+    lanes (:func:`_ir_transpose`), even tokens in one 16x16 block and odd in the other,
+    so each result is tokens 2j and 2j+1: two adjacent face rows, one 64-byte store."""
+    if not (isinstance(src, types.Array) and isinstance(out16, types.Array)):
+        return None
+
+    def codegen(context, builder, sig, args):
+        i64, v32 = ir.IntType(64), ir.VectorType(_I16, 32)
+        vs = []
+        for j in range(16):
+            ptr = _ir_ptr(context, builder, sig.args[0], args[0],
+                          builder.add(args[1], builder.mul(args[2], ir.Constant(i64, j))))
+            vs.append(builder.load(builder.bitcast(ptr, v32.as_pointer()), align=2))
+        even_odd = [*range(0, 32, 2), *range(1, 32, 2)]
+        for j, rows in enumerate(_ir_transpose(builder, vs, even_odd)):
+            t = 2 * j  # tokens t, t + 1: face t // 16, rows t % 16 and the next
+            ptr = _ir_ptr(context, builder, sig.args[3], args[3],
+                          builder.add(args[4], ir.Constant(i64, 512 * (t // 16) + 16 * (t % 16))))
+            builder.store(rows, builder.bitcast(ptr, v32.as_pointer()), align=2)
+        return context.get_dummy_value()
+
+    return types.void(src, p, sd, out16, o), codegen
+
+
 _row_bfp8 = _row_bfp_intrinsic(7)
 _row_bfp4 = _row_bfp_intrinsic(3)
 _token_bfp8 = _token_bfp_intrinsic(7)
@@ -385,15 +418,9 @@ def transform_bf16(src, src64, bases, sbs, shs, kinds, sts, sds, tok_off, dim_of
                 for c in range(4):
                     out64[d0 + U64(64) + U64(c)] = src64[p + U64(4) + U64(c)]
             continue
-        if target == 0 and kind == 1:  # straight into the tile: 32 contiguous tokens per dim
-            o16 = o // U64(2)
-            for d in range(32):
-                p = tile + U64(d) * sd
-                col = o16 + U64((d // 16) * 256 + d % 16)
-                for t in range(16):
-                    out16[col + U64(t * 16)] = src[p + U64(t)]
-                for t in range(16):
-                    out16[col + U64(512 + t * 16)] = src[p + U64(16 + t)]
+        if target == 0 and kind == 1:  # two faces per 16 dims' 32-token runs, transposed in registers
+            for ch in range(2):
+                _faces_bf16_t(src, tile + U64(ch * 16) * sd, sd, out16, o // U64(2) + U64(ch * 256))
             continue
         if target != 0 and kind == 0:  # a token's two face rows straight from the source
             for t in range(32):

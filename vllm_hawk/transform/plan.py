@@ -134,30 +134,34 @@ def make_plan(layout: TTKVCacheLayout, dst_blocks, mode: str = "staged") -> Tran
 
 
 def _kv_page_ops(plan: TransferPlan, *, coalesce: bool, relative_to_segment: bool) -> OpList:
-    """Ops from G' (or from each bank's receive buffer) to the KV pages of every tensor."""
+    """Ops from G' (or from each bank's receive buffer) to the KV pages of every tensor:
+    per bank with tiles, per (layer, K|V) slot, one op per run of the bank's tiles (runs of
+    adjacent KV pages when coalescing, else single tiles). The runs of all banks are found
+    at once; each bank's [2L, runs] block of ops is then written once, in place."""
     layout = plan.layout
     spec, nb, tb, ap = layout.spec, layout.num_banks, layout.spec.tile_nbytes, layout.aligned_page
-    rows = layout.block_tiles(plan.dst_blocks)[plan.bank_order] // nb
-    bases = np.asarray(layout.addresses, dtype=np.int64).reshape(-1)  # [2L]: K0, V0, K1, ...
-    parts, start = [], 0
-    for c in range(nb):
-        cnt = int(plan.bank_counts[c])
-        r = rows[start:start + cnt]
-        start += cnt
-        if cnt == 0:
-            continue
-        if coalesce and ap == tb:
-            brk = np.nonzero(np.diff(r) != 1)[0] + 1
-            run_start = np.concatenate([[0], brk]).astype(np.int64)
-            run_len = np.diff(np.concatenate([run_start, [cnt]])).astype(np.int64)
-        else:
-            run_start = np.arange(cnt, dtype=np.int64)
-            run_len = np.ones(cnt, dtype=np.int64)
-        tensor = np.arange(2 * spec.num_layers, dtype=np.int64)[:, None]  # (layer, kv) slot
+    rows = layout.block_tiles(plan.dst_blocks)[plan.bank_order] // nb  # [T] page row, bank order
+    counts = plan.bank_counts
+    bank = np.repeat(np.arange(nb, dtype=np.int64), counts)  # [T] bank of each tile
+    new_run = np.ones(rows.size, dtype=bool)
+    if coalesce and ap == tb:
+        new_run[1:] = (bank[1:] != bank[:-1]) | (rows[1:] != rows[:-1] + 1)
+    rs = np.flatnonzero(new_run)  # [R] first tile of each run
+    run_nbytes = np.diff(np.append(rs, rows.size)) * tb
+    run_src = (rs - (np.cumsum(counts) - counts)[bank[rs]]) * tb  # run start in its bank's slot, bytes
+    run_dst = rows[rs] * ap
+    runs = np.bincount(bank[rs], minlength=nb)
+    n2l = 2 * spec.num_layers
+    slots = np.arange(n2l, dtype=np.int64)[:, None]  # (layer, kv) slot
+    bases = np.asarray(layout.addresses, dtype=np.int64).reshape(-1, 1)  # [2L, 1]: K0, V0, K1, ...
+    src, dst, nbytes = (np.empty(n2l * rs.size, dtype=np.int64) for _ in range(3))
+    first = 0
+    for c in np.flatnonzero(runs):
+        r = slice(first, first + runs[c])
+        grid = slice(n2l * first, n2l * r.stop)
         seg = 0 if relative_to_segment else plan.segment_offset[c]
-        src = seg + (tensor * cnt + run_start[None, :]) * tb
-        dst = bases[:, None] + r[run_start][None, :] * ap
-        n = np.broadcast_to(run_len[None, :] * tb, src.shape)
-        parts.append(OpList(src.reshape(-1), np.full(src.size, c, dtype=np.int64),
-                            dst.reshape(-1), n.reshape(-1).copy()))
-    return OpList.concat(parts)
+        np.add(seg + slots * (counts[c] * tb), run_src[r], out=src[grid].reshape(n2l, -1))
+        np.add(bases, run_dst[r], out=dst[grid].reshape(n2l, -1))
+        nbytes[grid].reshape(n2l, -1)[:] = run_nbytes[r]
+        first = r.stop
+    return OpList(src, np.repeat(np.arange(nb, dtype=np.int64), n2l * runs), dst, nbytes)
