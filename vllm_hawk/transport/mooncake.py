@@ -59,11 +59,12 @@ logger = logging.getLogger(__name__)
 ENV_DEFAULTS = {
     "MC_TCP_MAX_QUEUED_TRANSFERS_PER_PEER": "8192",
     "MC_TCP_MAX_PENDING_ADMISSIONS_PER_PEER": "8192",
-    # TCP connections per peer (Mooncake's default 1). `hawk bench entries`, 2 cores, two
-    # runs: 1,280 x 8 KiB READs took 36-60 us per entry with 1 lane and 21-23 with 8
-    # (0.39-0.61x, and 0.5x the CPU time); 4 x 40 MiB stayed within the run's noise
-    # (0.46x and 1.1-1.6x in the two runs); 16 lanes was no better than 8.
-    "MC_TCP_LANES_PER_PEER": "8",
+    # TCP connections per peer (Mooncake's default 1). `hawk bench entries`, 2 cores, each
+    # setting twice in one run: 1,280 x 8 KiB READs 36-37 us per entry with 1 lane, 28-33
+    # with 2, 20-22 with 4, 20-24 with 8; 8 x 11 MiB (a staged bfloat8_b pull's shape)
+    # 25-29 ms with 1, 25-27 with 4, 25-33 with 8. 4 is the most lanes that never slowed
+    # the large entries (the staged transfer bench was slower with 8 in 2 runs of 2).
+    "MC_TCP_LANES_PER_PEER": "4",
 }
 #: Longest sleep between polls of in-flight entries. It was 2 ms: a batch of a few large
 #: entries then finished up to 2 ms after its last byte (issue 15 measured ~0.2 ms better).
