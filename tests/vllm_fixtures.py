@@ -134,3 +134,28 @@ def wait_http_ok(url: str, timeout: float, proc=None) -> None:
             pass
         time.sleep(1.0)
     raise TimeoutError(f"{url} not ready after {timeout:.0f} s")
+
+
+def token_prompts(seed: int, lengths) -> list[list[int]]:
+    """Token-id prompts of the given lengths: BOS (0), then seeded ids in [2, 1024)."""
+    import random
+
+    rng = random.Random(seed)
+    return [[0] + [rng.randrange(2, 1024) for _ in range(n - 1)] for n in lengths]
+
+
+@contextlib.contextmanager
+def running(cluster, label: str | None = None) -> Iterator:
+    """Start a :class:`~vllm_hawk.testing.local_cluster.LocalCluster` (printing its start-up
+    time under ``label``, kept as ``cluster.start_s``), yield it, stop it, and fail if any
+    of its processes is left."""
+    t0 = time.monotonic()
+    cluster.start()
+    cluster.start_s = time.monotonic() - t0
+    if label:
+        print(f"\n[{label}] cluster up in {cluster.start_s:.1f} s")
+    try:
+        yield cluster
+    finally:
+        cluster.stop()
+        assert cluster.leftover_processes() == [], "processes left after stop()"

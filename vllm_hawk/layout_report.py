@@ -18,7 +18,7 @@ import numpy as np
 from vllm_hawk.layout.device_profiles import available_profiles, load_profile
 from vllm_hawk.layout.interleave import LockstepAllocator
 from vllm_hawk.layout.model_shapes import available_models, load_model_shape
-from vllm_hawk.layout.tp import consumers, plan_pulls, shard_heads
+from vllm_hawk.layout.tp import consumers, plan_pulls, replicas, shard_heads
 from vllm_hawk.layout.tt_kv_cache import KV_DTYPES, TTKVCacheLayout, TTKVCacheSpec
 from vllm_hawk.transform.plan import make_plan
 
@@ -122,6 +122,7 @@ def layout_report(model="llama-3.1-70b", prefill_tp=4, decode_tp=None, device="p
         "chips": chips,
         "prefill_ranks": [{"rank": r, "pulls_served": consumers(shape.num_kv_heads, prefill_tp, decode_tp, r)}
                           for r in range(prefill_tp)],
+        "replicated_heads": replicas(shape.num_kv_heads, prefill_tp),
         "totals": {"target_bytes": sum(c["target_bytes"] for c in chips),
                    "source_bf16_bytes": sum(c["source_bf16_bytes"] for c in chips),
                    "pulls": sum(len(c["pulls"]) for c in chips),
@@ -175,6 +176,9 @@ def print_report(r: dict) -> None:
           f"{t['segments']:>8,} {t['reads_staged']:>12,} {t['reads_direct']:>12,}")
     print("prefill ranks hold a request's blocks until this many pulls are released: "
           + ", ".join(f"rank {p['rank']}: {p['pulls_served']}" for p in r["prefill_ranks"]))
+    if r["replicated_heads"]:
+        print(f"replicated KV heads (fewer heads than prefill ranks): {r['replicated_heads']}; a rank that serves "
+              "no pull is released by the decode's first target at once")
 
 
 def tp_args(ap: argparse.ArgumentParser, a: argparse.Namespace, default: int = 4) -> tuple[int, int]:

@@ -36,12 +36,12 @@ import glob
 import http.client
 import json
 import os
-import time
 import urllib.parse
 from pathlib import Path
 
 import pytest
 from test_pd_serving import _post, greedy_divergence
+from vllm_fixtures import running, token_prompts
 
 from vllm_hawk.testing.local_cluster import kv_usage, wait_idle
 
@@ -68,10 +68,7 @@ if os.environ.get("HAWK_GN_E2E_FULL"):  # the other two corners (about 50 s each
 
 def _prompts() -> list[list[int]]:
     """Token-id prompts (BOS included) across block boundaries (block 32)."""
-    import random
-
-    rng = random.Random(11)
-    return [[0] + [rng.randrange(2, 1024) for _ in range(n - 1)] for n in (5, 32, 33, 100, 257)]
+    return token_prompts(11, (5, 32, 33, 100, 257))
 
 
 @pytest.fixture(scope="module", params=list(CONFIGS))
@@ -96,16 +93,10 @@ def gn(request, tmp_path_factory):
                      prefill_config={"lease_s": 30.0},
                      extra_args=["--no-enable-prefix-caching"],
                      extra_env={"HAWK_DEBUG_DIR": str(dump)})
-    t0 = time.monotonic()
-    c.start()
     c.hawk_name, c.hawk_cfg, c.hawk_dump = request.param, cfg, dump
     c.hawk_checked = set()
-    print(f"\n[{request.param}] cluster up in {time.monotonic() - t0:.1f} s")
-    try:
+    with running(c, request.param):
         yield c
-    finally:
-        c.stop()
-        assert c.leftover_processes() == [], "processes left after stop()"
 
 
 def _complete(url: str, prompt, logprobs: int | None = None, max_tokens: int = MAX_TOKENS) -> dict:

@@ -11,11 +11,10 @@ layer, vLLM bytes), and both sides are idle afterwards.
 """
 from __future__ import annotations
 
-import time
-
 import pytest
 from test_gn_hawk import BLOCK, MAX_TOKENS, TIE_MARGIN, _check_new_transfers, _complete, _prompts
 from test_pd_serving import greedy_divergence
+from vllm_fixtures import running
 
 from vllm_hawk.testing.local_cluster import wait_idle
 
@@ -40,16 +39,10 @@ def gn(tmp_path_factory):
                                 prefill_config={"lease_s": 30.0},
                                 extra_args=["--no-enable-prefix-caching"],
                                 extra_env={"HAWK_DEBUG_DIR": str(dump)})
-    t0 = time.monotonic()
-    c.start()
     c.hawk_name, c.hawk_dump, c.hawk_checked = "gn-host", dump, set()
     c.hawk_cfg = {"device": "p150a", "kv_dtype": "bfloat16", "mode": "staged"}
-    print(f"\n[gn-host] cluster up in {time.monotonic() - t0:.1f} s")
-    try:
+    with running(c, "gn-host"):
         yield c
-    finally:
-        c.stop()
-        assert c.leftover_processes() == [], "processes left after stop()"
 
 
 def test_gn_host_outputs_and_kv_bytes(gn, record_property):

@@ -19,6 +19,7 @@ import random
 import time
 
 import pytest
+from vllm_fixtures import running
 
 from vllm_hawk.testing.local_cluster import connector_states, kv_usage, wait_idle
 from vllm_hawk.testing.local_cluster import http_post_json as _post
@@ -51,12 +52,8 @@ def cluster(tmp_path_factory):
                                    "handshake_timeout_s": 3.0},
                      extra_env={"HAWK_DEBUG_DIR": str(dump)})
     c.hawk_dump = dump
-    c.start()
-    try:
+    with running(c):
         yield c
-    finally:
-        c.stop()
-        assert c.leftover_processes() == [], "processes left after stop()"
 
 
 def _prompt(rng: random.Random) -> list[int]:

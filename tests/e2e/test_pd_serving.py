@@ -16,6 +16,7 @@ import time
 import urllib.parse
 
 import pytest
+from vllm_fixtures import running, token_prompts
 
 from vllm_hawk.testing.local_cluster import http_post_json as _post
 
@@ -59,22 +60,14 @@ def cluster(tmp_path_factory):
     c = LocalCluster(model, tmp_path_factory.mktemp("pd"), block_size=BLOCK,
                      extra_config={"pull_timeout_s": 10.0, "handshake_timeout_s": 3.0},
                      prefill_config={"lease_s": 30.0})
-    c.start()
-    try:
+    with running(c):
         yield c
-    finally:
-        c.stop()
-        assert c.leftover_processes() == [], "processes left after stop()"
 
 
 def _prompts() -> list[list[int]]:
     """Token-id prompts (BOS included) of lengths across block boundaries."""
-    import random
-
-    rng = random.Random(7)
-    lengths = [1, 2, 5, 17, 31, 32, 33, 63, 64, 65, 96, 100, 127, 128, 129, 200, 255, 256,
-               300, 417, 512, 700]
-    return [[0] + [rng.randrange(2, 1024) for _ in range(n - 1)] for n in lengths]
+    return token_prompts(7, [1, 2, 5, 17, 31, 32, 33, 63, 64, 65, 96, 100, 127, 128, 129, 200, 255, 256,
+                             300, 417, 512, 700])
 
 
 def _complete(url: str, prompt, logprobs: int | None = None) -> dict:

@@ -7,6 +7,7 @@ import time
 
 import pytest
 from test_pd_serving import BLOCK, TIE_MARGIN, _complete, _post, _prompts, greedy_divergence
+from vllm_fixtures import running
 
 pytestmark = pytest.mark.vllm
 
@@ -27,12 +28,8 @@ def cluster(tmp_path_factory):
                      extra_config={"transport": "host-staged", "mode": "staged",
                                    "ring_nbytes": 8 << 20, "pull_timeout_s": 10.0},
                      prefill_config={"lease_s": LEASE_S})
-    c.start()
-    try:
+    with running(c):
         yield c
-    finally:
-        c.stop()
-        assert c.leftover_processes() == []
 
 
 def test_staged_host_outputs_match_single_engine(cluster):

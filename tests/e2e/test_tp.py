@@ -32,6 +32,7 @@ import pytest
 import torch
 from test_gn_hawk import _complete
 from test_pd_serving import greedy_divergence
+from vllm_fixtures import running, token_prompts
 
 from vllm_hawk.testing.local_cluster import http_post_json, wait_idle
 
@@ -76,22 +77,12 @@ def cluster(request, tmp_path_factory):
                      extra_args=["--no-enable-prefix-caching"],
                      extra_env={"HAWK_DEBUG_DIR": str(dump)})
     c.hawk_name, c.hawk_cfg, c.hawk_dump = request.param, cfg, dump
-    t0 = time.monotonic()
-    c.start()
-    c.start_s = time.monotonic() - t0
-    print(f"\n[{request.param}] cluster up in {c.start_s:.1f} s")
-    try:
+    with running(c, request.param):
         yield c
-    finally:
-        c.stop()
-        assert c.leftover_processes() == [], "processes left after stop()"
 
 
 def _prompts() -> list[list[int]]:
-    import random
-
-    rng = random.Random(11)
-    return [[0] + [rng.randrange(2, 1024) for _ in range(n - 1)] for n in (5, 33, 64, 100, 200)]
+    return token_prompts(11, (5, 33, 64, 100, 200))
 
 
 def _all_heads(parts: list[torch.Tensor], tp: int) -> torch.Tensor:

@@ -14,7 +14,7 @@ except Exception:  # noqa: BLE001
 
 
 def test_transfer_bench_smoke(tmp_path, capsys):
-    out, png = tmp_path / "t.json", tmp_path / "t.png"
+    out, png = tmp_path / "t.json", tmp_path / "plots" / "t.png"  # --plot in a folder not made yet
     rc = transfer_bench.main(["--model", "llama-3.1-8b", "--prefill-tp", "1", "--sizes-mb", "2", "--repeats", "1",
                               "--per-tile-cap-s", "0.05", "--out", str(out), "--plot", str(png)])
     assert rc == 0 and png.stat().st_size > 0

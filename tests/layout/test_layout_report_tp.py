@@ -85,3 +85,14 @@ def test_cli_chips_alias_and_deprecated_tp(capsys):
         main(["--tp", "2", "--chips", "2"])
     with pytest.raises(SystemExit):
         main(["--chips", "0"])
+
+
+def test_replicated_heads_are_named_with_their_serving_rank(capsys):
+    # 8 KV heads over 16 prefill ranks: each head on two ranks; the lower one serves it
+    r = layout_report(prefill_tp=16, decode_tp=4, tokens=TOKENS)
+    assert r["replicated_heads"].startswith("head 0 on ranks 0-1 (served by 0); head 1 on ranks 2-3 (served by 2)")
+    assert [p["pulls_served"] for p in r["prefill_ranks"]] == [1, 0] * 8
+    assert layout_report(prefill_tp=4, decode_tp=4, tokens=TOKENS)["replicated_heads"] == ""
+    assert main(["--prefill-tp", "16", "--decode-tp", "4", "--tokens", str(TOKENS)]) == 0
+    assert "replicated KV heads (fewer heads than prefill ranks): head 0 on ranks 0-1 (served by 0)" in \
+        capsys.readouterr().out

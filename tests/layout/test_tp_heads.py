@@ -5,7 +5,7 @@ import itertools
 
 import pytest
 
-from vllm_hawk.layout.tp import TPMismatch, consumers, plan_pulls, serving_rank, shard_heads, share_index
+from vllm_hawk.layout.tp import TPMismatch, consumers, plan_pulls, replicas, serving_rank, shard_heads, share_index
 
 
 @pytest.mark.parametrize("heads,tp", [(8, 1), (8, 2), (8, 4), (8, 8), (4, 8), (2, 4), (1, 4)])
@@ -63,3 +63,11 @@ def test_rank_outside_the_group_is_refused():
     with pytest.raises(TPMismatch, match="rank 2 outside"):
         shard_heads(4, 2, 2)
     assert list(itertools.islice((shard_heads(4, 2, r).start for r in range(2)), 2)) == [0, 2]
+
+
+def test_replicas_name_the_serving_rank_of_each_replicated_head():
+    assert replicas(8, 4) == ""  # no replication: nothing to say
+    assert replicas(2, 4) == "head 0 on ranks 0-1 (served by 0); head 1 on ranks 2-3 (served by 2)"
+    assert replicas(1, 2) == "head 0 on ranks 0-1 (served by 0)"
+    with pytest.raises(TPMismatch, match="prefill tensor_parallel_size=3"):
+        replicas(2, 3)

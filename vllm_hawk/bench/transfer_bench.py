@@ -385,15 +385,11 @@ def run(model: str = "llama-3.1-70b", prefill_tp: int = 4, decode_tp: int | None
     finally:
         if pool is not None:
             pool.shutdown()
-        for c in reversed(closers):
+        for c in [*reversed(closers), mc.close, hs.close, *(p.stop for p in pre.values())]:
             try:
                 c()
-            except Exception:  # noqa: BLE001
-                pass
-        mc.close()
-        hs.close()
-        for p in pre.values():
-            p.stop()
+            except Exception as e:  # noqa: BLE001 - the measurements are taken; report, do not end in a traceback
+                print(f"hawk bench transfer: clean-up step failed ({type(e).__name__}: {e})", file=sys.stderr)
     for r in results:
         base = next((b for b in results if b["row"] == "GG-Host" and b["size_mb"] == r["size_mb"]), None)
         r["norm_gg_host"] = r["latency_ms"] / base["latency_ms"] if base else float("nan")
@@ -546,7 +542,9 @@ def plot(result: dict, path: str) -> str:
                  f"{cfg['device']} (emulated), block {cfg['block_size']}; request KV size (bf16)")
     ax.legend(fontsize=7, ncol=2)
     fig.tight_layout()
+    os.makedirs(os.path.dirname(path) or ".", exist_ok=True)  # --plot may name a folder not made yet
     fig.savefig(path, dpi=120)
+    plt.close(fig)
     return path
 
 

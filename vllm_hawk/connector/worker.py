@@ -58,7 +58,7 @@ from vllm_hawk.kvflow.gn_host import GNHostSink
 from vllm_hawk.kvflow.shares import PlannedShare, fetch_shares, idle_ranks, plan_shares
 from vllm_hawk.kvflow.sources import vllm_layout_desc
 from vllm_hawk.kvflow.streams import PerHeadRange
-from vllm_hawk.layout.tp import TPMismatch, shard_heads
+from vllm_hawk.layout.tp import TPMismatch, replicas, shard_heads
 from vllm_hawk.transport import make_transport
 
 # Under "vllm." so that vLLM's log handlers and level apply.
@@ -231,6 +231,7 @@ class HawkConnectorWorker:
         self.sinks: list = []  # decode: one per target this worker lands (chips of a mesh), sinks[0] is self.sink
         self._debug = envs.debug_dir()
         self.tp_rank, self.tp_size = 0, 1
+        self._replicas_logged: set[int] = set()  # prefill TP sizes whose replicated heads were logged
         self._share_sinks = PerHeadRange(self._share_sink)  # (dst_start, count) -> the sink of those heads
 
     # ---------------------------------------------------------------- set-up
@@ -532,6 +533,13 @@ class HawkConnectorWorker:
         """Target 0 releases the prefill ranks nobody pulls from (replicated heads)."""
         if self.tp_rank != 0 or not self.kv.num_kv_heads:
             return
+        if spec.remote_tp_size not in self._replicas_logged:  # once per prefill TP size
+            self._replicas_logged.add(spec.remote_tp_size)
+            note = replicas(self.kv.num_kv_heads, spec.remote_tp_size)
+            if note:
+                logger.info("HawkConnector decode: prefill TP %d replicates KV heads: %s; idle ranks %s are "
+                            "released at once", spec.remote_tp_size, note,
+                            idle_ranks(self.kv.num_kv_heads, spec.remote_tp_size, self._targets()[0]))
         for r in idle_ranks(self.kv.num_kv_heads, spec.remote_tp_size, self._targets()[0]):
             self._pool.submit(self._release_rank, spec, r)
 

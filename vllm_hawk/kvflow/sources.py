@@ -24,7 +24,6 @@ them (offsets from the export base).
 from __future__ import annotations
 
 import ctypes
-import threading
 from dataclasses import dataclass
 from typing import Callable, Protocol, Sequence
 
@@ -291,9 +290,3 @@ class TileTransformSource:
             plan = make_plan(tt_layout_of(d, 1), [0], "staged")
             transform_source(self.views, [0], self.layout.block_size, plan,
                              torch.empty(plan.total_nbytes, dtype=torch.uint8))
-
-    def warm_async(self, profile: DeviceProfile) -> threading.Thread:
-        """:meth:`warm` in a background thread (a prefill starts it at start-up)."""
-        t = threading.Thread(target=self.warm, args=(profile,), daemon=True, name="hawk-transform-warm")
-        t.start()
-        return t

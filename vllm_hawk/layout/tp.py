@@ -22,7 +22,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 __all__ = ["HeadShard", "Pull", "TPMismatch", "shard_heads", "plan_pulls", "consumers", "share_index",
-           "serving_rank"]
+           "serving_rank", "replicas"]
 
 
 class TPMismatch(ValueError):
@@ -87,6 +87,17 @@ def serving_rank(num_kv_heads: int, prefill_tp: int, head: int) -> int:
     if num_kv_heads >= prefill_tp:
         return head // (num_kv_heads // prefill_tp)
     return head * (prefill_tp // num_kv_heads)
+
+
+def replicas(num_kv_heads: int, prefill_tp: int) -> str:
+    """Which prefill rank serves each replicated head ('' when no head is replicated):
+    e.g. ``"head 0 on ranks 0-1 (served by 0)"`` per head, for logs and ``hawk layout``."""
+    check_split(num_kv_heads, prefill_tp, "prefill tensor_parallel_size")
+    if num_kv_heads >= prefill_tp:
+        return ""
+    per = prefill_tp // num_kv_heads
+    return "; ".join(f"head {h} on ranks {h * per}-{h * per + per - 1} "
+                     f"(served by {serving_rank(num_kv_heads, prefill_tp, h)})" for h in range(num_kv_heads))
 
 
 def plan_pulls(num_kv_heads: int, prefill_tp: int, decode_tp: int, decode_rank: int) -> list[Pull]:

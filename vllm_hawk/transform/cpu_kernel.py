@@ -39,8 +39,6 @@ SOURCE_DTYPES = {torch.bfloat16: torch.int16, torch.float32: torch.int32}
 # numba's default "workqueue" threading layer must not be entered from two threads at
 # once; the kernel already uses every core, so callers take turns.
 _KERNEL_LOCK = threading.Lock()
-_warm_lock = threading.Lock()
-_warm_thread: threading.Thread | None = None
 
 
 def available(x: torch.Tensor) -> bool:
@@ -261,17 +259,6 @@ def pack_tiles_bf16(tiles: torch.Tensor, dtype: str) -> torch.Tensor:
     out = np.zeros((bits.shape[0], fmt.tile_nbytes), dtype=np.uint8)
     _kernels().pack_tiles_bf16(bits, out, fmt.mantissa_bits)
     return torch.from_numpy(out)
-
-
-def warm_async() -> threading.Thread:
-    """Compile (or load from the cache) every kernel in a background thread, once per
-    process: a prefill starts this at start-up so the first request does not pay it."""
-    global _warm_thread
-    with _warm_lock:
-        if _warm_thread is None:
-            _warm_thread = threading.Thread(target=warm, daemon=True, name="hawk-kernel-warm")
-            _warm_thread.start()
-        return _warm_thread
 
 
 def warm() -> None:
