@@ -222,6 +222,9 @@ leftovers() {  # nothing of the project may remain
 prepare() {
     mkdir -p "$C"
     step "packages" install_packages
+    # the FORWARD policy to restore is the one before dockerd: on a fresh machine iptables
+    # itself was only installed just now (before it, `policy` said "none")
+    [ "$POL0" != none ] || POL0=$(policy)
     step "dockerd start" start_dockerd
     step "base image" base_image
     step "wheelhouse" wheelhouse
