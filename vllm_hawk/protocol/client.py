@@ -67,6 +67,12 @@ class IncompatiblePeer(RemoteError):
     """Handshake refused: ``detail`` names each differing compatibility field."""
 
 
+class Reconnected(ProtocolTimeout):
+    """The connection was lost (the server restarted?) after this message was queued and
+    before it went out: it was not sent (it would name the old server's id, and a new
+    server drops it). :meth:`ProtocolClient.call` re-handshakes and sends it again."""
+
+
 class AuthRefused(RuntimeError):
     """The handshake failed on authentication: secrets or auth modes differ (the message says which)."""
 
@@ -103,6 +109,7 @@ class ProtocolClient:
         self._hellos: set[int] = set()  # seqs of pending Hellos
         self._auth_failure = ""  # set by the monitor: why the ZMTP handshake failed
         self._reconnected = False  # set by the monitor: the connection was lost after a handshake
+        self._epoch = 0  # connections lost after a handshake (the monitor counts them)
         self._zmtp_up = False  # the current connection finished its ZMTP handshake
         self._zmtp_failures = 0  # connections in a row closed during the handshake
         self._zmtp_closed = ""  # the last handshake-failure event, for the error message
@@ -198,7 +205,14 @@ class ProtocolClient:
             self._reconnected = False
             self.handshake(timeout)
             timeout = max(1e-3, deadline - time.monotonic())
-        out = self._call_once(msg, timeout)
+        try:
+            out = self._call_once(msg, timeout)
+        except Reconnected:
+            if _handshake or self.hello is None:
+                raise
+            self._reconnected = False  # the loop saw the loss just before sending: never sent
+            self.handshake(max(1e-3, deadline - time.monotonic()))
+            out = self._call_once(msg, max(1e-3, deadline - time.monotonic()))
         if (isinstance(out, ErrorMsg) and out.detail == HANDSHAKE_REQUIRED and not _handshake
                 and self.hello is not None):
             self.handshake(timeout)  # the server restarted or our connection was renewed
@@ -224,7 +238,7 @@ class ProtocolClient:
             self._pending[seq] = fut
             if hello:
                 self._hellos.add(seq)
-            self._outbox.put(frames)
+            self._outbox.put((frames, seq, None if hello else self._epoch))
         fut.add_done_callback(lambda _f, s=seq: self._forget(s))
         self._wakeup.wake()
         return fut
@@ -253,6 +267,8 @@ class ProtocolClient:
         fut = self.call_async(msg)
         try:
             return fut.result(timeout)
+        except Reconnected:  # a TimeoutError too (cf.TimeoutError is the builtin): not this deadline's
+            raise
         except cf.TimeoutError:
             fut.cancel()
             raise ProtocolTimeout(f"no reply from {self.endpoint} to {type(msg).__name__} "
@@ -277,9 +293,12 @@ class ProtocolClient:
                     self._drain_monitor()
                 while True:
                     try:
-                        frames = self._outbox.get_nowait()
+                        frames, seq, epoch = self._outbox.get_nowait()
                     except queue.Empty:
                         break
+                    if epoch is not None and epoch != self._epoch:  # addressed to a lost connection's server
+                        self._fail_unsent(seq)
+                        continue
                     try:
                         self._sock.send_multipart(frames, zmq.NOBLOCK)
                     except zmq.ZMQError as e:  # not connected yet / HWM: caller times out
@@ -317,6 +336,8 @@ class ProtocolClient:
             if kind == zmq.EVENT_DISCONNECTED:
                 if self.hello is not None:
                     self._reconnected = True
+                    with self._lock:  # messages queued from now on are numbered for the new epoch
+                        self._epoch += 1
                 if self._zmtp_up or self._zmtp_refused:  # an established connection was lost (libzmq
                     self._zmtp_up = self._zmtp_refused = False  # reconnects), or the refusal below ended it
                     continue
@@ -360,6 +381,12 @@ class ProtocolClient:
             return
         self._rlog("zmtp", "protocol client %s: %s", self.endpoint, why)
         self._fail_hellos(why)
+
+    def _fail_unsent(self, seq: int) -> None:
+        with self._lock:
+            fut = self._pending.pop(seq, None)
+        if fut is not None and fut.set_running_or_notify_cancel():
+            fut.set_exception(Reconnected(f"connection to {self.endpoint} lost before the message was sent"))
 
     def _fail_hellos(self, why: str) -> None:
         with self._lock:
