@@ -4,6 +4,7 @@ from __future__ import annotations
 import pytest
 
 from vllm_hawk.connector.config import HawkConfig, HawkConfigError, parse_config
+from vllm_hawk.kvflow.decode import AUTO_LAYER_GROUPS
 
 SECRET = "0123456789abcdef-secret"
 
@@ -74,6 +75,7 @@ def test_secret_file_is_as_good_as_inline(tmp_path, monkeypatch):
     ("max_pulls", 0, "max_pulls"),
     ("layer_groups", 0, "layer_groups"),
     ("layer_groups", 65, "layer_groups"),
+    ("layer_groups", "fast", "'auto'"),
     ("layout_fix", "both", "'prefill', 'decode'"),
     ("layout_fix", "decode", "Tenstorrent"),  # with device_profile 'vllm'
     ("renew_interval_s", 31.0, "30.0"),  # at most lease_s / 2
@@ -111,12 +113,14 @@ def test_transport_arguments_and_dp_port_offset(monkeypatch):
     assert parse_config({"device_profile": "p150a"}).device_profile == "p150a"
     cfg = parse_config({"layer_groups": 2, "auth": "hmac"})  # main's layer groups next to sec's auth
     assert cfg.layer_groups == 2 and cfg.auth == "hmac" and cfg.secret_bytes is not None
+    assert parse_config({}).layer_groups == parse_config({"layer_groups": "auto"}).layer_groups == AUTO_LAYER_GROUPS
 
 
 def test_gn_host_needs_a_tenstorrent_decode_and_whole_pulls():
     cfg = parse_config({"shared_secret": SECRET, "transport": "host-staged", "mode": "staged",
                         "device_profile": "p150a", "layout_fix": "decode"})
     assert cfg.layout_fix == "decode" and parse_config({"shared_secret": SECRET}).layout_fix == "prefill"
+    assert cfg.layer_groups == AUTO_LAYER_GROUPS  # auto: a GN-Host sink always pulls whole requests
     with pytest.raises(HawkConfigError, match="layer_groups=2.*layout_fix='decode'"):
         parse_config({"shared_secret": SECRET, "device_profile": "p150a", "layout_fix": "decode",
                       "layer_groups": 2})

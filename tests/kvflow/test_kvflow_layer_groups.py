@@ -11,8 +11,9 @@ import pytest
 import torch
 
 from vllm_hawk.kvflow import PeerFailed
+from vllm_hawk.kvflow import decode as decode_mod
 from vllm_hawk.kvflow import sources as sources_mod
-from vllm_hawk.kvflow.decode import split_layers
+from vllm_hawk.kvflow.decode import AUTO_LAYER_GROUPS, split_layers
 from vllm_hawk.layout.formats import tilize_pack
 from vllm_hawk.layout.tt_kv_cache import TTKVCacheSpec
 from vllm_hawk.npu.emulated import EmulatedDevice
@@ -74,6 +75,29 @@ def test_split_layers():
     assert split_layers(5, 2) == [(0, 2), (2, 5)] or split_layers(5, 2) == [(0, 3), (3, 5)]
     assert split_layers(3, 8) == [(0, 1), (1, 2), (2, 3)]
     assert split_layers(7, 1) == [(0, 7)]
+
+
+@pytest.mark.parametrize("mode", ["staged", "direct"])
+def test_auto_splits_only_large_direct_pulls(pair, mode, monkeypatch):
+    """The connector's default: 2 groups for a direct pull of at least
+    AUTO_GROUPS_MIN_NBYTES of tiles (measured, see kvflow.decode), a staged or smaller
+    pull whole; the bytes land the same either way."""
+    cache, pre, decs, _finished = pair
+    dec = decs["bfloat16"]
+    src, dst = np.array([3, 7]), np.array([5, 1])
+    n = 2 * BS - 9
+    whole = 2 * 16 * dec.layout.spec.tile_nbytes * L  # 2 blocks, K and V, every layer
+    for i, limit in enumerate((whole + 1, whole)):  # just below the limit, then at it
+        monkeypatch.setattr(decode_mod, "AUTO_GROUPS_MIN_NBYTES", limit)
+        rid = f"auto-{mode}-{i}"
+        pre.add_request(rid, src, n)
+        res = dec.fetch(rid, n, dst, mode, layer_groups=AUTO_LAYER_GROUPS)
+        split = mode == "direct" and limit <= whole
+        assert res.mode == (f"{mode}-layer-groups" if split else mode), (limit, res.mode)
+        assert res.extra.get("layer_groups", 1) == (2 if split else 1)
+        assert res.nbytes == whole
+        assert_pool_holds(dec, cache, src, n, dst)
+    assert pre.snapshot()["requests"] == 0
 
 
 @pytest.mark.parametrize("dtype", ["bfloat16", "bfloat8_b"])

@@ -43,7 +43,7 @@ field                  default             meaning
                                            tilizes/packs them into its KV pool, see
                                            :mod:`vllm_hawk.kvflow.gn_host`). ``decode``
                                            needs a Tenstorrent ``device_profile`` and
-                                           ``layer_groups`` 1; the prefill's ``mode`` picks
+                                           ``layer_groups`` 1 or auto; the prefill's ``mode`` picks
                                            ring gather (``staged``) or blocks in place; the
                                            decode always lands in its receive ring
                                            (``ring_nbytes``). The paper's baseline: with
@@ -96,10 +96,13 @@ field                  default             meaning
 ``ring_nbytes``        ``64 MiB``          prefill ring (staged, GN-HAWK) and decode receive
                                            buffers (staged), bytes
 ``max_pulls``          ``2``               decode: pulls running at once (worker threads)
-``layer_groups``       ``1``               decode, GN-HAWK: split each pull into this many
-                                           layer groups; the prefill transforms group i+1
-                                           while the decode READs group i (one KVRequest
-                                           and KVReady per group, one Release); 1 = off
+``layer_groups``       ``"auto"``          decode, GN-HAWK: split each pull into this many
+                                           layer groups (1-64); the prefill transforms group
+                                           i+1 while the decode READs group i (one KVRequest
+                                           and KVReady per group, one Release); 1 = off;
+                                           ``"auto"``: 2 for a direct-mode pull of >= 64 MiB
+                                           of tiles, else 1 (measured, see
+                                           ``kvflow.decode.AUTO_GROUPS_MIN_NBYTES``)
 ``prefill_tp``         ``0``               decode: the prefills' tensor_parallel_size; checked
                                            at start-up against this decode's TP (or chips)
                                            and the model's KV heads, and against each
@@ -183,6 +186,7 @@ from dataclasses import dataclass, field, fields
 from typing import Any, Mapping
 
 from vllm_hawk import envs
+from vllm_hawk.kvflow.decode import AUTO_LAYER_GROUPS
 
 TRANSPORTS = ("mooncake-tcp", "mooncake-rdma", "host-staged")
 AUTH_MODES = ("curve", "hmac", "none")
@@ -217,7 +221,7 @@ class HawkConfig:
     handshake_timeout_s: float = 5.0
     ring_nbytes: int = 64 << 20
     max_pulls: int = 2
-    layer_groups: int = 1
+    layer_groups: int = AUTO_LAYER_GROUPS  # "auto" in kv_connector_extra_config (0 once parsed)
     prefill_tp: int = 0
     secret_bytes: bytes | None = field(default=None, repr=False, compare=False)  # resolved, not a field
 
@@ -293,7 +297,12 @@ def parse_config(extra: Mapping[str, Any] | None, *, dp_rank: int = 0) -> HawkCo
     out["max_hold_s"] = float(_number("max_hold_s", out["max_hold_s"], integer=False, low=out["lease_s"]))
     out["ring_nbytes"] = _number("ring_nbytes", out["ring_nbytes"], integer=True, low=1 << 16)
     out["max_pulls"] = _number("max_pulls", out["max_pulls"], integer=True, low=1, high=64)
-    out["layer_groups"] = _number("layer_groups", out["layer_groups"], integer=True, low=1, high=64)
+    if "layer_groups" not in extra or out["layer_groups"] == "auto":
+        out["layer_groups"] = AUTO_LAYER_GROUPS
+    elif isinstance(out["layer_groups"], str):
+        raise _err("layer_groups", out["layer_groups"], "expected an integer in [1, 64] or 'auto'")
+    else:
+        out["layer_groups"] = _number("layer_groups", out["layer_groups"], integer=True, low=1, high=64)
     out["prefill_tp"] = _number("prefill_tp", out["prefill_tp"], integer=True, low=0, high=64)
 
     profile = out["device_profile"]
@@ -310,9 +319,9 @@ def parse_config(extra: Mapping[str, Any] | None, *, dp_rank: int = 0) -> HawkCo
         if profile == VLLM_PROFILE:
             raise _err("layout_fix", fix, "the decode-side layout fix (GN-Host) is for a Tenstorrent decode: set "
                        "device_profile to its device (e.g. 'p150a'); a vLLM decode needs no fix")
-        if out["layer_groups"] != 1:
+        if out["layer_groups"] not in (1, AUTO_LAYER_GROUPS):
             raise _err("layer_groups", out["layer_groups"], "layout_fix='decode' (GN-Host) pulls whole requests: "
-                       "set layer_groups 1")
+                       "set layer_groups 1 (or leave it auto)")
 
     if out["auth"] not in AUTH_MODES:
         raise _err("auth", out["auth"], f"choose one of {list(AUTH_MODES)}")

@@ -127,6 +127,28 @@ def _chip_error(ready: KVReady, share: "Share") -> str:
     return ""
 
 
+AUTO_LAYER_GROUPS = 0  # ``fetch(layer_groups=AUTO_LAYER_GROUPS)``: :func:`auto_layer_groups` picks
+#: G' bytes of a direct-mode pull from which "auto" splits it into 2 layer groups. Chosen with
+#: ``hawk bench transfer`` (Llama-3.1-70B TP=1 -> 1 p150a, Mooncake TCP, 2 cores; pipelined over
+#: whole-pull latency in the same run, 5 runs of 7-9 repeats): direct with 2 groups 0.78-1.07
+#: at >= 85 MiB of G' (160 and 640 MB of bf16 KV, bf16 and bfloat8_b; 14 of 16 cells below 1,
+#: mean 0.91), 0.99-1.08 at 80 MiB, 0.72-1.16 below; staged with 2 groups 0.85-1.32 at every
+#: size (no gain: its transfer, copies and the transform share the 2 cores); 4 and 8 groups
+#: never better than 2. Pulls below it, and staged pulls, go whole.
+AUTO_GROUPS_MIN_NBYTES = 64 << 20
+
+
+def auto_layer_groups(sink, n_blocks: int) -> int:
+    """The layer groups "auto" gives a pull of ``n_blocks`` blocks into ``sink``: 2 for a
+    Tenstorrent sink in direct mode moving at least :data:`AUTO_GROUPS_MIN_NBYTES` of G',
+    else 1 (see the measurements above)."""
+    tt = getattr(sink, "tt_layout", None)
+    if tt is None or not getattr(sink, "layer_groups", False) or sink.mode != "direct":
+        return 1
+    s = tt.spec
+    return 2 if n_blocks * s.tiles_per_block * s.tile_nbytes * 2 * s.num_layers >= AUTO_GROUPS_MIN_NBYTES else 1
+
+
 def split_layers(num_layers: int, groups: int) -> list[tuple[int, int]]:
     """``groups`` (at most ``num_layers``) consecutive layer ranges ``(lo, hi)`` of
     near-equal size covering every layer."""
@@ -208,12 +230,15 @@ class DecodeEndpoint:
         i.e. Tenstorrent sinks): the request is asked for as that many layer groups at
         once and each group's READs go out as soon as its KVReady arrives, so the
         transfer of group i overlaps the prefill's transform of group i+1 (same
-        guarantees). ``share``: only those heads (module doc). Raises as the module doc
-        says, with nothing held."""
+        guarantees); :data:`AUTO_LAYER_GROUPS`: as many as :func:`auto_layer_groups`
+        says. ``share``: only those heads (module doc). Raises as the module doc says,
+        with nothing held."""
         timeout = self.pull_timeout_s if timeout_s is None else timeout_s
         t0 = time.monotonic()
         deadline = t0 + timeout
         dst = self._check_dst(req_id, num_tokens, sink, dst_blocks, first_block)
+        if layer_groups == AUTO_LAYER_GROUPS:
+            layer_groups = auto_layer_groups(sink, len(dst))
         groups = split_layers(sink.layout.num_layers, layer_groups)
         if len(groups) > 1 and getattr(sink, "layer_groups", False) and time_cap_s is None:
             return self._fetch_groups(req_id, num_tokens, sink, dst, first_block, groups, timeout, t0, release,
