@@ -100,7 +100,7 @@ field                  default             meaning
                                            layer groups (1-64); the prefill transforms group
                                            i+1 while the decode READs group i (one KVRequest
                                            and KVReady per group, one Release); 1 = off;
-                                           ``"auto"``: 2 for a direct-mode pull of >= 64 MiB
+                                           ``"auto"``: 2 for a direct-mode pull of >= 84 MiB
                                            of tiles, else 1 (measured, see
                                            ``kvflow.decode.AUTO_GROUPS_MIN_NBYTES``)
 ``prefill_tp``         ``0``               decode: the prefills' tensor_parallel_size; checked

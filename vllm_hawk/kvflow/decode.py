@@ -129,13 +129,13 @@ def _chip_error(ready: KVReady, share: "Share") -> str:
 
 AUTO_LAYER_GROUPS = 0  # ``fetch(layer_groups=AUTO_LAYER_GROUPS)``: :func:`auto_layer_groups` picks
 #: G' bytes of a direct-mode pull from which "auto" splits it into 2 layer groups. Chosen with
-#: ``hawk bench transfer`` (Llama-3.1-70B TP=1 -> 1 p150a, Mooncake TCP, 2 cores; pipelined over
-#: whole-pull latency in the same run, 5 runs of 7-9 repeats): direct with 2 groups 0.78-1.07
-#: at >= 85 MiB of G' (160 and 640 MB of bf16 KV, bf16 and bfloat8_b; 14 of 16 cells below 1,
-#: mean 0.91), 0.99-1.08 at 80 MiB, 0.72-1.16 below; staged with 2 groups 0.85-1.32 at every
-#: size (no gain: its transfer, copies and the transform share the 2 cores); 4 and 8 groups
-#: never better than 2. Pulls below it, and staged pulls, go whole.
-AUTO_GROUPS_MIN_NBYTES = 64 << 20
+#: ``hawk bench transfer`` (Llama-3.1-70B TP=1 -> 1 p150a, Mooncake TCP, 2 cores; latency of the
+#: pipelined row over the whole pull's in the same run; 6 runs of 5-9 repeats, bf16 and bfloat8_b
+#: targets): direct with 2 groups at 85-620 MiB of G' mean 0.93 (18 cells, 13 below 1, range
+#: 0.78-1.15), at 11-80 MiB mean 1.01 (18 cells); staged with 2 groups mean 1.07 up to 85 MiB and
+#: 0.98 at 329-620 MiB (its transfer, intra-bank copies and the transform share the 2 cores); 4
+#: and 8 groups were never better than 2. Smaller pulls and staged pulls go whole.
+AUTO_GROUPS_MIN_NBYTES = 84 << 20
 
 
 def auto_layer_groups(sink, n_blocks: int) -> int:
