@@ -166,11 +166,12 @@ def run_gn(args, workdir: Path, gg_ttft: dict) -> bool:
             short = (prompt[:31] + "...") if len(prompt) > 34 else prompt
             gg = gg_ttft.get(i)
             per_bank = " ".join(f"{b / 1024:.0f}" for b in f.get("bytes_per_bank", []))
+            per_bank = f"[{per_bank}]" if per_bank or not f.get("shares") else "per chip:"
             print(f"{i:>2} {short:<34} {1e3 * ttft:7.1f}ms "
                   f"{(f'{1e3 * gg:7.1f}ms') if gg is not None else '      - ':>9} "
                   f"{f.get('total_ms', 0):6.1f}ms {f.get('nbytes', 0) / 1024:6.0f} "
                   f"{f.get('segments', 0):>4} {f.get('entries', 0):>5} {f.get('intra_bank_ops', 0):>6}  "
-                  f"[{per_bank}]")
+                  f"{per_bank}")
             for sh in f.get("shares", []):  # one line per chip: who fed it, what landed where
                 banks = " ".join(f"{b / 1024:.0f}" for b in sh.get("bytes_per_bank", []))
                 print(f"{'':>2}   chip {sh['target']} <- prefill rank {sh['prefill_rank']} ({sh['heads'][1]} KV "
