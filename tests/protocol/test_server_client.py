@@ -396,6 +396,36 @@ def test_client_rehandshakes_after_server_restart():
         c.close()
 
 
+def test_call_async_after_a_lost_connection_fails_fast_until_ensure_session():
+    """call_async (the layer-group path) does not handshake by itself: once the loss is
+    known, a message for the old server fails at once with Reconnected instead of being
+    dropped by the new server after its whole deadline; ensure_session handshakes."""
+    from vllm_hawk.protocol.client import Reconnected
+
+    handler = FakePrefill()
+    s1 = ProtocolServer(handler, COMPAT)
+    c = ProtocolClient(s1.endpoint, COMPAT, timeout_s=5.0)
+    try:
+        c.handshake()
+        s1.close()
+        s2 = _rebind(handler, s1.endpoint)
+        try:
+            deadline = time.monotonic() + 5
+            while True:  # until the client's thread has seen the disconnect
+                fut = c.call_async(_kvreq("x"))
+                if fut.done() and isinstance(fut.exception(), Reconnected):
+                    break
+                fut.cancel()
+                assert time.monotonic() < deadline, "the lost connection was never noticed"
+                time.sleep(0.05)
+            c.ensure_session()
+            assert c.call_async(_kvreq("y")).result(5).req_id == "y"
+        finally:
+            s2.close()
+    finally:
+        c.close()
+
+
 def test_a_request_queued_as_the_connection_drops_goes_out_after_a_new_handshake(monkeypatch):
     """The race CI hit: the client's thread learns of the lost connection (the server
     restarted) only after a KVRequest was numbered for the old server. That KVRequest is
@@ -425,12 +455,14 @@ def test_a_request_queued_as_the_connection_drops_goes_out_after_a_new_handshake
             out: dict = {}
             t = threading.Thread(target=lambda: out.update(r=c.request_kv(_kvreq("b"))))
             t.start()
-            time.sleep(0.3)  # queued, numbered for the old server
+            deadline = time.monotonic() + 5
+            while not c._pending and time.monotonic() < deadline:  # queued, numbered for the old server
+                time.sleep(0.01)
             held.clear()
             released.set()
             t.join(10)
             assert out["r"].req_id == "b"
-            assert s2.stats.by_type["KVRequest"] == 1 and s2.stats.bad_messages == 0
+            assert s2.stats.by_type["KVRequest"] == 1 and s2.stats.dropped_auth == 0  # none with the old id
         finally:
             s2.close()
     finally:

@@ -302,6 +302,11 @@ class DecodeEndpoint:
         res = FetchResult(req_id, f"{sink.mode}-layer-groups")
         res.extra["layer_groups"] = len(groups)
         base = self._kv_request(req_id, num_tokens, sink, dst, first_block, timeout, share)
+        try:  # call_async does not handshake again itself: after a lost connection, do it now
+            self.client.ensure_session(max(1e-3, deadline - time.monotonic()))
+        except Exception as e:  # noqa: BLE001 - timeout, refusal: nothing asked for yet
+            self._release_quietly(req_id, ok=False, share=share)  # as a failed whole request does
+            raise PeerFailed(f"request {req_id}: handshake with the prefill again failed: {e}", req_id) from e
         futs = [self.client.call_async(msgspec.structs.replace(base, first_layer=lo, num_layers=hi - lo))
                 for lo, hi in groups]
         landing, handles, first = None, [], None

@@ -108,8 +108,8 @@ class ProtocolClient:
         self._pending: dict[int, cf.Future] = {}
         self._hellos: set[int] = set()  # seqs of pending Hellos
         self._auth_failure = ""  # set by the monitor: why the ZMTP handshake failed
-        self._reconnected = False  # set by the monitor: the connection was lost after a handshake
         self._epoch = 0  # connections lost after a handshake (the monitor counts them)
+        self._session_epoch = 0  # the epoch our current session (HelloAck) was asked for in
         self._zmtp_up = False  # the current connection finished its ZMTP handshake
         self._zmtp_failures = 0  # connections in a row closed during the handshake
         self._zmtp_closed = ""  # the last handshake-failure event, for the error message
@@ -136,6 +136,7 @@ class ProtocolClient:
     # ---------------------------------------------------------------- API
     def handshake(self, timeout_s: float | None = None) -> HelloAck:
         """Send Hello; return the server's HelloAck or raise IncompatiblePeer."""
+        epoch = self._epoch  # read before the Hello is queued: a loss after it asks for another
         if self._compat is None:
             msg = ControlHello(client_id=self.client_id)
         else:
@@ -164,8 +165,19 @@ class ProtocolClient:
                                             detail="server acknowledged a different hash"),
                                    self.endpoint)
         self._server_id = ack.server_id
+        self._session_epoch = epoch
         self.hello = ack
         return ack
+
+    def ensure_session(self, timeout_s: float | None = None) -> None:
+        """Handshake again if the connection was lost since our last handshake (the server
+        restarted, or libzmq reconnected): a new connection has a new server id and no
+        session for us. :meth:`call` does this itself; callers of :meth:`call_async` call it first."""
+        if self._session_lost():
+            self.handshake(timeout_s)
+
+    def _session_lost(self) -> bool:
+        return self.hello is not None and self._epoch != self._session_epoch
 
     def request_kv(self, msg: KVRequest, timeout_s: float | None = None) -> KVReady:
         """D1 -> P7. Checks that every segment lies inside the server's exported region."""
@@ -195,28 +207,30 @@ class ProtocolClient:
 
     def call(self, msg: Message, timeout_s: float | None = None, *,
              _handshake: bool = False) -> Message:
-        """Send ``msg`` and wait for its reply; re-handshakes once if the server lost us."""
+        """Send ``msg`` and wait for its reply. After a lost connection (the server
+        restarted?) it handshakes again first: the new connection has a new server id and
+        no session for us, and drops messages addressed to the old one. A message that
+        the loss caught before it was sent (:class:`Reconnected`) is sent again after a new
+        handshake, as often as that happens; one deadline covers it all."""
         timeout = self._timeout if timeout_s is None else timeout_s
         deadline = time.monotonic() + timeout
-        if self._reconnected and not _handshake and self.hello is not None:
-            # A new connection (the server restarted?): it has a new server_id and no
-            # session for us, and drops messages addressed to the old one. One deadline
-            # covers the handshake and the call.
-            self._reconnected = False
-            self.handshake(timeout)
-            timeout = max(1e-3, deadline - time.monotonic())
-        try:
-            out = self._call_once(msg, timeout)
-        except Reconnected:
-            if _handshake or self.hello is None:
-                raise
-            self._reconnected = False  # the loop saw the loss just before sending: never sent
-            self.handshake(max(1e-3, deadline - time.monotonic()))
-            out = self._call_once(msg, max(1e-3, deadline - time.monotonic()))
+
+        def left() -> float:
+            return max(1e-3, deadline - time.monotonic())
+
+        while True:
+            if not _handshake:
+                self.ensure_session(left())
+            try:
+                out = self._call_once(msg, left())
+                break
+            except Reconnected:
+                if _handshake or time.monotonic() >= deadline:
+                    raise
         if (isinstance(out, ErrorMsg) and out.detail == HANDSHAKE_REQUIRED and not _handshake
                 and self.hello is not None):
-            self.handshake(timeout)  # the server restarted or our connection was renewed
-            out = self._call_once(msg, timeout)
+            self.handshake(left())  # the server restarted or our connection was renewed
+            out = self._call_once(msg, left())
         if isinstance(out, ErrorMsg):
             raise RemoteError(out, self.endpoint)
         return out
@@ -233,6 +247,9 @@ class ProtocolClient:
             if hello and self._refused:  # the refusal came before this Hello
                 fut.set_exception(AuthRefused(f"side-channel handshake with {self.endpoint} failed: "
                                               f"{self._refused}"))
+                return fut
+            if not hello and self._session_lost():  # would name a lost connection's server
+                fut.set_exception(Reconnected(f"connection to {self.endpoint} lost since the last handshake"))
                 return fut
             seq, frames = self._env.pack(msg, recipient="" if hello else self._server_id)
             self._pending[seq] = fut
@@ -335,7 +352,6 @@ class ProtocolClient:
                 continue
             if kind == zmq.EVENT_DISCONNECTED:
                 if self.hello is not None:
-                    self._reconnected = True
                     with self._lock:  # messages queued from now on are numbered for the new epoch
                         self._epoch += 1
                 if self._zmtp_up or self._zmtp_refused:  # an established connection was lost (libzmq
