@@ -68,9 +68,11 @@ class IncompatiblePeer(RemoteError):
 
 
 class Reconnected(ProtocolTimeout):
-    """The connection was lost (the server restarted?) after this message was queued and
-    before it went out: it was not sent (it would name the old server's id, and a new
-    server drops it). :meth:`ProtocolClient.call` re-handshakes and sends it again."""
+    """The connection was lost (the server restarted?) since the last handshake, before
+    this message went out: it was not sent (it would name the old server's id, and a new
+    server drops it). Raised by :meth:`ProtocolClient.call_async`'s future, whether the
+    loss was known when it was called or seen only as it was about to be sent;
+    :meth:`ProtocolClient.call` handshakes again and sends it again."""
 
 
 class AuthRefused(RuntimeError):
