@@ -1,8 +1,13 @@
 """Shared pytest configuration: hypothesis profiles sized for 2-core CI machines, the
-markers of whole folders (``make test-fast`` deselects them), and the time each group of
-tests took, printed at the end of the run (where CI time goes)."""
+markers of whole folders (``make test-fast`` deselects them), and what a CI log needs when
+the run goes wrong: the time each group of tests took (printed at the end), every failure
+printed the moment it happens, a timestamped line where each group starts and one for each
+slow test phase, and a deadline (``HAWK_SUITE_DEADLINE``) after which the remaining tests are
+not started, so that a slow or stuck machine still ends with a summary instead of being
+killed by CI."""
 import collections
 import os
+import time
 from pathlib import Path
 
 import pytest
@@ -20,6 +25,19 @@ FOLDER_MARKS = {"security": "security",
                 "e2e": "vllm", "tt_plugin": "vllm", "ttsim": "ttsim", "kernel_driver": "kernel", "guest": "guest"}
 TESTS = Path(__file__).parent
 _group_s: collections.Counter = collections.Counter()
+SLOW_PHASE_S = 120.0  # a setup, call or teardown longer than this gets its own line at once
+#: Wall-clock time (epoch s) after which no further test is started (0: none). ``make test``
+#: sets it under CI=true to 85 min after make started: CI kills the whole job at 90 min, and a
+#: run that stops itself still prints its failures, slow tests and group times.
+SUITE_DEADLINE = float(os.environ.get("HAWK_SUITE_DEADLINE") or 0)
+_t0 = time.monotonic()
+_config = None
+_last_group = ""
+
+
+def pytest_configure(config):
+    global _config, _t0
+    _config, _t0 = config, time.monotonic()
 
 
 def _group(nodeid: str) -> str:
@@ -29,6 +47,39 @@ def _group(nodeid: str) -> str:
 
 def pytest_runtest_logreport(report):
     _group_s[_group(report.nodeid)] += report.duration
+    tr = _config.pluginmanager.get_plugin("terminalreporter") if _config else None
+    if tr is None:
+        return
+    at = time.monotonic() - _t0
+    if report.failed:  # at once: a run that CI kills later still shows what failed
+        text = report.longreprtext.splitlines()
+        tr.write_line(f"\n[failed at {at:.0f} s] {report.nodeid} ({report.when}, {report.duration:.1f} s)")
+        for line in text[-60:]:
+            tr.write_line(f"  {line}")
+    elif report.duration > SLOW_PHASE_S:
+        tr.write_line(f"\n[slow at {at:.0f} s] {report.nodeid} {report.when}: {report.duration:.0f} s")
+
+
+def pytest_runtest_logstart(nodeid, location):
+    """A timestamped line where a new group of tests begins (the CI log's timeline)."""
+    global _last_group
+    tr = _config.pluginmanager.get_plugin("terminalreporter") if _config else None
+    group = _group(nodeid)
+    if tr is not None and group != _last_group:
+        _last_group = group
+        tr.write_line(f"\n[at {time.monotonic() - _t0:.0f} s] {group}")
+
+
+def pytest_runtest_logfinish(nodeid, location):
+    session = getattr(_config, "_hawk_session", None)
+    if session is not None and SUITE_DEADLINE and time.time() > SUITE_DEADLINE and not session.shouldfail:
+        session.shouldfail = (f"HAWK_SUITE_DEADLINE passed after {nodeid} ({time.monotonic() - _t0:.0f} s into "
+                              "this session): the remaining tests were not started (the [slow] lines say where "
+                              "the time went)")
+
+
+def pytest_sessionstart(session):
+    session.config._hawk_session = session
 
 
 def pytest_terminal_summary(terminalreporter):

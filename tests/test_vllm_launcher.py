@@ -70,11 +70,35 @@ def test_cli_version_via_launcher():
     assert out.stdout.strip().splitlines()[-1] == want
 
 
+@pytest.fixture(scope="module")
+def amx_refused(tmp_path_factory) -> str:
+    """``scripts/amx_refused.c`` built here: runs a command as on a host that advertises
+    AMX but refuses its tile state (seccomp answers ARCH_REQ_XCOMP_PERM with EPERM), the
+    CI machines where vLLM's AMX kernels die with SIGILL."""
+    import platform
+    import shutil
+
+    if platform.machine().lower() not in ("x86_64", "amd64") or platform.system() != "Linux":
+        pytest.skip("AMX is x86-64 Linux only")
+    cc = shutil.which("gcc") or shutil.which("cc")
+    if cc is None:
+        pytest.skip("no C compiler for scripts/amx_refused.c")
+    src = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "scripts", "amx_refused.c")
+    exe = str(tmp_path_factory.mktemp("amx") / "amx_refused")
+    subprocess.run([cc, "-O2", "-o", exe, src], check=True, capture_output=True, timeout=120)
+    return exe
+
+
 @pytest.mark.vllm
-def test_serve_tiny_model_answers_completions(tmp_path):
+@pytest.mark.parametrize("host", ["this-host", "amx-refused-tp2"])
+def test_serve_tiny_model_answers_completions(tmp_path, request, host):
     """``serve`` through the launcher (spawned engine core and worker) answers
     /v1/completions with a bf16 model, on hosts with working, broken or no AMX (the
-    launcher's AMX policy: one line in the log where AMX is advertised)."""
+    launcher's AMX policy: one line in the log where AMX is advertised).
+
+    ``amx-refused-tp2``: the same with 2 tensor-parallel workers under ``amx_refused``, so
+    the SIGILL branch (AMX advertised, tile state refused) runs here whatever this CPU is:
+    the decision must reach every spawned process before its first bf16 forward."""
     from vllm_fixtures import http_json, require_vllm, tiny_model_path, wait_http_ok
 
     from vllm_hawk.testing.local_cluster import free_port
@@ -83,14 +107,18 @@ def test_serve_tiny_model_answers_completions(tmp_path):
     model = tiny_model_path()
     port = free_port()
     log = open(tmp_path / "serve.log", "w+")
+    wrap, tp, env = [], [], {}
+    if host == "amx-refused-tp2":
+        wrap, tp = [request.getfixturevalue("amx_refused")], ["--tensor-parallel-size", "2"]
+        env = {"VLLM_CPU_OMP_THREADS_BIND": "nobind", "OMP_NUM_THREADS": "1"}  # as LocalCluster's TP ranks
     proc = subprocess.Popen(
-        [sys.executable, "-m", "vllm_hawk.vllm_launcher", "serve", str(model),
+        [*wrap, sys.executable, "-m", "vllm_hawk.vllm_launcher", "serve", str(model),
          "--host", "127.0.0.1", "--port", str(port), "--served-model-name", "tiny",
          "--enforce-eager", "--dtype", "bfloat16", "--max-model-len", "512",
-         "--block-size", "32", "--max-num-seqs", "4"],
+         "--block-size", "32", "--max-num-seqs", "4", *tp],
         stdout=log, stderr=subprocess.STDOUT, start_new_session=True,
         env=_python_env(VLLM_CPU_KVCACHE_SPACE="1", HF_HUB_OFFLINE="1",
-                        TOKENIZERS_PARALLELISM="false"),
+                        TOKENIZERS_PARALLELISM="false", **env),
     )
     base = f"http://127.0.0.1:{port}"
     try:
@@ -114,6 +142,8 @@ def test_serve_tiny_model_answers_completions(tmp_path):
         import torch
 
         assert len(amx_lines) == (1 if torch.cpu._is_amx_tile_supported() else 0), amx_lines
+        if wrap and amx_lines:
+            assert "does not work here" in amx_lines[0] and "SIGILL" in amx_lines[0], amx_lines
     finally:
         _stop(proc)
         log.close()

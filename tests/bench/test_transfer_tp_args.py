@@ -1,4 +1,5 @@
-"""``hawk bench transfer``'s TP options, checked before any process starts (pure)."""
+"""``hawk bench transfer``'s TP options, checked before any process starts (pure), and a
+start that fails after its prefill processes began."""
 import pytest
 
 from vllm_hawk.bench import transfer_bench
@@ -37,3 +38,13 @@ def test_fewer_prefill_ranks_than_chips_split_one_rank_over_chips():
     got = [[(ps.prefill_rank, ps.share.head_start, ps.share.num_heads, ps.share.consumers, ps.share.index)
             for ps in p] for p in plans]
     assert got == [[(0, 0, 2, 2, 0)], [(0, 2, 2, 2, 1)], [(1, 0, 2, 2, 0)], [(1, 2, 2, 2, 1)]]
+
+
+def test_a_failed_start_stops_every_prefill_process():
+    """A bad device profile is found only after both prefill ranks' processes were started:
+    ``run`` raises naming it, and stops them (none is left to run on)."""
+    import multiprocessing as mp
+
+    with pytest.raises(Exception, match="no-such-device"):
+        transfer_bench.run(prefill_tp=2, decode_tp=2, device_profile="no-such-device", sizes_mb=[1], repeats=1)
+    assert mp.active_children() == []

@@ -230,38 +230,39 @@ def run(model: str = "llama-3.1-70b", prefill_tp: int = 4, decode_tp: int | None
     host_chunk = 4 << 20
     idle = idle_ranks(shape.num_kv_heads, prefill_tp, decode_tp)
     pre: dict = {}
-    for r in range(prefill_tp):  # start every prefill rank's process, then wait for each
-        pre[r] = _Prefill({"shape": (shape.num_layers, cache_blocks, shape.kv_heads_per_rank(prefill_tp), block_size,
-                                     shape.head_dim),
-                           "seed": seed + r, "compat": compat_args,
-                           "ring_nbytes": int(rank_nbytes * 1.05) + (8 << 20),  # every share of the rank at once
-                           "host_chunk": host_chunk, "registration": registration,
-                           "gg_staged": "GG-Staged" in rows}, wait=False)
-    compat = make_compat(*compat_args)
-    mc, hs = make_transport("mooncake"), make_transport("host_staged", chunk_nbytes=host_chunk)
-    transport_of = {"hawk": mc, "gg_direct": mc, "gg_host": hs}
-    gg_kinds = ("gg_direct", "gg_host") + (("gg_staged",) if "GG-Staged" in rows else ())
-    if "GG-Staged" in rows:
-        transport_of["gg_staged"] = mc
-    spec = {dt: TTKVCacheSpec(shape.num_layers, cache_blocks, heads, block_size, shape.head_dim, dt)
-            for dt in ("bfloat16", "bfloat8_b")}
-    prof = load_profile(device_profile)
-    nb = prof.num_banks
-    recv_per_bank = -(-src_nbytes // nb) + (1 << 20)  # the largest request's G' spread over the banks, + slack
-    need = sum(-(-s.tiles_per_tensor // nb) * prof.aligned_page(s.tile_nbytes) * 2 * s.num_layers
-               for s in spec.values()) + recv_per_bank
+    mc = hs = pool = None
     closers = []
-    results: list[dict] = []
-    failed: list[dict] = []  # rows whose pull was refused: row, dtype, size_mb, error
-    chips: list[dict] = []
-    pool = cf.ThreadPoolExecutor(decode_tp, thread_name_prefix="bench-chip") if decode_tp > 1 else None
-
-    def endpoint(kind: str, rank: int) -> DecodeEndpoint:
-        ep = DecodeEndpoint(transport_of[kind], pre[rank].endpoints[kind], compat, pull_timeout_s=600)
-        closers.append(ep.close)
-        return ep
-
     try:
+        for r in range(prefill_tp):  # start every prefill rank's process, then wait for each
+            pre[r] = _Prefill({"shape": (shape.num_layers, cache_blocks, shape.kv_heads_per_rank(prefill_tp),
+                                         block_size, shape.head_dim),
+                               "seed": seed + r, "compat": compat_args,
+                               "ring_nbytes": int(rank_nbytes * 1.05) + (8 << 20),  # every share of the rank at once
+                               "host_chunk": host_chunk, "registration": registration,
+                               "gg_staged": "GG-Staged" in rows}, wait=False)
+        compat = make_compat(*compat_args)
+        mc, hs = make_transport("mooncake"), make_transport("host_staged", chunk_nbytes=host_chunk)
+        transport_of = {"hawk": mc, "gg_direct": mc, "gg_host": hs}
+        gg_kinds = ("gg_direct", "gg_host") + (("gg_staged",) if "GG-Staged" in rows else ())
+        if "GG-Staged" in rows:
+            transport_of["gg_staged"] = mc
+        spec = {dt: TTKVCacheSpec(shape.num_layers, cache_blocks, heads, block_size, shape.head_dim, dt)
+                for dt in ("bfloat16", "bfloat8_b")}
+        prof = load_profile(device_profile)
+        nb = prof.num_banks
+        recv_per_bank = -(-src_nbytes // nb) + (1 << 20)  # the largest request's G' spread over the banks, + slack
+        need = sum(-(-s.tiles_per_tensor // nb) * prof.aligned_page(s.tile_nbytes) * 2 * s.num_layers
+                   for s in spec.values()) + recv_per_bank
+        results: list[dict] = []
+        failed: list[dict] = []  # rows whose pull was refused: row, dtype, size_mb, error
+        chips: list[dict] = []
+        pool = cf.ThreadPoolExecutor(decode_tp, thread_name_prefix="bench-chip") if decode_tp > 1 else None
+
+        def endpoint(kind: str, rank: int) -> DecodeEndpoint:
+            ep = DecodeEndpoint(transport_of[kind], pre[rank].endpoints[kind], compat, pull_timeout_s=600)
+            closers.append(ep.close)
+            return ep
+
         for p in pre.values():
             p.wait()
         for d, plan in enumerate(plans):  # chip d: an emulated device and one decode per row kind
@@ -385,7 +386,8 @@ def run(model: str = "llama-3.1-70b", prefill_tp: int = 4, decode_tp: int | None
     finally:
         if pool is not None:
             pool.shutdown()
-        for c in [*reversed(closers), mc.close, hs.close, *(p.stop for p in pre.values())]:
+        # also after a failed start: every prefill process started so far is stopped
+        for c in [*reversed(closers), *(t.close for t in (mc, hs) if t is not None), *(p.stop for p in pre.values())]:
             try:
                 c()
             except Exception as e:  # noqa: BLE001 - the measurements are taken; report, do not end in a traceback

@@ -533,8 +533,10 @@ class HawkConnectorWorker:
         """Target 0 releases the prefill ranks nobody pulls from (replicated heads)."""
         if self.tp_rank != 0 or not self.kv.num_kv_heads:
             return
-        if spec.remote_tp_size not in self._replicas_logged:  # once per prefill TP size
+        with self._lock:  # pulls run on several threads: log once per prefill TP size
+            first = spec.remote_tp_size not in self._replicas_logged
             self._replicas_logged.add(spec.remote_tp_size)
+        if first:
             note = replicas(self.kv.num_kv_heads, spec.remote_tp_size)
             if note:
                 logger.info("HawkConnector decode: prefill TP %d replicates KV heads: %s; idle ranks %s are "
