@@ -13,7 +13,7 @@ PYTEST_ARGS ?=
 STAGE := bash scripts/stage.sh
 # Under CI=true no test starts later than 85 min after make started (CI kills the job at 90 min;
 # tests/conftest.py stops the run early so its log still ends with failures and timings).
-ifneq ($(CI),)
+ifneq ($(filter true 1,$(CI)),)
 ifeq ($(HAWK_SUITE_DEADLINE),)
 HAWK_SUITE_DEADLINE := $(shell echo $$(( $$(date +%s) + 5100 )))
 endif
@@ -73,11 +73,12 @@ test-ttsim: env ttsim-env  ## only tt-metal-on-ttsim vs the emulated device, tim
 
 # The engine tests as on a CI machine that advertises AMX but dies with SIGILL on it: everything
 # under scripts/amx_refused.c is refused the AMX tile state (seccomp). `make test` itself runs one
-# TP=2 engine that way (tests/test_vllm_launcher.py); this runs the rest, or PYTEST_ARGS.
+# TP=2 engine that way (tests/test_vllm_launcher.py); this runs the rest (AMX_TESTS to choose).
+AMX_TESTS ?= tests/e2e tests/tt_plugin tests/test_vllm_kv_layouts.py tests/test_vllm_launcher.py
 test-amx-refused: env
+	@command -v gcc >/dev/null || { echo "test-amx-refused: needs gcc (apt-get install gcc)" >&2; exit 2; }
 	@mkdir -p $(HAWK_CACHE) && gcc -O2 -o $(HAWK_CACHE)/amx_refused scripts/amx_refused.c
-	$(HAWK_CACHE)/amx_refused $(PY) -m pytest -q -p no:cacheprovider -m "not compose" \
-		$(or $(PYTEST_ARGS),tests/e2e tests/tt_plugin tests/test_vllm_kv_layouts.py tests/test_vllm_launcher.py)
+	$(HAWK_CACHE)/amx_refused $(PY) -m pytest -q -p no:cacheprovider -m "not compose" $(PYTEST_ARGS) $(AMX_TESTS)
 
 bench-transform: env
 	$(PY) -m vllm_hawk.cli bench transform

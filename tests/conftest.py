@@ -70,16 +70,18 @@ def pytest_runtest_logstart(nodeid, location):
         tr.write_line(f"\n[at {time.monotonic() - _t0:.0f} s] {group}")
 
 
-def pytest_runtest_logfinish(nodeid, location):
-    session = getattr(_config, "_hawk_session", None)
-    if session is not None and SUITE_DEADLINE and time.time() > SUITE_DEADLINE and not session.shouldfail:
-        session.shouldfail = (f"HAWK_SUITE_DEADLINE passed after {nodeid} ({time.monotonic() - _t0:.0f} s into "
-                              "this session): the remaining tests were not started (the [slow] lines say where "
-                              "the time went)")
+@pytest.hookimpl(tryfirst=True)
+def pytest_runtest_protocol(item, nextitem):
+    """Past ``HAWK_SUITE_DEADLINE`` no test starts: the run stops, failed, with its summary."""
+    if SUITE_DEADLINE and time.time() > SUITE_DEADLINE:
+        if not item.session.shouldfail:
+            item.session.shouldfail = (f"HAWK_SUITE_DEADLINE passed before {item.nodeid} "
+                                       f"({time.monotonic() - _t0:.0f} s into this session): it and the tests "
+                                       "after it were not started (the [slow] lines say where the time went)")
+        return True  # not run
+    return None
 
 
-def pytest_sessionstart(session):
-    session.config._hawk_session = session
 
 
 def pytest_terminal_summary(terminalreporter):
