@@ -1,10 +1,10 @@
 """Shared pytest configuration: hypothesis profiles sized for 2-core CI machines, the
 markers of whole folders (``make test-fast`` deselects them), and what a CI log needs when
 the run goes wrong: the time each group of tests took (printed at the end), every failure
-printed the moment it happens, a timestamped line where each group starts and one for each
-slow test phase, and a deadline (``HAWK_SUITE_DEADLINE``) after which the remaining tests are
-not started, so that a slow or stuck machine still ends with a summary instead of being
-killed by CI."""
+printed the moment it happens (with its cluster's server log tails, if it holds one), a
+timestamped line where each group starts and one for each slow test phase, and a deadline
+(``HAWK_SUITE_DEADLINE``) after which the remaining tests are not started, so that a slow
+or stuck machine still ends with a summary instead of being killed by CI."""
 import collections
 import os
 import time
@@ -56,8 +56,33 @@ def pytest_runtest_logreport(report):
         tr.write_line(f"\n[failed at {at:.0f} s] {report.nodeid} ({report.when}, {report.duration:.1f} s)")
         for line in text[-60:]:
             tr.write_line(f"  {line}")
+        for name, content in report.sections:
+            if name == CLUSTER_LOGS:
+                for line in content.splitlines():
+                    tr.write_line(f"  {line}")
     elif report.duration > SLOW_PHASE_S:
         tr.write_line(f"\n[slow at {at:.0f} s] {report.nodeid} {report.when}: {report.duration:.0f} s")
+
+
+CLUSTER_LOGS = "cluster server logs (tails)"
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_makereport(item, call):
+    """A failed test that holds a running cluster (any fixture value with ``servers`` whose
+    entries have ``log_tail``, i.e. a LocalCluster) carries its servers' log tails."""
+    outcome = yield
+    rep = outcome.get_result()
+    if not rep.failed:
+        return
+    tails = []
+    for value in getattr(item, "funcargs", {}).values():
+        servers = getattr(value, "servers", None)
+        if isinstance(servers, dict):
+            tails += [f"--- {s.log_path} (last 25 lines) ---\n" + "\n".join(s.log_tail(20000).splitlines()[-25:])
+                      for s in servers.values() if hasattr(s, "log_tail")]
+    if tails:
+        rep.sections.append((CLUSTER_LOGS, "\n".join(tails)))
 
 
 def pytest_runtest_logstart(nodeid, location):
