@@ -30,7 +30,8 @@ SLOW_PHASE_S = 120.0  # a setup, call or teardown longer than this gets its own 
 #: sets it under CI=true to 85 min after make started: CI kills the whole job at 90 min, and a
 #: run that stops itself still prints its failures, slow tests and group times.
 SUITE_DEADLINE = float(os.environ.get("HAWK_SUITE_DEADLINE") or 0)
-_t0 = time.monotonic()
+CLUSTER_LOGS = "cluster server logs (tails)"  # the report section a failed test's cluster logs go in
+_t0 = 0.0  # time.monotonic() at pytest_configure
 _config = None
 _last_group = ""
 
@@ -45,9 +46,13 @@ def _group(nodeid: str) -> str:
     return parts[1] if len(parts) > 2 else parts[-1].removesuffix(".py")
 
 
+def _terminal():
+    return _config.pluginmanager.get_plugin("terminalreporter") if _config else None
+
+
 def pytest_runtest_logreport(report):
     _group_s[_group(report.nodeid)] += report.duration
-    tr = _config.pluginmanager.get_plugin("terminalreporter") if _config else None
+    tr = _terminal()
     if tr is None:
         return
     at = time.monotonic() - _t0
@@ -62,9 +67,6 @@ def pytest_runtest_logreport(report):
                     tr.write_line(f"  {line}")
     elif report.duration > SLOW_PHASE_S:
         tr.write_line(f"\n[slow at {at:.0f} s] {report.nodeid} {report.when}: {report.duration:.0f} s")
-
-
-CLUSTER_LOGS = "cluster server logs (tails)"
 
 
 @pytest.hookimpl(hookwrapper=True)
@@ -88,7 +90,7 @@ def pytest_runtest_makereport(item, call):
 def pytest_runtest_logstart(nodeid, location):
     """A timestamped line where a new group of tests begins (the CI log's timeline)."""
     global _last_group
-    tr = _config.pluginmanager.get_plugin("terminalreporter") if _config else None
+    tr = _terminal()
     group = _group(nodeid)
     if tr is not None and group != _last_group:
         _last_group = group
@@ -105,8 +107,6 @@ def pytest_runtest_protocol(item, nextitem):
                                        "after it were not started (the [slow] lines say where the time went)")
         return True  # not run
     return None
-
-
 
 
 def pytest_terminal_summary(terminalreporter):

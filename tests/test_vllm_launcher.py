@@ -101,7 +101,7 @@ def test_serve_tiny_model_answers_completions(tmp_path, request, host):
     the decision must reach every spawned process before its first bf16 forward."""
     from vllm_fixtures import http_json, require_vllm, tiny_model_path, wait_http_ok
 
-    from vllm_hawk.testing.local_cluster import free_port
+    from vllm_hawk.testing.local_cluster import TP_RANK_ENV, free_port
 
     require_vllm()
     model = tiny_model_path()
@@ -110,7 +110,7 @@ def test_serve_tiny_model_answers_completions(tmp_path, request, host):
     wrap, tp, env = [], [], {}
     if host == "amx-refused-tp2":
         wrap, tp = [request.getfixturevalue("amx_refused")], ["--tensor-parallel-size", "2"]
-        env = {"VLLM_CPU_OMP_THREADS_BIND": "nobind", "OMP_NUM_THREADS": "1"}  # as LocalCluster's TP ranks
+        env = TP_RANK_ENV
     proc = subprocess.Popen(
         [*wrap, sys.executable, "-m", "vllm_hawk.vllm_launcher", "serve", str(model),
          "--host", "127.0.0.1", "--port", str(port), "--served-model-name", "tiny",

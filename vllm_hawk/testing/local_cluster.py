@@ -270,6 +270,13 @@ def _group_alive(pgid: int) -> bool:
         return True
 
 
+#: Environment of a tensor-parallel server on these 2-core machines: vLLM's default binding
+#: refuses 2 ranks on one NUMA node, and pinning 2 ranks of each server to the 2 cores starved
+#: the side channel for tens of seconds (a rank's main thread busy-polls vLLM's shared-memory
+#: queue on its core); so ranks are unpinned, one OpenMP thread each.
+TP_RANK_ENV = {"VLLM_CPU_OMP_THREADS_BIND": "nobind", "OMP_NUM_THREADS": "1"}
+
+
 @dataclass
 class LocalCluster:
     """One prefill server, one decode server, one proxy (ports picked at start)."""
@@ -348,13 +355,10 @@ class LocalCluster:
         for k in [k for k in env if k.startswith("HAWK_TT_") or k.startswith("HAWK_SHARED_SECRET")]:
             env.pop(k)  # only the --tt-* flags choose the platform; only _auth_config the secret
         env.update({k: str(v) for k, v in self.extra_env.items()})
-        if cpu is not None:
-            env["VLLM_CPU_OMP_THREADS_BIND"] = cpu
         if cpu == "nobind":
-            # Tensor-parallel ranks: vLLM's default binding refuses 2 ranks on one NUMA node, and
-            # pinning 2 ranks of each server to the 2 cores starved the side channel for tens of
-            # seconds (a rank's main thread busy-polls vLLM's shared-memory queue on its core).
-            env["OMP_NUM_THREADS"] = "1"
+            env.update(TP_RANK_ENV)
+        elif cpu is not None:
+            env["VLLM_CPU_OMP_THREADS_BIND"] = cpu
         root = str(Path(__file__).resolve().parents[2])
         tt_dir = self._tt_entry_point_dir() if tt else None
         env["PYTHONPATH"] = os.pathsep.join(p for p in (root, tt_dir, env.get("PYTHONPATH")) if p)
@@ -364,7 +368,7 @@ class LocalCluster:
         work = Path(self.workdir)
         tp = self.prefill_tp if role == "prefill" else self.decode_tp
         tp_args = ["--tensor-parallel-size", str(tp)] if tp > 1 else []
-        if tp > 1:  # see _env: ranks unpinned, one OpenMP thread each
+        if tp > 1:  # TP_RANK_ENV: ranks unpinned, one OpenMP thread each
             cpu = "nobind"
         port = free_port()
         ktc = {"kv_connector": "HawkConnector", "kv_connector_module_path": "vllm_hawk.connector",
