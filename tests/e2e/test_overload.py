@@ -1,12 +1,13 @@
 """The connector holds at overload (issue 13): prefill vLLM + decode vLLM (staged mode, a
-2 MiB prefill ring, a 2 s lease renewed by the decode's heartbeat) + ``hawk proxy``, one
+2 MiB prefill ring, an 8 s lease renewed by the decode's heartbeat) + ``hawk proxy``, one
 module-scoped trio.
 
 * A request the decode refuses has its prefill blocks released within a second, not at
   the lease's end: by the proxy when the decode's API server refused it (its engine
   never saw it), by the decode's connector when its engine did.
-* Three times the pair's capacity (measured first, closed loop) for a bounded time: no
-  request fails under ``kv_load_failure_policy: recompute``, no transfer fails and no
+* Three times the pair's capacity (measured first, closed loop; more if the queue does
+  not build) for a bounded time: no request fails under
+  ``kv_load_failure_policy: recompute``, the proxy drops no client, no transfer fails and no
   lease expires (so none was recomputed either), requests waited in the decode's queue
   far longer than the lease, and afterwards nothing is held: the prefill holds no
   request and no ring range, the decode has no pull in flight and renews nothing, and
@@ -16,12 +17,13 @@ from __future__ import annotations
 
 import concurrent.futures as cf
 import random
+import resource
 import time
 
 import pytest
 from vllm_fixtures import running
 
-from vllm_hawk.testing.local_cluster import connector_states, kv_usage, wait_idle
+from vllm_hawk.testing.local_cluster import RequestNotSent, connector_states, kv_usage, wait_idle
 from vllm_hawk.testing.local_cluster import http_post_json as _post
 
 pytestmark = pytest.mark.vllm
@@ -61,11 +63,29 @@ def _prompt(rng: random.Random) -> list[int]:
 
 
 def _one(url: str, prompt: list[int]) -> dict:
+    """One completion; a request whose connection the proxy closed before it was sent is
+    sent once more, as HTTP clients do (``resent``): it never reached the pipeline."""
     t0 = time.monotonic()
-    status, out = _post(url + "/v1/completions", {"model": "tiny", "prompt": prompt, "max_tokens": MAX_TOKENS,
-                                                  "temperature": 0, "ignore_eos": True}, timeout=300.0)
+    body = {"model": "tiny", "prompt": prompt, "max_tokens": MAX_TOKENS, "temperature": 0, "ignore_eos": True}
+    try:
+        status, out = _post(url + "/v1/completions", body, timeout=300.0)
+        resent = False
+    except RequestNotSent:
+        status, out = _post(url + "/v1/completions", body, timeout=300.0)
+        resent = True
     ok = status == 200 and out["usage"]["completion_tokens"] == MAX_TOKENS
-    return {"ok": ok, "status": status, "s": time.monotonic() - t0, "err": "" if ok else str(out)[:300]}
+    return {"ok": ok, "status": status, "s": time.monotonic() - t0, "err": "" if ok else str(out)[:300],
+            "resent": resent}
+
+
+def _client_threads() -> int:
+    """Requests in flight the client may hold: each costs the proxy about 3 fds (client,
+    prefill, decode), and the proxy drops clients beyond its fd bound (hawk_proxy_clients_evicted);
+    the test process's soft fd limit is raised to its hard one."""
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    hard = hard if hard != resource.RLIM_INFINITY else 1 << 20
+    resource.setrlimit(resource.RLIMIT_NOFILE, (hard, hard))
+    return max(64, min(4096, (hard - 400) // 3))
 
 
 REFUSALS = {
@@ -121,30 +141,40 @@ def test_three_times_capacity_fails_nothing_and_leaks_nothing(cluster, record_pr
     time.sleep(1.0)  # the state file is rewritten every 0.5 s
     failed0 = scrape_metrics(cluster.decode_url).get("vllm:hawk_failed_transfers_total", 0.0)
     expired0 = connector_states(cluster.hawk_dump)["prefill"]["prefill"]["expired"]
-    rate = OVERLOAD * capacity
+    rate0 = rate = OVERLOAD * capacity
     # Poisson arrivals for LOAD_S, and on (up to 3 x LOAD_S) until some request has waited
-    # 1.5 leases: how long the queue must grow depends on how well `capacity` was measured
-    t_start, at, futs = time.monotonic(), 0.0, []
-    with cf.ThreadPoolExecutor(4096) as pool:  # one thread per request in flight
+    # 1.5 leases. How long the queue must grow depends on how well `capacity` was measured;
+    # a closed loop of 8 underrates a pair that batches more under an open load, so past
+    # LOAD_S the rate grows 1.5x per lease until the queue holds requests that long.
+    t_start, at, futs, ramp_at = time.monotonic(), 0.0, [], LOAD_S
+    with cf.ThreadPoolExecutor(_client_threads()) as pool:  # a thread per request in flight
         while at < 3 * LOAD_S:
             time.sleep(max(0.0, t_start + at - time.monotonic()))
             futs.append((time.monotonic(), pool.submit(_one, url, _prompt(rng))))
             at += rng.expovariate(rate)
-            if at >= LOAD_S and any(time.monotonic() - t0 > 1.5 * LEASE_S for t0, f in futs if not f.done()):
-                break
+            if at >= LOAD_S:
+                if any(time.monotonic() - t0 > 1.5 * LEASE_S for t0, f in futs if not f.done()):
+                    break
+                if at >= ramp_at:
+                    rate, ramp_at = rate * 1.5, ramp_at + LEASE_S
         res = [f.result() for _t0, f in futs]
     n = len(res)
     took = time.monotonic() - t_start
     lat = sorted(r["s"] for r in res)
     s = wait_idle(cluster, cluster.hawk_dump, 30.0)
     failed = [r for r in res if not r["ok"]]
-    summary = {"capacity_rps": round(capacity, 2), "offered_rps": round(rate, 2), "requests": n,
-               "seconds": round(took, 1), "failed": len(failed), "p50_s": round(lat[len(lat) // 2], 2),
+    resent = sum(r["resent"] for r in res)
+    evicted = scrape_metrics(url).get("hawk_proxy_clients_evicted_total", 0.0)
+    summary = {"capacity_rps": round(capacity, 2), "offered_rps": round(rate0, 2), "last_rps": round(rate, 2),
+               "requests": n, "seconds": round(took, 1), "failed": len(failed), "resent": resent,
+               "proxy_evicted": evicted, "p50_s": round(lat[len(lat) // 2], 2),
                "max_s": round(lat[-1], 2), "renewed": s["prefill"]["renewed"],
                "heartbeats": s["decode"].get("heartbeats"), "backpressured": s["decode"].get("backpressured")}
     print(f"overload: {summary}")
     record_property("overload", summary)
     assert not failed, failed[:3]
+    assert evicted == 0, summary  # the client stays below the proxy's fd bound (_client_threads)
+    assert resent <= n // 20, summary  # a connection closed before its request: rare, not the rule
     # the longest requests waited in the decode's queue many leases long, and still pulled their KV
     assert lat[-1] > 1.5 * LEASE_S, summary
     assert s["prefill"]["expired"] == expired0, s  # no lease ran out: the heartbeat renewed them

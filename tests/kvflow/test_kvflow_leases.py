@@ -1,8 +1,8 @@
 """Lease renewal and early release (issue 13): the decode's heartbeat (LeaseKeeper ->
 Renew) keeps a queued request's KV past ``lease_s``, bounded by ``max_hold_s``; one Renew
 per prefill and interval; only the owner may renew or release a claimed request; a
-control peer (the proxy) may release an unclaimed one but never request KV. Every case
-ends with nothing held."""
+control peer (the proxy) may release an unclaimed one but never request KV, and renews
+one through the hand-over until a decode claims it. Every case ends with nothing held."""
 from __future__ import annotations
 
 import threading
@@ -171,3 +171,33 @@ def test_proxy_releaser_frees_an_unclaimed_request():
         finally:
             rel.close()
         assert finished == [("refused", False)] and pre.snapshot()["requests"] == 0
+
+
+def test_proxy_renews_through_the_hand_over_until_a_decode_claims_it():
+    """The proxy's hold keeps an unclaimed request past 2.5 leases; once a decode has
+    claimed it, the prefill answers the proxy's Renew ``gone`` (no not_owner refusal)
+    and the proxy stops renewing."""
+    from vllm_hawk.proxy.release import PrefillReleaser
+
+    with endpoints(lease_s=1.0) as (_cache, pre, dec, _dev, _td, finished):
+        pre.add_request("handed", [1], BS)
+        pre.add_request("nobody", [2], BS)  # not held by the proxy: expires as before
+        port = int(pre.endpoint.rsplit(":", 1)[1])
+        params = {"remote_host": "127.0.0.1", "remote_port": port, "remote_request_id": "handed"}
+        rel = PrefillReleaser(None, "none", renew_interval_s=0.2)
+        try:
+            rel.hold(params)
+            time.sleep(2.5)  # 2.5 leases in the hand-over
+            snap = pre.snapshot()
+            assert snap["requests"] == 1 and snap["expired"] == 1 and snap["renewed"] >= 2, snap
+            assert finished == [("nobody", False)]
+            dec.fetch("handed", BS, [3], "staged", release=False, timeout_s=60.0)  # claimed by the decode
+            assert wait_until(lambda: rel.keeper.wanted() == 0, 5.0)  # answered gone
+            assert rel.keeper.stats.gone == 1 and rel.keeper.stats.failed == 0
+            assert "not_owner" not in pre.stats.refusals.snapshot()
+            dec.client.release("handed")
+            rel.unhold(params)  # the decode answered: nothing left to drop
+        finally:
+            rel.close()
+        assert finished == [("nobody", False), ("handed", True)]
+        assert pre.snapshot()["requests"] == 0 and pre.snapshot()["ring_used"] == 0

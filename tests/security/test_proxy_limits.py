@@ -21,6 +21,7 @@ import pytest
 from aiohttp import web
 
 from vllm_hawk.proxy.server import Limits, Proxy, serve
+from vllm_hawk.testing.local_cluster import scrape_metrics
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -282,6 +283,7 @@ def test_partial_header_flood_at_the_fd_limit(upstream):
             t0 = time.monotonic()
             out = asyncio.run(_http(port, _post("/v1/completions", b'{"prompt":"x"}'), read_s=5))
             took = time.monotonic() - t0
+            evicted = scrape_metrics(f"http://127.0.0.1:{port}").get("hawk_proxy_clients_evicted_total", 0.0)
         finally:
             flood.close()
         rss = _proc_rss_mib(p.pid)
@@ -289,6 +291,7 @@ def test_partial_header_flood_at_the_fd_limit(upstream):
               f"reopened {flood.reopened}; RSS {base:.0f} -> {rss:.0f} MiB")
         assert out.startswith(b"HTTP/1.1 200") and took < 2.0, (took, out[:80])
         assert rss - base < 64
+        assert evicted > 0  # 400 clients against a bound of 16: the drops are counted in /metrics
     finally:
         p.terminate()
         p.wait(10)

@@ -9,7 +9,8 @@ decode: :class:`DecodeEndpoint` (D1-D8: deadlines, READ batch, settle/quarantine
 Release) landing in a :mod:`sink <vllm_hawk.kvflow.sinks>` — :class:`VllmPagedSink`,
 :class:`VllmStagedSink`, :class:`TTSink` (bank buffers or KV pages), :class:`GNHostSink` (GN-Host: vLLM blocks into
 a receive ring, layout fixed on the decode, :mod:`~vllm_hawk.kvflow.gn_host`);
-:class:`LeaseKeeper` (heartbeats renewing the prefill's leases of queued requests).
+:class:`LeaseKeeper` (heartbeats renewing the prefill's leases of queued requests; it lives in
+:mod:`vllm_hawk.protocol.leases`, which the proxy uses too).
 
 buffers: :class:`RingBuffer` (prefill ring, decode receive ring), :class:`BankBufferPool`
 (per-bank receive buffers); :mod:`~vllm_hawk.kvflow.streams`: vLLM caches as
@@ -19,7 +20,6 @@ from vllm_hawk.kvflow.bank_pool import BankBufferPool, RecvSlice
 from vllm_hawk.kvflow.decode import WHOLE, DecodeEndpoint, FetchResult, Share
 from vllm_hawk.kvflow.errors import BufferFull, KVFlowError, PeerFailed, RingClosed, TransferUnsettled
 from vllm_hawk.kvflow.gn_host import GNHostSink, WireLayout
-from vllm_hawk.kvflow.leases import LeaseKeeper
 from vllm_hawk.kvflow.prefill import PrefillEndpoint
 from vllm_hawk.kvflow.ring import RingAllocator, RingBuffer
 from vllm_hawk.kvflow.sinks import (
@@ -35,6 +35,7 @@ from vllm_hawk.kvflow.sinks import (
 )
 from vllm_hawk.kvflow.sources import KVSource, RingGatherSource, TileTransformSource, VllmBlockSource, vllm_layout_desc
 from vllm_hawk.kvflow.streams import KVRegionMap, LayerRegion
+from vllm_hawk.protocol import LeaseKeeper
 
 __all__ = ["BankBufferPool", "BufferFull", "DecodeEndpoint", "FetchResult", "GNHostSink", "KVFlowError",
            "KVPageAddresses", "KVRegionMap", "KVSink", "KVSource", "Landing", "LayerRegion", "LeaseKeeper",

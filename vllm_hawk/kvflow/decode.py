@@ -396,7 +396,7 @@ class DecodeEndpoint:
             delay = min(2 * delay, NO_SPACE_BACKOFF_MAX_S)
 
     def renew(self, req_ids, timeout_s: float | None = None):
-        """Heartbeat (see :mod:`~vllm_hawk.kvflow.leases`): extend the prefill's leases of
+        """Heartbeat (see :mod:`~vllm_hawk.protocol.leases`): extend the prefill's leases of
         ``req_ids`` (at most ``MAX_RENEW_IDS``); returns its ``Renewed``."""
         return self.client.renew(list(req_ids), timeout_s=self.pull_timeout_s if timeout_s is None else timeout_s)
 

@@ -26,7 +26,10 @@ Failure semantics, all here:
   requests waiting in its queue) moves a held, not yet requested request's expiry to
   ``lease_s`` from now, but never past ``max_hold_s`` after the hand-over: a request
   that never reaches a decode's engine is freed at the latest then (0 = no bound). Ids
-  no longer held are answered in ``Renewed.gone``;
+  no longer held are answered in ``Renewed.gone``. The proxy, a control peer, renews a
+  request while it hands it to a decode (its API server, then its engine, may keep it
+  longer than the lease under load); once a decode has claimed it, the proxy's Renew is
+  answered ``gone`` for it, since the claim's own lease (from KVReady) governs it then;
 * ring space is waited for at most ``claim_wait_s`` (and the request's deadline), then
   refused with ``no_space``.
 
@@ -445,8 +448,10 @@ class PrefillEndpoint:
         """Heartbeat: extend the lease of every id in ``msg`` that is held, not yet
         requested, and unclaimed or claimed by ``peer`` (see module doc). Ids in flight
         (KVRequest accepted) are left alone: their lease runs from KVReady. Ids not held
-        and not finished (the hand-over may still come) are ignored."""
+        and not finished (the hand-over may still come) are ignored. A control peer's
+        (the proxy's) Renew of a claimed id answers it ``gone``: the proxy's part is over."""
         now = time.time()
+        control = bool(getattr(reply, "control", False))
         gone, renewed, strangers = [], 0, 0
         with self._lock:
             for rid in msg.req_ids:
@@ -456,7 +461,10 @@ class PrefillEndpoint:
                         gone.append(rid)
                     continue
                 if req.owners and peer not in req.owners:
-                    strangers += 1
+                    if control:
+                        gone.append(rid)
+                    else:
+                        strangers += 1
                     continue
                 if not req.expiry or req.shares:  # in flight: its lease runs from KVReady
                     continue

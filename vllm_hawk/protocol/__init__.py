@@ -1,4 +1,6 @@
-"""Side channel of HAWK's Algorithm 1: messages, handshake, server and client.
+"""Side channel of HAWK's Algorithm 1: messages, handshake, server and client, and the
+lease heartbeat (:class:`~vllm_hawk.protocol.leases.LeaseKeeper`: ``Renew`` every interval
+for the requests a decode, or the proxy during the hand-over, still waits for).
 
 ZMQ (ROUTER server on the prefill, DEALER client on the decode) carrying msgpack
 messages decoded with msgspec into typed, bounded structs; no pickle anywhere.
@@ -9,6 +11,7 @@ HMAC-SHA256 envelope per message (replay window, recipient binding): see
 from vllm_hawk.protocol.client import AuthRefused, IncompatiblePeer, ProtocolClient, ProtocolTimeout, RemoteError
 from vllm_hawk.protocol.compat import compat_diff, compat_hash, describe_diff, make_compat
 from vllm_hawk.protocol.envelope import AuthError, AuthMismatch, Envelope, FrameError, Header
+from vllm_hawk.protocol.leases import LeaseKeeper
 from vllm_hawk.protocol.messages import (
                                          ERROR_CODES,
                                          MAX_RENEW_IDS,
@@ -38,7 +41,7 @@ __all__ = [
     "AUTH_MODES", "Ack", "AuthError", "AuthMismatch", "AuthRefused", "resolve_auth",
     "CompatFields", "ControlHello", "ERROR_CODES", "MAX_RENEW_IDS", "Renew", "Renewed",
     "Envelope", "ErrorMsg", "FrameError",
-    "Header", "Hello", "HelloAck", "IncompatiblePeer", "KVReady", "KVRequest", "LayoutDesc",
+    "Header", "Hello", "HelloAck", "IncompatiblePeer", "KVReady", "KVRequest", "LayoutDesc", "LeaseKeeper",
     "Message", "PROTOCOL_VERSION", "ProtocolClient", "ProtocolError", "ProtocolHandler",
     "ProtocolServer", "ProtocolTimeout", "Release", "RemoteError", "Segment", "ServerStats",
     "compat_diff", "compat_hash", "decode", "describe_diff", "encode", "make_compat", "validate",

@@ -116,7 +116,8 @@ class ProtocolHandler(Protocol):
         """D8 -> P8-P9: free the ring region and blocks; return Ack or ErrorMsg."""
 
     def on_renew(self, peer: str, msg: Renew, reply: Reply) -> Message | None:
-        """Heartbeat: extend the leases of ``msg.req_ids``; return Renewed or ErrorMsg."""
+        """Heartbeat: extend the leases of ``msg.req_ids``; return Renewed or ErrorMsg.
+        ``reply.control`` is True when a control peer (the proxy) sent it."""
 
 
 @dataclass
@@ -367,7 +368,7 @@ class ProtocolServer:
                                               "handshake's"), seq, peer)
                 return
             self._sessions.move_to_end(identity)
-            reply = _OnceReply(self, identity, seq, peer)
+            reply = _OnceReply(self, identity, seq, peer, control=identity in self._control)
             if isinstance(msg, KVRequest) and identity in self._control:
                 self.stats.refusals.count("control_kv_request")
                 out = ErrorMsg(code="bad_message", detail="a control session may not request KV",
@@ -428,12 +429,14 @@ class ProtocolServer:
 
 
 class _OnceReply:
-    """The ``reply`` callable handed to the handler: the first call wins."""
+    """The ``reply`` callable handed to the handler: the first call wins. ``control``:
+    the message came over a control session (``ControlHello``: the proxy)."""
 
-    __slots__ = ("_server", "_identity", "_seq", "_peer", "_used", "_lock")
+    __slots__ = ("_server", "_identity", "_seq", "_peer", "_used", "_lock", "control")
 
-    def __init__(self, server: ProtocolServer, identity: bytes, seq: int, peer: str) -> None:
+    def __init__(self, server: ProtocolServer, identity: bytes, seq: int, peer: str, control: bool = False) -> None:
         self._server, self._identity, self._seq, self._peer = server, identity, seq, peer
+        self.control = control
         self._used = False
         self._lock = threading.Lock()
 

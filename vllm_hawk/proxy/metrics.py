@@ -11,6 +11,8 @@ metric                                     meaning
 ``hawk_proxy_ttft_seconds``                request received -> first chunk relayed to
                                            the client (streaming requests only)
 ``hawk_proxy_requests_total``              requests by answer: ``ok`` (200), ``error``
+``hawk_proxy_clients_evicted_total``       client connections dropped, before they sent a
+                                           request, to keep fds free at the fd bound
 =========================================  ==============================================
 
 Each proxy has its own registry, so several can run in one process (tests).
@@ -37,6 +39,8 @@ class ProxyMetrics:
         self.ttft = hist("hawk_proxy_ttft_seconds", "Request received -> first chunk relayed to the client.")
         self.requests = Counter("hawk_proxy_requests", "Requests by outcome.", ["outcome"],
                                 registry=self.registry)
+        self.clients_evicted = Counter("hawk_proxy_clients_evicted", "Client connections dropped at the fd bound "
+                                       "before they sent a request.", registry=self.registry)
 
     def render(self) -> bytes:
         return generate_latest(self.registry)

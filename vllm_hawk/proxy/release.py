@@ -1,4 +1,14 @@
-"""The proxy's Release for requests a decode refused before its engine saw them.
+"""The proxy's control peer at the prefills: Renew during the hand-over, Release for
+requests a decode refused before its engine saw them.
+
+Between the prefill's answer and the decode engine's first heartbeat for a request, only
+the proxy holds it: in its own queue, then in the decode's API server, which under load
+can take longer than the prefill's ``lease_s`` to hand it to its engine. So from the
+prefill's answer until the decode answers, the proxy renews the request's lease
+(:meth:`PrefillReleaser.hold`, a :class:`~vllm_hawk.protocol.leases.LeaseKeeper` every
+``renew_interval_s``); the prefill answers ``gone`` once a decode has claimed it (or it is
+freed), and the proxy stops. The prefill's ``max_hold_s`` bounds the hold as for a
+decode's heartbeat; a proxy that dies stops renewing, and the lease frees the blocks.
 
 When the decode's API server answers a request with an error (``max_tokens`` out of
 range, a prompt longer than the decode's ``max_model_len`` ...), no decode engine ever
@@ -24,7 +34,7 @@ import collections
 import logging
 import threading
 
-from vllm_hawk.protocol import ProtocolClient, RemoteError
+from vllm_hawk.protocol import LeaseKeeper, ProtocolClient, RemoteError
 
 logger = logging.getLogger(__name__)
 
@@ -44,16 +54,33 @@ def side_channel_of(params: dict) -> tuple[str, str] | None:
 
 
 class PrefillReleaser:
-    """Sends ``Release`` for refused requests (see module doc). secret/auth: as the
-    connectors' (``auth`` None: ``curve`` with a secret, else ``none``)."""
+    """Renews handed-over requests and sends ``Release`` for refused ones (see module
+    doc). secret/auth: as the connectors' (``auth`` None: ``curve`` with a secret, else
+    ``none``); renew_interval_s: seconds between two Renews to one prefill (keep it well
+    below the prefills' ``lease_s``)."""
 
-    def __init__(self, secret: bytes | None, auth: str | None = None, timeout_s: float = 2.0) -> None:
+    def __init__(self, secret: bytes | None, auth: str | None = None, timeout_s: float = 2.0,
+                 renew_interval_s: float = 1.0) -> None:
         self.secret, self.auth, self.timeout_s = secret, auth, timeout_s
         self._clients: collections.OrderedDict[str, ProtocolClient] = collections.OrderedDict()
         self._lock = threading.Lock()
         self.released = 0
         self.already = 0  # the decode's engine saw the request and released it first
         self.failed = 0
+        self.keeper = LeaseKeeper(self._client, renew_interval_s)
+
+    def hold(self, params: dict) -> None:
+        """Renew the lease of the request ``params`` names until :meth:`unhold` (or until
+        its prefill answers it ``gone``: a decode claimed it)."""
+        where = side_channel_of(params)
+        if where is not None:
+            self.keeper.want(*where)
+
+    def unhold(self, params: dict) -> None:
+        """The decode has answered the request: stop renewing it."""
+        where = side_channel_of(params)
+        if where is not None:
+            self.keeper.drop(where[1], where[0])
 
     async def release(self, params: dict) -> bool:
         """Tell the prefill named in ``params`` to free the request; True when it did."""
@@ -110,6 +137,7 @@ class PrefillReleaser:
             raise
 
     def close(self) -> None:
+        self.keeper.close()
         with self._lock:
             clients, self._clients = list(self._clients.values()), collections.OrderedDict()
         for c in clients:

@@ -11,6 +11,9 @@ For each ``/v1/completions`` or ``/v1/chat/completions`` request:
 A request the decode refuses (an error status before any output: its API server
 rejected it, so its engine never saw it) has its prefill blocks released at once by
 the proxy (:mod:`vllm_hawk.proxy.release`; needs the shared secret the connectors use).
+With that secret the proxy also renews the request's lease at the prefill from step 1's
+answer until the decode answers, so a slow hand-over (a busy decode API server) does
+not lose the KV; the prefill ends that once a decode claims the request.
 
 Upstream errors keep their HTTP status and body; an unreachable upstream is 502 (the
 message names the server). A client that disconnects cancels the handler, which closes
@@ -299,7 +302,17 @@ class Proxy:
             return _error(502, f"prefill server {p_url} returned no kv_transfer_params "
                                "(is it a vLLM with HawkConnector as kv_producer?)")
 
-        # 2. decode
+        # 2. decode: the prefill's lease is renewed until the decode answers
+        if self.releaser is not None:
+            self.releaser.hold(params)
+        try:
+            return await self._decode(request, path, body, params, headers, p_url, prefill_ms, t_in)
+        finally:
+            if self.releaser is not None:
+                self.releaser.unhold(params)
+
+    async def _decode(self, request: web.Request, path: str, body: dict, params: dict, headers: dict[str, str],
+                      p_url: str, prefill_ms: float, t_in: float) -> web.StreamResponse:
         d_body = dict(body)
         d_body["kv_transfer_params"] = params
         d_url = self.decode.pick()
@@ -378,10 +391,14 @@ class _BoundedServer:
     """aiohttp's protocol factory, keeping client connections below ``max_clients`` so
     that file descriptors stay free for the upstream connections: at the bound, the
     oldest connection that has not sent a whole request yet is dropped for the new one
-    (an idle or partial-header flood cannot lock clients out)."""
+    (an idle or partial-header flood cannot lock clients out). Each drop is counted
+    (``hawk_proxy_clients_evicted_total``) and logged, at most every
+    :data:`EVICTION_LOG_S`: a client dropped this way sees its connection closed before
+    it could send, which from outside looks like a broken network."""
 
-    def __init__(self, inner: web.Server, max_clients: int) -> None:
+    def __init__(self, inner: web.Server, max_clients: int, metrics: ProxyMetrics | None = None) -> None:
         self.inner, self.max_clients, self.evicted = inner, max_clients, 0
+        self.metrics, self._logged_at = metrics, float("-inf")
 
     def __getattr__(self, name):
         return getattr(self.inner, name)
@@ -392,12 +409,20 @@ class _BoundedServer:
             idle = [h for h in conns if getattr(h, "_request_count", 1) == 0]
             if idle:
                 self.evicted += 1
+                if self.metrics is not None:
+                    self.metrics.clients_evicted.inc()
                 idle[0].force_close()
+                if time.monotonic() - self._logged_at >= EVICTION_LOG_S:
+                    self._logged_at = time.monotonic()
+                    logger.warning("proxy: %d client connections, the bound for its file descriptors (RLIMIT_NOFILE): "
+                                   "dropped the oldest one that had sent no request (%d dropped so far); raise "
+                                   "`ulimit -n` if these are real clients", len(conns), self.evicted)
         return self.inner(*args, **kwargs)
 
 
 EMFILE_RETRIES = 5  # upstream connects retried after EMFILE (see Proxy._open)
 EMFILE_WAIT_S = 0.05
+EVICTION_LOG_S = 10.0  # at most one eviction warning this often
 BACKLOG = 128  # asyncio accepts up to this many connections in one go (before any eviction closes)
 
 
@@ -423,6 +448,7 @@ async def serve(proxy: Proxy, host: str, port: int) -> web.AppRunner:
     runner = web.AppRunner(proxy.app(), handler_cancellation=True, access_log=None,
                            keepalive_timeout=proxy.limits.header_s)
     await runner.setup()
-    runner._server = _BoundedServer(runner._server, max_clients_for_fd_limit())  # TCPSite uses runner.server
+    runner._server = _BoundedServer(runner._server, max_clients_for_fd_limit(),  # TCPSite uses runner.server
+                                    proxy.metrics)
     await web.TCPSite(runner, host, port, backlog=BACKLOG).start()
     return runner

@@ -128,12 +128,22 @@ def http_get(url: str, timeout: float = 5.0) -> tuple[int, bytes]:
         return e.code, e.read()
 
 
+class RequestNotSent(ConnectionError):
+    """The server closed the connection before the whole request was sent (EPIPE or
+    ECONNRESET while sending): it cannot have acted on it, so sending it again is safe."""
+
+
 def http_post_json(url: str, body: dict, timeout: float = 120.0) -> tuple[int, dict | str]:
-    """POST ``body`` as JSON; (status, decoded JSON or the raw text when it is not JSON)."""
+    """POST ``body`` as JSON; (status, decoded JSON or the raw text when it is not JSON).
+    Raises :class:`RequestNotSent` when the connection broke while the request was sent."""
     u = urllib.parse.urlsplit(url)
     conn = http.client.HTTPConnection(u.hostname, u.port, timeout=timeout)
     try:
-        conn.request("POST", u.path, json.dumps(body), {"Content-Type": "application/json"})
+        try:
+            conn.request("POST", u.path, json.dumps(body), {"Content-Type": "application/json"})
+        except (BrokenPipeError, ConnectionResetError) as e:
+            raise RequestNotSent(f"POST {url}: the server closed the connection before the request was sent "
+                                 f"({e!s})") from e
         r = conn.getresponse()
         raw = r.read().decode()
         try:

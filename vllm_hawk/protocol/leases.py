@@ -1,8 +1,9 @@
-"""The decode's lease heartbeat: keep the prefill's leases of wanted requests alive.
+"""The lease heartbeat: keep the prefill's leases of wanted requests alive.
 
 A request the decode has accepted but not yet asked the prefill for (it waits in the
 engine's queue, or for a pull thread) must not lose its KV to the prefill's lease
-(``lease_s``). :class:`LeaseKeeper` remembers those ids per prefill (``want``) until the
+(``lease_s``); nor one the proxy is still handing to a decode
+(:mod:`vllm_hawk.proxy.release`). :class:`LeaseKeeper` remembers those ids per prefill (``want``) until the
 pull or the Release takes over (``drop``), and every ``interval_s`` sends each prefill
 ONE ``Renew`` naming all of its wanted ids (in chunks of :data:`MAX_RENEW_IDS`), over
 the same authenticated side channel as every other message. Ids the prefill answers as
@@ -22,10 +23,10 @@ import time
 from dataclasses import dataclass, field
 from typing import Callable
 
-from vllm_hawk.protocol import MAX_RENEW_IDS
+from vllm_hawk.protocol.messages import MAX_RENEW_IDS
 from vllm_hawk.security import RateLimitedLog
 
-logger = logging.getLogger("vllm.hawk.kvflow.leases")
+logger = logging.getLogger("vllm.hawk.protocol.leases")
 
 MAX_WANTED = 1 << 16  # ids renewed at once, over all prefills
 
