@@ -71,21 +71,28 @@ def _one(url: str, prompt: list[int]) -> dict:
         status, out = _post(url + "/v1/completions", body, timeout=300.0)
         resent = False
     except RequestNotSent:
-        status, out = _post(url + "/v1/completions", body, timeout=300.0)
         resent = True
+        try:
+            status, out = _post(url + "/v1/completions", body, timeout=300.0)
+        except RequestNotSent as e:
+            status, out = 0, str(e)
     ok = status == 200 and out["usage"]["completion_tokens"] == MAX_TOKENS
     return {"ok": ok, "status": status, "s": time.monotonic() - t0, "err": "" if ok else str(out)[:300],
             "resent": resent}
 
 
-def _client_threads() -> int:
+@pytest.fixture()
+def client_threads():
     """Requests in flight the client may hold: each costs the proxy about 3 fds (client,
     prefill, decode), and the proxy drops clients beyond its fd bound (hawk_proxy_clients_evicted);
-    the test process's soft fd limit is raised to its hard one."""
+    the test process's soft fd limit is raised to its hard one for the test."""
     soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
-    hard = hard if hard != resource.RLIM_INFINITY else 1 << 20
+    top = hard if hard != resource.RLIM_INFINITY else 1 << 20
     resource.setrlimit(resource.RLIMIT_NOFILE, (hard, hard))
-    return max(64, min(4096, (hard - 400) // 3))
+    try:
+        yield max(64, min(4096, (top - 400) // 3))
+    finally:
+        resource.setrlimit(resource.RLIMIT_NOFILE, (soft, hard))
 
 
 REFUSALS = {
@@ -122,7 +129,7 @@ def test_request_refused_by_the_decode_frees_its_prefill_blocks_at_once(cluster,
     print(f"prefill blocks of the refused request freed {freed_s * 1e3:.0f} ms after the refusal")
 
 
-def test_three_times_capacity_fails_nothing_and_leaks_nothing(cluster, record_property):
+def test_three_times_capacity_fails_nothing_and_leaks_nothing(cluster, client_threads, record_property):
     from vllm_hawk.testing.local_cluster import scrape_metrics
 
     rng = random.Random(13)
@@ -147,7 +154,7 @@ def test_three_times_capacity_fails_nothing_and_leaks_nothing(cluster, record_pr
     # a closed loop of 8 underrates a pair that batches more under an open load, so past
     # LOAD_S the rate grows 1.5x per lease until the queue holds requests that long.
     t_start, at, futs, ramp_at = time.monotonic(), 0.0, [], LOAD_S
-    with cf.ThreadPoolExecutor(_client_threads()) as pool:  # a thread per request in flight
+    with cf.ThreadPoolExecutor(client_threads) as pool:  # a thread per request in flight
         while at < 3 * LOAD_S:
             time.sleep(max(0.0, t_start + at - time.monotonic()))
             futs.append((time.monotonic(), pool.submit(_one, url, _prompt(rng))))

@@ -5,6 +5,7 @@ control peer (the proxy) may release an unclaimed one but never request KV, and 
 one through the hand-over until a decode claims it. Every case ends with nothing held."""
 from __future__ import annotations
 
+import json
 import threading
 import time
 
@@ -154,11 +155,18 @@ def test_full_ring_is_backpressure_not_failure():
 def test_proxy_releaser_frees_an_unclaimed_request():
     import asyncio
 
-    from vllm_hawk.proxy.release import PrefillReleaser, side_channel_of
+    from vllm_hawk.proxy.release import PrefillReleaser, side_channels_of
 
-    assert side_channel_of({"remote_host": "::1", "remote_port": 5, "remote_request_id": "x"}) == ("tcp://[::1]:5", "x")
-    assert side_channel_of({"remote_host": "h", "remote_port": True, "remote_request_id": "x"}) is None
-    assert side_channel_of({"remote_host": "h", "remote_port": 5}) is None
+    assert side_channels_of({"remote_host": "::1", "remote_port": 5, "remote_request_id": "x"}) == (
+        ["tcp://[::1]:5"], "x")
+    assert side_channels_of({"remote_host": "h", "remote_port": 5, "remote_request_id": "x", "remote_tp_size": 3,
+                             "remote_port_stride": 2}) == (["tcp://h:5", "tcp://h:7", "tcp://h:9"], "x")
+    assert side_channels_of({"remote_host": "h", "remote_port": True, "remote_request_id": "x"}) is None
+    assert side_channels_of({"remote_host": "h", "remote_port": 5}) is None
+    assert side_channels_of({"remote_host": "h", "remote_port": 65535, "remote_request_id": "x",
+                             "remote_tp_size": 2}) is None  # rank 1 leaves the port range
+    assert side_channels_of({"remote_host": "h", "remote_port": 5, "remote_request_id": "x",
+                             "remote_tp_size": 65}) is None
     with endpoints(lease_s=60.0) as (_cache, pre, _dec, _dev, _td, finished):
         pre.add_request("refused", [1], BS)
         port = int(pre.endpoint.rsplit(":", 1)[1])
@@ -193,7 +201,7 @@ def test_proxy_renews_through_the_hand_over_until_a_decode_claims_it():
             assert finished == [("nobody", False)]
             dec.fetch("handed", BS, [3], "staged", release=False, timeout_s=60.0)  # claimed by the decode
             assert wait_until(lambda: rel.keeper.wanted() == 0, 5.0)  # answered gone
-            assert rel.keeper.stats.gone == 1 and rel.keeper.stats.failed == 0
+            assert rel.keeper.stats.gone == 1
             assert "not_owner" not in pre.stats.refusals.snapshot()
             dec.client.release("handed")
             rel.unhold(params)  # the decode answered: nothing left to drop
@@ -201,3 +209,99 @@ def test_proxy_renews_through_the_hand_over_until_a_decode_claims_it():
             rel.close()
         assert finished == [("nobody", False), ("handed", True)]
         assert pre.snapshot()["requests"] == 0 and pre.snapshot()["ring_used"] == 0
+
+
+def test_proxy_holds_from_the_prefill_answer_until_the_decode_answers():
+    """The real proxy between a fake vLLM pair (HTTP only) and a real prefill endpoint:
+    the request is renewed while the decode takes 2.5 leases to answer; after the
+    answer, and after a client that gave up, nothing is renewed any more."""
+    import asyncio
+
+    from aiohttp import web
+
+    from vllm_hawk.proxy.release import PrefillReleaser
+    from vllm_hawk.proxy.server import Proxy, serve
+
+    with endpoints(lease_s=1.0) as (_cache, pre, _dec, _dev, _td, finished):
+        port = int(pre.endpoint.rsplit(":", 1)[1])
+        for rid in ("slow", "abandoned"):
+            pre.add_request(rid, [1 if rid == "slow" else 2], BS)
+        rel = PrefillReleaser(None, "none", renew_interval_s=0.2)
+
+        async def prefill(request):
+            body = await request.json()
+            return web.json_response({"choices": [{"text": "p"}], "kv_transfer_params": {
+                "remote_host": "127.0.0.1", "remote_port": port, "remote_request_id": body["prompt"]}})
+
+        async def decode(_request):
+            await asyncio.sleep(2.5)
+            return web.json_response({"choices": [{"text": "d"}]})
+
+        async def run():
+            app = web.Application()
+            app.router.add_post("/p/v1/completions", prefill)
+            app.router.add_post("/d/v1/completions", decode)
+            up = web.AppRunner(app)
+            await up.setup()
+            await web.TCPSite(up, "127.0.0.1", 0).start()
+            url = f"http://127.0.0.1:{up.addresses[0][1]}"
+            proxy = Proxy([url + "/p"], [url + "/d"], releaser=rel)
+            runner = await serve(proxy, "127.0.0.1", 0)
+            pport = runner.addresses[0][1]
+            try:
+                async def send(prompt: str):
+                    r, w = await asyncio.open_connection("127.0.0.1", pport)
+                    body = json.dumps({"prompt": prompt}).encode()
+                    w.write(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                            b"Content-Length: %d\r\nConnection: close\r\n\r\n%s" % (len(body), body))
+                    return r, w
+
+                async def complete(prompt: str) -> bytes:
+                    r, _w = await send(prompt)
+                    return await r.read()
+
+                slow = asyncio.create_task(complete("slow"))
+                _r, w = await send("abandoned")
+                await asyncio.sleep(0.8)
+                w.close()  # the client gives up: the proxy's handler is cancelled
+                await asyncio.sleep(0.3)
+                assert rel.keeper.wanted() == 1  # "slow" only
+                out = await slow
+                assert out.startswith(b"HTTP/1.1 200"), out[:80]
+                assert rel.keeper.wanted() == 0
+            finally:
+                await runner.cleanup()
+                await up.cleanup()
+
+        try:
+            asyncio.run(run())
+            snap = pre.snapshot()
+            assert snap["requests"] == 1 and snap["expired"] == 1, snap  # "slow" held 2.5 leases, "abandoned" not
+            assert finished == [("abandoned", False)]
+        finally:
+            rel.close()
+
+
+def test_proxy_does_not_handshake_at_every_beat_with_a_side_channel_it_cannot_reach():
+    """A failed handshake (here: nobody listens) is not tried again for RETRY_AFTER_S: the
+    next attempt fails at once, naming the endpoint."""
+    import socket
+
+    from vllm_hawk.proxy.release import PrefillReleaser
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        endpoint = f"tcp://127.0.0.1:{s.getsockname()[1]}"
+    rel = PrefillReleaser(None, "none", timeout_s=0.3, renew_interval_s=3600.0)
+    try:
+        for attempt in range(2):
+            t0 = time.monotonic()
+            with pytest.raises(Exception) as e:
+                rel._client(endpoint)
+            took = time.monotonic() - t0
+            if attempt == 0:
+                assert took >= 0.25, took  # a real handshake that timed out
+            else:
+                assert took < 0.05 and endpoint in str(e.value) and "shared secret" in str(e.value), (took, e.value)
+    finally:
+        rel.close()

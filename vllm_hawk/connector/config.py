@@ -131,10 +131,11 @@ except where it says "failed pull"; a failed pull is recomputed by the decode un
   engine's own ``max_num_seqs`` and KV blocks); their leases are renewed meanwhile.
 * **lease** (``lease_s``): a request the decode still wants is renewed every
   ``renew_interval_s``; while the proxy hands it to the decode (its queue, the decode's
-  API server) the proxy renews it (``hawk proxy --renew-interval-s``, with the shared
-  secret) until a decode claims it; one nobody wants (the decode died, the proxy never
-  forwarded it) is freed ``lease_s`` after its last renewal; a served range without
-  Release ``lease_s`` after its KVReady (the decode's READs must end before).
+  API server) the proxy renews it (``hawk proxy --renew-interval-s``; it needs the
+  shared secret, or ``auth: none``) until a decode claims it or answers; one nobody
+  wants (the decode died, the proxy never forwarded it) is freed ``lease_s`` after its
+  last renewal; a served range without Release ``lease_s`` after its KVReady (the
+  decode's READs must end before).
 * **hold bound** (``max_hold_s``): see the table; failed pull beyond it.
 * **pull deadline** (``pull_timeout_s``): failed pull.
 * **side-channel tables** (issue 10, :mod:`vllm_hawk.kvflow.prefill`): at most 1024

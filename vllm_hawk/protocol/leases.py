@@ -43,7 +43,8 @@ class KeeperStats:
 
 
 class LeaseKeeper:
-    """One heartbeat thread for every prefill a decode talks to. Thread-safe.
+    """One heartbeat thread for every prefill its owner (a decode's worker, or the
+    proxy) talks to. Thread-safe.
 
     connect(key): the object to renew through for prefill ``key`` (anything with
     ``renew(req_ids, timeout_s) -> Renewed``, e.g. a

@@ -223,7 +223,8 @@ class Renew(_Base, tag="renew"):
 
 class Renewed(_Base, tag="renewed"):
     """Reply to Renew. renewed: leases extended; gone: ids of the Renew the prefill no
-    longer holds (released, expired or never known): the sender stops renewing them."""
+    longer holds (released, expired or never known), and, to a control peer (the proxy),
+    ids a decode has claimed: the sender stops renewing them."""
 
     renewed: U32 = 0
     gone: Annotated[list[ReqId], Meta(max_length=MAX_RENEW_IDS)] = []

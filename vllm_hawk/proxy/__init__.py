@@ -46,8 +46,9 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     p.add_argument("--side-channel-auth", choices=("curve", "hmac", "none"), default=None,
                    help="the connectors' auth (default: curve with a secret, else none)")
     p.add_argument("--renew-interval-s", type=float, default=1.0,
-                   help="with the secret: seconds between two Renews of the requests being handed to a decode "
-                        "(keep it well below the prefills' lease_s; default %(default)s)")
+                   help="seconds between two Renews of the requests being handed to a decode (needs the "
+                        "connectors' secret, or --side-channel-auth none; keep it well below the prefills' lease_s; "
+                        "default %(default)s)")
     p.add_argument("--timeout-s", type=float, default=None, help=argparse.SUPPRESS)  # renamed
     return p.parse_args(argv)
 
@@ -86,8 +87,8 @@ def releaser_of(args: argparse.Namespace):
             "hawk proxy: --side-channel-auth %s without a shared secret: requests the decode refuses keep their "
             "prefill KV until the lease ends", auth)
         return None
-    if not args.renew_interval_s > 0:
-        raise SystemExit(f"hawk proxy: --renew-interval-s {args.renew_interval_s!r} must be > 0")
+    if not 0 < args.renew_interval_s <= 60:  # NaN and inf fail too
+        raise SystemExit(f"hawk proxy: --renew-interval-s {args.renew_interval_s!r} must be in (0, 60] seconds")
     return PrefillReleaser(secret, auth, renew_interval_s=args.renew_interval_s)
 
 

@@ -20,10 +20,11 @@ secret and ``auth`` as the connectors. The prefill accepts it only for a request
 decode has claimed (:mod:`vllm_hawk.kvflow.prefill`, "Ownership"), so the proxy can
 never free KV a decode is reading.
 
-One control client per prefill side channel, at most :data:`MAX_PEERS` (the oldest is
-closed); the blocking side-channel calls run in a worker thread, each within
-``timeout_s``. A Release that fails is logged and counted; the lease frees the blocks.
-When the decode's engine did see the request (some refusals happen there) the decode
+One control client per prefill side channel (every TP rank of a prefill has its own),
+at most :data:`MAX_PEERS` (the oldest is closed); the blocking side-channel calls run in
+a worker thread, each within ``timeout_s``. A Release that fails is logged and counted;
+the lease frees the blocks. When the decode's engine did see the request (some refusals
+happen there) the decode
 releases it itself, and the proxy's Release is answered ``unknown_request`` (counted
 ``already``).
 """
@@ -33,36 +34,47 @@ import asyncio
 import collections
 import logging
 import threading
+import time
 
 from vllm_hawk.protocol import LeaseKeeper, ProtocolClient, RemoteError
 
 logger = logging.getLogger(__name__)
 
 MAX_PEERS = 64
+MAX_REMOTE_TP = 64  # prefill TP ranks a request may name (the connector's bound, connector/metadata.py)
+RETRY_AFTER_S = 30.0  # a side channel whose handshake failed is not tried again before this
 
 
-def side_channel_of(params: dict) -> tuple[str, str] | None:
-    """``(side channel endpoint, remote request id)`` from a prefill's
-    ``kv_transfer_params``, or None when they do not name one."""
+def side_channels_of(params: dict) -> tuple[list[str], str] | None:
+    """``(side channel endpoint of every prefill TP rank, remote request id)`` from a
+    prefill's ``kv_transfer_params`` (rank r listens on ``remote_port + r *
+    remote_port_stride``, as the connector's ``RecvSpec.side_channel_of``; restated here
+    so that the proxy imports neither vLLM nor torch), or None when they do not name one."""
     host, port, rid = params.get("remote_host"), params.get("remote_port"), params.get("remote_request_id")
-    if not isinstance(host, str) or not host or isinstance(port, bool) or not isinstance(port, int) \
-            or not 0 < port < 65536 or not isinstance(rid, str) or not rid:
+    tp, stride = params.get("remote_tp_size") or 1, params.get("remote_port_stride") or 1
+    if not isinstance(host, str) or not host or not isinstance(rid, str) or not rid \
+            or any(isinstance(v, bool) or not isinstance(v, int) for v in (port, tp, stride)) \
+            or not 1 <= tp <= MAX_REMOTE_TP or not 1 <= stride <= MAX_REMOTE_TP \
+            or not 0 < port or not port + (tp - 1) * stride < 65536:
         return None
     if ":" in host and not host.startswith("["):
         host = f"[{host}]"
-    return f"tcp://{host}:{port}", rid
+    return [f"tcp://{host}:{port + r * stride}" for r in range(tp)], rid
 
 
 class PrefillReleaser:
-    """Renews handed-over requests and sends ``Release`` for refused ones (see module
-    doc). secret/auth: as the connectors' (``auth`` None: ``curve`` with a secret, else
-    ``none``); renew_interval_s: seconds between two Renews to one prefill (keep it well
-    below the prefills' ``lease_s``)."""
+    """Renews handed-over requests and sends ``Release`` for refused ones, at every
+    prefill TP rank (see module doc). secret/auth: as the connectors' (``auth`` None:
+    ``curve`` with a secret, else ``none``); renew_interval_s: seconds between two Renews
+    to one prefill (keep it well below the prefills' ``lease_s``). A side channel whose
+    handshake failed (wrong secret, unreachable) is left alone for :data:`RETRY_AFTER_S`,
+    so a misconfigured proxy does not handshake with it at every heartbeat."""
 
     def __init__(self, secret: bytes | None, auth: str | None = None, timeout_s: float = 2.0,
                  renew_interval_s: float = 1.0) -> None:
         self.secret, self.auth, self.timeout_s = secret, auth, timeout_s
         self._clients: collections.OrderedDict[str, ProtocolClient] = collections.OrderedDict()
+        self._failed_at: collections.OrderedDict[str, float] = collections.OrderedDict()  # endpoint -> monotonic s
         self._lock = threading.Lock()
         self.released = 0
         self.already = 0  # the decode's engine saw the request and released it first
@@ -70,68 +82,91 @@ class PrefillReleaser:
         self.keeper = LeaseKeeper(self._client, renew_interval_s)
 
     def hold(self, params: dict) -> None:
-        """Renew the lease of the request ``params`` names until :meth:`unhold` (or until
-        its prefill answers it ``gone``: a decode claimed it)."""
-        where = side_channel_of(params)
+        """Renew the lease of the request ``params`` names, at each prefill rank, until
+        :meth:`unhold` (or until the rank answers it ``gone``: a decode claimed it)."""
+        where = side_channels_of(params)
         if where is not None:
-            self.keeper.want(*where)
+            for endpoint in where[0]:
+                self.keeper.want(endpoint, where[1])
 
     def unhold(self, params: dict) -> None:
         """The decode has answered the request: stop renewing it."""
-        where = side_channel_of(params)
+        where = side_channels_of(params)
         if where is not None:
-            self.keeper.drop(where[1], where[0])
+            for endpoint in where[0]:
+                self.keeper.drop(where[1], endpoint)
 
     async def release(self, params: dict) -> bool:
-        """Tell the prefill named in ``params`` to free the request; True when it did."""
-        where = side_channel_of(params)
+        """Tell every prefill rank named in ``params`` to free the request; True when one did."""
+        where = side_channels_of(params)
         if where is None:
             return False
-        try:
-            await asyncio.get_running_loop().run_in_executor(None, self._release_sync, *where)
-        except RemoteError as e:
-            if e.code != "unknown_request":
-                raise
-            self.already += 1  # released (or claimed) already: nothing to do
-            logger.debug("proxy: Release of %s: %s", where[1][:64], e)
-            return False
-        except Exception as e:  # noqa: BLE001 - the prefill's lease frees it anyway
-            self.failed += 1
-            logger.warning("proxy: Release of %s at %s failed (%s: %s); its lease frees it", where[1][:64],
-                           where[0], type(e).__name__, e)
-            return False
-        self.released += 1
-        return True
+        loop = asyncio.get_running_loop()
+        done = await asyncio.gather(*(loop.run_in_executor(None, self._release_sync, ep, where[1])
+                                      for ep in where[0]), return_exceptions=True)
+        freed = False
+        for endpoint, out in zip(where[0], done):
+            if isinstance(out, RemoteError) and out.code == "unknown_request":
+                self.already += 1  # released (or claimed) already: nothing to do
+                logger.debug("proxy: Release of %s at %s: %s", where[1][:64], endpoint, out)
+            elif isinstance(out, BaseException):  # the prefill's lease frees it anyway
+                self.failed += 1
+                logger.warning("proxy: Release of %s at %s failed (%s: %s); its lease frees it", where[1][:64],
+                               endpoint, type(out).__name__, out)
+            else:
+                self.released += 1
+                freed = True
+        return freed
 
     def _client(self, endpoint: str) -> ProtocolClient:
+        """The session with ``endpoint`` (made on first use; shared by the keeper's thread
+        and the Release threads)."""
         with self._lock:
             c = self._clients.get(endpoint)
             if c is not None:
                 self._clients.move_to_end(endpoint)
                 return c
+            ago = time.monotonic() - self._failed_at.get(endpoint, float("-inf"))
+            if ago < RETRY_AFTER_S:
+                raise ConnectionError(f"no session with {endpoint}: its handshake failed {ago:.0f} s ago (wrong "
+                                      f"shared secret or auth, or unreachable); tried again {RETRY_AFTER_S:.0f} s "
+                                      "after it")
         c = ProtocolClient(endpoint, None, secret=self.secret, auth=self.auth, timeout_s=self.timeout_s)
         try:
             c.handshake(self.timeout_s)
         except Exception:
             c.close()
+            with self._lock:
+                self._failed_at[endpoint] = time.monotonic()
+                self._failed_at.move_to_end(endpoint)
+                while len(self._failed_at) > MAX_PEERS:
+                    self._failed_at.popitem(last=False)
             raise
         with self._lock:
-            old = self._clients.pop(endpoint, None)
-            self._clients[endpoint] = c
-            evicted = self._clients.popitem(last=False)[1] if len(self._clients) > MAX_PEERS else None
-        for x in (old, evicted):
-            if x is not None:
-                x.close()
+            have = self._clients.get(endpoint)
+            if have is None:
+                self._clients[endpoint] = c
+                self._failed_at.pop(endpoint, None)
+                evicted = self._clients.popitem(last=False)[1] if len(self._clients) > MAX_PEERS else None
+            else:  # another thread made one meanwhile: use that one, close ours
+                self._clients.move_to_end(endpoint)
+                evicted, c = c, have
+        if evicted is not None:
+            evicted.close()
         return c
 
     def _release_sync(self, endpoint: str, req_id: str) -> None:
+        c = self._client(endpoint)
         try:
-            self._client(endpoint).release(req_id, ok=False, timeout_s=self.timeout_s)
+            c.release(req_id, ok=False, timeout_s=self.timeout_s)
         except RemoteError:
             raise  # an answer: the client is fine
         except Exception:
-            with self._lock:  # a broken client is not reused
-                c = self._clients.pop(endpoint, None)
+            with self._lock:  # a broken client is not reused (only this one: another may have replaced it)
+                if self._clients.get(endpoint) is c:
+                    del self._clients[endpoint]
+                else:
+                    c = None
             if c is not None:
                 c.close()
             raise

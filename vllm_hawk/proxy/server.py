@@ -11,9 +11,11 @@ For each ``/v1/completions`` or ``/v1/chat/completions`` request:
 A request the decode refuses (an error status before any output: its API server
 rejected it, so its engine never saw it) has its prefill blocks released at once by
 the proxy (:mod:`vllm_hawk.proxy.release`; needs the shared secret the connectors use).
-With that secret the proxy also renews the request's lease at the prefill from step 1's
+The same control peer renews the request's lease at every prefill rank from step 1's
 answer until the decode answers, so a slow hand-over (a busy decode API server) does
-not lose the KV; the prefill ends that once a decode claims the request.
+not lose the KV; the prefill ends that once a decode claims the request. A decode that
+never answers keeps the KV held that long: at most ``first_byte_s`` (or ``idle_s``
+between chunks), and never past the prefill's ``max_hold_s``.
 
 Upstream errors keep their HTTP status and body; an unreachable upstream is 502 (the
 message names the server). A client that disconnects cancels the handler, which closes
