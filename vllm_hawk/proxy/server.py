@@ -408,7 +408,10 @@ class _BoundedServer:
     def __call__(self, *args, **kwargs):
         conns = self.inner.connections
         if len(conns) >= self.max_clients:
-            idle = [h for h in conns if getattr(h, "_request_count", 1) == 0]
+            # a connection dropped earlier in this loop turn is still listed (until its
+            # connection_lost, next turn): not counted, and not dropped again
+            live = [h for h in conns if not getattr(h, "_force_close", False)]
+            idle = [h for h in live if getattr(h, "_request_count", 1) == 0] if len(live) >= self.max_clients else []
             if idle:
                 self.evicted += 1
                 if self.metrics is not None:
@@ -426,20 +429,35 @@ EMFILE_RETRIES = 5  # upstream connects retried after EMFILE (see Proxy._open)
 EMFILE_WAIT_S = 0.05
 EVICTION_LOG_S = 10.0  # at most one eviction warning this often
 BACKLOG = 128  # asyncio accepts up to this many connections in one go (before any eviction closes)
+FD_RESERVE = 64  # fds kept for the upstream connections and the process itself
 
 
-def max_clients_for_fd_limit() -> int:
-    """Client connections the proxy keeps: the soft fd limit less one accept burst
-    (:data:`BACKLOG`, whose evictions close only on the next loop turn) twice, less 64 fds
-    for the upstream connections and the process itself; at least 16."""
+def _soft_fd_limit() -> int:
     try:
         import resource
 
         soft = resource.getrlimit(resource.RLIMIT_NOFILE)[0]
     except (ImportError, ValueError, OSError):
-        return 1 << 16
-    soft = soft if soft != resource.RLIM_INFINITY else 1 << 20
-    return max(16, soft - 2 * BACKLOG - 64)
+        return 1 << 20
+    return soft if soft != resource.RLIM_INFINITY else 1 << 20
+
+
+def accept_backlog(soft: int | None = None) -> int:
+    """Listen backlog, which is also how many connections asyncio accepts in one loop
+    turn: :data:`BACKLOG`, less under a small fd limit (a sixteenth of it, at least 8),
+    so that the bursts in flight, the clients kept and :data:`FD_RESERVE` fit and
+    ``accept()`` rarely runs out of fds (asyncio then accepts nobody for a second)."""
+    soft = _soft_fd_limit() if soft is None else soft
+    return max(8, min(BACKLOG, soft // 16))
+
+
+def max_clients_for_fd_limit(soft: int | None = None) -> int:
+    """Client connections the proxy keeps: the soft fd limit less three accept bursts
+    (:func:`accept_backlog`: one accepted, one whose protocols are being made, which is
+    when the evictions happen, and one whose evictions close on the next loop turn), less
+    :data:`FD_RESERVE`; at least 16."""
+    soft = _soft_fd_limit() if soft is None else soft
+    return max(16, soft - 3 * accept_backlog(soft) - FD_RESERVE)
 
 
 async def serve(proxy: Proxy, host: str, port: int) -> web.AppRunner:
@@ -452,5 +470,5 @@ async def serve(proxy: Proxy, host: str, port: int) -> web.AppRunner:
     await runner.setup()
     runner._server = _BoundedServer(runner._server, max_clients_for_fd_limit(),  # TCPSite uses runner.server
                                     proxy.metrics)
-    await web.TCPSite(runner, host, port, backlog=BACKLOG).start()
+    await web.TCPSite(runner, host, port, backlog=accept_backlog()).start()
     return runner
