@@ -23,6 +23,8 @@ from typing import Any
 
 from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorMetadata, KVConnectorWorkerMetadata
 
+from vllm_hawk.protocol import MAX_TP_RANKS, side_channel_endpoint
+
 REQUIRED_REMOTE_KEYS = ("remote_engine_id", "remote_request_id", "remote_block_ids",
                         "remote_num_tokens", "remote_host", "remote_port")
 
@@ -36,7 +38,7 @@ class SendSpec:
     lease_expiry: float
 
 
-MAX_REMOTE_TP = 64  # prefill tensor-parallel ranks a request may name
+MAX_REMOTE_TP = MAX_TP_RANKS  # prefill tensor-parallel ranks a request may name
 
 
 @dataclass
@@ -61,10 +63,7 @@ class RecvSpec:
 
     def side_channel_of(self, rank: int) -> str:
         """The side channel of prefill tensor-parallel rank ``rank``."""
-        host = self.remote_host
-        if ":" in host and not host.startswith("["):
-            host = f"[{host}]"
-        return f"tcp://{host}:{self.remote_port + rank * self.remote_port_stride}"
+        return side_channel_endpoint(self.remote_host, self.remote_port, rank, self.remote_port_stride)
 
     @classmethod
     def from_params(cls, params: dict[str, Any]) -> "RecvSpec":

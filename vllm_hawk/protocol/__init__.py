@@ -8,6 +8,7 @@ Shared-secret authentication: CurveZMQ + ZAP at connection time (default) and an
 HMAC-SHA256 envelope per message (replay window, recipient binding): see
 :mod:`vllm_hawk.protocol.server` and :mod:`vllm_hawk.protocol.envelope`.
 """
+from vllm_hawk.protocol.address import MAX_TP_RANKS, side_channel_endpoint
 from vllm_hawk.protocol.client import AuthRefused, IncompatiblePeer, ProtocolClient, ProtocolTimeout, RemoteError
 from vllm_hawk.protocol.compat import compat_diff, compat_hash, describe_diff, make_compat
 from vllm_hawk.protocol.envelope import AuthError, AuthMismatch, Envelope, FrameError, Header
@@ -38,11 +39,12 @@ from vllm_hawk.protocol.messages import (
 from vllm_hawk.protocol.server import AUTH_MODES, ProtocolHandler, ProtocolServer, ServerStats, resolve_auth
 
 __all__ = [
-    "AUTH_MODES", "Ack", "AuthError", "AuthMismatch", "AuthRefused", "resolve_auth",
+    "AUTH_MODES", "MAX_TP_RANKS", "Ack", "AuthError", "AuthMismatch", "AuthRefused", "resolve_auth",
     "CompatFields", "ControlHello", "ERROR_CODES", "MAX_RENEW_IDS", "Renew", "Renewed",
     "Envelope", "ErrorMsg", "FrameError",
     "Header", "Hello", "HelloAck", "IncompatiblePeer", "KVReady", "KVRequest", "LayoutDesc", "LeaseKeeper",
     "Message", "PROTOCOL_VERSION", "ProtocolClient", "ProtocolError", "ProtocolHandler",
     "ProtocolServer", "ProtocolTimeout", "Release", "RemoteError", "Segment", "ServerStats",
-    "compat_diff", "compat_hash", "decode", "describe_diff", "encode", "make_compat", "validate",
+    "compat_diff", "compat_hash", "decode", "describe_diff", "encode", "make_compat", "side_channel_endpoint",
+    "validate",
 ]

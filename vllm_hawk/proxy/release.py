@@ -36,30 +36,26 @@ import logging
 import threading
 import time
 
-from vllm_hawk.protocol import LeaseKeeper, ProtocolClient, RemoteError
+from vllm_hawk.protocol import MAX_TP_RANKS, LeaseKeeper, ProtocolClient, RemoteError, side_channel_endpoint
 
 logger = logging.getLogger(__name__)
 
 MAX_PEERS = 64
-MAX_REMOTE_TP = 64  # prefill TP ranks a request may name (the connector's bound, connector/metadata.py)
 RETRY_AFTER_S = 30.0  # a side channel whose handshake failed is not tried again before this
 
 
 def side_channels_of(params: dict) -> tuple[list[str], str] | None:
     """``(side channel endpoint of every prefill TP rank, remote request id)`` from a
-    prefill's ``kv_transfer_params`` (rank r listens on ``remote_port + r *
-    remote_port_stride``, as the connector's ``RecvSpec.side_channel_of``; restated here
-    so that the proxy imports neither vLLM nor torch), or None when they do not name one."""
+    prefill's ``kv_transfer_params`` (:func:`~vllm_hawk.protocol.side_channel_endpoint`),
+    or None when they do not name one."""
     host, port, rid = params.get("remote_host"), params.get("remote_port"), params.get("remote_request_id")
     tp, stride = params.get("remote_tp_size") or 1, params.get("remote_port_stride") or 1
     if not isinstance(host, str) or not host or not isinstance(rid, str) or not rid \
             or any(isinstance(v, bool) or not isinstance(v, int) for v in (port, tp, stride)) \
-            or not 1 <= tp <= MAX_REMOTE_TP or not 1 <= stride <= MAX_REMOTE_TP \
+            or not 1 <= tp <= MAX_TP_RANKS or not 1 <= stride <= MAX_TP_RANKS \
             or not 0 < port or not port + (tp - 1) * stride < 65536:
         return None
-    if ":" in host and not host.startswith("["):
-        host = f"[{host}]"
-    return [f"tcp://{host}:{port + r * stride}" for r in range(tp)], rid
+    return [side_channel_endpoint(host, port, r, stride) for r in range(tp)], rid
 
 
 class PrefillReleaser:

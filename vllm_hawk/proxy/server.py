@@ -421,7 +421,7 @@ class _BoundedServer:
                     self._logged_at = time.monotonic()
                     logger.warning("proxy: %d client connections, the bound for its file descriptors (RLIMIT_NOFILE): "
                                    "dropped the oldest one that had sent no request (%d dropped so far); raise "
-                                   "`ulimit -n` if these are real clients", len(conns), self.evicted)
+                                   "`ulimit -n` if these are real clients", len(live), self.evicted)
         return self.inner(*args, **kwargs)
 
 
