@@ -95,7 +95,7 @@ def describe_vllm_caches(kv_caches: dict, vllm_config, cfg: HawkConfig) -> Local
         st = c.untyped_storage()
         seen[st.data_ptr()] = st.nbytes()
     a0 = adapters[0]
-    isa = getattr(a0, "isa", None)
+    isa = a0.isa
     src_layout = f"{a0.name}{'/' + isa if isa else ''}/head:{heads(0, 1).signature()}"
     total = total_kv_heads(vllm_config)
     mid = model_id(vllm_config, len(names), total, a0.head_dim)

@@ -571,7 +571,7 @@ class HawkConnectorWorker:
             return self.sinks[ps.target]
         if ps.dst_start == 0 and ps.count == local:
             return self.sink
-        if self.kv.heads is None or not hasattr(self.sink, "for_heads"):
+        if self.kv.heads is None or not self.sink.caps.head_shares:
             raise TPMismatch(f"this decode's sink ({type(self.sink).__name__}) takes whole shards only; "
                              f"heads {ps.dst_start}..{ps.dst_start + ps.count - 1} of its {local} would come "
                              f"from prefill rank {ps.prefill_rank} alone")
@@ -595,12 +595,9 @@ class HawkConnectorWorker:
         if self.sink is not None:
             with self._lock:
                 d = {"inflight": len(self._pulls.inflight), "quarantined": len(self._pulls.quarantined)}
-            if isinstance(self.sink, TTSink):
-                d.update(recv_live=sum(len(x.pool.live()) if x.pool else 0 for x in self.sinks),
-                         device_buffers=sum(len(getattr(x.device, "live_buffers", list)()) for x in self.sinks))
-            elif isinstance(self.sink, GNHostSink):
-                d.update(recv_live=len(self.sink.recv.alloc.live()) if self.sink.recv else 0,
-                         device_buffers=len(getattr(self.sink.device, "live_buffers", list)()))
+            if self.sink.caps.snapshot:  # a mesh: the sum over its chips' sinks
+                held = [x.holds() for x in self.sinks or [self.sink]]
+                d.update({k: sum(h[k] for h in held) for k in ("recv_live", "device_buffers")})
             if self.keeper is not None:
                 d["renewing"] = self.keeper.wanted()
                 d["heartbeats"] = self.keeper.stats.heartbeats

@@ -17,6 +17,7 @@ buffers: :class:`RingBuffer` (prefill ring, decode receive ring), :class:`BankBu
 :class:`KVRegionMap` and the stream pairing of their block runs.
 """
 from vllm_hawk.kvflow.bank_pool import BankBufferPool, RecvSlice
+from vllm_hawk.kvflow.base import Capabilities, Prepared
 from vllm_hawk.kvflow.decode import WHOLE, DecodeEndpoint, FetchResult, Share
 from vllm_hawk.kvflow.errors import BufferFull, KVFlowError, PeerFailed, RingClosed, TransferUnsettled
 from vllm_hawk.kvflow.gn_host import GNHostSink, WireLayout
@@ -37,7 +38,8 @@ from vllm_hawk.kvflow.sources import KVSource, RingGatherSource, TileTransformSo
 from vllm_hawk.kvflow.streams import KVRegionMap, LayerRegion
 from vllm_hawk.protocol import LeaseKeeper
 
-__all__ = ["BankBufferPool", "BufferFull", "DecodeEndpoint", "FetchResult", "GNHostSink", "KVFlowError",
+__all__ = ["BankBufferPool", "BufferFull", "Capabilities", "Prepared", "DecodeEndpoint",
+           "FetchResult", "GNHostSink", "KVFlowError",
            "KVPageAddresses", "KVRegionMap", "KVSink", "KVSource", "Landing", "LayerRegion", "LeaseKeeper",
            "PeerFailed", "PrefillEndpoint", "RecvSlice", "RingAllocator", "RingBuffer", "RingClosed",
            "RingGatherSource", "SINK_MODES", "Share", "TTSink", "TileTransformSource", "TransferUnsettled",

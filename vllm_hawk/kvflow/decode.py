@@ -45,8 +45,8 @@ from dataclasses import dataclass, field
 import msgspec
 import numpy as np
 
+from vllm_hawk.kvflow.base import KVSink, Landing
 from vllm_hawk.kvflow.errors import BufferFull, KVFlowError, PeerFailed, TransferUnsettled
-from vllm_hawk.kvflow.sinks import KVSink, Landing
 from vllm_hawk.protocol import CompatFields, HelloAck, KVReady, KVRequest, ProtocolClient, ProtocolTimeout, RemoteError
 from vllm_hawk.transport import TransferFailed, TransferTimeout
 
@@ -142,10 +142,9 @@ def auto_layer_groups(sink, n_blocks: int) -> int:
     """The layer groups "auto" gives a pull of ``n_blocks`` blocks into ``sink``: 2 for a
     Tenstorrent sink in direct mode moving at least :data:`AUTO_GROUPS_MIN_NBYTES` of G',
     else 1 (see the measurements above)."""
-    tt = getattr(sink, "tt_layout", None)
-    if tt is None or not getattr(sink, "layer_groups", False) or sink.mode != "direct":
+    if not sink.caps.group_landing or sink.mode != "direct":
         return 1
-    s = tt.spec
+    s = sink.tt_layout.spec
     return 2 if n_blocks * s.tiles_per_block * s.tile_nbytes * 2 * s.num_layers >= AUTO_GROUPS_MIN_NBYTES else 1
 
 
@@ -240,7 +239,7 @@ class DecodeEndpoint:
         if layer_groups == AUTO_LAYER_GROUPS:
             layer_groups = auto_layer_groups(sink, len(dst))
         groups = split_layers(sink.layout.num_layers, layer_groups)
-        if len(groups) > 1 and getattr(sink, "layer_groups", False) and time_cap_s is None:
+        if len(groups) > 1 and sink.caps.group_landing and time_cap_s is None:
             return self._fetch_groups(req_id, num_tokens, sink, dst, first_block, groups, timeout, t0, release,
                                       share)
         plan = sink.plan(dst)

@@ -24,8 +24,9 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
+from vllm_hawk.kvflow.base import Capabilities, KVSink, Landing
 from vllm_hawk.kvflow.ring import RingBuffer
-from vllm_hawk.kvflow.sinks import KVPageAddresses, Landing
+from vllm_hawk.kvflow.sinks import KVPageAddresses
 from vllm_hawk.kvflow.streams import KVRegionMap, LayerRegion, pair_stream
 from vllm_hawk.layout.tt_kv_cache import TTKVCacheLayout
 from vllm_hawk.layout.vllm_kv import SourceKVLayout, TransformSource, source_layout_for
@@ -50,7 +51,7 @@ class WireLayout:
 
     @property
     def name(self) -> str:
-        isa = getattr(self.adapter, "isa", None)
+        isa = self.adapter.isa
         return f"{self.adapter.name}{'/' + isa if isa else ''}/{self.order}"
 
     @property
@@ -101,13 +102,14 @@ def host_wire_layout(num_kv_heads: int, block_size: int, head_dim: int, dtype: t
                                         head_dim=head_dim, dtype=dtype), "HNC")
 
 
-class GNHostSink:
+class GNHostSink(KVSink):
     """GN-Host decode: READs of the prefill's layer streams into a receive ring of
     ``recv_nbytes`` bytes (registered with ``transport``), then the layout fix into the
     Tenstorrent KV pool (``layout``, ``kv_buffers`` K0, V0, K1, ... on ``device``, mapped
     here through the bank-buffer API). A failing ``__init__`` leaves nothing held."""
 
     mode = "gn-host"
+    caps = Capabilities(snapshot=True)
 
     def __init__(self, device, layout: TTKVCacheLayout, kv_buffers, transport, wire: WireLayout,
                  recv_nbytes: int, registration: str = "per_request") -> None:
@@ -190,6 +192,10 @@ class GNHostSink:
 
     def idle(self) -> bool:
         return self.recv is None or self.recv.alloc.is_empty()
+
+    def holds(self) -> dict:
+        return {"recv_live": len(self.recv.alloc.live()) if self.recv else 0,
+                "device_buffers": len(self.device.live_buffers())}
 
     def close(self) -> None:
         if self.pages is not None:

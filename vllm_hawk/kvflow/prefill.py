@@ -385,7 +385,7 @@ class PrefillEndpoint:
 
     def _check_layers(self, msg: KVRequest) -> str:
         """'' when ``msg``'s layer group can be served, else why not."""
-        if not getattr(self.source, "layer_groups", False):
+        if not self.source.caps.layer_groups:
             return f"this prefill's source ({self.source.name}) does not serve layer groups"
         L = msg.dst_layout.num_layers
         if msg.num_layers <= 0 or msg.first_layer + msg.num_layers > L:
@@ -768,7 +768,7 @@ class _Cancelled(Exception):
 def _too_many_segments(n: int, source, msg: KVRequest) -> str:
     share = f"heads {msg.head_start}..{msg.head_start + msg.num_heads - 1} of " if msg.num_heads else ""
     return (f"KVReady would carry {n} segments ({share}{len(msg.dst_block_ids)} blocks served in place by "
-            f"{getattr(source, 'name', type(source).__name__)}: one per byte run per layer), the protocol allows "
+            f"{source.name}: one per byte run per layer), the protocol allows "
             f"{MAX_SEGMENTS}; use mode staged (the ring gathers each layer into one segment), contiguous blocks, "
             "or a head-outer cache layout for shares")
 

@@ -28,12 +28,12 @@ from __future__ import annotations
 import copy
 import ctypes
 import time
-from dataclasses import dataclass, field
-from typing import Callable, Protocol, Sequence
+from collections.abc import Callable, Sequence
 
 import numpy as np
 
 from vllm_hawk.kvflow.bank_pool import BankBufferPool
+from vllm_hawk.kvflow.base import Capabilities, Entry, KVSink, Landing
 from vllm_hawk.kvflow.exposure import Exposure, check_registration
 from vllm_hawk.kvflow.ring import RingBuffer
 from vllm_hawk.kvflow.streams import KVRegionMap, LayerRegion, pair_stream, ring_segments
@@ -42,36 +42,7 @@ from vllm_hawk.npu.bank_buffer import BankBufferAPI, BankBufferError, DeviceBuff
 from vllm_hawk.protocol import KVReady, LayoutDesc
 from vllm_hawk.transform import make_plan
 
-Entry = tuple[int, int, int]  # (local_addr, remote_addr, nbytes)
 SINK_MODES = ("staged", "direct", "per_tile")
-
-
-@dataclass
-class Landing:
-    """One request's READ batch and what to do after it (see module doc)."""
-
-    entries: list[Entry]
-    complete: Callable[[], dict]
-    free: Callable[[], None] | None
-    dst_blocks: tuple[int, ...] = ()
-    figures: dict = field(default_factory=dict)
-    unexpose: Callable[[], None] | None = None  # unregister what land() registered (direct sinks)
-
-
-class KVSink(Protocol):
-    layout: LayoutDesc  # sent in the KVRequest
-    mode: str
-
-    def plan(self, dst_blocks: np.ndarray):
-        """This sink's transfer plan for destination blocks (raises ValueError on bad ids)."""
-
-    def check_ready(self, ready: KVReady, plan, export_nbytes: int) -> str:
-        """'' when KVReady's segments are exactly what the plan expects, else why not."""
-
-    def land(self, req_id: str, ready: KVReady, plan, remote_base: int, claim_wait_s: float) -> Landing:
-        """D2-D5: claim receive memory (may raise BufferFull) and pair the segments."""
-
-    def close(self) -> None: ...
 
 
 def merged_ranges(ranges: list[tuple[int, int]]) -> list[tuple[int, int]]:
@@ -116,11 +87,12 @@ def _vllm_check(ready: KVReady, region_map: KVRegionMap, n: int, export_nbytes: 
     return ""
 
 
-class VllmPagedSink:
+class VllmPagedSink(KVSink):
     """GG-Direct: READs into a vLLM paged cache's blocks. region_map: the cache;
     storages: its buffers ``(addr, nbytes)``, registered with ``transport`` now."""
 
     mode = "direct"
+    caps = Capabilities(head_shares=True)
 
     def __init__(self, region_map: KVRegionMap, layout: LayoutDesc, transport,
                  storages: Sequence[tuple[int, int]], registration: str = "per_request") -> None:
@@ -301,7 +273,7 @@ def intra_bank_copies(device, plan, recv_offset: int) -> int:
     return device.copy_in_banks(ops)
 
 
-class TTSink:
+class TTSink(KVSink):
     """GN-HAWK: a Tenstorrent KV pool (``layout``, ``kv_buffers`` K0, V0, K1, ...) on a
     device with the bank-buffer API plus ``copy_in_bank``.
 
@@ -309,6 +281,8 @@ class TTSink:
     (or ``pool``, shared) is registered; ``direct`` / ``per_tile``: the KV pool's bank
     regions are mapped and registered with ``transport`` now. A registered KV pool is
     exposed to the transport's peers. A failing ``__init__`` leaves nothing registered."""
+
+    caps = Capabilities(group_landing=True, snapshot=True)
 
     def __init__(self, device, layout: TTKVCacheLayout, kv_buffers, transport, mode: str = "staged", *,
                  recv_nbytes_per_bank: int = 16 << 20, pool: BankBufferPool | None = None,
@@ -379,7 +353,6 @@ class TTSink:
                        unexpose=_expose(self.exposure, self.registration, req_id, entries, self._domains))
 
     # ------------------------------------------------------------------ layer groups
-    layer_groups = True  # serves fetches by layer group (land_groups)
 
     def group_ranges(self, plan, lo: int, hi: int) -> list[tuple[int, int, int]]:
         """(bank, byte offset in G', nbytes) of layers lo..hi-1 in each bank's segment."""
@@ -410,6 +383,10 @@ class TTSink:
 
     def idle(self) -> bool:
         return self.pool is None or self.pool.is_idle()
+
+    def holds(self) -> dict:
+        return {"recv_live": len(self.pool.live()) if self.pool else 0,
+                "device_buffers": len(self.device.live_buffers())}
 
     def close(self) -> None:
         self.exposure.close()

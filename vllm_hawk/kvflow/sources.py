@@ -24,13 +24,13 @@ them (offsets from the export base).
 from __future__ import annotations
 
 import ctypes
-from dataclasses import dataclass
-from typing import Callable, Protocol, Sequence
+from collections.abc import Callable, Sequence
 
 import msgspec
 import numpy as np
 import torch
 
+from vllm_hawk.kvflow.base import Capabilities, KVSource, Prepared
 from vllm_hawk.kvflow.streams import KVRegionMap, PerHeadRange, gather_copies, ring_segments, source_segments
 from vllm_hawk.layout.device_profiles import DeviceProfile
 from vllm_hawk.layout.formats import tile_format
@@ -41,38 +41,6 @@ from vllm_hawk.transform import make_plan, transform_source
 
 MAX_BANKS = 64  # bound on a peer's num_banks when its device profile is unknown here
 MAX_PAGE_NBYTES = 1 << 20  # likewise for page_nbytes
-
-
-@dataclass
-class Prepared:
-    """One request's bytes, planned. ``nbytes``: ring bytes needed (0: served in place);
-    ``fill(addr, view)``: write them at ring address ``addr`` (``view``: uint8 tensor over
-    the range); ``segments(offset)``: where they are, offsets from the export base.
-    Sources that serve layer groups (``layer_groups = True``) also give
-    ``fill_layers(addr, view, lo, hi)`` and ``segments_layers(offset, lo, hi)``: the same
-    for layers lo..hi-1 only, inside the whole request's range."""
-
-    nbytes: int
-    fill: Callable[[int, object], None]
-    segments: Callable[[int], list[Segment]]
-    fill_layers: Callable[[int, object, int, int], None] | None = None
-    segments_layers: Callable[[int, int, int], list[Segment]] | None = None
-
-
-class KVSource(Protocol):
-    """What a :class:`~vllm_hawk.kvflow.prefill.PrefillEndpoint` serves from."""
-
-    name: str
-    uses_ring: bool  # True: bytes are produced into a ring range per request
-
-    def exports(self) -> list[tuple[int, int]]:
-        """``(addr, nbytes)`` regions to register when ``uses_ring`` is False."""
-
-    def check(self, msg: KVRequest) -> str:
-        """'' when ``msg``'s destination layout can be served, else why not."""
-
-    def prepare(self, msg: KVRequest, src_blocks: np.ndarray, export_base: int) -> Prepared:
-        """Plan the bytes of source blocks ``src_blocks`` (already the requested ones)."""
 
 
 def vllm_layout_desc(region_map: KVRegionMap, name: str, dtype: str, block_size: int,
@@ -107,7 +75,7 @@ def _shape_mismatch(mine: LayoutDesc, theirs: LayoutDesc, fields: Sequence[str])
     return ""
 
 
-class _VllmStreams:
+class _VllmStreams(KVSource):
     """Shared by the two vLLM-layout sources: the decode must have the same block bytes.
     ``heads(start, count)``: the region map of those KV heads only (None: no shares)."""
 
@@ -205,7 +173,7 @@ def group_segments(plan, offset: int, lo: int, hi: int) -> list[Segment]:
     return out
 
 
-class TileTransformSource:
+class TileTransformSource(KVSource):
     """GN-HAWK: the vLLM cache's blocks, transformed into G' for the decode's tile layout (P4+P6).
 
     views: a :class:`~vllm_hawk.layout.vllm_kv.TransformSource` (zero-copy logical views
@@ -217,7 +185,7 @@ class TileTransformSource:
 
     name = "tile-transform"
     uses_ring = True
-    layer_groups = True  # serves KVRequests for one layer group (fill_layers / segments_layers)
+    caps = Capabilities(layer_groups=True)
 
     def __init__(self, views, layout: LayoutDesc, profile: DeviceProfile | None) -> None:
         self.views, self.layout, self.profile = as_transform_source(views), layout, profile

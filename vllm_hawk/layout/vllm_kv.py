@@ -63,6 +63,7 @@ class SourceKVLayout(Protocol):
     head_dim: int
     dtype: torch.dtype
     strided: bool  # kv_views works (the layout is a strided view of the cache)
+    isa: str | None  # the CPU kernel ISA whose layout this is (CPU_ATTN), else None
 
     def read_blocks(
         self, layer_cache: torch.Tensor, block_ids: torch.Tensor
@@ -138,6 +139,7 @@ class _Base:
     block_size: int
     head_dim: int
     dtype: torch.dtype = torch.bfloat16
+    isa: str | None = None  # a class default, not a dataclass field (CpuAttnKVLayout's is)
 
     def _check_cache(self, layer_cache: torch.Tensor) -> None:
         want = (self.num_kv_heads, self.block_size, 2 * self.head_dim)
