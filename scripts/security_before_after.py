@@ -1,4 +1,4 @@
-"""Before/after measurements for issue 10 (security review), one script for both checkouts.
+"""Before/after measurements of the side-channel and transport hardening, one script for both checkouts.
 
 Run the same command against the code before the security work and after it::
 

@@ -165,7 +165,7 @@ def run(lanes=(1, 2, 4, 8), poll_max_us=(200.0,), small=(1280, 8 << 10), large=(
             "rows": rows, "cpu_count": os.cpu_count(), "load_avg": os.getloadavg()}
 
 
-TARGET_US_PER_ENTRY = 20.0  # issue 15: 1,280 x 8 KiB READs at <= 20 us per entry
+TARGET_US_PER_ENTRY = 20.0  # the project's target: 1,280 x 8 KiB READs at <= 20 us per entry
 
 
 def _plot(result: dict, path: str) -> str | None:
@@ -216,7 +216,7 @@ def main(argv: list[str] | None = None) -> int:
                                  ("small_cpu_ms", "CPU ms", ".1f"), ("large_ms", "large ms", ".1f"),
                                  ("large_gbps", "GB/s", ".2f"), ("large_ratio", "x base", ".2f"),
                                  ("large_cpu_ms", "CPU ms", ".1f")])
-    if (a.small_count, a.small_kib) == (1280, 8):  # the workload issue 15's target is stated for
+    if (a.small_count, a.small_kib) == (1280, 8):  # the workload the target is stated for
         for r in result["rows"]:
             met = r["small_us_per_entry"] <= TARGET_US_PER_ENTRY
             print(f"  [{'met ' if met else 'MISS'}] {r['lanes']} lanes, poll cap {r['poll_max_us']:g} us: "

@@ -423,7 +423,7 @@ def run(model: str = "llama-3.1-70b", prefill_tp: int = 4, decode_tp: int | None
 def _row_figures(row, dtype, mb, n, block_size, per_token, runs, reps, cpu_ms, chips) -> dict:
     """One table row from ``runs`` (per repeat: per chip (FetchResult, start)): the request's
     latency is from the first chip's D1 to the last chip's KV in place (a time-capped
-    per-tile pull extrapolated as before); per chip: bytes, bytes per DRAM bank (largest
+    per-tile pull extrapolated linearly); per chip: bytes, bytes per DRAM bank (largest
     bank; NaN where the decode has no banks: GG rows), segments, READ entries; totals."""
     def chip_total(r) -> float:  # D1 -> KV in place, a capped per-tile run extrapolated linearly
         return r.request_s + (r.total_s - r.request_s) / r.fraction

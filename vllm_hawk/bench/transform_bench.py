@@ -39,7 +39,7 @@ from vllm_hawk.transform import cpu_kernel, make_plan, transform_source
 from vllm_hawk.transform.kv_transform import kernel_tile_args, kernel_transform
 
 SOURCES = ("flash", "cpu", "amx")
-TARGET_RATIO = 0.5  # issue 15: end to end at >= 40 MB, at least half the copy's speed ...
+TARGET_RATIO = 0.5  # the target: end to end at >= 40 MB, at least half the copy's speed ...
 TARGET_SOURCES = ("flash", "cpu")  # ... for FlashAttention and CPU vec (AMX is reported, not targeted)
 TARGET_DTYPES = ("bfloat16", "bfloat8_b")
 TARGET_MIN_MB = 40

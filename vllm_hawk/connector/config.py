@@ -138,7 +138,7 @@ except where it says "failed pull"; a failed pull is recomputed by the decode un
   decode's READs must end before).
 * **hold bound** (``max_hold_s``): see the table; failed pull beyond it.
 * **pull deadline** (``pull_timeout_s``): failed pull.
-* **side-channel tables** (issue 10, :mod:`vllm_hawk.kvflow.prefill`): at most 1024
+* **side-channel tables** (:mod:`vllm_hawk.kvflow.prefill`): at most 1024
   early KVRequests / Releases, 4096 sessions, 65,536 ids renewed per decode; beyond
   them the oldest is evicted or the new one refused (counted in the refusals).
 * **refused at the decode's API server** (bad ``max_tokens``, prompt longer than the
@@ -262,8 +262,24 @@ def port_stride(vllm_config) -> int:
 
 
 def parse_config(extra: Mapping[str, Any] | None, *, dp_rank: int = 0) -> HawkConfig:
-    """Validate ``kv_connector_extra_config`` and return the settings (see module doc)."""
+    """Validate ``kv_connector_extra_config`` and return the settings (see module doc).
+    Fields are checked in a fixed order, so the first error is always the same one."""
     extra = dict(extra or {})
+    _check_names(extra)
+    cfg = HawkConfig()
+    out: dict[str, Any] = {f: getattr(cfg, f) for f in _KNOWN}
+    out.update(extra)
+    _check_strategy(out)
+    _check_numbers(out, extra, dp_rank)
+    _check_layout_fix(out)
+    if out["auth"] not in AUTH_MODES:
+        raise _err("auth", out["auth"], f"choose one of {list(AUTH_MODES)}")
+    out["secret_bytes"] = _resolve_secret(out)
+    return HawkConfig(**out)
+
+
+def _check_names(extra: dict) -> None:
+    """Renamed and unknown fields are refused, naming the field to use instead."""
     unknown = sorted(set(extra) - set(_KNOWN))
     for old, new in _RENAMED.items():
         if old in extra:
@@ -271,10 +287,10 @@ def parse_config(extra: Mapping[str, Any] | None, *, dp_rank: int = 0) -> HawkCo
     if unknown:
         raise HawkConfigError(f"kv_connector_extra_config has unknown field(s) {unknown}; "
                               f"known fields: {sorted(_KNOWN)}")
-    cfg = HawkConfig()
-    out: dict[str, Any] = {f: getattr(cfg, f) for f in _KNOWN}
-    out.update(extra)
 
+
+def _check_strategy(out: dict) -> None:
+    """transport, mode and the string fields."""
     if out["transport"] not in TRANSPORTS:
         raise _err("transport", out["transport"], f"choose one of {list(TRANSPORTS)}")
     if out["mode"] not in MODES:
@@ -287,6 +303,10 @@ def parse_config(extra: Mapping[str, Any] | None, *, dp_rank: int = 0) -> HawkCo
     if out["rdma_device"] and out["transport"] != "mooncake-rdma":
         raise _err("rdma_device", out["rdma_device"], "only meaningful with "
                    "transport='mooncake-rdma'")
+
+
+def _check_numbers(out: dict, extra: dict, dp_rank: int) -> None:
+    """Ports, times (s), sizes (bytes) and counts, in place; defaults derived from lease_s."""
     out["side_channel_port"] = _number("side_channel_port", out["side_channel_port"],
                                        integer=True, low=1, high=65535 - dp_rank) + dp_rank
     for name in ("lease_s", "pull_timeout_s", "claim_wait_s", "handshake_timeout_s"):
@@ -308,28 +328,26 @@ def parse_config(extra: Mapping[str, Any] | None, *, dp_rank: int = 0) -> HawkCo
         out["layer_groups"] = _number("layer_groups", out["layer_groups"], integer=True, low=1, high=64)
     out["prefill_tp"] = _number("prefill_tp", out["prefill_tp"], integer=True, low=0, high=64)
 
+
+def _check_layout_fix(out: dict) -> None:
+    """device_profile is known, and layout_fix fits it and layer_groups."""
     profile = out["device_profile"]
     if profile != VLLM_PROFILE:
         from vllm_hawk.layout.device_profiles import available_profiles
         known = available_profiles()
         if profile not in known:
             raise _err("device_profile", profile, f"choose {VLLM_PROFILE!r} or one of {known}")
-
     fix = out["layout_fix"]
     if fix not in LAYOUT_FIXES:
         raise _err("layout_fix", fix, f"choose one of {list(LAYOUT_FIXES)}")
-    if fix == "decode":
-        if profile == VLLM_PROFILE:
-            raise _err("layout_fix", fix, "the decode-side layout fix (GN-Host) is for a Tenstorrent decode: set "
-                       "device_profile to its device (e.g. 'p150a'); a vLLM decode needs no fix")
-        if out["layer_groups"] not in (1, AUTO_LAYER_GROUPS):
-            raise _err("layer_groups", out["layer_groups"], "layout_fix='decode' (GN-Host) pulls whole requests: "
-                       "set layer_groups 1 (or leave it auto)")
-
-    if out["auth"] not in AUTH_MODES:
-        raise _err("auth", out["auth"], f"choose one of {list(AUTH_MODES)}")
-    out["secret_bytes"] = _resolve_secret(out)
-    return HawkConfig(**out)
+    if fix != "decode":
+        return
+    if profile == VLLM_PROFILE:
+        raise _err("layout_fix", fix, "the decode-side layout fix (GN-Host) is for a Tenstorrent decode: set "
+                   "device_profile to its device (e.g. 'p150a'); a vLLM decode needs no fix")
+    if out["layer_groups"] not in (1, AUTO_LAYER_GROUPS):
+        raise _err("layer_groups", out["layer_groups"], "layout_fix='decode' (GN-Host) pulls whole requests: "
+                   "set layer_groups 1 (or leave it auto)")
 
 
 def _read_secret_file(name: str, path: Any) -> bytes:

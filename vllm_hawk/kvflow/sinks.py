@@ -21,7 +21,7 @@ ranges and bank-buffer slices while held, and for direct sinks the destination b
 byte runs from ``land`` until the endpoint calls ``Landing.unexpose`` (after the batch);
 a layer-group fetch (:meth:`TTSink.land_groups`) registers every group's pages once,
 from D2 until ``GroupLanding.unexpose`` after the last group's batch.
-``whole`` registers the cache / pool / ring once at start, as before.
+``whole`` registers the cache / pool / ring once at start.
 """
 from __future__ import annotations
 

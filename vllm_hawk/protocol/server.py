@@ -318,9 +318,27 @@ class ProtocolServer:
         self.stats.received += 1
         if len(frames) < 2:
             return
-        identity, payload = frames[0], frames[1:]
+        identity = frames[0]
+        unpacked = self._unpack(identity, frames[1:])
+        if unpacked is None:
+            return
+        header, msg = unpacked
+        self.stats.by_type[type(msg).__name__] += 1
+        seq, peer = header.seq, header.sender
         try:
-            header, msg = self._env.unpack(payload)
+            self._dispatch(identity, header, msg)
+        except Exception as e:  # noqa: BLE001 - a handler bug must not kill the server
+            self.stats.handler_errors += 1
+            logger.exception("protocol server: handler failed")
+            self._send(identity, ErrorMsg(code="internal", detail=f"{type(e).__name__}: "
+                                          f"{str(e)[:500]}", req_id=getattr(msg, "req_id", "")),
+                       seq, peer)
+
+    def _unpack(self, identity: bytes, payload: list[bytes]):
+        """``(header, msg)``, or None for a message refused here (counted, answered where
+        the peer can be told why without helping a stranger)."""
+        try:
+            return self._env.unpack(payload)
         except AuthMismatch as e:  # we have no secret, the peer signs
             self.stats.dropped_auth += 1
             self.stats.refusals.count("auth_mismatch")
@@ -329,7 +347,6 @@ class ProtocolServer:
                 self._send(identity, ErrorMsg(code="auth_failed", detail="this prefill runs with auth 'none' but "
                                               "the decode has a shared secret: configure both sides alike"),
                            e.header.seq, e.header.sender, sign=False)
-            return
         except AuthError as e:
             self.stats.dropped_auth += 1
             self.stats.refusals.count("auth")
@@ -340,57 +357,51 @@ class ProtocolServer:
                 self._send(identity, ErrorMsg(code="auth_failed", detail=f"{why}: set the same shared_secret (or "
                                               "shared_secret_file) on both sides"),
                            e.header.seq, e.header.sender, sign=False)
-            return
         except FrameError as e:
             self.stats.bad_messages += 1
             self.stats.refusals.count("bad_message")
             self._rlog("bad", "protocol server: bad message: %s", e)
             if self._env.authenticated and e.header is None:
                 self.stats.dropped_auth += 1
-                return  # cannot be authenticated: drop silently
+                return None  # cannot be authenticated: drop silently
             self._send(identity, ErrorMsg(code="bad_message", detail=str(e)[:1000]),
                        e.header.seq if e.header else 0, e.header.sender if e.header else "")
-            return
-        self.stats.by_type[type(msg).__name__] += 1
+        return None
+
+    def _dispatch(self, identity: bytes, header, msg) -> None:
+        """A Hello opens a session; anything else needs one and goes to the handler."""
         seq, peer = header.seq, header.sender
-        try:
-            if isinstance(msg, (Hello, ControlHello)):
-                self._send(identity, self._on_hello(identity, peer, msg), seq, peer)
-                return
-            known = self._sessions.get(identity)
-            if known is None or not header.recipient:  # only a Hello may be sent to nobody
-                self._send(identity, ErrorMsg(code="bad_message", detail="handshake (Hello) "
-                                              "required first"), seq, peer)
-                return
-            if known != peer:
-                self.stats.refusals.count("sender_changed")
-                self._send(identity, ErrorMsg(code="bad_message", detail="sender id differs from the "
-                                              "handshake's"), seq, peer)
-                return
-            self._sessions.move_to_end(identity)
-            reply = _OnceReply(self, identity, seq, peer, control=identity in self._control)
-            if isinstance(msg, KVRequest) and identity in self._control:
-                self.stats.refusals.count("control_kv_request")
-                out = ErrorMsg(code="bad_message", detail="a control session may not request KV",
-                               req_id=msg.req_id)
-            elif isinstance(msg, KVRequest):
-                out = self._handler.on_kv_request(peer, msg, reply)
-            elif isinstance(msg, Release):
-                out = self._handler.on_release(peer, msg, reply)
-            elif isinstance(msg, Renew):
-                out = self._handler.on_renew(peer, msg, reply)
-            else:
-                self.stats.bad_messages += 1
-                out = ErrorMsg(code="bad_message",
-                               detail=f"{type(msg).__name__} is not a request")
-            if out is not None:
-                reply(out)
-        except Exception as e:  # noqa: BLE001 - a handler bug must not kill the server
-            self.stats.handler_errors += 1
-            logger.exception("protocol server: handler failed")
-            self._send(identity, ErrorMsg(code="internal", detail=f"{type(e).__name__}: "
-                                          f"{str(e)[:500]}", req_id=getattr(msg, "req_id", "")),
-                       seq, peer)
+        if isinstance(msg, (Hello, ControlHello)):
+            self._send(identity, self._on_hello(identity, peer, msg), seq, peer)
+            return
+        known = self._sessions.get(identity)
+        if known is None or not header.recipient:  # only a Hello may be sent to nobody
+            self._send(identity, ErrorMsg(code="bad_message", detail="handshake (Hello) "
+                                          "required first"), seq, peer)
+            return
+        if known != peer:
+            self.stats.refusals.count("sender_changed")
+            self._send(identity, ErrorMsg(code="bad_message", detail="sender id differs from the "
+                                          "handshake's"), seq, peer)
+            return
+        self._sessions.move_to_end(identity)
+        reply = _OnceReply(self, identity, seq, peer, control=identity in self._control)
+        if isinstance(msg, KVRequest) and identity in self._control:
+            self.stats.refusals.count("control_kv_request")
+            out = ErrorMsg(code="bad_message", detail="a control session may not request KV",
+                           req_id=msg.req_id)
+        elif isinstance(msg, KVRequest):
+            out = self._handler.on_kv_request(peer, msg, reply)
+        elif isinstance(msg, Release):
+            out = self._handler.on_release(peer, msg, reply)
+        elif isinstance(msg, Renew):
+            out = self._handler.on_renew(peer, msg, reply)
+        else:
+            self.stats.bad_messages += 1
+            out = ErrorMsg(code="bad_message",
+                           detail=f"{type(msg).__name__} is not a request")
+        if out is not None:
+            reply(out)
 
     def _on_hello(self, identity: bytes, sender: str, msg: Hello | ControlHello) -> Message:
         if isinstance(msg, ControlHello):

@@ -15,7 +15,7 @@ access kinds are specialised:
 * kind 2, tables: anything else (CPU ``amx`` K and V, whose token and dim digits are split
   over several axes), read through the two offset tables.
 
-Techniques (measured in issue 15, all byte-identical to :func:`~vllm_hawk.layout.formats.pack_tiles`):
+Techniques (each measured with ``hawk bench transform``, all byte-identical to :func:`~vllm_hawk.layout.formats.pack_tiles`):
 every index is unsigned 64-bit (numba adds a negative-index fix-up to signed indices, which
 blocks vectorisation); bf16 block-float packing runs in 16-bit lanes (exact: see
 :func:`_bfp_code16`), written as LLVM vector IR 16 or 32 lanes wide; jobs come in source

@@ -66,10 +66,10 @@ ENV_DEFAULTS = {
     # the large entries (the staged transfer bench was slower with 8 in 2 runs of 2).
     "MC_TCP_LANES_PER_PEER": "4",
 }
-#: Longest sleep between polls of in-flight entries. It was 2 ms: a batch of a few large
-#: entries then finished up to 2 ms after its last byte. `hawk bench entries`, 4 lanes, two
-#: runs: 4 x 40 MiB 45.8-50.3 ms with 0.2 ms against 51.0-61.5 with 2 ms; 1,280 x 8 KiB
-#: 22.0-26.5 us per entry against 21.9-30.6 (docs/mooncake.md).
+#: Longest sleep between polls of in-flight entries: a batch of a few large entries finishes
+#: up to one sleep after its last byte. `hawk bench entries`, 4 lanes, two runs: 4 x 40 MiB
+#: 45.8-50.3 ms with 0.2 ms against 51.0-61.5 with 2 ms; 1,280 x 8 KiB 22.0-26.5 us per entry
+#: against 21.9-30.6 (docs/mooncake.md).
 POLL_MAX_S = 200e-6
 _BAD_BATCH_IDS = (0, 2**64 - 1, -1)  # the binding returns 0 or (uint64)-1 on failure
 
@@ -212,77 +212,96 @@ class MooncakeTransport:
             return w
 
     def _peer_loop(self, w: _PeerWorker) -> None:
+        """One peer's entries: submit while the window has room, poll in submission order,
+        back off from ``poll_min`` to ``poll_max`` while nothing moves. The engine is
+        taken once: close() drops ``self._engine`` while a stuck thread may still run."""
         engine = self._engine
         active: collections.deque[_Job] = collections.deque()  # jobs still submitting
         inflight: collections.deque[tuple[int, _Job]] = collections.deque()
         sleep_s = self._poll_min
         stopping = False
         while True:
-            # Take new jobs; block only when there is nothing to do.
-            try:
-                while True:
-                    job = w.jobs.get(block=not (active or inflight or stopping))
-                    if job is None:
-                        stopping = True
-                        for j in active:
-                            j.aborted = True
-                            j.handle.finish_failed("transport closed")
-                    else:
-                        if stopping:  # submitted while close() was under way
-                            job.aborted = True
-                            job.handle.finish_failed("transport closed")
-                        active.append(job)
-            except queue.Empty:
-                pass
+            stopping = self._take_jobs(w, active, stopping, block=not (active or inflight or stopping))
             if stopping and not inflight:
                 for j in active:
                     j.handle.settled.set()
                 return
-            progressed = False
-            # Submit while the window has room.
-            while active and len(inflight) < self._max_inflight:
-                job = active[0]
-                if job.submitted_all:
-                    active.popleft()
-                    self._maybe_finish(job)
-                    continue
-                local, remote, nbytes = job.entries[job.next_entry]
-                job.next_entry += 1
-                if job.read:
-                    bid = engine.batch_transfer_async_read(w.peer, [local], [remote], [nbytes])
-                else:
-                    bid = engine.batch_transfer_async_write(w.peer, [local], [remote], [nbytes])
-                progressed = True
-                if bid in _BAD_BATCH_IDS:
-                    job.failed_entries += 1
-                    job.aborted = True
-                    job.handle.finish_failed(
-                        f"engine refused to start entry {job.next_entry - 1} (peer unreachable "
-                        f"or queue full)")
-                    continue
-                job.inflight += 1
-                inflight.append((bid, job))
-            # Poll in submission order; stop at the first entry still moving.
-            while inflight:
-                bid, job = inflight[0]
-                st = engine.transfer_check_status(bid)
-                if st == 0:
-                    break
-                inflight.popleft()
-                progressed = True
-                job.inflight -= 1
-                if st != 1:  # -1 failed, -2 timed out (engine keeps that batch id)
-                    job.failed_entries += 1
-                    job.aborted = True
-                    job.handle.finish_failed(
-                        "entry failed in the engine (peer died, or remote range refused)"
-                        if st == -1 else "entry timed out in the engine")
-                self._maybe_finish(job)
+            progressed = self._submit_some(engine, w, active, inflight)
+            progressed = self._poll_done(engine, inflight) or progressed
             if progressed:
                 sleep_s = self._poll_min
             elif inflight:
                 time.sleep(sleep_s)
                 sleep_s = min(sleep_s * 2, self._poll_max)
+
+    @staticmethod
+    def _take_jobs(w: _PeerWorker, active: collections.deque, stopping: bool, block: bool) -> bool:
+        """Move queued jobs to ``active`` (blocking only when there is nothing to do); a
+        None job means close(): every job not yet submitted fails. Returns ``stopping``."""
+        try:
+            while True:
+                job = w.jobs.get(block=block)
+                block = False
+                if job is None:
+                    stopping = True
+                    for j in active:
+                        j.aborted = True
+                        j.handle.finish_failed("transport closed")
+                else:
+                    if stopping:  # submitted while close() was under way
+                        job.aborted = True
+                        job.handle.finish_failed("transport closed")
+                    active.append(job)
+        except queue.Empty:
+            pass
+        return stopping
+
+    def _submit_some(self, engine, w: _PeerWorker, active: collections.deque, inflight: collections.deque) -> bool:
+        """Submit entries, one per engine batch, while the window has room."""
+        progressed = False
+        while active and len(inflight) < self._max_inflight:
+            job = active[0]
+            if job.submitted_all:
+                active.popleft()
+                self._maybe_finish(job)
+                continue
+            local, remote, nbytes = job.entries[job.next_entry]
+            job.next_entry += 1
+            if job.read:
+                bid = engine.batch_transfer_async_read(w.peer, [local], [remote], [nbytes])
+            else:
+                bid = engine.batch_transfer_async_write(w.peer, [local], [remote], [nbytes])
+            progressed = True
+            if bid in _BAD_BATCH_IDS:
+                job.failed_entries += 1
+                job.aborted = True
+                job.handle.finish_failed(
+                    f"engine refused to start entry {job.next_entry - 1} (peer unreachable "
+                    f"or queue full)")
+                continue
+            job.inflight += 1
+            inflight.append((bid, job))
+        return progressed
+
+    def _poll_done(self, engine, inflight: collections.deque) -> bool:
+        """Retire finished entries in submission order; stop at the first still moving."""
+        progressed = False
+        while inflight:
+            bid, job = inflight[0]
+            st = engine.transfer_check_status(bid)
+            if st == 0:
+                break
+            inflight.popleft()
+            progressed = True
+            job.inflight -= 1
+            if st != 1:  # -1 failed, -2 timed out (engine keeps that batch id)
+                job.failed_entries += 1
+                job.aborted = True
+                job.handle.finish_failed(
+                    "entry failed in the engine (peer died, or remote range refused)"
+                    if st == -1 else "entry timed out in the engine")
+            self._maybe_finish(job)
+        return progressed
 
     @staticmethod
     def _maybe_finish(job: _Job) -> None:
