@@ -15,7 +15,8 @@ access kinds are specialised:
 * kind 2, tables: anything else (CPU ``amx`` K and V, whose token and dim digits are split
   over several axes), read through the two offset tables.
 
-Techniques (each measured with ``hawk bench transform``, all byte-identical to :func:`~vllm_hawk.layout.formats.pack_tiles`):
+Techniques (each measured with ``hawk bench transform``, all byte-identical to
+:func:`~vllm_hawk.layout.formats.pack_tiles`):
 every index is unsigned 64-bit (numba adds a negative-index fix-up to signed indices, which
 blocks vectorisation); bf16 block-float packing runs in 16-bit lanes (exact: see
 :func:`_bfp_code16`), written as LLVM vector IR 16 or 32 lanes wide; jobs come in source
@@ -372,8 +373,11 @@ def _tile_start(bases, sbs, shs, kinds, sts, sds, blk, head, tr, tc, s, k):
     return tile, U64(0)
 
 
+# The two kernels are one prange loop nest each, branching per tile on the source kind and the
+# target format. They are kept whole as `hawk bench transform` measured them (over the mccabe
+# bound): splitting the loop body into calls is a performance change to measure first.
 @numba.njit(cache=True, parallel=True, boundscheck=False)
-def transform_bf16(src, src64, bases, sbs, shs, kinds, sts, sds, tok_off, dim_off, slots,
+def transform_bf16(src, src64, bases, sbs, shs, kinds, sts, sds, tok_off, dim_off, slots,  # noqa: C901
                    blk, head, tr, tc, valid, out, out16, out64, first, step, target):
     """bf16 source (uint16 storage ``src``; ``src64`` its uint64 view, or empty when the
     storage is not 8-byte sized) -> target 0 bfloat16, 1 bfloat8_b, 2 bfloat4_b.
@@ -488,7 +492,7 @@ def _bfp_code(bits, shared, mbits):
 
 
 @numba.njit(cache=True, parallel=True, boundscheck=False)
-def transform_f32(src, bases, sbs, shs, kinds, sts, sds, tok_off, dim_off, slots,
+def transform_f32(src, bases, sbs, shs, kinds, sts, sds, tok_off, dim_off, slots,  # noqa: C901
                   blk, head, tr, tc, valid, out, first, step, target):
     """float32 source (uint32 storage) -> target 0 bfloat16, 1 bfloat8_b, 2 bfloat4_b,
     3 float32; same arguments as :func:`transform_bf16`."""

@@ -109,6 +109,22 @@ def transform_kv(
     the rest of ``out`` is untouched), for layer-group pipelining. ``kernel_views``: the
     CPU kernel's view of ``layers``, built once (:class:`~vllm_hawk.transform.cpu_kernel.KernelViews`).
     Returns ``out`` (allocated if None): uint8 [plan.total_nbytes] on the views' device."""
+    lo, hi, src, out = _checked(layers, src_blocks, src_block_size, plan, out, layer_range)
+    impl = impl or envs.transform_impl()
+    if impl not in ("auto", "cpu_kernel", "torch"):
+        raise ValueError(f"transform impl must be auto, cpu_kernel or torch, got {impl!r}")
+    k0 = layers[0][0]
+    if impl == "cpu_kernel" or (impl == "auto" and cpu_kernel.available(k0) and out.device.type == "cpu"):
+        kv = kernel_views if kernel_views is not None else cpu_kernel.KernelViews.of_views(layers)
+        kernel_transform(kv, src, src_block_size, plan, out, (lo, hi))
+        return out
+    _torch_transform(layers, src, src_block_size, plan, out, lo, hi)
+    return out
+
+
+def _checked(layers, src_blocks, src_block_size: int, plan: TransferPlan, out, layer_range):
+    """:func:`transform_kv`'s arguments checked: ``(lo, hi, src block ids, out)``, ``out``
+    allocated (uint8 [plan.total_nbytes] on the views' device) when None."""
     spec = plan.layout.spec
     if len(layers) != spec.num_layers:
         raise ValueError(f"transform_kv: {len(layers)} layers given, plan has {spec.num_layers}")
@@ -122,23 +138,24 @@ def transform_kv(
     src = np.asarray(src_blocks, dtype=np.int64).reshape(-1)
     if src.size and (src.min() < 0 or src.max() >= k0.shape[0]):
         raise ValueError(f"transform_kv: source block ids must be in [0, {k0.shape[0]})")
-    device = k0.device
     if out is None:
-        out = torch.empty(plan.total_nbytes, dtype=torch.uint8, device=device)
+        out = torch.empty(plan.total_nbytes, dtype=torch.uint8, device=k0.device)
     elif out.numel() != plan.total_nbytes or out.dtype != torch.uint8:
         raise ValueError(f"transform_kv: out must be uint8 [{plan.total_nbytes}]")
-    tb, counts = spec.tile_nbytes, plan.bank_counts
+    return lo, hi, src, out
+
+
+def _torch_transform(layers, src: np.ndarray, src_block_size: int, plan: TransferPlan, out: torch.Tensor,
+                     lo: int, hi: int) -> None:
+    """The torch transform of layers lo..hi-1 into ``out``: a fused tilizer when every
+    bank holds the same tiles per block and block sizes match, else a gather by tile index."""
+    spec = plan.layout.spec
+    device = layers[0][0].device
+    counts = plan.bank_counts
     nb, n2l, n_tiles = len(counts), 2 * spec.num_layers, plan.tiles_per_tensor
-    impl = impl or envs.transform_impl()
-    if impl not in ("auto", "cpu_kernel", "torch"):
-        raise ValueError(f"transform impl must be auto, cpu_kernel or torch, got {impl!r}")
-    if impl == "cpu_kernel" or (impl == "auto" and cpu_kernel.available(k0) and out.device.type == "cpu"):
-        kv = kernel_views if kernel_views is not None else cpu_kernel.KernelViews.of_views(layers)
-        kernel_transform(kv, src, src_block_size, plan, out, (lo, hi))
-        return out
     uniform = bool((counts == counts[0]).all())
     split = bank_digit_split(spec.num_kv_heads, spec.block_size // TILE, spec.head_dim // TILE, nb)
-    fused = None
+    fused = idx = invalid = None
     if (src_block_size == spec.block_size and src.size >= plan.dst_blocks.size and uniform
             and spec.tiles_per_block % nb == 0 and split is not None):
         fused = _FusedTilizer(plan, src[:plan.dst_blocks.size], split)
@@ -146,7 +163,7 @@ def transform_kv(
         sblk, head, s_tr, tc, valid = source_tile_index(plan, src, src_block_size)
         idx = [torch.from_numpy(a).to(device) for a in (sblk, head, s_tr, tc)]
         invalid = None if valid.all() else torch.from_numpy(~valid).to(device)
-    direct_bf16 = fused is not None and spec.dtype == "bfloat16" and k0.dtype == torch.bfloat16
+    direct_bf16 = fused is not None and spec.dtype == "bfloat16" and layers[0][0].dtype == torch.bfloat16
     slots = out.view(nb, n2l, -1) if uniform else None
     for layer in range(lo, hi):
         for kv, x in enumerate(layers[layer]):
@@ -165,14 +182,17 @@ def transform_kv(
             if uniform:
                 slots[:, slot] = packed.view(nb, -1)
             else:
-                start = 0
-                for c in range(nb):
-                    cnt = int(counts[c])
-                    if cnt:
-                        o = int(plan.segment_offset[c]) + slot * cnt * tb
-                        out[o:o + cnt * tb] = packed[start:start + cnt].reshape(-1)
-                    start += cnt
-    return out
+                _scatter_slot(out, packed, plan, slot)
+
+
+def _scatter_slot(out: torch.Tensor, packed: torch.Tensor, plan: TransferPlan, slot: int) -> None:
+    """Write one (layer, K|V) slot's packed tiles (bank-major) into each bank's segment."""
+    tb, start = plan.layout.spec.tile_nbytes, 0
+    for c, cnt in enumerate(int(x) for x in plan.bank_counts):
+        if cnt:
+            o = int(plan.segment_offset[c]) + slot * cnt * tb
+            out[o:o + cnt * tb] = packed[start:start + cnt].reshape(-1)
+        start += cnt
 
 
 def kernel_tile_args(plan: TransferPlan, src: np.ndarray, src_block_size: int) -> tuple[np.ndarray, ...]:
