@@ -17,6 +17,7 @@ Prints a table, writes JSON, exits 1 if any bytes differ. ``--device cpu`` runs 
 comparison with the torch path on the CPU (what a machine without a GPU can check).
 Llama-3.1-70B at TP=4 onto a p150a chip (2 KV heads, 80 layers, block 64) by default.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -86,24 +87,41 @@ def main(argv: list[str] | None = None) -> int:
         copy_s, tr_s = [], []
         for _ in range(a.repeats):
             copy_s.append(_timed(lambda: dst_copy.copy_(src_copy), sync))
-            tr_s.append(_timed(lambda: transform_source(source, src_blocks, a.block_size,
-                                                        make_plan(layout, dst_blocks, "staged"), out, impl="torch"),
-                               sync))
-        rows.append({"dtype": dtype, "source_mb": nbytes / 1e6, "gprime_mb": plan.total_nbytes / 1e6,
-                     "bytes_equal_cpu_kernel": same,
-                     "copy_gbps": nbytes / statistics.median(copy_s) / 1e9,
-                     "transform_gbps": nbytes / statistics.median(tr_s) / 1e9,
-                     "ratio": statistics.median(c / t for c, t in zip(copy_s, tr_s))})
+            tr_s.append(
+                _timed(
+                    lambda: transform_source(
+                        source, src_blocks, a.block_size, make_plan(layout, dst_blocks, "staged"), out, impl="torch"
+                    ),
+                    sync,
+                )
+            )
+        rows.append(
+            {
+                "dtype": dtype,
+                "source_mb": nbytes / 1e6,
+                "gprime_mb": plan.total_nbytes / 1e6,
+                "bytes_equal_cpu_kernel": same,
+                "copy_gbps": nbytes / statistics.median(copy_s) / 1e9,
+                "transform_gbps": nbytes / statistics.median(tr_s) / 1e9,
+                "ratio": statistics.median(c / t for c, t in zip(copy_s, tr_s, strict=False)),
+            }
+        )
     name = torch.cuda.get_device_name(dev) if dev.type == "cuda" else "cpu"
-    print(f"transform (torch path) on {name} vs the CPU kernel's bytes, {a.model} TP={a.tp} -> {a.device_profile}, "
-          f"{n_blocks} blocks of {a.block_size} tokens, {a.repeats} repeats, {time.monotonic() - t0:.1f} s")
+    print(
+        f"transform (torch path) on {name} vs the CPU kernel's bytes, {a.model} TP={a.tp} -> {a.device_profile}, "
+        f"{n_blocks} blocks of {a.block_size} tokens, {a.repeats} repeats, {time.monotonic() - t0:.1f} s"
+    )
     print(f"{'dtype':<10} {'src MB':>8} {'Gp MB':>8} {'bytes':>6} {'copy GB/s':>10} {'xform GB/s':>10} {'ratio':>6}")
     for r in rows:
         same = "equal" if r["bytes_equal_cpu_kernel"] else "DIFF"
-        print(f"{r['dtype']:<10} {r['source_mb']:8.1f} {r['gprime_mb']:8.1f} {same:>6} "
-              f"{r['copy_gbps']:10.1f} {r['transform_gbps']:10.1f} {r['ratio']:6.2f}")
-    print("Gp: the transformed G' in the target dtype; ratio: copy time / transform time of the same source "
-          "bytes, median within repeats (1 = copy speed)")
+        print(
+            f"{r['dtype']:<10} {r['source_mb']:8.1f} {r['gprime_mb']:8.1f} {same:>6} "
+            f"{r['copy_gbps']:10.1f} {r['transform_gbps']:10.1f} {r['ratio']:6.2f}"
+        )
+    print(
+        "Gp: the transformed G' in the target dtype; ratio: copy time / transform time of the same source "
+        "bytes, median within repeats (1 = copy speed)"
+    )
     Path(a.out).parent.mkdir(parents=True, exist_ok=True)
     Path(a.out).write_text(json.dumps({"device": name, "model": a.model, "tp": a.tp, "rows": rows}, indent=1))
     print(f"wrote {a.out}")

@@ -4,6 +4,7 @@ For one request of the llama-3.1-70b TP=4 shape (block 64) at 10 and 160 MB: wha
 source/sink registers and unregisters around one transfer, timed (median of 5). Run
 with the checkout on PYTHONPATH: ``$(make which-python) scripts/registration_cost.py``.
 """
+
 from __future__ import annotations
 
 import os
@@ -43,13 +44,17 @@ def main() -> None:
         n = max(1, round(mb * 1e6 / per_token / bs))
         blocks = np.arange(1, n + 1)
         dev = EmulatedDevice("p150a", 1024 << 20)
-        layout, bufs = dev.allocate_kv_cache(TTKVCacheSpec(shape.num_layers, n + 1, heads, bs, shape.head_dim,
-                                                           "bfloat16"))
+        layout, bufs = dev.allocate_kv_cache(
+            TTKVCacheSpec(shape.num_layers, n + 1, heads, bs, shape.head_dim, "bfloat16")
+        )
         rows = []
         sink = TTSink(dev, layout, bufs, t, "direct")
         plan = sink.plan(blocks)
-        segs = [Segment(int(b), int(plan.segment_offset[b]), int(plan.segment_nbytes[b]))
-                for b in range(layout.num_banks) if plan.segment_nbytes[b]]
+        segs = [
+            Segment(int(b), int(plan.segment_offset[b]), int(plan.segment_nbytes[b]))
+            for b in range(layout.num_banks)
+            if plan.segment_nbytes[b]
+        ]
         ready = KVReady(req_id="x", ring_offset=0, total_nbytes=int(plan.total_nbytes), segments=segs)
         landing = sink.land("x", ready, plan, 1 << 40, 1.0)
         landing.unexpose()
@@ -62,20 +67,35 @@ def main() -> None:
         rows.append(("GN-HAWK direct: decode KV pages", timed(direct), len(ranges)))
         sink.close()
         pool = BankBufferPool(dev, int(plan.recv_nbytes_per_bank) + (1 << 20), t)
-        rows.append(("GN-HAWK staged: decode bank slices",
-                     timed(lambda i: (pool.acquire(f"s{i}", int(plan.recv_nbytes_per_bank)), pool.release(f"s{i}"))),
-                     layout.num_banks))
+        rows.append(
+            (
+                "GN-HAWK staged: decode bank slices",
+                timed(lambda i: (pool.acquire(f"s{i}", int(plan.recv_nbytes_per_bank)), pool.release(f"s{i}"))),
+                layout.num_banks,
+            )
+        )
         pool.close()
         cache = PagedKVCache(shape.num_layers, n + 1, heads, bs, shape.head_dim)
         ex = Exposure(t)
-        runs = [(cache.base_addr + s.offset_bytes, s.nbytes)
-                for s in source_segments(cache.region_map, blocks.tolist(), cache.base_addr)]
-        rows.append(("GG-Direct: prefill block runs (decode alike)",
-                     timed(lambda i: (ex.acquire(f"g{i}", runs, domains=cache.storages), ex.release(f"g{i}"))),
-                     len(runs)))
+        runs = [
+            (cache.base_addr + s.offset_bytes, s.nbytes)
+            for s in source_segments(cache.region_map, blocks.tolist(), cache.base_addr)
+        ]
+        rows.append(
+            (
+                "GG-Direct: prefill block runs (decode alike)",
+                timed(lambda i: (ex.acquire(f"g{i}", runs, domains=cache.storages), ex.release(f"g{i}"))),
+                len(runs),
+            )
+        )
         ring = RingBuffer(int(plan.total_nbytes) + (1 << 20), t)
-        rows.append(("prefill ring range (staged, GN-HAWK)",
-                     timed(lambda i: (ring.reserve(f"q{i}", int(plan.total_nbytes)), ring.release(f"q{i}"))), 1))
+        rows.append(
+            (
+                "prefill ring range (staged, GN-HAWK)",
+                timed(lambda i: (ring.reserve(f"q{i}", int(plan.total_nbytes)), ring.release(f"q{i}"))),
+                1,
+            )
+        )
         ring.close()
         for name, s, k in rows:
             print(f"{mb:4d} MB  {name:44s} register + unregister per fetch {1e3 * s:6.2f} ms ({k} runs)")

@@ -5,6 +5,7 @@ with SIGILL in its child (the condition that kills vLLM's worker), and the decis
 run with ``HAWK_CPU_AMX=off`` (non-AMX), ``auto`` and ``on`` (AMX only where the probe says
 it works, else ``on`` must refuse to start) in fresh interpreters. No CPU flag is mocked.
 """
+
 from __future__ import annotations
 
 import json
@@ -12,6 +13,7 @@ import os
 import platform
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 
@@ -50,8 +52,7 @@ def _env(**extra) -> dict[str, str]:
 
 
 def _run_child(**env) -> tuple[subprocess.CompletedProcess, dict]:
-    out = subprocess.run([sys.executable, "-c", _CHILD], capture_output=True, text=True,
-                         timeout=120, env=_env(**env))
+    out = subprocess.run([sys.executable, "-c", _CHILD], capture_output=True, text=True, timeout=120, env=_env(**env))
     assert out.returncode in (0, 3), f"child died (rc {out.returncode}): {out.stderr[-2000:]}"
     return out, json.loads(out.stdout.strip().splitlines()[-1])
 
@@ -96,7 +97,7 @@ def test_probe_verdict_matches_cpuinfo(host):
     """The probe succeeds only where the CPU advertises AMX (never a false 'usable')."""
     flags = ""
     if os.path.exists("/proc/cpuinfo"):
-        flags = next((ln for ln in open("/proc/cpuinfo") if ln.startswith("flags")), "")
+        flags = next((ln for ln in Path("/proc/cpuinfo").read_text().splitlines() if ln.startswith("flags")), "")
     if host["probe"].ok:
         assert "amx_tile" in flags.split() and host["advertised"]
 
@@ -140,7 +141,12 @@ def test_inherited_unusable_decision_is_applied_without_probe_or_log(host):
 
 
 def test_launcher_refuses_a_bad_value_naming_it():
-    out = subprocess.run([sys.executable, "-m", "vllm_hawk.vllm_launcher", "--version"],
-                         capture_output=True, text=True, timeout=120, env=_env(HAWK_CPU_AMX="sometimes"))
+    out = subprocess.run(
+        [sys.executable, "-m", "vllm_hawk.vllm_launcher", "--version"],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        env=_env(HAWK_CPU_AMX="sometimes"),
+    )
     assert out.returncode == 2, out.stderr[-2000:]
     assert "HAWK_CPU_AMX='sometimes'" in out.stderr

@@ -185,7 +185,7 @@ def test_byte_ranges_follow_strides(layout):
     caches = make_layer_caches(layers, blocks, H, block, 2 * D, layout=layout)
     lay = FlashAttnKVLayout(H, block, D)
     runs_expected = 1 if layout in ("LBHNC", "LBNHC", "BLHNC", "BLNHC") else H
-    for li, cache in enumerate(caches):
+    for _li, cache in enumerate(caches):
         origin = cache.data_ptr() - cache.untyped_storage().data_ptr()
         seen = torch.zeros(cache.untyped_storage().nbytes(), dtype=torch.bool)
         for b in range(blocks):
@@ -313,7 +313,7 @@ def test_engine_kv_cache_matches_transformers(prefilled, hf_kv):
     T = PROMPT_LEN
     layers = list(prefilled["layers"].values())
     assert len(layers) == len(hf_kv) == 4
-    for layer, (ref_k, ref_v) in zip(layers, hf_kv):
+    for layer, (ref_k, ref_v) in zip(layers, hf_kv, strict=False):
         lay = source_layout_from_layer(layer)
         k, v = lay.read_blocks(layer.kv_cache, ids)
         K, V = _tokens(k), _tokens(v)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import importlib.metadata as md
 import os
 import signal
@@ -47,7 +48,7 @@ def test_real_vllm_dist_is_passthrough(monkeypatch):
         def find_spec(self, *a, **k):
             return None
 
-        def find_distributions(self, context=md.DistributionFinder.Context()):
+        def find_distributions(self, context=md.DistributionFinder.Context()):  # noqa: B008 - importlib.metadata signature
             if context.name == "vllm":
                 yield real
 
@@ -64,7 +65,10 @@ def test_cli_version_via_launcher():
         pytest.skip("vLLM is not installed")
     out = subprocess.run(
         [sys.executable, "-m", "vllm_hawk.vllm_launcher", "--version"],
-        capture_output=True, text=True, timeout=180, env=_python_env(HF_HUB_OFFLINE="1"),
+        capture_output=True,
+        text=True,
+        timeout=180,
+        env=_python_env(HF_HUB_OFFLINE="1"),
     )
     assert out.returncode == 0, out.stderr[-3000:]
     assert out.stdout.strip().splitlines()[-1] == want
@@ -106,19 +110,40 @@ def test_serve_tiny_model_answers_completions(tmp_path, request, host):
     require_vllm()
     model = tiny_model_path()
     port = free_port()
-    log = open(tmp_path / "serve.log", "w+")
+    log = open(tmp_path / "serve.log", "w+")  # noqa: SIM115 - the server writes it; closed at the end
     wrap, tp, env = [], [], {}
     if host == "amx-refused-tp2":
         wrap, tp = [request.getfixturevalue("amx_refused")], ["--tensor-parallel-size", "2"]
         env = TP_RANK_ENV
     proc = subprocess.Popen(
-        [*wrap, sys.executable, "-m", "vllm_hawk.vllm_launcher", "serve", str(model),
-         "--host", "127.0.0.1", "--port", str(port), "--served-model-name", "tiny",
-         "--enforce-eager", "--dtype", "bfloat16", "--max-model-len", "512",
-         "--block-size", "32", "--max-num-seqs", "4", *tp],
-        stdout=log, stderr=subprocess.STDOUT, start_new_session=True,
-        env=_python_env(VLLM_CPU_KVCACHE_SPACE="1", HF_HUB_OFFLINE="1",
-                        TOKENIZERS_PARALLELISM="false", **env),
+        [
+            *wrap,
+            sys.executable,
+            "-m",
+            "vllm_hawk.vllm_launcher",
+            "serve",
+            str(model),
+            "--host",
+            "127.0.0.1",
+            "--port",
+            str(port),
+            "--served-model-name",
+            "tiny",
+            "--enforce-eager",
+            "--dtype",
+            "bfloat16",
+            "--max-model-len",
+            "512",
+            "--block-size",
+            "32",
+            "--max-num-seqs",
+            "4",
+            *tp,
+        ],
+        stdout=log,
+        stderr=subprocess.STDOUT,
+        start_new_session=True,
+        env=_python_env(VLLM_CPU_KVCACHE_SPACE="1", HF_HUB_OFFLINE="1", TOKENIZERS_PARALLELISM="false", **env),
     )
     base = f"http://127.0.0.1:{port}"
     try:
@@ -129,8 +154,7 @@ def test_serve_tiny_model_answers_completions(tmp_path, request, host):
             pytest.fail(f"{e}\n--- server log tail ---\n{log.read()[-4000:]}")
         status, body = http_json(
             base + "/v1/completions",
-            {"model": "tiny", "prompt": "The cache block", "max_tokens": 5,
-             "temperature": 0, "ignore_eos": True},
+            {"model": "tiny", "prompt": "The cache block", "max_tokens": 5, "temperature": 0, "ignore_eos": True},
         )
         assert status == 200, body
         choice = body["choices"][0]
@@ -156,10 +180,8 @@ def _stop(proc: subprocess.Popen) -> None:
         deadline = time.monotonic() + 30
         while proc.poll() is None and time.monotonic() < deadline:
             time.sleep(0.5)
-    try:
+    with contextlib.suppress(ProcessLookupError):
         os.killpg(proc.pid, signal.SIGKILL)  # stragglers (engine core) in the group
-    except ProcessLookupError:
-        pass
     proc.wait(timeout=10)
 
 

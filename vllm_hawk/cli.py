@@ -1,4 +1,5 @@
 """``hawk``: the vllm-hawk command line. Each subcommand lives in its own module."""
+
 from __future__ import annotations
 
 import importlib

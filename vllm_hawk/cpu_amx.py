@@ -25,6 +25,7 @@ without probing again (:func:`apply_inherited_decision`, called where those proc
 re-import the launcher modules, and by the vLLM plugin entry points). The probe needs no
 torch (ctypes + an executable mmap page) and takes ~50 ms.
 """
+
 from __future__ import annotations
 
 import logging
@@ -36,8 +37,17 @@ from dataclasses import dataclass
 
 from vllm_hawk import envs
 
-__all__ = ["AmxDecision", "AmxUnavailableError", "ProbeResult", "probe_amx", "decide",
-           "apply_cpu_amx_policy", "apply_inherited_decision", "apply_from_plugin", "reset_cpu_amx_policy"]
+__all__ = [
+    "AmxDecision",
+    "AmxUnavailableError",
+    "ProbeResult",
+    "probe_amx",
+    "decide",
+    "apply_cpu_amx_policy",
+    "apply_inherited_decision",
+    "apply_from_plugin",
+    "reset_cpu_amx_policy",
+]
 
 logger = logging.getLogger("vllm.hawk.cpu_amx")
 
@@ -89,8 +99,12 @@ def probe_amx(request_permission: bool = True, timeout_s: float = 30.0) -> Probe
     if platform.machine().lower() not in ("x86_64", "amd64"):
         return ProbeResult(False, f"not x86-64 ({platform.machine()})")
     try:
-        out = subprocess.run([sys.executable, "-I", "-S", "-c", _PROBE, "1" if request_permission else "0"],
-                             capture_output=True, text=True, timeout=timeout_s)
+        out = subprocess.run(
+            [sys.executable, "-I", "-S", "-c", _PROBE, "1" if request_permission else "0"],
+            capture_output=True,
+            text=True,
+            timeout=timeout_s,
+        )
     except (OSError, subprocess.TimeoutExpired) as e:
         return ProbeResult(False, f"probe did not run: {e}")
     said = " ".join(out.stdout.split())
@@ -112,7 +126,7 @@ class AmxDecision:
         return f"{self.mode}|{int(self.advertised)}|{int(self.use_amx)}|{self.reason}"
 
     @classmethod
-    def decode(cls, s: str | None) -> "AmxDecision | None":
+    def decode(cls, s: str | None) -> AmxDecision | None:
         parts = (s or "").split("|", 3)
         if len(parts) != 4 or parts[0] not in envs.CPU_AMX_MODES:
             return None
@@ -140,15 +154,15 @@ def decide(mode: str | None = None) -> AmxDecision:
         return AmxDecision(mode, advertised, False, f"{envs.CPU_AMX}=off")
     if not advertised:
         if mode == "on":
-            raise AmxUnavailableError(f"{envs.CPU_AMX}=on, but this CPU does not report AMX "
-                                      "(torch.cpu._is_amx_tile_supported() is False)")
+            raise AmxUnavailableError(
+                f"{envs.CPU_AMX}=on, but this CPU does not report AMX (torch.cpu._is_amx_tile_supported() is False)"
+            )
         return AmxDecision(mode, False, False, "the CPU does not report AMX")
     probe = probe_amx()
     if probe.ok:
         return AmxDecision(mode, True, True, "probe ran AMX tile instructions")
     if mode == "on":
-        raise AmxUnavailableError(f"{envs.CPU_AMX}=on, but AMX tile instructions fail here "
-                                  f"(probe: {probe.detail})")
+        raise AmxUnavailableError(f"{envs.CPU_AMX}=on, but AMX tile instructions fail here (probe: {probe.detail})")
     return AmxDecision(mode, True, False, f"probe: {probe.detail}")
 
 
@@ -179,8 +193,10 @@ def _say(decision: AmxDecision) -> None:
     elif decision.mode == "off":
         msg = f"vllm_hawk: {envs.CPU_AMX}=off: vLLM runs its non-AMX CPU kernels"
     else:
-        msg = (f"vllm_hawk: this CPU reports AMX but AMX does not work here ({decision.reason}); "
-               f"vLLM runs its non-AMX CPU kernels ({envs.CPU_AMX}={decision.mode})")
+        msg = (
+            f"vllm_hawk: this CPU reports AMX but AMX does not work here ({decision.reason}); "
+            f"vLLM runs its non-AMX CPU kernels ({envs.CPU_AMX}={decision.mode})"
+        )
     if logging.getLogger("vllm").handlers or logger.handlers:
         logger.log(logging.INFO if decision.use_amx else logging.WARNING, "%s", msg)
     else:  # before vLLM configured logging (launcher process)

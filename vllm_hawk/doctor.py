@@ -15,6 +15,7 @@ to the peer nodes — and whether a shared secret is configured in the environme
 Reads only /sys, /dev, /proc (``--root`` points them at another tree, e.g. a fake one in
 tests) and tries two imports. Exit code 0 when no required check is MISSING, else 1.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -57,9 +58,13 @@ def _rdma_check(root: Path) -> Check:
     base = root / "sys/class/infiniband"
     devices = sorted(p.name for p in base.iterdir()) if base.is_dir() else []
     if not devices:
-        return Check("rdma devices", MISSING, f"nothing in {base}",
-                     "install a RoCE/InfiniBand NIC and its driver (mlx5_ib, bnxt_re, irdma); "
-                     "`apt-get install rdma-core ibverbs-utils`, then `ibv_devices`")
+        return Check(
+            "rdma devices",
+            MISSING,
+            f"nothing in {base}",
+            "install a RoCE/InfiniBand NIC and its driver (mlx5_ib, bnxt_re, irdma); "
+            "`apt-get install rdma-core ibverbs-utils`, then `ibv_devices`",
+        )
     states = []
     active = False
     for dev in devices:
@@ -73,10 +78,13 @@ def _rdma_check(root: Path) -> Check:
         # rxe/siw move real RDMA verbs (Mooncake rdma works over them) but at tens of MB/s,
         # and they cannot import dma-bufs: never a deployment's NIC
         what = "; ".join(f"{d} is {k}" for d, k in soft.items())
-        return Check("rdma devices", WARN,
-                     f"{detail}: {what}: software RDMA, for testing only (no dma-buf MRs: "
-                     "ibv_reg_dmabuf_mr fails with EOPNOTSUPP, errno 95)",
-                     "install a RoCE/InfiniBand NIC (mlx5_ib, bnxt_re, irdma) for real transfers")
+        return Check(
+            "rdma devices",
+            WARN,
+            f"{detail}: {what}: software RDMA, for testing only (no dma-buf MRs: "
+            "ibv_reg_dmabuf_mr fails with EOPNOTSUPP, errno 95)",
+            "install a RoCE/InfiniBand NIC (mlx5_ib, bnxt_re, irdma) for real transfers",
+        )
     if soft:
         detail += " (" + "; ".join(f"{d} is {k}, for testing only" for d, k in soft.items()) + ")"
     if not active:
@@ -97,8 +105,13 @@ def _import_check(label: str, statement: str, fix: str, required: bool) -> Check
         if attr:
             getattr(obj, attr)
     except Exception as exc:  # ImportError, or a broken native extension
-        return Check(label, MISSING, f"{module}{'.' + attr if attr else ''}: {type(exc).__name__}: {exc}"[:200],
-                     fix, required=required)
+        return Check(
+            label,
+            MISSING,
+            f"{module}{'.' + attr if attr else ''}: {type(exc).__name__}: {exc}"[:200],
+            fix,
+            required=required,
+        )
     return Check(label, OK, f"{module}.{attr}" if attr else module, required=required)
 
 
@@ -125,13 +138,25 @@ def _tenstorrent_checks(root: Path) -> tuple[list[Check], int]:
         checks.append(Check("tt-kmd", OK, f"version {version}"))
     kernel = _kernel_release(root)
     if kernel is not None and kernel < MIN_KERNEL_FOR_DMABUF_EXPORT:
-        checks.append(Check("kernel", MISSING, f"Linux {kernel[0]}.{kernel[1]}: tt-kmd exports dma-bufs from 5.8",
-                            "boot a Linux >= 5.8 kernel"))
+        checks.append(
+            Check(
+                "kernel",
+                MISSING,
+                f"Linux {kernel[0]}.{kernel[1]}: tt-kmd exports dma-bufs from 5.8",
+                "boot a Linux >= 5.8 kernel",
+            )
+        )
 
     ordinals = sysfs.device_ordinals(root)
     if not ordinals:
-        checks.append(Check("tenstorrent devices", MISSING, f"nothing in {root / sysfs.DEV_TENSTORRENT}",
-                            "install a Blackhole card; with tt-kmd loaded /dev/tenstorrent/N appears"))
+        checks.append(
+            Check(
+                "tenstorrent devices",
+                MISSING,
+                f"nothing in {root / sysfs.DEV_TENSTORRENT}",
+                "install a Blackhole card; with tt-kmd loaded /dev/tenstorrent/N appears",
+            )
+        )
         return checks, 0
     usable = 0
     for n in ordinals:
@@ -140,28 +165,43 @@ def _tenstorrent_checks(root: Path) -> tuple[list[Check], int]:
         label = f"tenstorrent/{n}"
         where = f"{fn.pci_address or '?'} {card}"
         if fn.device_id == PCI_DEVICE_ID_WORMHOLE:
-            checks.append(Check(label, WARN, f"{where}: Wormhole, 12 banks, no 4 GiB BAR4 windows",
-                                "HAWK's direct RDMA path needs a Blackhole; Wormhole can only use host staging",
-                                required=False))
+            checks.append(
+                Check(
+                    label,
+                    WARN,
+                    f"{where}: Wormhole, 12 banks, no 4 GiB BAR4 windows",
+                    "HAWK's direct RDMA path needs a Blackhole; Wormhole can only use host staging",
+                    required=False,
+                )
+            )
             continue
         if fn.device_id != PCI_DEVICE_ID_BLACKHOLE:
             checks.append(Check(label, WARN, f"{where}: unknown device id {fn.device_id}", required=False))
             continue
         banks = _BANKS_BY_CARD.get(card, BLACKHOLE_NUM_DRAM_CHANNELS)
         windows = bar4_window_count(fn.bar4_bytes)
-        detail = (f"{where}: Blackhole, {banks} DRAM banks, BAR4 {fn.bar4_bytes / (1 << 30):.0f} GiB "
-                  f"= {windows} x 4 GiB windows")
+        detail = (
+            f"{where}: Blackhole, {banks} DRAM banks, BAR4 {fn.bar4_bytes / (1 << 30):.0f} GiB "
+            f"= {windows} x 4 GiB windows"
+        )
         if windows < banks:
             need = banks * BLACKHOLE_TLB_4G_WINDOW_BYTES >> 30
-            checks.append(Check(label, MISSING, detail + f" (< {banks} banks)",
-                                f"BAR4 must be >= {need} GiB: enable 'Above 4G decoding' and "
-                                "'Resizable BAR' in the BIOS, and check `lspci -vv -d 1e52:`"))
+            checks.append(
+                Check(
+                    label,
+                    MISSING,
+                    detail + f" (< {banks} banks)",
+                    f"BAR4 must be >= {need} GiB: enable 'Above 4G decoding' and "
+                    "'Resizable BAR' in the BIOS, and check `lspci -vv -d 1e52:`",
+                )
+            )
         else:
             usable += 1
             checks.append(Check(label, OK, detail))
     if usable == 0 and not any(c.name.startswith("tenstorrent/") and c.status == MISSING for c in checks):
-        checks.append(Check("tenstorrent devices", MISSING, "no Blackhole device",
-                            "HAWK decode needs a Blackhole (p150/p100)"))
+        checks.append(
+            Check("tenstorrent devices", MISSING, "no Blackhole device", "HAWK decode needs a Blackhole (p150/p100)")
+        )
     return checks, usable
 
 
@@ -171,21 +211,35 @@ MOONCAKE_PORTS = "MC_MIN_RPC_PORT..MC_MAX_RPC_PORT (default 15000-17000)"
 def _security_checks() -> list[Check]:
     from vllm_hawk import envs
 
-    mc = Check("mooncake listeners", WARN,
-               "the transfer engine listens on ALL interfaces (handshake port on 0.0.0.0, TCP data port on *), "
-               "unauthenticated; Mooncake has no setting to bind one address (MC_TCP_BIND_ADDRESS and "
-               "MC_LEGACY_RPC_PORT_BINDING measured without effect on 0.3.13); HAWK registers only the memory of "
-               "transfers in flight",
-               f"firewall {MOONCAKE_PORTS} so that only the prefill and decode nodes reach it "
-               "(e.g. nft/iptables accept from the peers' addresses, drop the rest)", required=False)
+    mc = Check(
+        "mooncake listeners",
+        WARN,
+        "the transfer engine listens on ALL interfaces (handshake port on 0.0.0.0, TCP data port on *), "
+        "unauthenticated; Mooncake has no setting to bind one address (MC_TCP_BIND_ADDRESS and "
+        "MC_LEGACY_RPC_PORT_BINDING measured without effect on 0.3.13); HAWK registers only the memory of "
+        "transfers in flight",
+        f"firewall {MOONCAKE_PORTS} so that only the prefill and decode nodes reach it "
+        "(e.g. nft/iptables accept from the peers' addresses, drop the rest)",
+        required=False,
+    )
     try:
         has = bool(envs.shared_secret() or envs.shared_secret_file())
-        detail = ("HAWK_SHARED_SECRET(_FILE) set" if has else
-                  "neither HAWK_SHARED_SECRET nor HAWK_SHARED_SECRET_FILE is set: the connector needs shared_secret "
-                  "or shared_secret_file in kv_connector_extra_config, or it refuses to start (unless auth 'none')")
-        secret = Check("shared secret", OK if has else WARN, detail,
-                       "" if has else "put a >= 16-byte secret in a 0600 file and set HAWK_SHARED_SECRET_FILE "
-                       "(configs/hawk-node.env.example)", required=False)
+        detail = (
+            "HAWK_SHARED_SECRET(_FILE) set"
+            if has
+            else "neither HAWK_SHARED_SECRET nor HAWK_SHARED_SECRET_FILE is set: the connector needs shared_secret "
+            "or shared_secret_file in kv_connector_extra_config, or it refuses to start (unless auth 'none')"
+        )
+        secret = Check(
+            "shared secret",
+            OK if has else WARN,
+            detail,
+            ""
+            if has
+            else "put a >= 16-byte secret in a 0600 file and set HAWK_SHARED_SECRET_FILE "
+            "(configs/hawk-node.env.example)",
+            required=False,
+        )
     except ValueError as e:
         secret = Check("shared secret", WARN, str(e), "set one of the two variables", required=False)
     return [mc, secret]
@@ -196,33 +250,50 @@ def run_checks(role: str, root: Path) -> list[Check]:
     checks = [_rdma_check(root)]
     modules = sysfs.loaded_modules(root)
     if role in ("prefill", "all"):
-        checks.append(_module_check(NVIDIA_PEERMEM_MODULE, modules,
-                                    "`modprobe nvidia-peermem` (ships with the NVIDIA driver; MOFED/DOCA-OFED "
-                                    "or a kernel with peer-memory support)", True, "gpu peer memory"))
+        checks.append(
+            _module_check(
+                NVIDIA_PEERMEM_MODULE,
+                modules,
+                "`modprobe nvidia-peermem` (ships with the NVIDIA driver; MOFED/DOCA-OFED "
+                "or a kernel with peer-memory support)",
+                True,
+                "gpu peer memory",
+            )
+        )
     if role in ("decode", "all"):
         tt_checks, _ = _tenstorrent_checks(root)
         checks += tt_checks
         pyverbs = _import_check("pyverbs", "pyverbs.mr:DmaBufMR", PYVERBS_INSTALL_HINT, required=False)
-        peermem = _module_check(TT_PEERMEM_MODULE_NAME, modules,
-                                "build and load the tt_peermem module from kernel_driver/tt_peermem (needs "
-                                "MOFED's peer-memory API), or use the dma-buf MR path (pyverbs)", False,
-                                "npu peer memory")
+        peermem = _module_check(
+            TT_PEERMEM_MODULE_NAME,
+            modules,
+            "build and load the tt_peermem module from kernel_driver/tt_peermem (needs "
+            "MOFED's peer-memory API), or use the dma-buf MR path (pyverbs)",
+            False,
+            "npu peer memory",
+        )
         if peermem.status != OK and pyverbs.status != OK:
             peermem.required = True  # one of the two registration paths is needed
             peermem.detail += "; pyverbs also missing: no way to register NPU memory with the NIC"
         elif peermem.status != OK:
             peermem.status, peermem.detail = WARN, peermem.detail + "; the dma-buf MR path (pyverbs) remains"
         checks += [peermem, pyverbs]
-    checks.append(_import_check("mooncake", "mooncake.engine:TransferEngine",
-                                "pip install the project's extra: `pip install -e .[cpu]` (TCP) or `.[gpu]` (RDMA)",
-                                required=True))
+    checks.append(
+        _import_check(
+            "mooncake",
+            "mooncake.engine:TransferEngine",
+            "pip install the project's extra: `pip install -e .[cpu]` (TCP) or `.[gpu]` (RDMA)",
+            required=True,
+        )
+    )
     return checks + _security_checks()
 
 
 def render_table(checks: list[Check]) -> str:
     """The human-readable report: check, status, detail, what to fix."""
     rows = [("CHECK", "STATUS", "DETAIL", "FIX")] + [
-        (c.name, c.status if c.required or c.status == OK else f"{c.status}*", c.detail, c.fix) for c in checks]
+        (c.name, c.status if c.required or c.status == OK else f"{c.status}*", c.detail, c.fix) for c in checks
+    ]
     widths = [min(max(len(r[i]) for r in rows), 60) for i in range(3)]
     lines = [f"{r[0]:<{widths[0]}}  {r[1]:<{widths[1]}}  {r[2]:<{widths[2]}}  {r[3]}".rstrip() for r in rows]
     if any(not c.required and c.status != OK for c in checks):
@@ -235,8 +306,9 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="hawk doctor", description=__doc__.splitlines()[0])
     parser.add_argument("--role", choices=ROLES, default="all", help="node role to check for (default: all)")
     parser.add_argument("--json", action="store_true", help="print machine-readable JSON")
-    parser.add_argument("--root", default="/", type=Path,
-                        help="read sys/, dev/, proc/ under this directory instead of / (for tests)")
+    parser.add_argument(
+        "--root", default="/", type=Path, help="read sys/, dev/, proc/ under this directory instead of / (for tests)"
+    )
     args = parser.parse_args(argv)
     checks = run_checks(args.role, args.root)
     ready = not any(c.required and c.status == MISSING for c in checks)

@@ -51,21 +51,41 @@ Scripts and tests have their own (not read by the package): ``HAWK_TTSIM_DIR`` a
 ``HAWK_SFPI_DIR`` (``scripts/ttsim_env.sh``), ``HAWK_GN_E2E_FULL`` and
 ``HAWK_HYPOTHESIS_PROFILE`` (tests).
 """
+
 from __future__ import annotations
 
 import os
+from collections.abc import Mapping
 from pathlib import Path
-from typing import Mapping
 
-__all__ = ["CPU_AMX", "CPU_AMX_DECIDED", "CPU_AMX_MODES", "HawkEnvError", "TT_VARS", "cache_dir", "config_dirs",
-           "cpu_amx_mode", "debug_dir", "shared_secret", "shared_secret_file", "transform_impl", "tt_env"]
+__all__ = [
+    "CPU_AMX",
+    "CPU_AMX_DECIDED",
+    "CPU_AMX_MODES",
+    "HawkEnvError",
+    "TT_VARS",
+    "cache_dir",
+    "config_dirs",
+    "cpu_amx_mode",
+    "debug_dir",
+    "shared_secret",
+    "shared_secret_file",
+    "transform_impl",
+    "tt_env",
+]
 
 CPU_AMX = "HAWK_CPU_AMX"
 CPU_AMX_MODES = ("auto", "on", "off")
 CPU_AMX_DECIDED = "HAWK_CPU_AMX_DECIDED"
 TRANSFORM_IMPLS = ("auto", "torch", "cpu_kernel")
-TT_VARS = ("HAWK_TT_PLATFORM", "HAWK_TT_DEVICE", "HAWK_TT_CHIPS", "HAWK_TT_KV_DTYPE", "HAWK_TT_BANK_MIB",
-           "HAWK_TT_KV_FRACTION")
+TT_VARS = (
+    "HAWK_TT_PLATFORM",
+    "HAWK_TT_DEVICE",
+    "HAWK_TT_CHIPS",
+    "HAWK_TT_KV_DTYPE",
+    "HAWK_TT_BANK_MIB",
+    "HAWK_TT_KV_FRACTION",
+)
 
 
 class HawkEnvError(ValueError):

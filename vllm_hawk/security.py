@@ -9,6 +9,7 @@
   per key, then once a summary of how many were suppressed.
 * :class:`Refusals` — named counters of refused input (thread-safe), for stats/metrics.
 """
+
 from __future__ import annotations
 
 import collections
@@ -49,8 +50,15 @@ class RateLimitedLog:
     first record after a suppressed stretch says how many were dropped. Keys are few
     (one per kind of rejection), the table is bounded by ``max_keys``."""
 
-    def __init__(self, logger: logging.Logger, level: int = logging.WARNING, *, burst: int = 5,
-                 period_s: float = 10.0, max_keys: int = 64) -> None:
+    def __init__(
+        self,
+        logger: logging.Logger,
+        level: int = logging.WARNING,
+        *,
+        burst: int = 5,
+        period_s: float = 10.0,
+        max_keys: int = 64,
+    ) -> None:
         self.logger, self.level, self.burst, self.period_s, self.max_keys = logger, level, burst, period_s, max_keys
         self._lock = threading.Lock()
         self._state: collections.OrderedDict[str, list] = collections.OrderedDict()  # key -> [start, n, suppressed]

@@ -81,7 +81,8 @@ class _VllmAliasFinder(importlib.abc.MetaPathFinder):
         return None
 
     def find_distributions(
-        self, context: md.DistributionFinder.Context = md.DistributionFinder.Context()
+        self,
+        context: md.DistributionFinder.Context = md.DistributionFinder.Context(),  # noqa: B008 - importlib's signature
     ) -> Iterator[md.Distribution]:
         name = getattr(context, "name", None)
         if name is not None and _normalize(name) == "vllm":

@@ -20,6 +20,7 @@ prefill's K/V (both engines dump them under HAWK_DEBUG_DIR, a shared volume); th
 name 8 banks (p150a). Prints the same per-request table as ``make demo`` and exits 0 only
 when every check passed.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -32,7 +33,7 @@ import time
 import urllib.parse
 from pathlib import Path
 
-TIE_MARGIN = 2.0 ** -6
+TIE_MARGIN = 2.0**-6
 MAX_TOKENS = 10
 BLOCK = 32
 BANKS = 8  # p150a
@@ -63,17 +64,22 @@ def ttft(url: str, body: dict, timeout: float = 300.0) -> float:
     conn = http.client.HTTPConnection(u.hostname, u.port, timeout=timeout)
     t0 = time.perf_counter()
     try:
-        conn.request("POST", "/v1/completions", json.dumps({**body, "stream": True}),
-                     {"Content-Type": "application/json"})
+        conn.request(
+            "POST", "/v1/completions", json.dumps({**body, "stream": True}), {"Content-Type": "application/json"}
+        )
         r = conn.getresponse()
         if r.status != 200:
             raise RuntimeError(f"{url}: HTTP {r.status}: {r.read()[:500]!r}")
         first = None
         for line in r:
             line = line.strip()
-            if first is None and line.startswith(b"data: ") and line != b"data: [DONE]":
-                if json.loads(line[6:])["choices"][0].get("text"):
-                    first = time.perf_counter() - t0
+            if (
+                first is None
+                and line.startswith(b"data: ")
+                and line != b"data: [DONE]"
+                and json.loads(line[6:])["choices"][0].get("text")
+            ):
+                first = time.perf_counter() - t0
         return first if first is not None else time.perf_counter() - t0
     finally:
         conn.close()
@@ -84,7 +90,7 @@ def divergence(got: list[int], ref: dict) -> tuple[int, float] | None:
     want = ref["token_ids"]
     if got == want:
         return None
-    i = next((k for k, (a, b) in enumerate(zip(got, want)) if a != b), min(len(got), len(want)))
+    i = next((k for k, (a, b) in enumerate(zip(got, want, strict=False)) if a != b), min(len(got), len(want)))
     top = sorted(ref["logprobs"]["top_logprobs"][i].values(), reverse=True)
     return i, (top[0] - top[1] if len(top) > 1 else float("inf"))
 
@@ -106,7 +112,7 @@ def check_dumps(debug: Path, done: set[str]) -> list[str]:
         d, p = torch.load(dp), torch.load(pp)
         assert d["dst_blocks"] == p["dst_blocks"], f"{key}: block lists differ"
         assert len(d["bytes"]) == len(p["kv"]), f"{key}: layer counts differ"
-        for layer, ((k, v), (kb, vb)) in enumerate(zip(p["kv"], d["bytes"])):
+        for layer, ((k, v), (kb, vb)) in enumerate(zip(p["kv"], d["bytes"], strict=False)):
             for name, x, got in (("K", k, kb), ("V", v, vb)):
                 want = tilize_pack(x.to(torch.float32), d["dtype"]).reshape(got.shape)
                 assert torch.equal(want, got), f"{key}: layer {layer} {name} bytes differ"
@@ -129,8 +135,14 @@ def main(argv: list[str] | None = None) -> int:
     done: set[str] = set(p.name.removeprefix("decode-") for p in args.debug_dir.glob("decode-*.pt"))
     rows, ties, problems = [], [], []
     for i, p in enumerate(prompts()):
-        body = {"model": "tiny", "prompt": p, "max_tokens": MAX_TOKENS, "temperature": 0,
-                "ignore_eos": True, "return_token_ids": True}
+        body = {
+            "model": "tiny",
+            "prompt": p,
+            "max_tokens": MAX_TOKENS,
+            "temperature": 0,
+            "ignore_eos": True,
+            "return_token_ids": True,
+        }
         t_first = ttft(args.proxy, body)
         check_dumps(args.debug_dir, done)  # the streamed request's transfer
         out = post(args.proxy, body)
@@ -147,23 +159,38 @@ def main(argv: list[str] | None = None) -> int:
             ties.append((len(p), *div))
         elif div is not None:
             problems.append(f"prompt {i} ({len(p)} tokens): output differs at {div[0]} (top-2 gap {div[1]:.4f})")
-        rows.append({"prompt_len": len(p), "ttft_ms": 1e3 * t_first, "pull_ms": fig.get("total_ms", 0.0),
-                     "nbytes": fig.get("nbytes", 0), "segments": fig.get("segments", 0),
-                     "reads": fig.get("entries", 0), "copies": fig.get("intra_bank_ops", 0),
-                     "bytes_per_bank": fig.get("bytes_per_bank", []), "tokens": choice["token_ids"],
-                     "same": div is None})
+        rows.append(
+            {
+                "prompt_len": len(p),
+                "ttft_ms": 1e3 * t_first,
+                "pull_ms": fig.get("total_ms", 0.0),
+                "nbytes": fig.get("nbytes", 0),
+                "segments": fig.get("segments", 0),
+                "reads": fig.get("entries", 0),
+                "copies": fig.get("intra_bank_ops", 0),
+                "bytes_per_bank": fig.get("bytes_per_bank", []),
+                "tokens": choice["token_ids"],
+                "same": div is None,
+            }
+        )
 
-    print(f"\n{'#':>2} {'prompt':>10} {'TTFT':>9} {'pull':>8} {'KiB':>6} {'segs':>4} {'READs':>5} "
-          f"{'copies':>6} {'same':>4}  bytes per bank (KiB)")
+    print(
+        f"\n{'#':>2} {'prompt':>10} {'TTFT':>9} {'pull':>8} {'KiB':>6} {'segs':>4} {'READs':>5} "
+        f"{'copies':>6} {'same':>4}  bytes per bank (KiB)"
+    )
     for i, r in enumerate(rows):
         per_bank = " ".join(f"{b / 1024:.0f}" for b in r["bytes_per_bank"])
-        print(f"{i:>2} {str(r['prompt_len']) + ' tok':>10} {r['ttft_ms']:7.1f}ms {r['pull_ms']:6.1f}ms "
-              f"{r['nbytes'] / 1024:6.0f} {r['segments']:>4} {r['reads']:>5} {r['copies']:>6} "
-              f"{'yes' if r['same'] else 'tie':>4}  [{per_bank}]")
-    print("\nTTFT: through the proxy (prefill container -> KV pull over the compose network -> first "
-          "decode step);\npull: KVRequest -> KV in the emulated p150a's banks; segs: one per bank; "
-          "READs: transport operations;\ncopies: intra-bank copies (staged mode). same: output equals "
-          "the prefill engine alone (tie: differs only at a top-2 tie).")
+        print(
+            f"{i:>2} {str(r['prompt_len']) + ' tok':>10} {r['ttft_ms']:7.1f}ms {r['pull_ms']:6.1f}ms "
+            f"{r['nbytes'] / 1024:6.0f} {r['segments']:>4} {r['reads']:>5} {r['copies']:>6} "
+            f"{'yes' if r['same'] else 'tie':>4}  [{per_bank}]"
+        )
+    print(
+        "\nTTFT: through the proxy (prefill container -> KV pull over the compose network -> first "
+        "decode step);\npull: KVRequest -> KV in the emulated p150a's banks; segs: one per bank; "
+        "READs: transport operations;\ncopies: intra-bank copies (staged mode). same: output equals "
+        "the prefill engine alone (tie: differs only at a top-2 tie)."
+    )
     print(f"KV bytes checked against tilize_pack(prefill K/V): {len(done)} transfers, all exact")
     if ties:
         print(f"top-2 ties (prompt_len, position, gap): {ties}")
@@ -172,8 +199,11 @@ def main(argv: list[str] | None = None) -> int:
     for p in problems:
         print("  " + str(p))
     if args.json:
-        args.json.write_text(json.dumps({"ok": ok, "rows": rows, "ties": ties, "problems": problems,
-                                         "transfers_checked": len(done)}, indent=1))
+        args.json.write_text(
+            json.dumps(
+                {"ok": ok, "rows": rows, "ties": ties, "problems": problems, "transfers_checked": len(done)}, indent=1
+            )
+        )
     return 0 if ok else 1
 
 

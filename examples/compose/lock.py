@@ -5,6 +5,7 @@
 Run with the main venv's interpreter: what it has installed is what the tests ran with.
 Distributions a root requires but the venv lacks are left out on purpose (the venv build
 removes torchvision, torchaudio, torchcodec and triton: docs/vllm-cpu.md)."""
+
 import importlib.metadata as md
 import re
 import sys

@@ -25,6 +25,7 @@ KV pages (``--mode direct``). Printed per request: TTFT next to GG-Direct's for 
 prompt, and the transfer per chip (prefill rank, bytes per bank, segments, READ
 operations, intra-bank copies) and in all.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -55,8 +56,7 @@ def stream(url: str, body: dict) -> tuple[float, float, str]:
     u = urllib.parse.urlsplit(url)
     conn = http.client.HTTPConnection(u.hostname, u.port, timeout=300)
     t0 = time.perf_counter()
-    conn.request("POST", "/v1/completions", json.dumps({**body, "stream": True}),
-                 {"Content-Type": "application/json"})
+    conn.request("POST", "/v1/completions", json.dumps({**body, "stream": True}), {"Content-Type": "application/json"})
     r = conn.getresponse()
     if r.status != 200:
         raise RuntimeError(f"{url}: HTTP {r.status}: {r.read()[:500]!r}")
@@ -77,12 +77,14 @@ def stream(url: str, body: dict) -> tuple[float, float, str]:
 def pull_stats(before: dict, after: dict) -> dict:
     d = {k: after.get(k, 0.0) - before.get(k, 0.0) for k in after}
     n = d.get("vllm:hawk_transfer_time_seconds_count", 0)
-    return {"pulls": int(n),
-            "ms": 1e3 * d.get("vllm:hawk_transfer_time_seconds_sum", 0.0),
-            "kib": d.get("vllm:hawk_transfer_bytes_sum", 0.0) / 1024,
-            "ops": int(d.get("vllm:hawk_transfer_operations_sum", 0.0)),
-            "segments": int(d.get("vllm:hawk_transfer_segments_sum", 0.0)),
-            "failed": int(d.get("vllm:hawk_failed_transfers_total", 0.0))}
+    return {
+        "pulls": int(n),
+        "ms": 1e3 * d.get("vllm:hawk_transfer_time_seconds_sum", 0.0),
+        "kib": d.get("vllm:hawk_transfer_bytes_sum", 0.0) / 1024,
+        "ops": int(d.get("vllm:hawk_transfer_operations_sum", 0.0)),
+        "segments": int(d.get("vllm:hawk_transfer_segments_sum", 0.0)),
+        "failed": int(d.get("vllm:hawk_failed_transfers_total", 0.0)),
+    }
 
 
 def wait_for_stats(url: str, before: dict, timeout_s: float = 5.0) -> dict:
@@ -97,12 +99,15 @@ def wait_for_stats(url: str, before: dict, timeout_s: float = 5.0) -> dict:
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--transport", default="mooncake-tcp",
-                    choices=["mooncake-tcp", "mooncake-rdma", "host-staged"])
+    ap.add_argument("--transport", default="mooncake-tcp", choices=["mooncake-tcp", "mooncake-rdma", "host-staged"])
     ap.add_argument("--mode", default="direct", choices=["direct", "staged"])
     ap.add_argument("--workdir", default=None, help="logs and config (default: a temp folder)")
-    ap.add_argument("--gn-hawk", default="both", choices=["both", "off", "only"],
-                    help="also run GN-HAWK (decode on the emulated Tenstorrent device)")
+    ap.add_argument(
+        "--gn-hawk",
+        default="both",
+        choices=["both", "off", "only"],
+        help="also run GN-HAWK (decode on the emulated Tenstorrent device)",
+    )
     ap.add_argument("--tt-device", default="p150a", choices=["p150a", "n150", "n300"])
     ap.add_argument("--tt-kv-dtype", default="bfloat16", choices=["bfloat16", "bfloat8_b"])
     ap.add_argument("--gn-prefill-tp", type=int, default=2, help="GN-HAWK prefill tensor-parallel ranks")
@@ -137,16 +142,21 @@ def run_gn(args, workdir: Path, gg_ttft: dict) -> bool:
 
     model = build_tiny_llama(dtype="bfloat16")
     transport = "mooncake-tcp" if args.transport == "host-staged" else args.transport
-    cluster = LocalCluster(model, workdir, dtype="bfloat16", prefill_tp=args.gn_prefill_tp,
-                           decode_tt={"device": args.tt_device, "kv_dtype": args.tt_kv_dtype,
-                                      "chips": args.tt_chips},
-                           extra_config={"transport": transport, "mode": args.mode,
-                                         "pull_timeout_s": 60.0, "handshake_timeout_s": 30.0})
+    cluster = LocalCluster(
+        model,
+        workdir,
+        dtype="bfloat16",
+        prefill_tp=args.gn_prefill_tp,
+        decode_tt={"device": args.tt_device, "kv_dtype": args.tt_kv_dtype, "chips": args.tt_chips},
+        extra_config={"transport": transport, "mode": args.mode, "pull_timeout_s": 60.0, "handshake_timeout_s": 30.0},
+    )
     progress, tty = _progress_printer()
     t_start = time.monotonic()
-    print(f"\n=== GN-HAWK: prefill vLLM on the CPU (TP={args.gn_prefill_tp}) -> decode vLLM on "
-          f"{args.tt_chips} emulated {args.tt_device} chip(s) ({args.tt_kv_dtype} tiles), mode {args.mode}, "
-          f"transport {transport} (logs in {workdir})")
+    print(
+        f"\n=== GN-HAWK: prefill vLLM on the CPU (TP={args.gn_prefill_tp}) -> decode vLLM on "
+        f"{args.tt_chips} emulated {args.tt_device} chip(s) ({args.tt_kv_dtype} tiles), mode {args.mode}, "
+        f"transport {transport} (logs in {workdir})"
+    )
     ok = False
     try:
         cluster.start(progress)
@@ -154,35 +164,41 @@ def run_gn(args, workdir: Path, gg_ttft: dict) -> bool:
         stream(cluster.proxy_url, {"model": "tiny", "prompt": "warm up", "max_tokens": 2})
         rows = []
         for i, prompt in enumerate(PROMPTS):
-            body = {"model": "tiny", "prompt": prompt, "max_tokens": MAX_TOKENS,
-                    "temperature": 0, "ignore_eos": True}
+            body = {"model": "tiny", "prompt": prompt, "max_tokens": MAX_TOKENS, "temperature": 0, "ignore_eos": True}
             ttft, _total, text = stream(cluster.proxy_url, {**body, "cache_salt": f"gn-{i}"})
-            fig = transfer_figures(cluster.proxy_url, {**body, "max_tokens": 2,
-                                                       "cache_salt": f"gn-stats-{i}"})
+            fig = transfer_figures(cluster.proxy_url, {**body, "max_tokens": 2, "cache_salt": f"gn-stats-{i}"})
             rows.append((prompt, ttft, fig, text))
-        print(f"\n{'#':>2} {'prompt':<34} {'TTFT GN':>9} {'TTFT GG':>9} {'pull':>8} {'KiB':>6} "
-              f"{'segs':>4} {'READs':>5} {'copies':>6}  bytes per bank (KiB)")
-        for i, (prompt, ttft, f, text) in enumerate(rows):
+        print(
+            f"\n{'#':>2} {'prompt':<34} {'TTFT GN':>9} {'TTFT GG':>9} {'pull':>8} {'KiB':>6} "
+            f"{'segs':>4} {'READs':>5} {'copies':>6}  bytes per bank (KiB)"
+        )
+        for i, (prompt, ttft, f, _text) in enumerate(rows):
             short = (prompt[:31] + "...") if len(prompt) > 34 else prompt
             gg = gg_ttft.get(i)
             per_bank = " ".join(f"{b / 1024:.0f}" for b in f.get("bytes_per_bank", []))
             per_bank = f"[{per_bank}]" if per_bank or not f.get("shares") else "per chip:"
-            print(f"{i:>2} {short:<34} {1e3 * ttft:7.1f}ms "
-                  f"{(f'{1e3 * gg:7.1f}ms') if gg is not None else '      - ':>9} "
-                  f"{f.get('total_ms', 0):6.1f}ms {f.get('nbytes', 0) / 1024:6.0f} "
-                  f"{f.get('segments', 0):>4} {f.get('entries', 0):>5} {f.get('intra_bank_ops', 0):>6}  "
-                  f"{per_bank}")
+            print(
+                f"{i:>2} {short:<34} {1e3 * ttft:7.1f}ms "
+                f"{(f'{1e3 * gg:7.1f}ms') if gg is not None else '      - ':>9} "
+                f"{f.get('total_ms', 0):6.1f}ms {f.get('nbytes', 0) / 1024:6.0f} "
+                f"{f.get('segments', 0):>4} {f.get('entries', 0):>5} {f.get('intra_bank_ops', 0):>6}  "
+                f"{per_bank}"
+            )
             for sh in f.get("shares", []):  # one line per chip: who fed it, what landed where
                 banks = " ".join(f"{b / 1024:.0f}" for b in sh.get("bytes_per_bank", []))
-                print(f"{'':>2}   chip {sh['target']} <- prefill rank {sh['prefill_rank']} ({sh['heads'][1]} KV "
-                      f"heads): "
-                      f"{sh['nbytes'] / 1024:.0f} KiB, {sh['segments']} segs, {sh['entries']} READs, "
-                      f"per bank [{banks}]")
-        print("\nTTFT GN: through the proxy to the Tenstorrent decode; TTFT GG: GG-Direct "
-              "(first phase, float32 model) for the same prompt.\npull: KVRequest -> KV in the "
-              "device banks of every chip (includes the prefill's transform); segs: one per bank and chip; "
-              "READs: transport operations (one batch per chip, all chips at once);\ncopies: intra-bank "
-              "copies from the receive buffers into the KV pages (staged mode). Emulated devices: CPU figures.")
+                print(
+                    f"{'':>2}   chip {sh['target']} <- prefill rank {sh['prefill_rank']} ({sh['heads'][1]} KV "
+                    f"heads): "
+                    f"{sh['nbytes'] / 1024:.0f} KiB, {sh['segments']} segs, {sh['entries']} READs, "
+                    f"per bank [{banks}]"
+                )
+        print(
+            "\nTTFT GN: through the proxy to the Tenstorrent decode; TTFT GG: GG-Direct "
+            "(first phase, float32 model) for the same prompt.\npull: KVRequest -> KV in the "
+            "device banks of every chip (includes the prefill's transform); segs: one per bank and chip; "
+            "READs: transport operations (one batch per chip, all chips at once);\ncopies: intra-bank "
+            "copies from the receive buffers into the KV pages (staged mode). Emulated devices: CPU figures."
+        )
         for i, (_p, _t, _f, text) in enumerate(rows):
             print(f"{i:>2} output: {text!r}")
         ok = all(r[2].get("ok") for r in rows)
@@ -217,49 +233,57 @@ def run_gg(args, workdir: Path) -> tuple[bool, dict]:
 
     print("building the tiny float32 Llama (offline; cached after the first run) ...", flush=True)
     model = build_tiny_llama(dtype="float32")
-    cluster = LocalCluster(model, workdir,
-                           extra_config={"transport": args.transport, "mode": args.mode})
+    cluster = LocalCluster(model, workdir, extra_config={"transport": args.transport, "mode": args.mode})
     rows: list = []
     t_start = time.monotonic()
     progress, tty = _progress_printer()
 
     label = "GG-Host" if args.transport == "host-staged" else "GG-Direct"
     print(f"=== {label}: prefill vLLM on the CPU -> decode vLLM on the CPU")
-    print(f"starting prefill vLLM, decode vLLM and the proxy (logs in {workdir}); "
-          f"transport {args.transport}, mode {args.mode}")
+    print(
+        f"starting prefill vLLM, decode vLLM and the proxy (logs in {workdir}); "
+        f"transport {args.transport}, mode {args.mode}"
+    )
     try:
         cluster.start(progress)
-        print(f"{chr(13) if tty else ''}  all up after {time.monotonic() - t_start:.0f} s: "
-              f"prefill {cluster.prefill_url}, "
-              f"decode {cluster.decode_url}, proxy {cluster.proxy_url}")
+        print(
+            f"{chr(13) if tty else ''}  all up after {time.monotonic() - t_start:.0f} s: "
+            f"prefill {cluster.prefill_url}, "
+            f"decode {cluster.decode_url}, proxy {cluster.proxy_url}"
+        )
         stream(cluster.proxy_url, {"model": "tiny", "prompt": "warm up", "max_tokens": 2})
         stream(cluster.decode_url, {"model": "tiny", "prompt": "warm up", "max_tokens": 2})
 
         for i, prompt in enumerate(PROMPTS):
-            body = {"model": "tiny", "prompt": prompt, "max_tokens": MAX_TOKENS,
-                    "temperature": 0, "ignore_eos": True}
+            body = {"model": "tiny", "prompt": prompt, "max_tokens": MAX_TOKENS, "temperature": 0, "ignore_eos": True}
             before = scrape_metrics(cluster.decode_url)
-            ttft_pd, total_pd, text_pd = stream(cluster.proxy_url,
-                                                {**body, "cache_salt": f"pd-{i}"})
+            ttft_pd, total_pd, text_pd = stream(cluster.proxy_url, {**body, "cache_salt": f"pd-{i}"})
             stats = wait_for_stats(cluster.decode_url, before)
-            ttft_1, total_1, text_1 = stream(cluster.decode_url,
-                                             {**body, "cache_salt": f"single-{i}"})
+            ttft_1, total_1, text_1 = stream(cluster.decode_url, {**body, "cache_salt": f"single-{i}"})
             rows.append((prompt, ttft_pd, ttft_1, total_pd, stats, text_pd, text_pd == text_1))
 
         print()
-        print(f"{'#':>2} {'prompt':<34} {'TTFT P/D':>9} {'TTFT 1eng':>9} {'pull':>8} "
-              f"{'KiB':>6} {'ops':>4} {'segs':>4} {'same':>4}  output")
+        print(
+            f"{'#':>2} {'prompt':<34} {'TTFT P/D':>9} {'TTFT 1eng':>9} {'pull':>8} "
+            f"{'KiB':>6} {'ops':>4} {'segs':>4} {'same':>4}  output"
+        )
         for i, (prompt, t_pd, t_1, _tot, s, text, same) in enumerate(rows):
             short = (prompt[:31] + "...") if len(prompt) > 34 else prompt
-            print(f"{i:>2} {short:<34} {1e3 * t_pd:7.1f}ms {1e3 * t_1:7.1f}ms {s['ms']:6.1f}ms "
-                  f"{s['kib']:6.0f} {s['ops']:>4} {s['segments']:>4} {'yes' if same else 'NO':>4}"
-                  f"  {text!r}")
-        print("\nTTFT P/D: through the proxy (prefill request + KV pull + first decode step); "
-              "TTFT 1eng: the same prompt on one engine.\npull: decode-side KV pull "
-              "(KVRequest -> KV in place); ops: transport READs after coalescing block runs.")
+            print(
+                f"{i:>2} {short:<34} {1e3 * t_pd:7.1f}ms {1e3 * t_1:7.1f}ms {s['ms']:6.1f}ms "
+                f"{s['kib']:6.0f} {s['ops']:>4} {s['segments']:>4} {'yes' if same else 'NO':>4}"
+                f"  {text!r}"
+            )
+        print(
+            "\nTTFT P/D: through the proxy (prefill request + KV pull + first decode step); "
+            "TTFT 1eng: the same prompt on one engine.\npull: decode-side KV pull "
+            "(KVRequest -> KV in place); ops: transport READs after coalescing block runs."
+        )
         p = scrape_metrics(cluster.prefill_url)
-        print(f"prefill: {int(p.get('vllm:hawk_released_total', 0))} held requests released by "
-              f"the decode, {int(p.get('vllm:hawk_expired_leases_total', 0))} expired leases")
+        print(
+            f"prefill: {int(p.get('vllm:hawk_released_total', 0))} held requests released by "
+            f"the decode, {int(p.get('vllm:hawk_expired_leases_total', 0))} expired leases"
+        )
         ok = all(r[6] for r in rows)
     except KeyboardInterrupt:
         print("\ninterrupted")

@@ -1,4 +1,5 @@
 """``hawk bench serve``'s pure parts: seeded workloads and the SLO arithmetic."""
+
 import json
 import math
 
@@ -13,6 +14,7 @@ def tok():
     from transformers import AutoTokenizer
 
     from vllm_hawk.testing.tiny_model import build_tiny_llama
+
     return AutoTokenizer.from_pretrained(str(build_tiny_llama(dtype="bfloat16")))
 
 
@@ -51,8 +53,12 @@ def test_attainment_counts_failed_requests_as_missed():
 
 
 def test_knee_is_the_first_rate_below_and_throughput_at_the_last_above():
-    pts = [{"rate": 1, "a": 1.0, "output_throughput": 10}, {"rate": 2, "a": 0.95, "output_throughput": 20},
-           {"rate": 4, "a": 0.5, "output_throughput": 25}, {"rate": 8, "a": 0.92, "output_throughput": 30}]
+    pts = [
+        {"rate": 1, "a": 1.0, "output_throughput": 10},
+        {"rate": 2, "a": 0.95, "output_throughput": 20},
+        {"rate": 4, "a": 0.5, "output_throughput": 25},
+        {"rate": 8, "a": 0.92, "output_throughput": 30},
+    ]
     assert wl.knee(pts, "a") == {"rate_below": 4, "throughput_at": 20, "rate_at": 2}
     assert wl.knee(pts[:2], "a")["rate_below"] is None
     assert wl.knee([{"rate": 1, "a": 0.1, "output_throughput": 1}], "a")["throughput_at"] is None
@@ -60,13 +66,24 @@ def test_knee_is_the_first_rate_below_and_throughput_at_the_last_above():
 
 def test_breakdown_stages_from_histogram_deltas():
     z = {}
-    proxy = {"hawk_proxy_prefill_seconds_sum": 1.0, "hawk_proxy_prefill_seconds_count": 10,
-             "hawk_proxy_ttft_seconds_sum": 3.0, "hawk_proxy_ttft_seconds_count": 10}
-    dec = {"vllm:request_queue_time_seconds_sum": 1.2, "vllm:request_queue_time_seconds_count": 10,
-           "vllm:hawk_transfer_time_seconds_sum": 0.5, "vllm:hawk_transfer_time_seconds_count": 10,
-           "vllm:hawk_kv_ready_seconds_sum": 0.3, "vllm:hawk_kv_ready_seconds_count": 10,
-           "vllm:hawk_kv_read_seconds_sum": 0.2, "vllm:hawk_kv_read_seconds_count": 10,
-           "vllm:request_prefill_time_seconds_sum": 0.4, "vllm:request_prefill_time_seconds_count": 10}
+    proxy = {
+        "hawk_proxy_prefill_seconds_sum": 1.0,
+        "hawk_proxy_prefill_seconds_count": 10,
+        "hawk_proxy_ttft_seconds_sum": 3.0,
+        "hawk_proxy_ttft_seconds_count": 10,
+    }
+    dec = {
+        "vllm:request_queue_time_seconds_sum": 1.2,
+        "vllm:request_queue_time_seconds_count": 10,
+        "vllm:hawk_transfer_time_seconds_sum": 0.5,
+        "vllm:hawk_transfer_time_seconds_count": 10,
+        "vllm:hawk_kv_ready_seconds_sum": 0.3,
+        "vllm:hawk_kv_ready_seconds_count": 10,
+        "vllm:hawk_kv_read_seconds_sum": 0.2,
+        "vllm:hawk_kv_read_seconds_count": 10,
+        "vllm:request_prefill_time_seconds_sum": 0.4,
+        "vllm:request_prefill_time_seconds_count": 10,
+    }
     b = sb.breakdown((z, proxy), (z, dec))
     assert b["prefill"] == pytest.approx(100) and b["decode_queue"] == pytest.approx(70)
     assert b["kv_ready"] == pytest.approx(30) and b["pull"] == pytest.approx(20)

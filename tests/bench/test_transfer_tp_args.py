@@ -1,5 +1,6 @@
 """``hawk bench transfer``'s TP options, checked before any process starts (pure), and a
 start that fails after its prefill processes began."""
+
 import pytest
 
 from vllm_hawk.bench import transfer_bench
@@ -19,15 +20,18 @@ def test_gn_rows_with_more_prefill_ranks_than_chips_are_refused_naming_both(caps
     assert err.count("\n") == 1 and "prefill TP 4 -> decode TP 2" in err and "prefill ranks [0, 1]" in err
     assert "--rows GG-Host GG-Direct" in err and "Traceback" not in err
     plans = transfer_bench.tp_plan("llama-3.1-70b", 4, 2, transfer_bench.GG_ROWS)
-    assert [[(ps.prefill_rank, ps.dst_start, ps.count) for ps in p] for p in plans] == \
-        [[(0, 0, 2), (1, 2, 2)], [(2, 0, 2), (3, 2, 2)]]
+    assert [[(ps.prefill_rank, ps.dst_start, ps.count) for ps in p] for p in plans] == [
+        [(0, 0, 2), (1, 2, 2)],
+        [(2, 0, 2), (3, 2, 2)],
+    ]
 
 
 def test_default_is_the_papers_configuration():
     """Llama-3.1-70B, prefill TP=4 -> 4 chips: chip d pulls prefill rank d's two heads whole."""
     plans = transfer_bench.tp_plan("llama-3.1-70b", 4, 4)
-    assert [[(ps.prefill_rank, ps.dst_start, ps.count, ps.share.num_heads) for ps in p] for p in plans] == \
-        [[(d, 0, 2, 0)] for d in range(4)]
+    assert [[(ps.prefill_rank, ps.dst_start, ps.count, ps.share.num_heads) for ps in p] for p in plans] == [
+        [(d, 0, 2, 0)] for d in range(4)
+    ]
     with pytest.raises(SystemExit):  # --tp is deprecated and sets both sides alone
         transfer_bench.main(["--tp", "4", "--chips", "4"])
 
@@ -35,8 +39,10 @@ def test_default_is_the_papers_configuration():
 def test_fewer_prefill_ranks_than_chips_split_one_rank_over_chips():
     """Prefill TP=2 -> 4 chips: each rank's four heads serve two chips, two heads each."""
     plans = transfer_bench.tp_plan("llama-3.1-70b", 2, 4)
-    got = [[(ps.prefill_rank, ps.share.head_start, ps.share.num_heads, ps.share.consumers, ps.share.index)
-            for ps in p] for p in plans]
+    got = [
+        [(ps.prefill_rank, ps.share.head_start, ps.share.num_heads, ps.share.consumers, ps.share.index) for ps in p]
+        for p in plans
+    ]
     assert got == [[(0, 0, 2, 2, 0)], [(0, 2, 2, 2, 1)], [(1, 0, 2, 2, 0)], [(1, 2, 2, 2, 1)]]
 
 

@@ -1,4 +1,5 @@
 """The ``hawk`` command line: subcommands run as a user runs them (a subprocess)."""
+
 import json
 import os
 import subprocess
@@ -10,8 +11,14 @@ REPO = Path(__file__).resolve().parents[2]
 
 def hawk(*args: str, timeout: float = 120) -> subprocess.CompletedProcess:
     env = dict(os.environ, PYTHONPATH=str(REPO))
-    return subprocess.run([sys.executable, "-m", "vllm_hawk.cli", *args], capture_output=True, text=True,
-                          timeout=timeout, env=env, cwd=REPO)
+    return subprocess.run(
+        [sys.executable, "-m", "vllm_hawk.cli", *args],
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+        env=env,
+        cwd=REPO,
+    )
 
 
 def test_help_lists_commands():
@@ -45,8 +52,20 @@ def test_layout_bad_input_names_the_problem():
 
 def test_bench_transform_smoke(tmp_path):
     out = tmp_path / "t.json"
-    r = hawk("bench", "transform", "--sizes-mb", "1", "--repeats", "1", "--sources", "flash", "amx",
-             "--out", str(out), timeout=300)
+    r = hawk(
+        "bench",
+        "transform",
+        "--sizes-mb",
+        "1",
+        "--repeats",
+        "1",
+        "--sources",
+        "flash",
+        "amx",
+        "--out",
+        str(out),
+        timeout=300,
+    )
     assert r.returncode == 0, r.stderr
     rows = json.loads(out.read_text())["rows"]
     assert {row["dtype"] for row in rows} == {"bfloat16", "bfloat8_b"}

@@ -1,4 +1,5 @@
 """kv_connector_extra_config validation: defaults, and errors that name the field."""
+
 from __future__ import annotations
 
 import pytest
@@ -20,6 +21,7 @@ def test_defaults_are_documented_and_valid():
     assert cfg == HawkConfig(shared_secret=SECRET) and cfg.auth == "curve" and cfg.secret_bytes == SECRET.encode()
     assert SECRET not in repr(cfg)
     import vllm_hawk.connector.config as mod
+
     for name in HawkConfig.__dataclass_fields__:
         if name != "secret_bytes":
             assert f"``{name}``" in mod.__doc__, f"field {name} is not documented"
@@ -48,6 +50,7 @@ def test_secret_file_is_as_good_as_inline(tmp_path, monkeypatch):
     assert parse_config({}).secret_bytes == SECRET.encode()
     monkeypatch.setenv("HAWK_SHARED_SECRET", SECRET)
     from vllm_hawk.envs import HawkEnvError
+
     with pytest.raises(HawkEnvError, match="both set"):
         parse_config({})
     monkeypatch.delenv("HAWK_SHARED_SECRET_FILE")
@@ -62,26 +65,29 @@ def test_secret_file_is_as_good_as_inline(tmp_path, monkeypatch):
     assert "tiny" not in str(e.value)
 
 
-@pytest.mark.parametrize("field,value,needle", [
-    ("transport", "rdma", "mooncake-tcp"),
-    ("mode", "push", "direct"),
-    ("side_channel_port", 0, "side_channel_port"),
-    ("side_channel_port", "17600", "integer"),
-    ("lease_s", -1, "lease_s"),
-    ("pull_timeout_s", True, "number"),
-    ("device_profile", "h100", "device_profile"),
-    ("shared_secret", "short", "shared_secret"),
-    ("rdma_device", "mlx5_0", "mooncake-rdma"),
-    ("max_pulls", 0, "max_pulls"),
-    ("layer_groups", 0, "layer_groups"),
-    ("layer_groups", 65, "layer_groups"),
-    ("layer_groups", "fast", "'auto'"),
-    ("layout_fix", "both", "'prefill', 'decode'"),
-    ("layout_fix", "decode", "Tenstorrent"),  # with device_profile 'vllm'
-    ("renew_interval_s", 31.0, "30.0"),  # at most lease_s / 2
-    ("renew_interval_s", 0, "renew_interval_s"),
-    ("max_hold_s", 10.0, ">= 60.0"),  # at least lease_s
-])
+@pytest.mark.parametrize(
+    "field,value,needle",
+    [
+        ("transport", "rdma", "mooncake-tcp"),
+        ("mode", "push", "direct"),
+        ("side_channel_port", 0, "side_channel_port"),
+        ("side_channel_port", "17600", "integer"),
+        ("lease_s", -1, "lease_s"),
+        ("pull_timeout_s", True, "number"),
+        ("device_profile", "h100", "device_profile"),
+        ("shared_secret", "short", "shared_secret"),
+        ("rdma_device", "mlx5_0", "mooncake-rdma"),
+        ("max_pulls", 0, "max_pulls"),
+        ("layer_groups", 0, "layer_groups"),
+        ("layer_groups", 65, "layer_groups"),
+        ("layer_groups", "fast", "'auto'"),
+        ("layout_fix", "both", "'prefill', 'decode'"),
+        ("layout_fix", "decode", "Tenstorrent"),  # with device_profile 'vllm'
+        ("renew_interval_s", 31.0, "30.0"),  # at most lease_s / 2
+        ("renew_interval_s", 0, "renew_interval_s"),
+        ("max_hold_s", 10.0, ">= 60.0"),  # at least lease_s
+    ],
+)
 def test_bad_field_is_named(field, value, needle):
     with pytest.raises(HawkConfigError) as e:
         parse_config({"shared_secret": SECRET, field: value})
@@ -106,8 +112,7 @@ def test_transport_arguments_and_dp_port_offset(monkeypatch):
     monkeypatch.setenv("HAWK_SHARED_SECRET", SECRET)
     kind, opts = parse_config({"transport": "host-staged"}).transport_kind_and_options()
     assert kind == "host_staged" and opts["secret"] == SECRET.encode()
-    kind, opts = parse_config({"transport": "mooncake-rdma", "rdma_device": "mlx5_1"}
-                              ).transport_kind_and_options()
+    kind, opts = parse_config({"transport": "mooncake-rdma", "rdma_device": "mlx5_1"}).transport_kind_and_options()
     assert kind == "mooncake" and opts["protocol"] == "rdma" and opts["device_name"] == "mlx5_1"
     assert parse_config({"side_channel_port": 18000}, dp_rank=2).side_channel_port == 18002
     assert parse_config({"device_profile": "p150a"}).device_profile == "p150a"
@@ -117,13 +122,19 @@ def test_transport_arguments_and_dp_port_offset(monkeypatch):
 
 
 def test_gn_host_needs_a_tenstorrent_decode_and_whole_pulls():
-    cfg = parse_config({"shared_secret": SECRET, "transport": "host-staged", "mode": "staged",
-                        "device_profile": "p150a", "layout_fix": "decode"})
+    cfg = parse_config(
+        {
+            "shared_secret": SECRET,
+            "transport": "host-staged",
+            "mode": "staged",
+            "device_profile": "p150a",
+            "layout_fix": "decode",
+        }
+    )
     assert cfg.layout_fix == "decode" and parse_config({"shared_secret": SECRET}).layout_fix == "prefill"
     assert cfg.layer_groups == AUTO_LAYER_GROUPS  # auto: a GN-Host sink always pulls whole requests
     with pytest.raises(HawkConfigError, match="layer_groups=2.*layout_fix='decode'"):
-        parse_config({"shared_secret": SECRET, "device_profile": "p150a", "layout_fix": "decode",
-                      "layer_groups": 2})
+        parse_config({"shared_secret": SECRET, "device_profile": "p150a", "layout_fix": "decode", "layer_groups": 2})
     with pytest.raises(HawkConfigError, match="layout_fix='decode'.*device_profile"):
         parse_config({"shared_secret": SECRET, "layout_fix": "decode"})
 

@@ -3,6 +3,7 @@
 plugin's Tenstorrent KV cache, the host-staged transport moves the bytes and the
 decode's banks hold ``tilize_pack`` of the prefill's K/V. A GN-Host decode and a
 GN-HAWK prefill (or the reverse) are refused at the handshake, naming both values."""
+
 from __future__ import annotations
 
 import pytest
@@ -25,8 +26,14 @@ L, H, BS, D = 2, 2, 32, 64
 
 
 def _prefill_kv(cache: PagedKVCache, compat) -> LocalKV:
-    return LocalKV(compat, cache.desc, cache.region_map, cache.storages, cache.kv_views(),
-                   wire=wire_layout_of(cache.adapter, cache.layers[0]))
+    return LocalKV(
+        compat,
+        cache.desc,
+        cache.region_map,
+        cache.storages,
+        cache.kv_views(),
+        wire=wire_layout_of(cache.adapter, cache.layers[0]),
+    )
 
 
 @pytest.mark.parametrize("mode,source", [("staged", RingGatherSource), ("direct", VllmBlockSource)])
@@ -35,8 +42,9 @@ def test_gn_host_over_host_staged_lands_exact_bytes(mode, source):
     pkv = _prefill_kv(src_cache, None)
     compat = tt_compat("m", "bfloat16", BS, "p150a", "decode", pkv.wire.name)
     pkv.compat = compat
-    cfg = HawkConfig(transport="host-staged", mode=mode, device_profile="p150a", layout_fix="decode",
-                     ring_nbytes=1 << 20)
+    cfg = HawkConfig(
+        transport="host-staged", mode=mode, device_profile="p150a", layout_fix="decode", ring_nbytes=1 << 20
+    )
     dev = EmulatedDevice("p150a", bank_size_bytes=8 << 20)
     cache = TTPagedKVCache(dev, TTKVCacheSpec(L, 24, H, BS, D, "bfloat8_b"))
     tp, td = make_transport("host_staged"), make_transport("host_staged")
@@ -76,8 +84,9 @@ def test_gn_host_and_gn_hawk_sides_are_refused_naming_both(prefill_fix, decode_f
     src = PagedKVCache(L, 4, H, BS, D)
     t, td = make_transport("inprocess"), make_transport("inprocess")
     secret = b"0123456789abcdef-gn-host"  # authenticated peers are told the values, not just the fields
-    pre = PrefillEndpoint(RingGatherSource(src.region_map, src.desc, src.storages), t, cp, ring_nbytes=1 << 20,
-                          secret=secret, auth="hmac")
+    pre = PrefillEndpoint(
+        RingGatherSource(src.region_map, src.desc, src.storages), t, cp, ring_nbytes=1 << 20, secret=secret, auth="hmac"
+    )
     try:
         with pytest.raises(IncompatiblePeer) as e:
             DecodeEndpoint(td, pre.endpoint, cd, pull_timeout_s=5, secret=secret, auth="hmac")
@@ -95,8 +104,12 @@ def test_local_cluster_starts_every_configuration_alike(tmp_path):
     assert sorted(CONFIGURATIONS) == ["GG-Direct", "GG-Host", "GN-HAWK", "GN-Host"]
     c = LocalCluster.configured("GN-Host", "m", tmp_path, kv_dtype="bfloat8_b", extra_config={"ring_nbytes": 1 << 20})
     assert c.decode_tt == {"device": "p150a", "kv_dtype": "bfloat8_b"}
-    assert c.extra_config == {"transport": "host-staged", "mode": "staged", "layout_fix": "decode",
-                              "ring_nbytes": 1 << 20}
+    assert c.extra_config == {
+        "transport": "host-staged",
+        "mode": "staged",
+        "layout_fix": "decode",
+        "ring_nbytes": 1 << 20,
+    }
     assert LocalCluster.configured("GG-Host", "m", tmp_path).decode_tt is None
     with pytest.raises(ValueError, match="GN-Host"):
         LocalCluster.configured("gn-staged", "m", tmp_path)

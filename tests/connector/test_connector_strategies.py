@@ -12,6 +12,7 @@ driven through :class:`~vllm_hawk.kvflow.PrefillEndpoint` and
   still queued behind another one cancels it and leaks no ring space;
 * the prefill refuses destinations it cannot serve, naming the field.
 """
+
 from __future__ import annotations
 
 import concurrent.futures as cf
@@ -147,8 +148,15 @@ def test_staged_release_while_queued_cancels_and_leaks_no_ring_space():
             gate.wait(10)
 
     tp, td = make_transport("inprocess"), make_transport("inprocess")
-    pre = PrefillEndpoint(make_source(cfg, kv), tp, compat, ring_nbytes=cfg.ring_nbytes, workers=1,
-                          observer=observer, on_finished=lambda r, ok: finished.append((r, ok)))
+    pre = PrefillEndpoint(
+        make_source(cfg, kv),
+        tp,
+        compat,
+        ring_nbytes=cfg.ring_nbytes,
+        workers=1,
+        observer=observer,
+        on_finished=lambda r, ok: finished.append((r, ok)),
+    )
     dst_cache = PagedKVCache(L, 40, H, BS, D)
     sink = make_sinks(cfg, _vllm_kv(dst_cache, compat), td)[0]
     dec = DecodeEndpoint(td, pre.endpoint, compat, pull_timeout_s=10)
@@ -188,8 +196,9 @@ def test_prefill_refuses_destinations_it_cannot_serve():
     src = PagedKVCache(L, 4, H, BS, D)
     compat = tt_compat("m", "bfloat16", BS, "p150a")
     t = make_transport("inprocess")
-    pre = PrefillEndpoint(make_source(HawkConfig(device_profile="p150a"), _vllm_kv(src, compat)), t, compat,
-                          ring_nbytes=1 << 20)
+    pre = PrefillEndpoint(
+        make_source(HawkConfig(device_profile="p150a"), _vllm_kv(src, compat)), t, compat, ring_nbytes=1 << 20
+    )
     dev = EmulatedDevice("p150a", bank_size_bytes=8 << 20)
     cache = TTPagedKVCache(dev, TTKVCacheSpec(L, DST_BLOCKS, H, BS, D, "bfloat16"))
     desc = TTSink(dev, cache.layout, cache.buffers, t, "staged", recv_nbytes_per_bank=64 << 10)
@@ -242,8 +251,16 @@ def test_local_cluster_starts_a_tenstorrent_decode(tmp_path, monkeypatch):
     tt = {"device_profile": "n150"}
     d = c._vllm("decode", "kv_consumer", tt, None)
     p = c._vllm("prefill", "kv_producer", tt, None)
-    assert d.argv[1:9] == ["-m", "vllm_hawk.tt_plugin", "--tt-platform", "emulated", "--tt-device",
-                           "n150", "--tt-kv-dtype", "bfloat8_b"]
+    assert d.argv[1:9] == [
+        "-m",
+        "vllm_hawk.tt_plugin",
+        "--tt-platform",
+        "emulated",
+        "--tt-device",
+        "n150",
+        "--tt-kv-dtype",
+        "bfloat8_b",
+    ]
     assert p.argv[1:3] == ["-m", "vllm_hawk.vllm_launcher"]
     assert "HAWK_TT_PLATFORM" not in p.env and "HAWK_TT_PLATFORM" not in d.env
     ep_dir = d.env["PYTHONPATH"].split(":")[1]
@@ -251,7 +268,11 @@ def test_local_cluster_starts_a_tenstorrent_decode(tmp_path, monkeypatch):
     # read the files themselves: an in-memory finder installed by another test in this
     # process (tt_plugin.ensure_entry_point) would also answer metadata.distributions()
     infos = list(Path(ep_dir).glob("*.dist-info"))
-    eps = [ep for info in infos for ep in metadata.PathDistribution(info).entry_points
-           if ep.group == "vllm.platform_plugins"]
+    eps = [
+        ep
+        for info in infos
+        for ep in metadata.PathDistribution(info).entry_points
+        if ep.group == "vllm.platform_plugins"
+    ]
     assert [ep.value for ep in eps] == ["vllm_hawk.tt_plugin:register"]
     assert json.loads(d.argv[-1])["kv_connector_extra_config"] == tt

@@ -1,5 +1,6 @@
 """The example files under configs/ stay valid: each connector JSON passes the connector's
 own validation, prefill/decode pairs agree, and the env file names variables the code reads."""
+
 from __future__ import annotations
 
 import json

@@ -1,6 +1,7 @@
 """The ``vllm.general_plugins`` entry point makes ``"kv_connector": "HawkConnector"`` work
 without ``kv_connector_module_path`` (checked in a fresh interpreter with a throw-away
 distribution that declares the entry point, as ``pip install`` of vllm-hawk would)."""
+
 from __future__ import annotations
 
 import os
@@ -38,12 +39,9 @@ def test_entry_point_registers_the_connector_by_name(tmp_path: Path):
     dist = tmp_path / "hawk_plugin_probe-0.0.dist-info"
     dist.mkdir()
     (dist / "METADATA").write_text("Metadata-Version: 2.1\nName: hawk-plugin-probe\nVersion: 0.0\n")
-    (dist / "entry_points.txt").write_text(
-        "[vllm.general_plugins]\nhawk_connector = vllm_hawk.connector:register\n")
+    (dist / "entry_points.txt").write_text("[vllm.general_plugins]\nhawk_connector = vllm_hawk.connector:register\n")
     root = Path(__file__).resolve().parents[2]
-    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(tmp_path), str(root)]),
-               VLLM_PLUGINS="hawk_connector")
-    out = subprocess.run([sys.executable, "-c", PROBE], capture_output=True, text=True,
-                         timeout=300, env=env)
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(tmp_path), str(root)]), VLLM_PLUGINS="hawk_connector")
+    out = subprocess.run([sys.executable, "-c", PROBE], capture_output=True, text=True, timeout=300, env=env)
     assert out.returncode == 0, out.stderr[-3000:]
     assert "OK vllm_hawk.connector.connector HawkConnector" in out.stdout

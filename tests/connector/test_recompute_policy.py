@@ -1,5 +1,6 @@
 """``kv_load_failure_policy="recompute"``: a decode whose prefill is gone recomputes the
 prompt locally and answers as a single engine would (in-process engine, subprocess)."""
+
 from __future__ import annotations
 
 import json
@@ -54,11 +55,18 @@ def test_recompute_policy_recovers_from_a_dead_prefill(tmp_path):
         pytest.skip("vLLM is not installed")
     pytest.importorskip("mooncake.engine")
     root = Path(__file__).resolve().parents[2]
-    env = dict(os.environ, PYTHONPATH=str(root), VLLM_ENABLE_V1_MULTIPROCESSING="0",
-               VLLM_CPU_KVCACHE_SPACE="1", HF_HUB_OFFLINE="1", TOKENIZERS_PARALLELISM="false")
+    env = dict(
+        os.environ,
+        PYTHONPATH=str(root),
+        VLLM_ENABLE_V1_MULTIPROCESSING="0",
+        VLLM_CPU_KVCACHE_SPACE="1",
+        HF_HUB_OFFLINE="1",
+        TOKENIZERS_PARALLELISM="false",
+    )
     env.pop("VLLM_TARGET_DEVICE", None)
-    out = subprocess.run([sys.executable, "-c", SCRIPT], capture_output=True, text=True,
-                         timeout=400, env=env, cwd=tmp_path)
+    out = subprocess.run(
+        [sys.executable, "-c", SCRIPT], capture_output=True, text=True, timeout=400, env=env, cwd=tmp_path
+    )
     assert out.returncode == 0, out.stderr[-4000:]
     line = next(x for x in out.stdout.splitlines() if x.startswith("RESULT "))
     res = json.loads(line[7:])

@@ -6,6 +6,7 @@ debootstrap, busybox-static, cpio, zstd and linux-image/headers-6.12 (scripts/ke
 installs all of them). Outside CI a missing prerequisite skips with the reason; under
 CI=true it fails, so a broken CI set-up cannot pass silently.
 """
+
 from __future__ import annotations
 
 import os
@@ -63,9 +64,14 @@ def build_modules(kver: str, dest: Path) -> Path:
     shutil.copytree(src, out, ignore=shutil.ignore_patterns("build", "*.o", "*.ko", ".*.cmd", "*.mod*"))
     t0 = time.monotonic()
     env = {k: v for k, v in os.environ.items() if k != "LD_PRELOAD"}
-    p = subprocess.run(["make", "-j2", "-C", f"/usr/src/linux-headers-{kver}", f"M={out}",
-                        "TPM_WITH_PROVIDER=m", "modules"], stdout=subprocess.PIPE,
-                       stderr=subprocess.STDOUT, text=True, timeout=300, env=env)
+    p = subprocess.run(
+        ["make", "-j2", "-C", f"/usr/src/linux-headers-{kver}", f"M={out}", "TPM_WITH_PROVIDER=m", "modules"],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        timeout=300,
+        env=env,
+    )
     assert p.returncode == 0, p.stdout[-4000:]
     mods = out / "mods"
     mods.mkdir()
@@ -79,8 +85,10 @@ def run(stage: str, script: str, **kw) -> qemu_guest.GuestResult:
     res = qemu_guest.run_job(script, **kw)
     TIMES.append(f"{stage}: {res.summary()}")
     if res.timed_out or res.rc is None:
-        pytest.fail(f"{stage}: {res.summary()}\n--- last console lines ---\n"
-                    + "\n".join(res.output.splitlines()[-40:]), pytrace=False)
+        pytest.fail(
+            f"{stage}: {res.summary()}\n--- last console lines ---\n" + "\n".join(res.output.splitlines()[-40:]),
+            pytrace=False,
+        )
     return res
 
 

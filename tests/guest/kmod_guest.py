@@ -11,8 +11,10 @@ The "NIC" is the provider's platform device (dma-direct, no IOMMU), so a DMA add
 the physical address: each mapped entry is checked against /proc/self/pagemap of the
 pages the test itself owns.
 """
+
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import errno
 import fcntl
@@ -23,6 +25,7 @@ import subprocess
 import sys
 import time
 import traceback
+from pathlib import Path
 
 from vllm_hawk.npu.tt_kmd.registration import TT_PEERMEM_IOCTL_REGISTER, TtPeermemDevice, TtPeermemRegister
 
@@ -43,8 +46,12 @@ EXPECTED_MAP_FAILURES = 0
 
 
 class UdmabufCreate(ctypes.Structure):
-    _fields_ = [("memfd", ctypes.c_uint32), ("flags", ctypes.c_uint32),
-                ("offset", ctypes.c_uint64), ("size", ctypes.c_uint64)]
+    _fields_ = [
+        ("memfd", ctypes.c_uint32),
+        ("flags", ctypes.c_uint32),
+        ("offset", ctypes.c_uint64),
+        ("size", ctypes.c_uint64),
+    ]
 
 
 class Buf:
@@ -101,7 +108,7 @@ def insmod(name: str, *params: str) -> None:
 
 def stats() -> dict[str, int]:
     out = {}
-    for line in open(f"{TPM}/stats").read().splitlines():
+    for line in Path(f"{TPM}/stats").read_text().splitlines():
         k, v = line.split()
         if k != "version":
             out[k] = int(v)
@@ -118,7 +125,7 @@ def ctl(cmd: str) -> tuple[int, str]:
         err = e.errno
     finally:
         os.close(fd)
-    return err, open(f"{PROV}/control").read()
+    return err, Path(f"{PROV}/control").read_text()
 
 
 def fields(text: str) -> dict[str, str]:
@@ -127,7 +134,7 @@ def fields(text: str) -> dict[str, str]:
 
 def sgl() -> list[tuple[int, int]]:
     out = []
-    for line in open(f"{PROV}/sgl").read().split("\n"):
+    for line in Path(f"{PROV}/sgl").read_text().split("\n"):
         if line.strip():
             a, n = line.split()
             out.append((int(a, 16), int(n, 16)))
@@ -149,8 +156,9 @@ def set_max_page(n: int) -> None:
         f.write(str(n))
 
 
-def map_and_check(buf: Buf, reg_va: int, reg_off: int, addr: int, size: int,
-                  want_page: int | None = None) -> dict[str, str]:
+def map_and_check(
+    buf: Buf, reg_va: int, reg_off: int, addr: int, size: int, want_page: int | None = None
+) -> dict[str, str]:
     """Map [addr, addr+size) (VA) through the provider; check every DMA entry against the
     buffer's physical pages of the page-rounded window. Leaves the MR mapped."""
     err, text = ctl(f"map {addr:x} {size}")
@@ -191,10 +199,8 @@ def case(fn):
     except Exception as e:  # noqa: BLE001 - reported
         tb = traceback.format_exc().strip().splitlines()
         RESULTS.append((name, False, f"{type(e).__name__}: {e} | {' / '.join(tb[-4:])}"))
-        try:  # leave no MR behind for the next case
+        with contextlib.suppress(OSError):
             ctl("unmap")
-        except OSError:
-            pass
     ok = RESULTS[-1][1]
     print(f"CASE {name} {'PASS' if ok else 'FAIL'} {RESULTS[-1][2]}", flush=True)
     return fn
@@ -206,7 +212,7 @@ def case_load_modules():
     assert int(p.stdout) >= 4, f"hugepages: {p.stdout}"
     insmod("peermem_provider")
     insmod("tt_peermem")  # default: require_exporter=tenstorrent
-    clients = open(f"{PROV}/clients").read()
+    clients = Path(f"{PROV}/clients").read_text()
     assert "tt_peermem 0.1.0" in clients, clients
     dmesg = sh("dmesg").stdout
     assert "registered peer-memory client tt_peermem 0.1.0" in dmesg
@@ -241,7 +247,7 @@ def _lifecycle(kind: str, nbytes: int, page: int) -> str:
     try:
         s0 = stats()
         rid = dev.register(buf.va, nbytes, buf.fd, 0)
-        ranges = open(f"{TPM}/ranges").read()
+        ranges = Path(f"{TPM}/ranges").read_text()
         assert f"0x{buf.va:x} {nbytes} 0 udmabuf {nbytes}" in ranges, ranges
         f = map_and_check(buf, buf.va, 0, buf.va, nbytes, want_page=page)
         s1 = stats()
@@ -328,8 +334,14 @@ def case_sub_ranges():
 
 
 def _raw_register(dev: TtPeermemDevice, va: int, nbytes: int, fd: int, off: int, argsz: int | None = None) -> int:
-    arg = TtPeermemRegister(argsz=argsz or ctypes.sizeof(TtPeermemRegister), flags=0, dmabuf_fd=fd,
-                            va_start=va, nbytes=nbytes, dmabuf_offset=off)
+    arg = TtPeermemRegister(
+        argsz=argsz or ctypes.sizeof(TtPeermemRegister),
+        flags=0,
+        dmabuf_fd=fd,
+        va_start=va,
+        nbytes=nbytes,
+        dmabuf_offset=off,
+    )
     try:
         fcntl.ioctl(dev._fd, TT_PEERMEM_IOCTL_REGISTER, arg, True)
     except OSError as e:
@@ -366,8 +378,12 @@ def case_out_of_range():
             assert e.errno == errno.EEXIST, e
         rid2 = dev.register(FIXED_VA + 512 * KiB, 512 * KiB, buf.fd, 512 * KiB)  # adjacent is fine
         # the provider asks for ranges nobody registered, or straddling a registration's end
-        for addr, size in ((FIXED_VA - 4096, 4096), (FIXED_VA + 512 * KiB - 4096, 8192),
-                           (FIXED_VA + MiB - 4096, 8192), (0x1000, 4096)):
+        for addr, size in (
+            (FIXED_VA - 4096, 4096),
+            (FIXED_VA + 512 * KiB - 4096, 8192),
+            (FIXED_VA + MiB - 4096, 8192),
+            (0x1000, 4096),
+        ):
             err, text = ctl(f"map {addr:x} {size}")
             assert err == errno.ENOENT and "acquire=0" in text, (hex(addr), size, err, text)
         assert stats()["acquire_misses"] == s0["acquire_misses"] + 4
@@ -395,7 +411,7 @@ def case_revocation():
     dev = TtPeermemDevice()
     try:
         s0 = stats()
-        inv0 = int(open(f"{PROV}/invalidations").read())
+        inv0 = int(Path(f"{PROV}/invalidations").read_text())
         rid = dev.register(buf.va, 2 * MiB, buf.fd, 0)
         with open(f"{TPM}/revoke", "w") as f:  # no MR yet: nothing to invalidate
             f.write(str(rid))
@@ -405,9 +421,9 @@ def case_revocation():
             f.write(str(rid))
         s1 = stats()
         assert s1["invalidations"] == s0["invalidations"] + 1, s1
-        assert int(open(f"{PROV}/invalidations").read()) == inv0 + 1
+        assert int(Path(f"{PROV}/invalidations").read_text()) == inv0 + 1
         assert s1["unmaps"] == s0["unmaps"] + 1 and s1["put_pages"] == s0["put_pages"] + 1, s1
-        assert "invalidate dma_unmap=0 put_pages=done" in open(f"{PROV}/control").read()
+        assert "invalidate dma_unmap=0 put_pages=done" in Path(f"{PROV}/control").read_text()
         assert sgl() == []
         assert f"range {rid}: dma-buf revoked, invalidating MR" in sh("dmesg").stdout
         err, text = ctl("unmap")  # ib_dereg_mr after the invalidation: release only
@@ -485,7 +501,7 @@ def case_two_processes():
 
 
 def _bufinfo_count() -> int:
-    text = open("/sys/kernel/debug/dma_buf/bufinfo").read()
+    text = Path("/sys/kernel/debug/dma_buf/bufinfo").read_text()
     return len(re.findall(r"\budmabuf\b", text))
 
 
@@ -534,29 +550,37 @@ def case_unload_refused_while_in_use_then_clean():
     buf.close()
     st = stats()
     global EXPECTED_MAP_FAILURES
-    problems = {k: (st[a], st[b]) for k, a, b in (
-        ("acquires/releases", "acquires", "releases"), ("get_pages/put_pages", "get_pages", "put_pages"),
-        ("maps/unmaps", "maps", "unmaps")) if st[a] != st[b]}
+    problems = {
+        k: (st[a], st[b])
+        for k, a, b in (
+            ("acquires/releases", "acquires", "releases"),
+            ("get_pages/put_pages", "get_pages", "put_pages"),
+            ("maps/unmaps", "maps", "unmaps"),
+        )
+        if st[a] != st[b]
+    }
     assert not problems, f"unbalanced counters before unload: {problems}; {st}"
     assert st["ranges"] == 0 and st["contract_warnings"] == 0, st
     assert st["map_failures"] == EXPECTED_MAP_FAILURES, st
     p = sh("rmmod tt_peermem && rmmod peermem_provider")
     assert p.returncode == 0, p.stdout
     assert not os.path.exists("/sys/module/tt_peermem") and not os.path.exists(PROV)
-    assert _bufinfo_count() == 0, open("/sys/kernel/debug/dma_buf/bufinfo").read()
+    assert _bufinfo_count() == 0, Path("/sys/kernel/debug/dma_buf/bufinfo").read_text()
     return f"final stats {st}"
 
 
-SPLAT = re.compile(r"WARNING:|BUG:|Oops|general protection|Call Trace|circular locking|"
-                   r"lockdep|UBSAN|KASAN|refcount_t|list_(add|del) corruption|INFO: task .* blocked|"
-                   r"kernel BUG|RIP:|stack-protector|soft lockup|hard LOCKUP")
+SPLAT = re.compile(
+    r"WARNING:|BUG:|Oops|general protection|Call Trace|circular locking|"
+    r"lockdep|UBSAN|KASAN|refcount_t|list_(add|del) corruption|INFO: task .* blocked|"
+    r"kernel BUG|RIP:|stack-protector|soft lockup|hard LOCKUP"
+)
 
 
 def case_no_kernel_splat():
     dmesg = sh("dmesg").stdout
     bad = [line for line in dmesg.splitlines() if SPLAT.search(line)]
     assert not bad, "\n".join(bad[:20])
-    tainted = int(open("/proc/sys/kernel/tainted").read())
+    tainted = int(Path("/proc/sys/kernel/tainted").read_text())
     # W (warning, 512), D (died, 128), B (bad page, 32), L (soft lockup, 16384) must be clear;
     # O/E (out-of-tree, unsigned module) are expected.
     assert tainted & (512 | 128 | 32 | 16384) == 0, f"tainted={tainted}"
@@ -564,11 +588,20 @@ def case_no_kernel_splat():
 
 
 def main() -> int:
-    for fn in (case_load_modules, case_disallowed_exporter, case_lifecycle_shmem_4k,
-               case_lifecycle_hugetlb_2m, case_shmem_needs_4k_pages, case_sub_ranges,
-               case_out_of_range, case_revocation, case_two_processes,
-               case_exit_with_ranges_registered, case_unload_refused_while_in_use_then_clean,
-               case_no_kernel_splat):
+    for fn in (
+        case_load_modules,
+        case_disallowed_exporter,
+        case_lifecycle_shmem_4k,
+        case_lifecycle_hugetlb_2m,
+        case_shmem_needs_4k_pages,
+        case_sub_ranges,
+        case_out_of_range,
+        case_revocation,
+        case_two_processes,
+        case_exit_with_ranges_registered,
+        case_unload_refused_while_in_use_then_clean,
+        case_no_kernel_splat,
+    ):
         case(fn)
         if fn is case_load_modules and not RESULTS[-1][1]:
             break

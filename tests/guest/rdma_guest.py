@@ -8,8 +8,10 @@ with figures) for the host test (test_rdma_guest.py):
     dmabuf_mr             pyverbs DmaBufMR over a udmabuf on rxe0: the documented refusal
     all N_MIB REPS        the three above in one process (one interpreter start under TCG)
 """
+
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import errno
 import json
@@ -86,12 +88,20 @@ def bench(nmib: int, reps: int) -> str:
         need = 2 * reps * n // 4096
         assert d["sent_pkts"] >= need and d["rcvd_pkts"] >= need, (d, need)
         med = lambda xs: sorted(xs)[len(xs) // 2]  # noqa: E731
-        res = {"mib": nmib, "reps": reps, "write_MBps": [round(x, 1) for x in writes],
-               "read_MBps": [round(x, 1) for x in reads], "write_median_MBps": round(med(writes), 1),
-               "read_median_MBps": round(med(reads), 1), "rxe_pkts": d}
+        res = {
+            "mib": nmib,
+            "reps": reps,
+            "write_MBps": [round(x, 1) for x in writes],
+            "read_MBps": [round(x, 1) for x in reads],
+            "write_median_MBps": round(med(writes), 1),
+            "read_median_MBps": round(med(reads), 1),
+            "rxe_pkts": d,
+        }
         print(f"RESULT bench {json.dumps(res)}", flush=True)
-        return (f"{reps} x {nmib} MiB WRITE median {res['write_median_MBps']} MB/s, READ median "
-                f"{res['read_median_MBps']} MB/s, bytes verified, rxe {d}")
+        return (
+            f"{reps} x {nmib} MiB WRITE median {res['write_median_MBps']} MB/s, READ median "
+            f"{res['read_median_MBps']} MB/s, bytes verified, rxe {d}"
+        )
     finally:
         t.close()
         peer.stop()
@@ -137,10 +147,8 @@ def _raw_pair(protocol: str, force_tcp: str | None) -> tuple[int, dict[str, int]
         rc = ends[0].recv()
         d = delta(c0)
         for e in ends:
-            try:
+            with contextlib.suppress(OSError):
                 e.send(("exit",))
-            except OSError:
-                pass
         return rc, d
     finally:
         for p in procs:
@@ -199,6 +207,7 @@ def _ours_pair(protocol: str, tcp_first: bool = False) -> tuple[str, dict[str, i
 
 def protocols() -> None:
     pk = 8 * MiB // 4096  # packets 8 MiB needs at least, over RoCE
+
     # 1. the engine alone, protocol "tcp", nothing forced: does it use the HCA it finds?
     def raw_tcp():
         rc, d = _raw_pair("tcp", None)
@@ -206,17 +215,20 @@ def protocols() -> None:
         print(f"RESULT raw_tcp_unforced {json.dumps({'rc': rc, 'rxe_pkts': d, 'used': used})}", flush=True)
         assert rc == 0, rc
         return f"engine protocol='tcp' without MC_FORCE_TCP: used {used} (rxe {d})"
+
     run_case("engine_tcp_unforced", raw_tcp)
 
     # 2. our transport: what it says it uses must be what the counters show
     # (rdma alone is subsumed by rdma after a tcp engine in the same process; MC_FORCE_TCP
     # by our tcp case, which sets it)
     for proto, tcp_first in (("tcp", False), ("rdma", True)):
+
         def ours(proto=proto, tcp_first=tcp_first):
             said, d = _ours_pair(proto, tcp_first)
             used = "rdma" if d["sent_pkts"] >= pk else "tcp"
             assert said == proto == used, f"asked {proto}, transport says {said}, counters show {used} ({d})"
             return f"MooncakeTransport(protocol={proto!r}) says {said}, counters agree (rxe {d})"
+
         run_case(f"transport_{proto}_really_{proto}" + ("_after_a_tcp_engine" if tcp_first else ""), ours)
 
 
@@ -256,8 +268,11 @@ def main(argv: list[str]) -> int:
     elif cmd == "dmabuf_mr":
         run_case("dmabuf_mr_refused", dmabuf_mr)
     elif cmd == "all":
-        for name, fn in (("rdma_bench", lambda: bench(int(argv[1]), int(argv[2]))), ("protocols", protocols),
-                         ("dmabuf_mr_refused", dmabuf_mr)):
+        for name, fn in (
+            ("rdma_bench", lambda: bench(int(argv[1]), int(argv[2]))),
+            ("protocols", protocols),
+            ("dmabuf_mr_refused", dmabuf_mr),
+        ):
             t0 = time.monotonic()
             if name == "protocols":
                 fn()

@@ -7,6 +7,7 @@ the host side can check, test by test, that RDMA carried the bytes.
 $HAWK_RXE_WAIT_FOR (a file): after collection, wait until it exists. The guest stage
 collects the Algorithm 1 tests (``import torch``: about two minutes under TCG) while the
 transport tests run, and runs them once those are done, so no other traffic is counted."""
+
 from __future__ import annotations
 
 import json
@@ -40,8 +41,10 @@ def pytest_collection_finish(session):
     t0 = time.monotonic()
     while not Path(flag).exists() and time.monotonic() - t0 < 900:
         time.sleep(0.5)
-    print(f"\nrxe_counters: collected at uptime {_uptime()} s, waited {time.monotonic() - t0:.1f} s for {flag}",
-          flush=True)
+    print(
+        f"\nrxe_counters: collected at uptime {_uptime()} s, waited {time.monotonic() - t0:.1f} s for {flag}",
+        flush=True,
+    )
 
 
 def _uptime() -> str:

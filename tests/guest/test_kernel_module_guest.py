@@ -5,14 +5,26 @@ case is one test here. The whole stage fails on any WARN/BUG/Oops line in the gu
 dmesg, a W/D taint, or debugfs counters that do not balance before the clean unload.
 (Debian's kernel has no lockdep: a lockdep splat cannot appear, the scan would catch one.)
 """
+
 from __future__ import annotations
 
 import pytest
 from guest_helpers import REPO, build_modules, case_lines, images, run
 
-CASES = ["load_modules", "disallowed_exporter", "lifecycle_shmem_4k", "lifecycle_hugetlb_2m",
-         "shmem_needs_4k_pages", "sub_ranges", "out_of_range", "revocation", "two_processes",
-         "exit_with_ranges_registered", "unload_refused_while_in_use_then_clean", "no_kernel_splat"]
+CASES = [
+    "load_modules",
+    "disallowed_exporter",
+    "lifecycle_shmem_4k",
+    "lifecycle_hugetlb_2m",
+    "shmem_needs_4k_pages",
+    "sub_ranges",
+    "out_of_range",
+    "revocation",
+    "two_processes",
+    "exit_with_ranges_registered",
+    "unload_refused_while_in_use_then_clean",
+    "no_kernel_splat",
+]
 
 
 @pytest.fixture(scope="module")
@@ -20,8 +32,7 @@ def guest_run(tmp_path_factory):
     imgs = images()
     mods = build_modules(imgs.kver, tmp_path_factory.mktemp("kmod"))
     script = f"PYTHONPATH={REPO} /usr/bin/python3 {REPO}/tests/guest/kmod_guest.py {mods}\n"
-    res = run("kernel module stage", script, shares=[str(REPO), str(mods)], net=False,
-              timeout_s=240, mem_mib=1024)
+    res = run("kernel module stage", script, shares=[str(REPO), str(mods)], net=False, timeout_s=240, mem_mib=1024)
     return res, case_lines(res.output)
 
 
@@ -38,6 +49,7 @@ def test_guest_job_passed_and_dmesg_clean(guest_run):
     assert set(cases) == set(CASES)
     assert res.rc == 0, res.output[-3000:]
     from kmod_guest import SPLAT  # the same patterns, applied to the full log on the host side
+
     bad = [line for line in res.dmesg.splitlines() if SPLAT.search(line)]
     assert not bad, "\n".join(bad)
     assert "registered peer-memory client tt_peermem" in res.dmesg

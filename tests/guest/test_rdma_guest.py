@@ -18,6 +18,7 @@ One guest boot runs, with Mooncake ``protocol=rdma, device_name=rxe0``:
   * pyverbs DmaBufMR over a udmabuf on rxe0: refused with EOPNOTSUPP (errno 95), and
     ``hawk doctor`` names rxe0 as soft-RoCE, for testing only.
 """
+
 from __future__ import annotations
 
 import json
@@ -91,15 +92,28 @@ pytest_stage kvflow_two_process /tmp/kvflow.log $t_kv $?
 echo "DONE"
 """
 
-CASES = ["rxe_up", "transport_tests", "kvflow_two_process", "rdma_bench", "engine_tcp_unforced",
-         "transport_tcp_really_tcp", "transport_rdma_really_rdma_after_a_tcp_engine", "dmabuf_mr_refused"]
+CASES = [
+    "rxe_up",
+    "transport_tests",
+    "kvflow_two_process",
+    "rdma_bench",
+    "engine_tcp_unforced",
+    "transport_tcp_really_tcp",
+    "transport_rdma_really_rdma_after_a_tcp_engine",
+    "dmabuf_mr_refused",
+]
 
 
 def _job() -> str:
-    return (JOB.replace("@REPO@", str(REPO)).replace("@VPY@", str(VENV_PY))
-            .replace("@OPTIONS@", json.dumps(OPTIONS)).replace("@BENCH_MIB@", str(BENCH_MIB))
-            .replace("@BENCH_REPS@", str(BENCH_REPS)).replace("@KVFLOW_TESTS@", " ".join(KVFLOW_TESTS))
-            .replace("@TRANSPORT_TESTS@", " ".join(TRANSPORT_TESTS)))
+    return (
+        JOB.replace("@REPO@", str(REPO))
+        .replace("@VPY@", str(VENV_PY))
+        .replace("@OPTIONS@", json.dumps(OPTIONS))
+        .replace("@BENCH_MIB@", str(BENCH_MIB))
+        .replace("@BENCH_REPS@", str(BENCH_REPS))
+        .replace("@KVFLOW_TESTS@", " ".join(KVFLOW_TESTS))
+        .replace("@TRANSPORT_TESTS@", " ".join(TRANSPORT_TESTS))
+    )
 
 
 def _shares() -> list[str]:
@@ -112,6 +126,7 @@ def guest_run():
     images()
     try:
         import mooncake.engine  # noqa: F401
+
         ok = True
     except Exception:  # noqa: BLE001
         ok = False
@@ -123,13 +138,17 @@ def guest_run():
         TIMES.append(f"  RDMA stage / Algorithm 1 {m.group(1)}")
     for f in ("rxe_transport.json", "rxe_kvflow.json"):
         for nodeid, r in json.loads(res.files.get(f, "{}")).items():
-            TIMES.append(f"  rxe0 {r.get('sent_pkts')}/{r.get('rcvd_pkts')} pkts sent/rcvd, {r.get('s')} s: "
-                         f"{nodeid.split('::')[-1]}")
+            TIMES.append(
+                f"  rxe0 {r.get('sent_pkts')}/{r.get('rcvd_pkts')} pkts sent/rcvd, {r.get('s')} s: "
+                f"{nodeid.split('::')[-1]}"
+            )
     for m in re.finditer(r"^RESULT bench (.*)$", res.output, re.M):
         b = json.loads(m.group(1))
-        TIMES.append(f"  rxe0 Mooncake rdma {b['reps']} x {b['mib']} MiB: WRITE {b['write_MBps']} MB/s, "
-                     f"READ {b['read_MBps']} MB/s (medians {b['write_median_MBps']} / "
-                     f"{b['read_median_MBps']}), rxe packets {b['rxe_pkts']}")
+        TIMES.append(
+            f"  rxe0 Mooncake rdma {b['reps']} x {b['mib']} MiB: WRITE {b['write_MBps']} MB/s, "
+            f"READ {b['read_MBps']} MB/s (medians {b['write_median_MBps']} / "
+            f"{b['read_median_MBps']}), rxe packets {b['rxe_pkts']}"
+        )
     return res, case_lines(res.output)
 
 
@@ -177,5 +196,6 @@ def test_doctor_names_soft_roce_for_testing(guest_run):
 def test_guest_dmesg_clean(guest_run):
     res, _ = guest_run
     from kmod_guest import SPLAT
+
     bad = [line for line in res.dmesg.splitlines() if SPLAT.search(line)]
     assert not bad, "\n".join(bad)

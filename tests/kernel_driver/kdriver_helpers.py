@@ -34,8 +34,7 @@ def require(ok: bool, reason: str) -> None:
 def header_dirs(series: str) -> list[str]:
     """Installed Debian amd64 header trees of one series ("6.1" or "6.12")."""
     return sorted(
-        d for d in glob.glob(f"/usr/src/linux-headers-{series}.*-amd64")
-        if os.path.isfile(os.path.join(d, "Makefile"))
+        d for d in glob.glob(f"/usr/src/linux-headers-{series}.*-amd64") if os.path.isfile(os.path.join(d, "Makefile"))
     )
 
 

@@ -13,7 +13,6 @@ import shutil
 import subprocess
 
 import pytest
-
 from kdriver_helpers import KDRIVER, have, header_dirs, require, run_make
 
 WARNING_LINE = re.compile(r"warning|error", re.IGNORECASE)
@@ -51,13 +50,16 @@ def test_check_fails_on_a_warning(tmp_path) -> None:
     copy = tmp_path / "kernel_driver"
     shutil.copytree(KDRIVER, copy, ignore=shutil.ignore_patterns("build", "*.o", "*.ko", ".*.cmd"))
     (copy / "peermem_provider" / "zz_warning_bait.c").write_text(
-        "void *zz_bait(void);\nvoid *zz_bait(void) { return 0; }\n"
-        "#include <linux/module.h>\nMODULE_LICENSE(\"GPL\");\n")
+        'void *zz_bait(void);\nvoid *zz_bait(void) { return 0; }\n#include <linux/module.h>\nMODULE_LICENSE("GPL");\n'
+    )
     with open(copy / "peermem_provider" / "Kbuild", "a") as f:
         f.write("obj-m += zz_warning_bait.o\n")
     proc = subprocess.run(
         ["make", "--no-print-directory", "-C", str(copy), "check-kernels", f"CHECK_KDIRS={dirs[-1]}"],
-        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, timeout=300,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        timeout=300,
     )
     assert proc.returncode != 0
     assert "Using plain integer as NULL pointer" in proc.stdout

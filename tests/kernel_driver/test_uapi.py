@@ -29,8 +29,9 @@ def test_uapi_header_layout(tmp_path) -> None:
     src = tmp_path / "probe.c"
     src.write_text(PROBE)
     proc = subprocess.run(
-        ["gcc", "-std=c11", "-Wall", "-Werror", "-I", str(KDRIVER / "tt_peermem"),
-         "-fsyntax-only", str(src)],
-        capture_output=True, text=True, timeout=60,
+        ["gcc", "-std=c11", "-Wall", "-Werror", "-I", str(KDRIVER / "tt_peermem"), "-fsyntax-only", str(src)],
+        capture_output=True,
+        text=True,
+        timeout=60,
     )
     assert proc.returncode == 0, proc.stderr

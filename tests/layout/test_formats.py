@@ -1,6 +1,7 @@
 """Tile order and block-float packing, against an independent scalar reference of
 tt-metal's host packer (the byte-for-byte check against ttnn itself is
 tests/test_ttnn_crosscheck.py)."""
+
 import struct
 
 import numpy as np
@@ -60,8 +61,9 @@ def test_tiles_row_major_with_leading_dims_and_padding():
     assert torch.equal(untilize(tilize(x), x.shape), x)
 
 
-@pytest.mark.parametrize("dtype,nbytes", [("float32", 4096), ("bfloat16", 2048), ("bfloat8_b", 1088),
-                                          ("bfloat4_b", 576)])
+@pytest.mark.parametrize(
+    "dtype,nbytes", [("float32", 4096), ("bfloat16", 2048), ("bfloat8_b", 1088), ("bfloat4_b", 576)]
+)
 def test_tile_sizes(dtype, nbytes):
     assert tilize_pack(torch.randn(64, 64), dtype).shape == (4, nbytes)
 
@@ -91,12 +93,16 @@ def test_bfp_hand_cases(dtype):
 finite = st.floats(width=32, allow_nan=False, allow_infinity=False)
 
 
-@given(st.lists(finite, min_size=16, max_size=16), st.integers(0, 63), st.integers(0, 2**31),
-       st.sampled_from(["bfloat8_b", "bfloat4_b"]))
+@given(
+    st.lists(finite, min_size=16, max_size=16),
+    st.integers(0, 63),
+    st.integers(0, 2**31),
+    st.sampled_from(["bfloat8_b", "bfloat4_b"]),
+)
 def test_bfp_matches_scalar_reference(row, row_index, seed, dtype):
     """One hypothesis-chosen face row (edge values) inside a tile of random values."""
     tile = np.random.default_rng(seed).standard_normal(1024).astype(np.float32)
-    tile[row_index * 16:(row_index + 1) * 16] = row
+    tile[row_index * 16 : (row_index + 1) * 16] = row
     assert bytes(pack_tiles(torch.from_numpy(tile)[None], dtype)[0].numpy()) == ref_pack_tile(tile, dtype)
 
 

@@ -1,4 +1,5 @@
 """Bank interleaving and the lockstep allocator (tt-metal BankManager semantics)."""
+
 import pytest
 
 from vllm_hawk.layout.device_profiles import available_profiles, load_profile
@@ -24,20 +25,28 @@ def test_profile_errors_name_file_and_field(tmp_path):
     with pytest.raises(ValueError, match="available"):
         load_profile("p999")
     bad = tmp_path / "bad.yaml"
-    bad.write_text("name: x\narch: blackhole\nnum_banks: 2\nbank_size_bytes: 4096\ndram_unreserved_base: 0\n"
-                   "dram_alignment_bytes: 48\nbank_offsets: [0, 0]\nbank_channels: [0, 1]\n")
+    bad.write_text(
+        "name: x\narch: blackhole\nnum_banks: 2\nbank_size_bytes: 4096\ndram_unreserved_base: 0\n"
+        "dram_alignment_bytes: 48\nbank_offsets: [0, 0]\nbank_channels: [0, 1]\n"
+    )
     with pytest.raises(ValueError, match=r"bad.yaml.*dram_alignment_bytes"):
         load_profile(bad)
-    bad.write_text("name: x\narch: blackhole\nnum_banks: 2\nbank_size_bytes: 4096\ndram_unreserved_base: 0\n"
-                   "dram_alignment_bytes: 64\nbank_offsets: [0]\nbank_channels: [0, 1]\n")
+    bad.write_text(
+        "name: x\narch: blackhole\nnum_banks: 2\nbank_size_bytes: 4096\ndram_unreserved_base: 0\n"
+        "dram_alignment_bytes: 64\nbank_offsets: [0]\nbank_channels: [0, 1]\n"
+    )
     with pytest.raises(ValueError, match="bank_offsets"):
         load_profile(bad)
-    bad.write_text("name: x\narch: blackhole\nnum_banks: 2\nbank_size_bytes: 4096\ndram_unreserved_base: 0x48\n"
-                   "dram_alignment_bytes: 64\nbank_offsets: [0, 0]\nbank_channels: [0, 1]\n")
+    bad.write_text(
+        "name: x\narch: blackhole\nnum_banks: 2\nbank_size_bytes: 4096\ndram_unreserved_base: 0x48\n"
+        "dram_alignment_bytes: 64\nbank_offsets: [0, 0]\nbank_channels: [0, 1]\n"
+    )
     with pytest.raises(ValueError, match=r"bad.yaml.*dram_unreserved_base.*0x48"):
         load_profile(bad)
-    bad.write_text("name: x\narch: blackhole\nnum_banks: 2\nbank_size_bytes: 4096\n"
-                   "dram_alignment_bytes: 64\nbank_offsets: [0, 0]\nbank_channels: [0, 1]\n")
+    bad.write_text(
+        "name: x\narch: blackhole\nnum_banks: 2\nbank_size_bytes: 4096\n"
+        "dram_alignment_bytes: 64\nbank_offsets: [0, 0]\nbank_channels: [0, 1]\n"
+    )
     with pytest.raises(ValueError, match=r"bad.yaml.*missing field 'dram_unreserved_base'"):
         load_profile(bad)
 
@@ -67,8 +76,9 @@ def test_lockstep_sizes_first_fit_and_merge():
 def test_oom_message_says_what_was_asked_and_free():
     a = LockstepAllocator(load_profile("n150"), bank_size_bytes=64 << 10)
     a.allocate(12 * 30, 2048)  # 30 pages per bank = 61440 B
-    with pytest.raises(OutOfDeviceMemory,
-                       match=r"cannot allocate 6144 B per bank x 12 banks.*4096 B free per bank of 65536"):
+    with pytest.raises(
+        OutOfDeviceMemory, match=r"cannot allocate 6144 B per bank x 12 banks.*4096 B free per bank of 65536"
+    ):
         a.allocate(36, 2048)
     with pytest.raises(ValueError, match="no allocation"):
         a.free(12345)

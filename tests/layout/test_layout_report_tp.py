@@ -1,5 +1,6 @@
 """``hawk layout --prefill-tp P --decode-tp D``: per decode chip, the prefill ranks and heads
 it pulls and each pull's bytes, bytes per DRAM bank, segments and READs (pure)."""
+
 import numpy as np
 import pytest
 
@@ -13,18 +14,21 @@ TILES_PER_HEAD = 2 * 4  # (64 tokens / 32) x (128 dims / 32) per block
 HEAD_NBYTES = 16 * TILES_PER_HEAD * 160 * 1088  # one head of the request, all layers, K and V, in G'
 
 
-@pytest.mark.parametrize("prefill_tp, decode_tp, sources", [
-    (4, 4, [[(0, 0, 2)], [(1, 2, 2)], [(2, 4, 2)], [(3, 6, 2)]]),
-    (4, 2, [[(0, 0, 2), (1, 2, 2)], [(2, 4, 2), (3, 6, 2)]]),
-    (2, 4, [[(0, 0, 2)], [(0, 2, 2)], [(1, 4, 2)], [(1, 6, 2)]]),
-    (8, 4, [[(0, 0, 1), (1, 1, 1)], [(2, 2, 1), (3, 3, 1)], [(4, 4, 1), (5, 5, 1)], [(6, 6, 1), (7, 7, 1)]]),
-    (1, 1, [[(0, 0, 8)]]),
-])
+@pytest.mark.parametrize(
+    "prefill_tp, decode_tp, sources",
+    [
+        (4, 4, [[(0, 0, 2)], [(1, 2, 2)], [(2, 4, 2)], [(3, 6, 2)]]),
+        (4, 2, [[(0, 0, 2), (1, 2, 2)], [(2, 4, 2), (3, 6, 2)]]),
+        (2, 4, [[(0, 0, 2)], [(0, 2, 2)], [(1, 4, 2)], [(1, 6, 2)]]),
+        (8, 4, [[(0, 0, 1), (1, 1, 1)], [(2, 2, 1), (3, 3, 1)], [(4, 4, 1), (5, 5, 1)], [(6, 6, 1), (7, 7, 1)]]),
+        (1, 1, [[(0, 0, 8)]]),
+    ],
+)
 def test_each_chip_pulls_its_heads_from_the_prefill_ranks_holding_them(prefill_tp, decode_tp, sources):
     r = layout_report(prefill_tp=prefill_tp, decode_tp=decode_tp, tokens=TOKENS)
     assert (r["prefill_tp"], r["decode_tp"], r["kv_heads_per_rank"]) == (prefill_tp, decode_tp, 8 // decode_tp)
     assert len(r["chips"]) == decode_tp
-    for chip, want in zip(r["chips"], sources):
+    for chip, want in zip(r["chips"], sources, strict=False):
         assert [(p["prefill_rank"], p["heads"][0], p["heads"][1] - p["heads"][0]) for p in chip["pulls"]] == want
         for p in chip["pulls"]:  # every pull: its heads' bytes, spread evenly over the 8 banks, one segment each
             n = p["heads"][1] - p["heads"][0]
@@ -56,7 +60,7 @@ def test_a_part_of_a_chip_moves_its_share():
     blocks = np.arange(1, 17)
     halves = [pull_figures(layout, blocks, s, 2) for s in (0, 2)]
     whole = pull_figures(layout, blocks, 0, 4)
-    assert [a + b for a, b in zip(*(h["bytes_per_bank"] for h in halves))] == whole["bytes_per_bank"]
+    assert [a + b for a, b in zip(*(h["bytes_per_bank"] for h in halves), strict=False)] == whole["bytes_per_bank"]
     assert all(h["reads_direct"] > whole["reads_direct"] / 2 for h in halves)  # a head subset breaks the runs
 
 
@@ -94,5 +98,7 @@ def test_replicated_heads_are_named_with_their_serving_rank(capsys):
     assert [p["pulls_served"] for p in r["prefill_ranks"]] == [1, 0] * 8
     assert layout_report(prefill_tp=4, decode_tp=4, tokens=TOKENS)["replicated_heads"] == ""
     assert main(["--prefill-tp", "16", "--decode-tp", "4", "--tokens", str(TOKENS)]) == 0
-    assert "replicated KV heads (fewer heads than prefill ranks): head 0 on ranks 0-1 (served by 0)" in \
-        capsys.readouterr().out
+    assert (
+        "replicated KV heads (fewer heads than prefill ranks): head 0 on ranks 0-1 (served by 0)"
+        in capsys.readouterr().out
+    )

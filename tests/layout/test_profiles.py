@@ -1,4 +1,5 @@
 """Device profiles and model shapes ship inside the package; HAWK_CONFIG_DIR adds user folders."""
+
 import os
 from importlib.resources import files
 
@@ -8,9 +9,11 @@ from vllm_hawk.layout import profiles
 from vllm_hawk.layout.device_profiles import available_profiles, load_profile
 from vllm_hawk.layout.model_shapes import available_models, load_model_shape
 
-P150A = ("name: {name}\narch: blackhole\nnum_banks: 8\nbank_size_bytes: 4096\n"
-         "dram_alignment_bytes: 64\nbank_offsets: [0, 0, 0, 0, 0, 0, 0, 0]\n"
-         "bank_channels: [0, 1, 2, 3, 4, 5, 6, 7]\ndram_unreserved_base: 0\n")
+P150A = (
+    "name: {name}\narch: blackhole\nnum_banks: 8\nbank_size_bytes: 4096\n"
+    "dram_alignment_bytes: 64\nbank_offsets: [0, 0, 0, 0, 0, 0, 0, 0]\n"
+    "bank_channels: [0, 1, 2, 3, 4, 5, 6, 7]\ndram_unreserved_base: 0\n"
+)
 
 
 @pytest.fixture(autouse=True)

@@ -1,4 +1,5 @@
 """Which KV heads a tensor-parallel rank or chip holds, and who pulls what (pure)."""
+
 from __future__ import annotations
 
 import itertools
@@ -19,8 +20,16 @@ def test_shards_follow_vllm_split(heads, tp):
         assert all(s.count == 1 for s in shards)
 
 
-@pytest.mark.parametrize("heads,p,d", [(h, p, d) for h in (1, 2, 4, 8) for p in (1, 2, 4, 8) for d in (1, 2, 4, 8)
-                                       if (h % p == 0 or p % h == 0) and (h % d == 0 or d % h == 0)])
+@pytest.mark.parametrize(
+    "heads,p,d",
+    [
+        (h, p, d)
+        for h in (1, 2, 4, 8)
+        for p in (1, 2, 4, 8)
+        for d in (1, 2, 4, 8)
+        if (h % p == 0 or p % h == 0) and (h % d == 0 or d % h == 0)
+    ],
+)
 def test_every_target_gets_each_of_its_heads_exactly_once(heads, p, d):
     for t in range(d):
         dst = shard_heads(heads, d, t)
@@ -34,8 +43,9 @@ def test_every_target_gets_each_of_its_heads_exactly_once(heads, p, d):
         assert got == list(range(dst.start, dst.stop))
     # consumers: how many pulls each prefill rank serves; share indices number them 0..n-1
     for r in range(p):
-        idx = [share_index(heads, p, d, t, r) for t in range(d)
-               for q in plan_pulls(heads, p, d, t) if q.prefill_rank == r]
+        idx = [
+            share_index(heads, p, d, t, r) for t in range(d) for q in plan_pulls(heads, p, d, t) if q.prefill_rank == r
+        ]
         assert sorted(idx) == list(range(consumers(heads, p, d, r)))
 
 
@@ -47,9 +57,14 @@ def test_paper_configuration_is_rank_to_chip():
     assert [consumers(8, 4, 4, r) for r in range(4)] == [1, 1, 1, 1]
 
 
-@pytest.mark.parametrize("heads,p,d,names", [(8, 3, 1, ["prefill tensor_parallel_size=3", "8 KV heads"]),
-                                             (8, 2, 3, ["decode tensor_parallel_size (or chips)=3"]),
-                                             (2, 3, 1, ["is not a multiple"])])
+@pytest.mark.parametrize(
+    "heads,p,d,names",
+    [
+        (8, 3, 1, ["prefill tensor_parallel_size=3", "8 KV heads"]),
+        (8, 2, 3, ["decode tensor_parallel_size (or chips)=3"]),
+        (2, 3, 1, ["is not a multiple"]),
+    ],
+)
 def test_impossible_splits_name_both_sides(heads, p, d, names):
     with pytest.raises(TPMismatch) as e:
         plan_pulls(heads, p, d, 0)

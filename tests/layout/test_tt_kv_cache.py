@@ -1,4 +1,5 @@
 """The Tenstorrent paged KV cache: shapes, tile index and element addresses."""
+
 import numpy as np
 import pytest
 import torch
@@ -39,7 +40,7 @@ def test_locate_finds_the_element_written_through_pages(profile, dtype):
         tile = spec.tile_index(b, h, t, d)
         assert dev.banks[bank][off] == pages[tile, spec.element_byte_in_tile(t, d)]
         if dtype == "bfloat16":
-            got = torch.from_numpy(dev.banks[bank][off:off + 2].copy()).view(torch.bfloat16)
+            got = torch.from_numpy(dev.banks[bank][off : off + 2].copy()).view(torch.bfloat16)
             assert got.item() == x[b, h, t, d].to(torch.bfloat16).item()
     for b in bufs:
         dev.free_buffer(b)
@@ -52,4 +53,4 @@ def test_tile_constants_match_formats():
     from vllm_hawk.layout import tt_kv_cache as m
 
     assert (m.TILE, m.FACE, m.BFP_EXP_NBYTES) == (tiles.TILE, tiles.FACE, formats.BFP_EXP_NBYTES)
-    assert m.TILE_NBYTES == {d: formats.tile_format(d).tile_nbytes for d in m.KV_DTYPES}
+    assert {d: formats.tile_format(d).tile_nbytes for d in m.KV_DTYPES} == m.TILE_NBYTES

@@ -1,6 +1,7 @@
 """The emulated device's intra-bank copies across all banks at once (the staged mode's
 D6-D7): the same bytes as bank-by-bank copies, on the thread pool for large copies and
 inline for small ones; errors still reach the caller."""
+
 import os
 
 import numpy as np
@@ -25,9 +26,9 @@ def test_copy_in_banks_equals_bank_by_bank(nbytes):
             b[: runs * nbytes] = rng.integers(0, 256, runs * nbytes, dtype=np.uint8)
         want = [b.copy() for b in dev.banks]
         for w in want:
-            w[runs * nbytes: 2 * runs * nbytes] = w[: runs * nbytes]
+            w[runs * nbytes : 2 * runs * nbytes] = w[: runs * nbytes]
         assert dev.copy_in_banks(_ops(dev, nbytes, runs)) == runs * dev.num_banks
-        for b, w in zip(dev.banks, want):
+        for b, w in zip(dev.banks, want, strict=False):
             assert np.array_equal(b, w)
         threaded = nbytes >= PARALLEL_COPY_MIN_NBYTES and (os.cpu_count() or 1) > 1
         assert (dev._copy_pool is not None) == threaded

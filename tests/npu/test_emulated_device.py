@@ -1,5 +1,6 @@
 """The emulated Tenstorrent device: per-bank host regions, the bank-buffer API, and the
 paper's negative result on one contiguous receive buffer (section 5.1.3)."""
+
 import ctypes
 
 import pytest
@@ -14,7 +15,7 @@ def test_banks_are_separate_host_regions():
     dev = EmulatedDevice("p150a", 1 << 20)
     addrs = [dev.bank_address(b) for b in range(8)]
     assert len(set(addrs)) == 8
-    for a, b in zip(sorted(addrs), sorted(addrs)[1:]):
+    for a, b in zip(sorted(addrs), sorted(addrs)[1:], strict=False):
         assert b - a >= 1 << 20  # no overlap
 
 
@@ -55,8 +56,7 @@ def test_contiguous_receive_buffer_starves_kv_cache_but_per_bank_buffers_do_not(
     recv_total = 3 << 20  # receive capacity, bytes
     # 4 tensors x 2048 tiles x 1088 B / 8 banks = 1088 KiB per bank: more than the 1 MiB
     # the contiguous buffer leaves, far less than the 3.6 MiB per-bank buffers leave.
-    spec = TTKVCacheSpec(num_layers=2, num_blocks=128, num_kv_heads=2, block_size=64, head_dim=128,
-                         dtype="bfloat8_b")
+    spec = TTKVCacheSpec(num_layers=2, num_blocks=128, num_kv_heads=2, block_size=64, head_dim=128, dtype="bfloat8_b")
     contiguous = EmulatedDevice("p150a", bank_bytes)
     contiguous.allocate_buffer(num_pages=1, page_nbytes=recv_total)  # one page = one bank
     with pytest.raises(OutOfDeviceMemory):

@@ -1,5 +1,8 @@
 """Message round trips, field validation, compat hash, and decoder fuzzing."""
+
 from __future__ import annotations
+
+import contextlib
 
 import msgspec
 import pytest
@@ -31,9 +34,17 @@ from vllm_hawk.protocol import (
     make_compat,
 )
 
-LAYOUT = LayoutDesc(name="tt-paged", dtype="bfloat8_b", block_size=64, num_layers=4,
-                    num_kv_heads=4, head_dim=128, num_banks=8, tile_nbytes=1088,
-                    page_nbytes=1088)
+LAYOUT = LayoutDesc(
+    name="tt-paged",
+    dtype="bfloat8_b",
+    block_size=64,
+    num_layers=4,
+    num_kv_heads=4,
+    head_dim=128,
+    num_banks=8,
+    tile_nbytes=1088,
+    page_nbytes=1088,
+)
 COMPAT = make_compat("tiny-llama", "bfloat16", 64, "vllm-cpu-vec", "tt-bfp8-8bank", "p150a")
 
 
@@ -41,12 +52,27 @@ def all_messages():
     h = compat_hash(COMPAT)
     return [
         Hello(compat=COMPAT, compat_hash=h, client_id="decode-0"),
-        HelloAck(compat_hash=h, server_id="prefill-0", transfer_endpoint="127.0.0.1:15001",
-                 export_base_addr=0x7F0000000000, export_nbytes=1 << 30),
-        KVRequest(req_id="req-1", dst_layout=LAYOUT, num_tokens=4096,
-                  dst_block_ids=list(range(64)), deadline_ms=1_800_000_000_000),
-        KVReady(req_id="req-1", ring_offset=4096, total_nbytes=8 * 1088,
-                segments=[Segment(b, 4096 + b * 1088, 1088) for b in range(8)], lease_ms=30_000),
+        HelloAck(
+            compat_hash=h,
+            server_id="prefill-0",
+            transfer_endpoint="127.0.0.1:15001",
+            export_base_addr=0x7F0000000000,
+            export_nbytes=1 << 30,
+        ),
+        KVRequest(
+            req_id="req-1",
+            dst_layout=LAYOUT,
+            num_tokens=4096,
+            dst_block_ids=list(range(64)),
+            deadline_ms=1_800_000_000_000,
+        ),
+        KVReady(
+            req_id="req-1",
+            ring_offset=4096,
+            total_nbytes=8 * 1088,
+            segments=[Segment(b, 4096 + b * 1088, 1088) for b in range(8)],
+            lease_ms=30_000,
+        ),
         Release(req_id="req-1"),
         Release(req_id="req-1", ok=False),
         Ack(req_id="req-1"),
@@ -70,27 +96,55 @@ def _raw(d: dict) -> bytes:
     return msgspec.msgpack.encode(d)
 
 
-@pytest.mark.parametrize("bad", [
-    {"type": "ack", "req_id": ""},                                    # empty req_id
-    {"type": "ack", "req_id": "x" * 300},                             # too long
-    {"type": "ack"},                                                  # missing field
-    {"type": "ack", "req_id": "x", "extra": 1},                       # unknown field
-    {"type": "nope", "req_id": "x"},                                  # unknown tag
-    {"type": "error", "code": "whatever", "detail": ""},              # unknown code
-    {"type": "error", "code": "expired", "detail": "d" * 5000},       # detail too long
-    {"type": "release", "req_id": "x", "ok": "yes"},                  # wrong type
-    {"type": "kv_ready", "req_id": "r", "ring_offset": -1, "total_nbytes": 0, "segments": []},
-    {"type": "kv_ready", "req_id": "r", "ring_offset": 0, "total_nbytes": 10,
-     "segments": [[0, 0, 5]]},                                        # sum mismatch
-    {"type": "kv_ready", "req_id": "r", "ring_offset": 0, "total_nbytes": 10,
-     "segments": [[0, 0, 5], [1, 3, 5]]},                             # overlap
-    {"type": "kv_ready", "req_id": "r", "ring_offset": 0, "total_nbytes": 0,
-     "segments": [[0, 0, 0]]},                                        # empty segment
-    {"type": "kv_ready", "req_id": "r", "ring_offset": 0, "total_nbytes": 5000,
-     "segments": [[0, i, 1] for i in range(5000)]},                   # too many segments
-    {"type": "kv_ready", "req_id": "r", "ring_offset": 0, "total_nbytes": 1,
-     "segments": [[5000, 0, 1]]},                                     # bank out of range
-])
+@pytest.mark.parametrize(
+    "bad",
+    [
+        {"type": "ack", "req_id": ""},  # empty req_id
+        {"type": "ack", "req_id": "x" * 300},  # too long
+        {"type": "ack"},  # missing field
+        {"type": "ack", "req_id": "x", "extra": 1},  # unknown field
+        {"type": "nope", "req_id": "x"},  # unknown tag
+        {"type": "error", "code": "whatever", "detail": ""},  # unknown code
+        {"type": "error", "code": "expired", "detail": "d" * 5000},  # detail too long
+        {"type": "release", "req_id": "x", "ok": "yes"},  # wrong type
+        {"type": "kv_ready", "req_id": "r", "ring_offset": -1, "total_nbytes": 0, "segments": []},
+        {
+            "type": "kv_ready",
+            "req_id": "r",
+            "ring_offset": 0,
+            "total_nbytes": 10,
+            "segments": [[0, 0, 5]],
+        },  # sum mismatch
+        {
+            "type": "kv_ready",
+            "req_id": "r",
+            "ring_offset": 0,
+            "total_nbytes": 10,
+            "segments": [[0, 0, 5], [1, 3, 5]],
+        },  # overlap
+        {
+            "type": "kv_ready",
+            "req_id": "r",
+            "ring_offset": 0,
+            "total_nbytes": 0,
+            "segments": [[0, 0, 0]],
+        },  # empty segment
+        {
+            "type": "kv_ready",
+            "req_id": "r",
+            "ring_offset": 0,
+            "total_nbytes": 5000,
+            "segments": [[0, i, 1] for i in range(5000)],
+        },  # too many segments
+        {
+            "type": "kv_ready",
+            "req_id": "r",
+            "ring_offset": 0,
+            "total_nbytes": 1,
+            "segments": [[5000, 0, 1]],
+        },  # bank out of range
+    ],
+)
 def test_invalid_fields_rejected(bad):
     with pytest.raises(ProtocolError):
         decode(_raw(bad))
@@ -106,8 +160,9 @@ def test_oversized_rejected():
 
 def test_compat_hash_and_diff():
     other = make_compat("tiny-llama", "bfloat16", 128, "vllm-cpu-vec", "tt-bfp8-8bank", "n150")
-    assert compat_hash(COMPAT) == compat_hash(make_compat(*[getattr(COMPAT, f) for f in
-                                                            CompatFields.__struct_fields__]))
+    assert compat_hash(COMPAT) == compat_hash(
+        make_compat(*[getattr(COMPAT, f) for f in CompatFields.__struct_fields__])
+    )
     assert compat_hash(COMPAT) != compat_hash(other)
     assert compat_diff(COMPAT, other) == ["block_size", "device_profile"]
     text = describe_diff(COMPAT, other)
@@ -120,6 +175,7 @@ def test_protocol_version_is_6_with_renew_control_hello_and_head_shares():
     # 5 adds Renew/Renewed (lease heartbeats) and ControlHello (the proxy's Release).
     from vllm_hawk.protocol import ControlHello, Renew, Renewed
     from vllm_hawk.protocol.envelope import MAGIC, Header
+
     assert PROTOCOL_VERSION == 6 and MAGIC == b"HAWK/6"
     assert Renew.__struct_config__.tag == "renew" and "gone" in Renewed.__struct_fields__
     assert ControlHello.__struct_fields__ == ("client_id",)
@@ -141,28 +197,25 @@ def test_fuzz_decode_raw_bytes(data):
 @given(st.lists(st.binary(max_size=128), max_size=6))
 def test_fuzz_envelope_frames(frames):
     for secret in (None, b"k" * 32):
-        try:
+        with contextlib.suppress(FrameError):
             Envelope("fuzz", secret).unpack(frames)
-        except FrameError:
-            pass
 
 
 @settings(max_examples=200, deadline=None)
-@given(st.recursive(st.none() | st.booleans() | st.integers(-2**63, 2**64 - 1) |
-                    st.text(max_size=20) | st.binary(max_size=20),
-                    lambda c: st.lists(c, max_size=4) | st.dictionaries(st.text(max_size=10), c,
-                                                                        max_size=4),
-                    max_leaves=20),
-       st.sampled_from(["hello", "hello_ack", "kv_request", "kv_ready", "release", "ack",
-                        "error"]))
+@given(
+    st.recursive(
+        st.none() | st.booleans() | st.integers(-(2**63), 2**64 - 1) | st.text(max_size=20) | st.binary(max_size=20),
+        lambda c: st.lists(c, max_size=4) | st.dictionaries(st.text(max_size=10), c, max_size=4),
+        max_leaves=20,
+    ),
+    st.sampled_from(["hello", "hello_ack", "kv_request", "kv_ready", "release", "ack", "error"]),
+)
 def test_fuzz_structured_garbage(value, tag):
     """Well-formed msgpack with a valid tag but arbitrary fields never escapes validation."""
     doc = dict(value) if isinstance(value, dict) else {"x": value}
     doc["type"] = tag
-    try:
+    with contextlib.suppress(ProtocolError):
         decode(_raw(doc))
-    except ProtocolError:
-        pass
 
 
 def test_envelope_auth_and_replay():
@@ -205,6 +258,7 @@ def test_envelope_stale_timestamp_rejected():
     b = Envelope("server", key, window_s=0.0)
     _seq, frames = a.pack(Ack(req_id="r"), recipient="server")
     import time
+
     time.sleep(0.01)
     with pytest.raises(AuthError, match="window"):
         b.unpack(frames)
@@ -217,6 +271,7 @@ def test_envelope_secret_too_short():
 
 def test_renew_is_bounded():
     from vllm_hawk.protocol import MAX_RENEW_IDS, ProtocolError, Renew, Renewed, decode, encode
+
     ids = [f"cmpl-{i:0200d}" for i in range(MAX_RENEW_IDS)]  # the largest Renew fits a message
     assert decode(encode(Renew(req_ids=ids))) == Renew(req_ids=ids)
     assert decode(encode(Renewed(renewed=1, gone=ids[:2]))).gone == ids[:2]

@@ -1,5 +1,6 @@
 """Server + client over real ZMQ sockets: handshake, requests, deferred replies, and
 hostile input (malformed, oversized, forged, replayed) that must not stop the server."""
+
 from __future__ import annotations
 
 import random
@@ -33,8 +34,17 @@ from vllm_hawk.protocol import (
 )
 from vllm_hawk.protocol.envelope import MAGIC
 
-LAYOUT = LayoutDesc(name="tt-paged", dtype="bfloat8_b", block_size=64, num_layers=2,
-                    num_kv_heads=2, head_dim=64, num_banks=8, tile_nbytes=1088, page_nbytes=1088)
+LAYOUT = LayoutDesc(
+    name="tt-paged",
+    dtype="bfloat8_b",
+    block_size=64,
+    num_layers=2,
+    num_kv_heads=2,
+    head_dim=64,
+    num_banks=8,
+    tile_nbytes=1088,
+    page_nbytes=1088,
+)
 COMPAT = make_compat("tiny-llama", "bfloat16", 64, "vllm-cpu-vec", "tt-bfp8-8bank", "p150a")
 SECRET = b"0123456789abcdef0123456789abcdef"
 RING_NBYTES = 1 << 20
@@ -66,8 +76,9 @@ class FakePrefill:
 
     @staticmethod
     def _ready(req_id):
-        return KVReady(req_id=req_id, ring_offset=0, total_nbytes=8 * 1088,
-                       segments=[Segment(b, b * 1088, 1088) for b in range(8)])
+        return KVReady(
+            req_id=req_id, ring_offset=0, total_nbytes=8 * 1088, segments=[Segment(b, b * 1088, 1088) for b in range(8)]
+        )
 
 
 def _kvreq(req_id="r1"):
@@ -143,8 +154,10 @@ def test_replies_from_many_threads_all_arrive():
             held.append((reply, self._ready(msg.req_id)))
             return None
 
-    with ProtocolServer(Burst(), COMPAT, secret=SECRET, auth="hmac") as s, \
-            ProtocolClient(s.endpoint, COMPAT, secret=SECRET, auth="hmac", timeout_s=5.0) as c:
+    with (
+        ProtocolServer(Burst(), COMPAT, secret=SECRET, auth="hmac") as s,
+        ProtocolClient(s.endpoint, COMPAT, secret=SECRET, auth="hmac", timeout_s=5.0) as c,
+    ):
         c.handshake()
         s._outbox = _PreemptedQueue(s._outbox)
         for rnd in range(5):
@@ -154,7 +167,7 @@ def test_replies_from_many_threads_all_arrive():
             while len(held) < n and time.monotonic() < deadline:
                 time.sleep(0.01)
             go = threading.Barrier(n)
-            threads = [threading.Thread(target=lambda r=r, m=m: (go.wait(), r(m))) for r, m in list(held)]
+            threads = [threading.Thread(target=lambda r=r, m=m, go=go: (go.wait(), r(m))) for r, m in list(held)]
             for t in threads:
                 t.start()
             for t in threads:
@@ -179,9 +192,16 @@ def test_request_before_handshake_refused(server, client):
         client.request_kv(_kvreq())
 
 
-@pytest.mark.parametrize("field,value", [("block_size", 128), ("dtype", "float16"),
-                                         ("device_profile", "n150"), ("protocol_version", 99),
-                                         ("dst_layout", "tt-bf16-12bank")])
+@pytest.mark.parametrize(
+    "field,value",
+    [
+        ("block_size", 128),
+        ("dtype", "float16"),
+        ("device_profile", "n150"),
+        ("protocol_version", 99),
+        ("dst_layout", "tt-bf16-12bank"),
+    ],
+)
 def test_handshake_mismatch_names_field(server, secret, field, value):
     theirs = msgspec.structs.replace(COMPAT, **{field: value})
     with ProtocolClient(server.endpoint, theirs, secret=secret, timeout_s=3.0) as c:
@@ -238,13 +258,15 @@ def test_malformed_messages_get_bad_message_open_mode():
 
 def test_oversized_messages(secret):
     # auth 'hmac' with a secret: a raw (NULL-mechanism) socket must reach the envelope
-    server = ProtocolServer(FakePrefill(), COMPAT, secret=secret, auth="hmac" if secret else None,
-                            max_message_nbytes=64 << 10)
+    server = ProtocolServer(
+        FakePrefill(), COMPAT, secret=secret, auth="hmac" if secret else None, max_message_nbytes=64 << 10
+    )
     try:
         raw = _raw_socket(server.endpoint)
         env = Envelope("tester", secret)
-        big = KVRequest(req_id="big", dst_layout=LAYOUT, num_tokens=1,
-                        dst_block_ids=list(range(1 << 20, (1 << 20) + 13500)))
+        big = KVRequest(
+            req_id="big", dst_layout=LAYOUT, num_tokens=1, dst_block_ids=list(range(1 << 20, (1 << 20) + 13500))
+        )
         _seq, frames = env.pack(big, recipient=server.server_id)  # ~67 KB: over our 64 KiB limit
         raw.send_multipart(frames)
         raw.send_multipart([MAGIC, b"x" * (4 << 20), b"", b""])  # far over: zmq drops the peer
@@ -304,22 +326,27 @@ def test_forged_and_replayed_dropped():
 ZMTP_REFUSAL = "mechanism mismatch|auth modes differ|secrets differ"  # whichever side notices first
 
 
-@pytest.mark.parametrize("server_auth,client_auth,match", [
-    ("curve", "none", ZMTP_REFUSAL),
-    ("none", "curve", ZMTP_REFUSAL),
-    ("curve", "wrong-secret", ZMTP_REFUSAL),
-    ("hmac", "none", "requires side-channel authentication"),
-    ("none", "hmac", "auth 'none' but the decode has a shared secret"),
-    ("curve", "hmac", ZMTP_REFUSAL),
-])
+@pytest.mark.parametrize(
+    "server_auth,client_auth,match",
+    [
+        ("curve", "none", ZMTP_REFUSAL),
+        ("none", "curve", ZMTP_REFUSAL),
+        ("curve", "wrong-secret", ZMTP_REFUSAL),
+        ("hmac", "none", "requires side-channel authentication"),
+        ("none", "hmac", "auth 'none' but the decode has a shared secret"),
+        ("curve", "hmac", ZMTP_REFUSAL),
+    ],
+)
 def test_auth_mismatch_fails_the_handshake_clearly(server_auth, client_auth, match):
     """One side with a secret, the other without (or a different one / mode): the decode's
     handshake fails at once with AuthRefused naming the cause, not after a timeout."""
     ssec = SECRET if server_auth != "none" else None
     csec = {"none": None, "wrong-secret": b"w" * 32}.get(client_auth, SECRET)
     cauth = "curve" if client_auth == "wrong-secret" else client_auth
-    with ProtocolServer(FakePrefill(), COMPAT, secret=ssec, auth=server_auth) as s, \
-            ProtocolClient(s.endpoint, COMPAT, secret=csec, auth=cauth, timeout_s=5) as c:
+    with (
+        ProtocolServer(FakePrefill(), COMPAT, secret=ssec, auth=server_auth) as s,
+        ProtocolClient(s.endpoint, COMPAT, secret=csec, auth=cauth, timeout_s=5) as c,
+    ):
         t0 = time.monotonic()
         with pytest.raises(AuthRefused, match=match) as e:
             c.handshake()
@@ -344,8 +371,10 @@ def test_curve_handshake_survives_a_starved_prefill(monkeypatch):
         return real(self, domain, key)
 
     monkeypatch.setattr(server_mod._CurvePeers, "callback", starved_first)
-    with ProtocolServer(FakePrefill(), COMPAT, secret=SECRET) as s, \
-            ProtocolClient(s.endpoint, COMPAT, secret=SECRET, timeout_s=10) as c:
+    with (
+        ProtocolServer(FakePrefill(), COMPAT, secret=SECRET) as s,
+        ProtocolClient(s.endpoint, COMPAT, secret=SECRET, timeout_s=10) as c,
+    ):
         assert isinstance(c.handshake(), HelloAck)
         assert len(calls) >= 2  # the first connection was dropped and a new one admitted
         assert s.stats.zmtp_handshake_failures >= 1
@@ -363,9 +392,11 @@ def test_curve_server_ignores_null_mechanism_peers():
 
 
 def test_client_times_out_on_dead_server():
-    with ProtocolClient("tcp://127.0.0.1:9", COMPAT, timeout_s=0.3) as c:
-        with pytest.raises(ProtocolTimeout, match="no reply"):
-            c.handshake()
+    with (
+        ProtocolClient("tcp://127.0.0.1:9", COMPAT, timeout_s=0.3) as c,
+        pytest.raises(ProtocolTimeout, match="no reply"),
+    ):
+        c.handshake()
 
 
 def _rebind(handler, endpoint: str) -> ProtocolServer:
@@ -474,8 +505,9 @@ def test_a_request_queued_as_the_connection_drops_goes_out_after_a_new_handshake
 def test_segments_outside_ring_refused_by_client():
     class BadPrefill(FakePrefill):
         def on_kv_request(self, peer, msg, reply):
-            return KVReady(req_id=msg.req_id, ring_offset=0, total_nbytes=10,
-                           segments=[Segment(0, RING_NBYTES - 5, 10)])
+            return KVReady(
+                req_id=msg.req_id, ring_offset=0, total_nbytes=10, segments=[Segment(0, RING_NBYTES - 5, 10)]
+            )
 
     with ProtocolServer(BadPrefill(), COMPAT) as s, ProtocolClient(s.endpoint, COMPAT) as c:
         c.handshake()
@@ -483,8 +515,7 @@ def test_segments_outside_ring_refused_by_client():
             c.request_kv(_kvreq())
 
 
-@settings(max_examples=60, deadline=None,
-          suppress_health_check=[HealthCheck.function_scoped_fixture])
+@settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
 @given(st.lists(st.binary(max_size=64), min_size=0, max_size=5))
 def test_fuzz_live_server(frames):
     raw = _LIVE["raw"]

@@ -1,6 +1,7 @@
 """The numba CPU kernel against the torch packer: every bf16 bit pattern against every
 shared exponent (the 16-bit-lane arithmetic), and every CPU / FlashAttention source
 layout of vLLM 0.32 into every Tenstorrent KV dtype, whole and by layer groups."""
+
 import numpy as np
 import pytest
 import torch
@@ -49,15 +50,20 @@ def test_bf16_lanes_exhaustive(dtype):
 
 def _source(kind: str, layers: int, blocks: int, heads: int, bs: int, dim: int, seed: int):
     if kind in ("vec", "vec16", "amx"):
-        lay, caches = CpuAttnKVLayout(heads, bs, dim, isa=kind), make_layer_caches(layers, blocks, heads, bs,
-                                                                                      2 * dim, layout="LBHNC")
+        lay, caches = (
+            CpuAttnKVLayout(heads, bs, dim, isa=kind),
+            make_layer_caches(layers, blocks, heads, bs, 2 * dim, layout="LBHNC"),
+        )
     else:
-        lay, caches = FlashAttnKVLayout(heads, bs, dim), make_layer_caches(layers, blocks, heads, bs, 2 * dim,
-                                                                           layout=kind)
+        lay, caches = (
+            FlashAttnKVLayout(heads, bs, dim),
+            make_layer_caches(layers, blocks, heads, bs, 2 * dim, layout=kind),
+        )
     g = torch.Generator().manual_seed(seed)
     for c in caches:  # values over many exponents, some exact zeros
-        k = torch.randn(blocks, heads, bs, dim, generator=g) * torch.exp2(torch.randint(-30, 30, (1, 1, bs, 1),
-                                                                                          generator=g).float())
+        k = torch.randn(blocks, heads, bs, dim, generator=g) * torch.exp2(
+            torch.randint(-30, 30, (1, 1, bs, 1), generator=g).float()
+        )
         v = torch.randn(blocks, heads, bs, dim, generator=g)
         v[..., ::7] = 0
         lay.write_blocks(c, torch.arange(blocks), k, v)
@@ -67,8 +73,9 @@ def _source(kind: str, layers: int, blocks: int, heads: int, bs: int, dim: int, 
 def _plan(layers, heads, bs, dim, dtype, dst, profile="p150a"):
     prof = load_profile(profile)
     tb = tile_format(dtype).tile_nbytes
-    spec = TTKVCacheSpec(num_layers=layers, num_blocks=max(dst) + 1, num_kv_heads=heads, block_size=bs,
-                         head_dim=dim, dtype=dtype)
+    spec = TTKVCacheSpec(
+        num_layers=layers, num_blocks=max(dst) + 1, num_kv_heads=heads, block_size=bs, head_dim=dim, dtype=dtype
+    )
     return make_plan(TTKVCacheLayout(spec, prof.num_banks, prof.aligned_page(tb), ((0, 0),) * layers), dst, "staged")
 
 
@@ -93,9 +100,16 @@ def test_every_source_layout_equals_torch(kind, dtype):
 
 
 @settings(max_examples=25, deadline=None)
-@given(kind=st.sampled_from(SOURCES), dtype=st.sampled_from(DTYPES), heads=st.integers(1, 4),
-       bs=st.sampled_from([32, 64, 128]), dim=st.sampled_from([32, 64, 128]), tokens=st.integers(1, 300),
-       profile=st.sampled_from(["p150a", "n150", "p100"]), seed=st.integers(0, 2**31))
+@given(
+    kind=st.sampled_from(SOURCES),
+    dtype=st.sampled_from(DTYPES),
+    heads=st.integers(1, 4),
+    bs=st.sampled_from([32, 64, 128]),
+    dim=st.sampled_from([32, 64, 128]),
+    tokens=st.integers(1, 300),
+    profile=st.sampled_from(["p150a", "n150", "p100"]),
+    seed=st.integers(0, 2**31),
+)
 def test_random_shapes_equal_torch(kind, dtype, heads, bs, dim, tokens, profile, seed):
     if kind == "amx" and dim % 16:
         return

@@ -1,6 +1,7 @@
 """``scripts/gpu_check.py`` (the prepared check for a lent CUDA machine) runs its whole
 path here with ``--device cpu``: the torch transform's bytes against the CPU kernel's for
 bf16 and bfloat8_b, the table and the JSON. On a GPU the same script compares CUDA bytes."""
+
 from __future__ import annotations
 
 import json
@@ -13,8 +14,23 @@ ROOT = Path(__file__).resolve().parents[2]
 
 def test_gpu_check_runs_on_the_cpu_and_finds_equal_bytes(tmp_path):
     out = tmp_path / "gpu_check.json"
-    r = subprocess.run([sys.executable, str(ROOT / "scripts" / "gpu_check.py"), "--device", "cpu", "--size-mb", "4",
-                        "--repeats", "2", "--out", str(out)], capture_output=True, text=True, timeout=300)
+    r = subprocess.run(
+        [
+            sys.executable,
+            str(ROOT / "scripts" / "gpu_check.py"),
+            "--device",
+            "cpu",
+            "--size-mb",
+            "4",
+            "--repeats",
+            "2",
+            "--out",
+            str(out),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert r.returncode == 0, r.stdout + r.stderr
     rows = json.loads(out.read_text())["rows"]
     assert [x["dtype"] for x in rows] == ["bfloat16", "bfloat8_b"]

@@ -1,5 +1,6 @@
 """Applying a transfer plan with plain memcpy into the emulated device yields exactly the
 bytes a tilize-and-pack of the request's logical KV gives (staged and direct modes)."""
+
 import ctypes
 
 import pytest
@@ -33,7 +34,9 @@ def apply_plan(dev, plan, g: torch.Tensor):
         recv = dev.allocate_bank_buffers(plan.recv_nbytes_per_bank)
         dev.map_buffer_dma(recv)
     ops = plan.rdma
-    for s, b, d, n in zip(ops.src_offset.tolist(), ops.bank.tolist(), ops.dst_offset.tolist(), ops.nbytes.tolist()):
+    for s, b, d, n in zip(
+        ops.src_offset.tolist(), ops.bank.tolist(), ops.dst_offset.tolist(), ops.nbytes.tolist(), strict=False
+    ):
         base = dev.get_buffer_address_bank(recv, b) if recv else dev.bank_address(b)
         ctypes.memmove(base + d, gaddr + s, n)
     if recv:
@@ -75,8 +78,13 @@ def test_plan_applied_with_memcpy_matches_tilize_and_pack(impl, case):
     n_src_total = max(src_blocks) + 1
     # K in a transposed storage ([blocks, H, D, tokens] viewed as [blocks, H, tokens, D]) like
     # the CPU backend; V row-major.
-    src = [(torch.randn(n_src_total, heads, head_dim, src_bs, generator=g).to(src_dtype).transpose(2, 3),
-            torch.randn(n_src_total, heads, src_bs, head_dim, generator=g).to(src_dtype)) for _ in range(NUM_LAYERS)]
+    src = [
+        (
+            torch.randn(n_src_total, heads, head_dim, src_bs, generator=g).to(src_dtype).transpose(2, 3),
+            torch.randn(n_src_total, heads, src_bs, head_dim, generator=g).to(src_dtype),
+        )
+        for _ in range(NUM_LAYERS)
+    ]
     plan = make_plan(layout, dst_blocks, mode)
     gp = transform_kv(src, src_blocks, src_bs, plan, impl=impl)
     assert gp.numel() == plan.total_nbytes == plan.rdma.total_nbytes

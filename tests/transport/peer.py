@@ -8,6 +8,7 @@ Children are spawned; ``HAWK_TEST_MP_START=forkserver`` forks them from one serv
 has imported the transport already (the QEMU TCG guest stage, where an interpreter start
 and ``import mooncake`` take ten seconds or more).
 """
+
 from __future__ import annotations
 
 import ctypes
@@ -80,8 +81,9 @@ class PeerProcess:
         self.proc.join(timeout=5)
 
 
-def start_peer(kind: str, nbytes: int, seed: int, options: dict | None = None,
-               start_timeout_s: float = 60.0) -> PeerProcess:
+def start_peer(
+    kind: str, nbytes: int, seed: int, options: dict | None = None, start_timeout_s: float = 60.0
+) -> PeerProcess:
     ctx = mp_context()
     parent, child = ctx.Pipe()
     p = ctx.Process(target=_child, args=(kind, options or {}, nbytes, seed, child), daemon=True)

@@ -1,7 +1,9 @@
 """Every transport, same tests: batched reads/writes between two real processes
 (in-process: two instances), range checks on both sides, dead and hanging peers."""
+
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import json
 import os
@@ -96,7 +98,7 @@ def _disjoint_ranges(rng: random.Random, space: int, count: int, max_len: int):
     """``count`` disjoint (offset, nbytes) ranges inside ``[0, space)``, shuffled."""
     cuts = sorted(rng.sample(range(space // 64), 2 * count))
     out = []
-    for a, b in zip(cuts[::2], cuts[1::2]):
+    for a, b in zip(cuts[::2], cuts[1::2], strict=False):
         off = a * 64 + rng.randrange(64)
         out.append((off, max(1, min(max_len, b * 64 - off))))
     rng.shuffle(out)
@@ -124,7 +126,7 @@ def test_batched_read_random_ranges(local, peer):
     want = peer.get(0, peer.nbytes)
     cursor = 0
     for off, n in remote:
-        assert ctypes.string_at(base + cursor, n) == want[off:off + n]
+        assert ctypes.string_at(base + cursor, n) == want[off : off + n]
         cursor += n
 
 
@@ -142,7 +144,7 @@ def test_batched_write_random_ranges(local, peer):
     t.wait(t.submit("write", peer.endpoint, entries), timeout_s=20)
     cursor = 0
     for off, n in remote:
-        assert peer.get(off, n) == src[cursor:cursor + n]
+        assert peer.get(off, n) == src[cursor : cursor + n]
         cursor += n
 
 
@@ -151,17 +153,18 @@ def test_large_entries_and_many_small_entries(local, peer):
     t, buf = local
     base = ctypes.addressof(buf)
     want = peer.get(0, peer.nbytes)
-    t.wait(t.submit("read", peer.endpoint,
-                    [(base + i * (2 << 20), peer.addr + i * (2 << 20), 2 << 20)
-                     for i in range(4)]), timeout_s=30)
-    assert ctypes.string_at(base, 8 << 20) == want[:8 << 20]
+    t.wait(
+        t.submit("read", peer.endpoint, [(base + i * (2 << 20), peer.addr + i * (2 << 20), 2 << 20) for i in range(4)]),
+        timeout_s=30,
+    )
+    assert ctypes.string_at(base, 8 << 20) == want[: 8 << 20]
     ctypes.memset(base, 0, 8 << 20)
     n, sz = 3000, 2048
     entries = [(base + i * sz, peer.addr + (n - 1 - i) * sz, sz) for i in range(n)]
     t.wait(t.submit("read", peer.endpoint, entries), timeout_s=30)
     for i in range(n):
         j = n - 1 - i
-        assert ctypes.string_at(base + i * sz, sz) == want[j * sz:(j + 1) * sz]
+        assert ctypes.string_at(base + i * sz, sz) == want[j * sz : (j + 1) * sz]
 
 
 def test_remote_out_of_range_is_refused(local, peer):
@@ -223,10 +226,8 @@ def test_hanging_peer_times_out(hkind):
     def accept():
         ls.settimeout(0.1)
         while not stop.is_set():
-            try:
+            with contextlib.suppress(OSError):
                 held.append(ls.accept()[0])
-            except OSError:
-                pass
 
     th = threading.Thread(target=accept, daemon=True)
     th.start()

@@ -1,6 +1,7 @@
 """Engine runs shared by the tt_plugin tests: each runs ONCE per session, in a subprocess
 (vLLM picks its platform once per process, so the stock CPU reference and the emulated
 Tenstorrent platform cannot share one)."""
+
 from __future__ import annotations
 
 import os
@@ -15,8 +16,14 @@ REPO = HERE.parents[1]
 #: device:kv_dtype[:abort][:chips=N] engines of the emulated run, one after the other; the
 #: multi-chip ones (n300: 2 Wormhole chips; a 2-chip Blackhole group) are compared with the
 #: single-chip p150a runs of the same KV dtype; 3 chips cannot split 4 KV heads (``fails``)
-TT_CONFIGS = ("p150a:bfloat16:abort", "n150:bfloat16", "p150a:bfloat8_b", "n300:bfloat8_b",
-              "p150a:bfloat16:chips=2", "p150a:bfloat16:chips=3:fails")
+TT_CONFIGS = (
+    "p150a:bfloat16:abort",
+    "n150:bfloat16",
+    "p150a:bfloat8_b",
+    "n300:bfloat8_b",
+    "p150a:bfloat16:chips=2",
+    "p150a:bfloat16:chips=3:fails",
+)
 
 
 def _run(out: Path, *args: str, timeout: float = 600) -> dict:
@@ -27,11 +34,17 @@ def _run(out: Path, *args: str, timeout: float = 600) -> dict:
     env["PYTHONPATH"] = os.pathsep.join([str(REPO), env.get("PYTHONPATH", "")]).rstrip(os.pathsep)
     log = out.with_suffix(".log")
     with open(log, "w") as f:
-        rc = subprocess.run([sys.executable, str(HERE / "engine_run.py"), str(out), *args],
-                            stdout=f, stderr=subprocess.STDOUT, env=env, timeout=timeout).returncode
+        rc = subprocess.run(
+            [sys.executable, str(HERE / "engine_run.py"), str(out), *args],
+            stdout=f,
+            stderr=subprocess.STDOUT,
+            env=env,
+            timeout=timeout,
+        ).returncode
     if rc != 0:
-        pytest.fail(f"engine_run {args[1:]} exited {rc}; last lines of {log}:\n"
-                    + "\n".join(log.read_text().splitlines()[-25:]))
+        pytest.fail(
+            f"engine_run {args[1:]} exited {rc}; last lines of {log}:\n" + "\n".join(log.read_text().splitlines()[-25:])
+        )
     return torch.load(out, weights_only=False)
 
 

@@ -16,6 +16,7 @@ mesh of several), the K/V the model handed to the cache (captured at
 ``do_kv_cache_update``) and, with ``abort``, the block-pool and device-buffer counts
 around aborted requests.
 """
+
 from __future__ import annotations
 
 import os
@@ -35,8 +36,7 @@ PROMPTS = [
 ]
 MAX_TOKENS = 24
 BLOCK_SIZE = 64
-LLM_KW = dict(dtype="bfloat16", block_size=BLOCK_SIZE, max_model_len=512, max_num_seqs=8,
-              enable_prefix_caching=False)
+LLM_KW = dict(dtype="bfloat16", block_size=BLOCK_SIZE, max_model_len=512, max_num_seqs=8, enable_prefix_caching=False)
 
 
 def _generate(llm):
@@ -50,8 +50,14 @@ def _generate(llm):
     for o in outs:
         c = o.outputs[0]
         top2 = [sorted((lp.logprob for lp in step.values()), reverse=True)[:2] for step in c.logprobs]
-        res.append(dict(prompt_ids=list(o.prompt_token_ids), tokens=list(c.token_ids), top2=top2,
-                        blocks=_blocks_of(blocks, o.request_id)))
+        res.append(
+            dict(
+                prompt_ids=list(o.prompt_token_ids),
+                tokens=list(c.token_ids),
+                top2=top2,
+                blocks=_blocks_of(blocks, o.request_id),
+            )
+        )
     return res
 
 
@@ -102,7 +108,8 @@ def run_tt(model: str, device: str, kv_dtype: str, abort: bool, chips: str | Non
         if getattr(layer, "hawk_tt_cache", None) is not None:
             n = slot_mapping.shape[0]
             written.setdefault(layer.hawk_tt_layer, []).append(
-                (key[:n].clone(), value[:n].clone(), slot_mapping.clone()))
+                (key[:n].clone(), value[:n].clone(), slot_mapping.clone())
+            )
         return orig(self, layer, key, value, kv_cache, slot_mapping)
 
     TTPagedAttentionImpl.do_kv_cache_update = capture
@@ -125,15 +132,22 @@ def run_tt(model: str, device: str, kv_dtype: str, abort: bool, chips: str | Non
             res = _generate(llm)
             out["generate_s"] = time.monotonic() - t0
             for r in res:
-                r["bank_bytes"] = [(cache.read_block_bytes(i, 0, r["blocks"]),
-                                    cache.read_block_bytes(i, 1, r["blocks"]))
-                                   for i in range(cache.spec.num_layers)]
+                r["bank_bytes"] = [
+                    (cache.read_block_bytes(i, 0, r["blocks"]), cache.read_block_bytes(i, 1, r["blocks"]))
+                    for i in range(cache.spec.num_layers)
+                ]
                 if cache.num_chips > 1:
-                    r["chip_bytes"] = [[(chip.read_block_bytes(i, 0, r["blocks"]),
-                                         chip.read_block_bytes(i, 1, r["blocks"]))
-                                        for i in range(cache.spec.num_layers)] for chip in cache.chips]
-            out["written"] = {i: (torch.cat([w[0] for w in ws]), torch.cat([w[1] for w in ws]),
-                                  torch.cat([w[2] for w in ws])) for i, ws in written.items()}
+                    r["chip_bytes"] = [
+                        [
+                            (chip.read_block_bytes(i, 0, r["blocks"]), chip.read_block_bytes(i, 1, r["blocks"]))
+                            for i in range(cache.spec.num_layers)
+                        ]
+                        for chip in cache.chips
+                    ]
+            out["written"] = {
+                i: (torch.cat([w[0] for w in ws]), torch.cat([w[1] for w in ws]), torch.cat([w[2] for w in ws]))
+                for i, ws in written.items()
+            }
             out["results"] = res
             if abort:
                 out["abort"] = _abort_check(llm, engine_core(llm), chip0)
@@ -185,9 +199,14 @@ def _abort_check(llm, core, cache) -> dict:
         if not eng.has_unfinished_requests():
             break
         eng.step()
-    return dict(free_before=free0, free_during=free_mid, free_after=pool.get_num_free_blocks(),
-                unfinished=eng.has_unfinished_requests(), buffers_before=bufs0,
-                buffers_after=len(cache.device.live_buffers()))
+    return dict(
+        free_before=free0,
+        free_during=free_mid,
+        free_after=pool.get_num_free_blocks(),
+        unfinished=eng.has_unfinished_requests(),
+        buffers_before=bufs0,
+        buffers_after=len(cache.device.live_buffers()),
+    )
 
 
 def main() -> None:

@@ -5,6 +5,7 @@ ties are common in a tiny random bf16 model, and two attention implementations m
 pick different tokens; a divergence is accepted only where the reference's top-2
 logprob gap is below TIE_MARGIN (about two bf16 ulps of the logits), and counted.
 """
+
 from __future__ import annotations
 
 import pytest
@@ -19,9 +20,9 @@ BF16 = ("p150a:bfloat16", "n150:bfloat16")
 def _split_points(run: dict, ref: dict) -> list[tuple[int, int | None, float | None]]:
     """Per prompt: (prompt index, first differing step or None, reference top-2 gap there)."""
     out = []
-    for i, (a, b) in enumerate(zip(run["results"], ref["results"])):
+    for i, (a, b) in enumerate(zip(run["results"], ref["results"], strict=False)):
         assert a["prompt_ids"] == b["prompt_ids"]
-        diff = [t for t, (x, y) in enumerate(zip(a["tokens"], b["tokens"])) if x != y]
+        diff = [t for t, (x, y) in enumerate(zip(a["tokens"], b["tokens"], strict=False)) if x != y]
         t = diff[0] if diff else None
         out.append((i, t, None if t is None else b["top2"][t][0] - b["top2"][t][1]))
     return out
@@ -31,8 +32,10 @@ def _split_points(run: dict, ref: dict) -> list[tuple[int, int | None, float | N
 def test_greedy_tokens_match_stock_cpu_engine(tt_runs, reference_run, config):
     splits = _split_points(tt_runs[config], reference_run)
     ties = [(i, t, g) for i, t, g in splits if t is not None]
-    print(f"{config}: {len(splits) - len(ties)}/{len(splits)} prompts identical; "
-          f"tie splits (prompt, step, reference top-2 gap): {ties}")
+    print(
+        f"{config}: {len(splits) - len(ties)}/{len(splits)} prompts identical; "
+        f"tie splits (prompt, step, reference top-2 gap): {ties}"
+    )
     for i, t, gap in ties:
         assert gap < TIE_MARGIN, f"prompt {i} diverges at step {t} where the reference's top-2 gap is {gap}"
     assert len(ties) <= len(splits) // 2, f"too many divergences: {ties}"
@@ -46,7 +49,7 @@ def _dense_written(run: dict, layer: int, blocks: list[int], bs: int) -> tuple[t
     pos = {b: i for i, b in enumerate(blocks)}
     for j, s in enumerate(slots.tolist()):
         if s >= 0 and s // bs in pos:
-            for d, x in zip(dense, (k, v)):
+            for d, x in zip(dense, (k, v), strict=False):
                 d[pos[s // bs], :, s % bs] = x[j].float()
     return dense[0], dense[1]
 
@@ -73,9 +76,9 @@ def test_bank_bytes_match_stock_engine_kv(tt_runs, reference_run, config):
     at magnitude 1-2); the share of identical elements is printed."""
     run = tt_runs[config]
     same: list[float] = []
-    for a, b in zip(run["results"], reference_run["results"]):
+    for a, b in zip(run["results"], reference_run["results"], strict=False):
         n_prompt = len(a["prompt_ids"])
-        for layer, ((kb, vb), (rk, rv)) in enumerate(zip(a["bank_bytes"], b["kv"])):
+        for layer, ((kb, vb), (rk, rv)) in enumerate(zip(a["bank_bytes"], b["kv"], strict=False)):
             for got, ref in ((kb, rk), (vb, rv)):
                 ref = ref.float().clone()
                 tok = unpack_untilize(got, "bfloat16", ref.shape)
@@ -86,9 +89,11 @@ def test_bank_bytes_match_stock_engine_kv(tt_runs, reference_run, config):
                 else:
                     err = (tok - ref).abs()
                     same.append(float((err == 0).float().mean()))
-                    assert bool((err <= 2.0 ** -6 * ref.abs().clamp(min=1.0)).all()), err.max()
-    print(f"{config}: deeper layers' prompt KV elements equal to the stock engine's: "
-          f"min {min(same):.3f}, mean {sum(same) / len(same):.3f} per tensor")
+                    assert bool((err <= 2.0**-6 * ref.abs().clamp(min=1.0)).all()), err.max()
+    print(
+        f"{config}: deeper layers' prompt KV elements equal to the stock engine's: "
+        f"min {min(same):.3f}, mean {sum(same) / len(same):.3f} per tensor"
+    )
 
 
 def test_bfloat8_b_run_completes_on_packed_cache(tt_runs):
@@ -101,8 +106,10 @@ def test_bfloat8_b_run_completes_on_packed_cache(tt_runs):
 def test_n150_uses_twelve_banks_with_lockstep_rounding(tt_runs):
     run = tt_runs["n150:bfloat16"]
     assert run["num_banks"] == 12 and run["device"] == "n150"
-    print(f"n150: {run['num_blocks']} blocks, {run['tiles_per_tensor']} tiles per tensor "
-          f"({run['tiles_per_tensor'] % 12} in the last, partial page row)")
+    print(
+        f"n150: {run['num_blocks']} blocks, {run['tiles_per_tensor']} tiles per tensor "
+        f"({run['tiles_per_tensor'] % 12} in the last, partial page row)"
+    )
 
 
 def test_aborted_requests_leak_nothing(tt_runs):
@@ -112,8 +119,9 @@ def test_aborted_requests_leak_nothing(tt_runs):
     assert a["buffers_after"] == a["buffers_before"], a
 
 
-@pytest.mark.parametrize("config", ("p150a:bfloat16", "n150:bfloat16", "p150a:bfloat8_b", "n300:bfloat8_b",
-                                    "p150a:bfloat16:chips=2"))
+@pytest.mark.parametrize(
+    "config", ("p150a:bfloat16", "n150:bfloat16", "p150a:bfloat8_b", "n300:bfloat8_b", "p150a:bfloat16:chips=2")
+)
 def test_shutdown_frees_device_and_registry(tt_runs, config):
     run = tt_runs[config]
     assert run["registered_after_shutdown"] == [] and run["device_buffers_after_shutdown"] == 0
@@ -130,14 +138,14 @@ def test_mesh_greedy_tokens_equal_single_chip(tt_runs, config):
     per-head arithmetic is the single chip's, so tokens and logprobs are identical."""
     run, single = tt_runs[config], tt_runs[MESHES[config]]
     assert run["num_chips"] == 2 and run["heads"] == [(0, 2), (2, 2)]
-    for i, (a, b) in enumerate(zip(run["results"], single["results"])):
+    for i, (a, b) in enumerate(zip(run["results"], single["results"], strict=False)):
         assert a["tokens"] == b["tokens"], f"prompt {i}"
         assert a["top2"] == b["top2"], f"prompt {i}"
 
 
 def _slice_heads(per_block: torch.Tensor, start: int, count: int, heads: int = 4) -> torch.Tensor:
     """Tile bytes of heads [start, start+count) from ``[nblk, H * tiles per head, tile bytes]``."""
-    t = per_block.view(per_block.shape[0], heads, -1, per_block.shape[2])[:, start:start + count]
+    t = per_block.view(per_block.shape[0], heads, -1, per_block.shape[2])[:, start : start + count]
     return t.reshape(-1, per_block.shape[2])
 
 
@@ -147,15 +155,16 @@ def test_mesh_chip_bytes_are_tilize_pack_of_their_heads(tt_runs, config):
     (c+1)*H/n) of the K/V the model computed == those heads' tiles in the single-chip cache."""
     run, single = tt_runs[config], tt_runs[MESHES[config]]
     dtype = run["tile_dtype"]
-    for r, rs in zip(run["results"], single["results"]):
+    for r, rs in zip(run["results"], single["results"], strict=False):
         nblk = len(r["blocks"])
         for layer in range(len(r["bank_bytes"])):
             k, v = _dense_written(run, layer, r["blocks"], 64)
             for c, (start, count) in enumerate(run["heads"]):
                 for kv, x in ((0, k), (1, v)):
                     got = r["chip_bytes"][c][layer][kv]
-                    assert torch.equal(got, tilize_pack(x[:, start:start + count].contiguous(), dtype)), \
+                    assert torch.equal(got, tilize_pack(x[:, start : start + count].contiguous(), dtype)), (
                         f"chip {c} layer {layer} kv {kv}"
+                    )
                     ref = rs["bank_bytes"][layer][kv]
                     assert torch.equal(got, _slice_heads(ref.view(nblk, -1, ref.shape[1]), start, count))
 

@@ -1,4 +1,5 @@
 """The KV cache sharded over the chips of a mesh (tt_plugin.mesh), without vLLM."""
+
 from __future__ import annotations
 
 import pytest
@@ -42,8 +43,9 @@ def _fill(caches, heads: int, blocks: list[int], n_tok: int, seed: int = 0):
     return dense
 
 
-@pytest.mark.parametrize("profile,n,dtype", [("n300", 2, "bfloat16"), ("p150a", 2, "bfloat8_b"),
-                                             ("p150a", 4, "bfloat16")])
+@pytest.mark.parametrize(
+    "profile,n,dtype", [("n300", 2, "bfloat16"), ("p150a", 2, "bfloat8_b"), ("p150a", 4, "bfloat16")]
+)
 def test_each_chip_holds_its_heads_in_tile_layout(profile, n, dtype):
     heads, blocks = 4, [3, 7, 1]
     mesh = TTMeshKVCache(_devices(profile, n), _spec(heads, dtype), ["l0", "l1"])
@@ -94,8 +96,9 @@ def test_mesh_attention_equals_single_chip(n):
     """Each chip's query heads over its KV heads, gathered == the single-chip attention."""
     heads, hq = 4, 8
     mesh = TTMeshKVCache(_devices("p150a", n), _spec(heads, "bfloat16", blocks=12), ["l0", "l1"])
-    single = TTPagedKVCache(EmulatedDevice("p150a", bank_size_bytes=4 << 20), _spec(heads, "bfloat16", 12),
-                            ["l0", "l1"])
+    single = TTPagedKVCache(
+        EmulatedDevice("p150a", bank_size_bytes=4 << 20), _spec(heads, "bfloat16", 12), ["l0", "l1"]
+    )
     _fill([mesh, single], heads, [5, 2, 9], 70)
     g = torch.Generator().manual_seed(1)
     table = torch.tensor([[5, 2, 9], [5, 2, 0]], dtype=torch.int32)
@@ -131,8 +134,11 @@ def test_chip_count_config_and_per_chip_profile():
     n300, n150 = load_profile("n300"), load_profile("n150")
     assert n300.chips == 2 and n150.chips == 1
     # each n300 chip is organised like an n150: same banks, same size per bank
-    assert (n300.num_banks, n300.bank_size_bytes, n300.usable_bank_bytes) == \
-        (n150.num_banks, n150.bank_size_bytes, n150.usable_bank_bytes)
+    assert (n300.num_banks, n300.bank_size_bytes, n300.usable_bank_bytes) == (
+        n150.num_banks,
+        n150.bank_size_bytes,
+        n150.usable_bank_bytes,
+    )
     cfg = TTPluginConfig.from_env({"HAWK_TT_PLATFORM": "emulated", "HAWK_TT_DEVICE": "n300"})
     assert cfg.chips is None and cfg.num_chips(n300.chips) == 2
     cfg = TTPluginConfig.from_env({"HAWK_TT_DEVICE": "p150a", "HAWK_TT_CHIPS": "4"})

@@ -1,4 +1,5 @@
 """The emulated device's paged KV cache and the attention that reads it, without vLLM."""
+
 from __future__ import annotations
 
 import pytest
@@ -35,8 +36,12 @@ def test_token_writes_give_tilize_pack_bytes(profile, dtype):
     perm = torch.randperm(n, generator=torch.Generator().manual_seed(2))
     pad = torch.full((3,), -1)
     for part in (perm[:70], perm[70:]):  # out of order, two steps, with padding slots
-        c.write_tokens("l1", torch.cat([k_tok[part], k_tok[:3]]), torch.cat([v_tok[part], v_tok[:3]]),
-                       torch.cat([slots[part], pad]))
+        c.write_tokens(
+            "l1",
+            torch.cat([k_tok[part], k_tok[:3]]),
+            torch.cat([v_tok[part], v_tok[:3]]),
+            torch.cat([slots[part], pad]),
+        )
     assert torch.equal(c.read_block_bytes("l1", 0, blocks), tilize_pack(k, dtype))
     assert torch.equal(c.read_block_bytes("l1", 1, blocks), tilize_pack(v, dtype))
     assert c.read_block_bytes("l0", 0, blocks).count_nonzero() == 0  # other layer untouched
@@ -80,7 +85,7 @@ def test_paged_attention_mixed_batch_matches_dense_reference():
         refs.append(_reference_attention(q, k, v, 0.17))
         starts.append(starts[-1] + nq)
         lens.append(ln)
-        table[r, :len(blocks)] = torch.tensor(blocks)
+        table[r, : len(blocks)] = torch.tensor(blocks)
     out = torch.empty(starts[-1], 4, 32)
     paged_attention(c, 0, torch.cat(qs), torch.tensor(starts), torch.tensor(lens), table, 0.17, out)
     torch.testing.assert_close(out, torch.cat(refs), atol=1e-5, rtol=1e-5)

@@ -1,4 +1,5 @@
 """Activation of the Tenstorrent platform plugin: explicit only, loud on bad settings."""
+
 from __future__ import annotations
 
 import importlib.metadata as md
@@ -30,8 +31,14 @@ def test_bad_settings_select_a_platform_that_fails_loudly(monkeypatch):
 
 
 def test_config_parsing_and_kv_dtype_choice():
-    cfg = TTPluginConfig.from_env({"HAWK_TT_PLATFORM": "emulated", "HAWK_TT_DEVICE": "n150",
-                                   "HAWK_TT_KV_DTYPE": "bfloat8_b", "HAWK_TT_BANK_MIB": "64"})
+    cfg = TTPluginConfig.from_env(
+        {
+            "HAWK_TT_PLATFORM": "emulated",
+            "HAWK_TT_DEVICE": "n150",
+            "HAWK_TT_KV_DTYPE": "bfloat8_b",
+            "HAWK_TT_BANK_MIB": "64",
+        }
+    )
     assert (cfg.backend, cfg.device, cfg.kv_dtype, cfg.bank_size_bytes) == ("emulated", "n150", "bfloat8_b", 64 << 20)
     assert kv_dtype_for("auto", cfg) == "bfloat8_b"
     with pytest.raises(TTPluginConfigError, match="fp8"):
@@ -48,8 +55,9 @@ def test_entry_point_is_visible_to_vllms_loader():
 
 
 def test_launcher_flags():
-    env, rest = split_tt_flags(["--tt-platform", "emulated", "--tt-device=n150", "--tt-chips", "2", "serve",
-                                "m", "--tt-x"])
+    env, rest = split_tt_flags(
+        ["--tt-platform", "emulated", "--tt-device=n150", "--tt-chips", "2", "serve", "m", "--tt-x"]
+    )
     assert env == {"HAWK_TT_PLATFORM": "emulated", "HAWK_TT_DEVICE": "n150", "HAWK_TT_CHIPS": "2"}
     assert rest == ["serve", "m", "--tt-x"]
 

@@ -9,6 +9,7 @@ sizes, a padded tensor, frees that leave holes of different size classes, re-all
 (one where a tighter hole sits above a bigger one: tt-metal takes the lower, first fit),
 allocations up to Out of Memory, and reuse after it.
 """
+
 from __future__ import annotations
 
 import pytest
@@ -29,8 +30,10 @@ def sequence() -> list[dict]:
     ops: list[dict] = []
     for dtype, tag in (("bfloat16", ""), ("bfloat8_b", "8")):
         for layer in range(4):
-            ops += [{"op": "kv", "id": f"k{tag}{layer}", "shape": KV, "dtype": dtype},
-                    {"op": "kv", "id": f"v{tag}{layer}", "shape": KV, "dtype": dtype}]
+            ops += [
+                {"op": "kv", "id": f"k{tag}{layer}", "shape": KV, "dtype": dtype},
+                {"op": "kv", "id": f"v{tag}{layer}", "shape": KV, "dtype": dtype},
+            ]
     ops += [
         {"op": "recv", "id": "r0", "size_per_bank": 3 * MIB},
         {"op": "rm", "id": "odd", "num_pages": 37, "page_nbytes": 80},  # page aligned up
@@ -96,9 +99,13 @@ def run_emulated(device: str, ops: list[dict]) -> dict:
             out.append(buf.address)
         a = dev.allocator
         base = profile.dram_unreserved_base
-        return {"results": out, "blocks": [[x - base, z, u] for x, z, u in a.blocks()],
-                "total_bytes_per_bank": a.capacity, "free_bytes_per_bank": a.free_bytes(),
-                "largest_free_per_bank": a.largest_free()}
+        return {
+            "results": out,
+            "blocks": [[x - base, z, u] for x, z, u in a.blocks()],
+            "total_bytes_per_bank": a.capacity,
+            "free_bytes_per_bank": a.free_bytes(),
+            "largest_free_per_bank": a.largest_free(),
+        }
     finally:
         dev.close()
 
@@ -111,7 +118,7 @@ def test_allocation_sequence_equals_tt_metal(ttsim_manifest, tmp_path, device):
     profile = load_profile(device)
     res = sim["results"]
     assert res[0] == profile.dram_unreserved_base  # the first DRAM buffer, measured
-    for i, (op, s, e) in enumerate(zip(ops, res, emu["results"])):
+    for i, (op, s, e) in enumerate(zip(ops, res, emu["results"], strict=False)):
         assert s == e, f"op {i} {op}: tt-metal {s}, emulated {e}"
     assert len(res) == len(emu["results"]) == len(ops)
     assert "OOM" in res and any(isinstance(r, list) and len(r) < 64 for r in res)  # reached OOM

@@ -10,6 +10,7 @@ the same per-bank size (lockstep). Bytes of a bank's region that hold no page of
 tensor (the 6th slot of banks 4-11) are not compared: the simulator's DRAM keeps what an
 earlier task wrote there, as real DRAM does.
 """
+
 from __future__ import annotations
 
 import numpy as np
@@ -41,7 +42,7 @@ def emulated_banks(device: str, x: np.ndarray, dtype: str) -> tuple[int, np.ndar
         buf = dev.allocate_buffer(packed.shape[0], packed.shape[1])
         for page in range(packed.shape[0]):
             dev.write_page(buf, page, packed[page])
-        banks = np.stack([dev.banks[b][buf.address:buf.address + buf.size_per_bank] for b in range(dev.num_banks)])
+        banks = np.stack([dev.banks[b][buf.address : buf.address + buf.size_per_bank] for b in range(dev.num_banks)])
         return buf.address, banks.copy()
     finally:
         dev.close()
@@ -59,7 +60,7 @@ def placed(request, ttsim_manifest, tmp_path_factory):
         np.save(job / f"{dtype}.in.npy", ours[dtype][1])
         tasks.append({"kind": "banks", "dtype": dtype, "input": f"{dtype}.x.npy", "out": dtype})
     res = run_driver(ttsim_manifest, device, job, tasks)
-    return device, job, dict(zip(DTYPES, res)), ours
+    return device, job, dict(zip(DTYPES, res, strict=False)), ours
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
@@ -74,10 +75,12 @@ def test_every_bank_holds_our_bytes(placed, dtype):
     for b in range(nb):
         held = np.zeros(sim.shape[1], dtype=bool)
         for slot in range(len(range(b, pages, nb))):
-            held[slot * tb:(slot + 1) * tb] = True  # tb is already DRAM-aligned here
+            held[slot * tb : (slot + 1) * tb] = True  # tb is already DRAM-aligned here
         diff = np.nonzero((sim[b] != banks[b]) & held)[0]
-        assert diff.size == 0, (f"{device} {dtype} bank {b}: {diff.size} bytes differ, first at "
-                                f"{addr:#x}+{diff[0]} (tt-metal {sim[b, diff[0]]:#04x}, ours {banks[b, diff[0]]:#04x})")
+        assert diff.size == 0, (
+            f"{device} {dtype} bank {b}: {diff.size} bytes differ, first at "
+            f"{addr:#x}+{diff[0]} (tt-metal {sim[b, diff[0]]:#04x}, ours {banks[b, diff[0]]:#04x})"
+        )
 
 
 @pytest.mark.parametrize("dtype", DTYPES)

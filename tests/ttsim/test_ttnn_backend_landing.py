@@ -6,6 +6,7 @@ to the KV pages) with the host as data mover, the page table on the device; the 
 then read back through ttnn and must equal the prefill KV tilized/packed exactly, with
 every untouched block still zero. Decode attention must refuse (needs SFPI).
 """
+
 from __future__ import annotations
 
 import numpy as np
@@ -43,13 +44,22 @@ def prepare(job, device: str, dtype: str, mode: str, views) -> dict:
     np.save(job / f"{stem}.g.npy", g)
     arrays = {f"rdma_{f}": getattr(plan.rdma, f) for f in ("src_offset", "bank", "dst_offset", "nbytes")}
     if plan.intra_bank is not None:
-        arrays.update({f"intra_{f}": getattr(plan.intra_bank, f)
-                       for f in ("src_offset", "bank", "dst_offset", "nbytes")})
+        arrays.update(
+            {f"intra_{f}": getattr(plan.intra_bank, f) for f in ("src_offset", "bank", "dst_offset", "nbytes")}
+        )
     np.savez(job / f"{stem}.ops.npz", **arrays)
-    return {"kind": "land", "spec": [L, DST_BLOCKS, H, BS, D, dtype], "mode": mode,
-            "recv_size_per_bank": plan.recv_nbytes_per_bank, "gprime": f"{stem}.g.npy",
-            "ops": f"{stem}.ops.npz", "out": stem, "block_table": BLOCK_TABLE,
-            "expect_kv": [list(a) for a in layout.addresses], "expect_recv": recv}
+    return {
+        "kind": "land",
+        "spec": [L, DST_BLOCKS, H, BS, D, dtype],
+        "mode": mode,
+        "recv_size_per_bank": plan.recv_nbytes_per_bank,
+        "gprime": f"{stem}.g.npy",
+        "ops": f"{stem}.ops.npz",
+        "out": stem,
+        "block_table": BLOCK_TABLE,
+        "expect_kv": [list(a) for a in layout.addresses],
+        "expect_recv": recv,
+    }
 
 
 @pytest.fixture(scope="module", params=list(DEVICES))
@@ -59,7 +69,7 @@ def landed(request, ttsim_manifest, tmp_path_factory):
     views = PagedKVCache(L, SRC_BLOCKS, H, BS, D).fill_random(7).kv_views()
     tasks = [prepare(job, device, dtype, mode, views) for dtype, mode in CASES]
     res = run_driver(ttsim_manifest, device, job, tasks)
-    return device, job, views, dict(zip(CASES, zip(tasks, res)))
+    return device, job, views, dict(zip(CASES, zip(tasks, res, strict=False), strict=False))
 
 
 @pytest.mark.parametrize("dtype,mode", CASES)
@@ -78,10 +88,12 @@ def test_cache_read_back_through_ttnn_equals_prefill_kv(landed, dtype, mode):
             want = np.zeros_like(got)  # untouched blocks: zero tiles (bf16 and bfloat8_b)
             packed = tilize_pack(x.index_select(0, ids).to(torch.float32), dtype).numpy()
             for j, blk in enumerate(DST_IDS):
-                want[blk * tpb:(blk + 1) * tpb] = packed[j * tpb:(j + 1) * tpb]
+                want[blk * tpb : (blk + 1) * tpb] = packed[j * tpb : (j + 1) * tpb]
             bad = np.nonzero((got != want).any(axis=1))[0]
-            assert bad.size == 0, (f"{device} {dtype} {mode} layer {layer} {'KV'[kv]}: {bad.size} tiles "
-                                   f"differ, first tile {bad[0]} (block {bad[0] // tpb})")
+            assert bad.size == 0, (
+                f"{device} {dtype} {mode} layer {layer} {'KV'[kv]}: {bad.size} tiles "
+                f"differ, first tile {bad[0]} (block {bad[0] // tpb})"
+            )
 
 
 @pytest.mark.parametrize("dtype,mode", CASES)

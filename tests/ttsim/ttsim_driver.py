@@ -23,6 +23,7 @@ entry per task, with "seconds") plus the .npy files named below. Tasks:
   stem.readback.npy (uint8 [tiles, tile_nbytes]).
 * {"kind": "land", ...}  see :func:`land`.
 """
+
 from __future__ import annotations
 
 import json
@@ -72,9 +73,13 @@ def alloc(dev, ttnn, task: dict) -> dict:
         out.append(buf.address)
     mv = ttnn.get_memory_view(dev.device, ttnn.BufferType.DRAM)
     blocks = sorted((int(b["address"]), int(b["size"]), b["allocated"] == "yes") for b in mv.block_table)
-    return {"results": out, "blocks": blocks, "total_bytes_per_bank": int(mv.total_bytes_per_bank),
-            "free_bytes_per_bank": int(mv.total_bytes_free_per_bank),
-            "largest_free_per_bank": int(mv.largest_contiguous_bytes_free_per_bank)}
+    return {
+        "results": out,
+        "blocks": blocks,
+        "total_bytes_per_bank": int(mv.total_bytes_per_bank),
+        "free_bytes_per_bank": int(mv.total_bytes_free_per_bank),
+        "largest_free_per_bank": int(mv.largest_contiguous_bytes_free_per_bank),
+    }
 
 
 def banks(dev, ttnn, task: dict, job: Path) -> dict:
@@ -155,8 +160,11 @@ def main(argv: list[str]) -> int:
         t1 = time.perf_counter()
         dev = TTNNDevice(spec["profile"])
         try:
-            fn = {"alloc": lambda: alloc(dev, ttnn, task), "banks": lambda: banks(dev, ttnn, task, job),
-                  "land": lambda: land(dev, ttnn, task, job)}[task["kind"]]
+            fn = {
+                "alloc": lambda: alloc(dev, ttnn, task),
+                "banks": lambda: banks(dev, ttnn, task, job),
+                "land": lambda: land(dev, ttnn, task, job),
+            }[task["kind"]]
             r = fn()
         finally:
             dev.close()

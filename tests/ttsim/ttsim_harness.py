@@ -7,6 +7,7 @@ HAWK_TTSIM_DIR or ../shared/ttsim). Each test module hands a job to
 environment, and compares its output in this (3.11) process. Without the simulator the
 tests skip locally and FAIL under CI (env CI set), as the ttnn cross-check does.
 """
+
 from __future__ import annotations
 
 import json
@@ -36,13 +37,23 @@ def run_driver(manifest: dict, device: str, job_dir: Path, tasks: list[dict]) ->
     env = dict(os.environ, **manifest["env"], TT_METAL_SIMULATOR=manifest["simulators"][DEVICES[device]])
     env["PYTHONPATH"] = str(REPO)
     t0 = time.monotonic()
-    proc = subprocess.run([manifest["python"], str(DRIVER), str(job_dir)], capture_output=True, text=True,
-                          timeout=300, env=env, cwd=job_dir)
+    proc = subprocess.run(
+        [manifest["python"], str(DRIVER), str(job_dir)],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        env=env,
+        cwd=job_dir,
+    )
     if proc.returncode != 0:
-        pytest.fail(f"tests/ttsim/ttsim_driver.py on {device} failed (rc={proc.returncode}):\n"
-                    f"{proc.stderr[-6000:]}", pytrace=False)
+        pytest.fail(
+            f"tests/ttsim/ttsim_driver.py on {device} failed (rc={proc.returncode}):\n{proc.stderr[-6000:]}",
+            pytrace=False,
+        )
     res = json.loads((job_dir / "result.json").read_text())
-    times = ", ".join(f"{t.get('kind', '?')} {r['seconds']}s" for t, r in zip(tasks, res[1:]))
-    print(f"[ttsim] {device}: driver {time.monotonic() - t0:.1f}s (import {res[0]['import_s']}s; {times})",
-          file=sys.stderr)
+    times = ", ".join(f"{t.get('kind', '?')} {r['seconds']}s" for t, r in zip(tasks, res[1:], strict=False))
+    print(
+        f"[ttsim] {device}: driver {time.monotonic() - t0:.1f}s (import {res[0]['import_s']}s; {times})",
+        file=sys.stderr,
+    )
     return res[1:]

@@ -15,6 +15,7 @@ most of it the debootstrap, the pip layer of the CPU image and the engines' star
 warm: 3-6 min, mostly `compose up` (README "Deploy on two nodes" has the measured times).
 The other tests here only read files and run `docker-compose config` when it is installed.
 """
+
 from __future__ import annotations
 
 import os
@@ -45,8 +46,13 @@ def test_emulated_profile_end_to_end():
         _unavailable("no dockerd and no apt-get to install it")
     t0 = time.monotonic()
     # the script's progress and step times go to the terminal as they come (make test: -s)
-    proc = subprocess.Popen(["bash", str(ROOT / "scripts" / "compose_demo.sh"), "test"], cwd=ROOT,
-                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    proc = subprocess.Popen(
+        ["bash", str(ROOT / "scripts" / "compose_demo.sh"), "test"],
+        cwd=ROOT,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+    )
     lines = []
     for line in proc.stdout:
         print(line, end="", flush=True)
@@ -90,8 +96,12 @@ def test_images_hold_nothing_secret():
     """Dockerfiles: ARG BASE first, no secrets, no registry host names, nothing copied
     but what .dockerignore lets through."""
     files = sorted(COMPOSE.glob("Dockerfile.*"))
-    assert {f.name for f in files} >= {"Dockerfile.prefill-cpu", "Dockerfile.prefill-cuda",
-                                       "Dockerfile.decode-tt", "Dockerfile.proxy"}
+    assert {f.name for f in files} >= {
+        "Dockerfile.prefill-cpu",
+        "Dockerfile.prefill-cuda",
+        "Dockerfile.decode-tt",
+        "Dockerfile.proxy",
+    }
     for f in files:
         text = f.read_text()
         code = [line for line in text.splitlines() if line and not line.startswith("#")]
@@ -104,7 +114,7 @@ def test_images_hold_nothing_secret():
         assert not re.match(r"^[\w-]+(\.[\w-]+)+(:\d+)?/", base), f"{f.name}: registry host in {base}"
         assert not re.search(r"https?://", "\n".join(code)), f"{f.name}: a URL in an instruction"
     ignore = (ROOT / ".dockerignore").read_text().splitlines()
-    assert ignore[ignore.index("*") + 1:] and "!examples/compose/hawk.env" not in ignore
+    assert ignore[ignore.index("*") + 1 :] and "!examples/compose/hawk.env" not in ignore
 
 
 def test_compose_file_profiles_and_config():
@@ -124,8 +134,10 @@ def test_compose_file_profiles_and_config():
         assert svcs[n].get("init") is True, f"{n}: init: true"
     for n in ("prefill", "decode", "proxy", "prefill-gpu", "decode-tt", "proxy-hw"):
         assert "healthcheck" in svcs[n], n
-    assert svcs["proxy"]["depends_on"] == {"prefill": {"condition": "service_healthy"},
-                                           "decode": {"condition": "service_healthy"}}
+    assert svcs["proxy"]["depends_on"] == {
+        "prefill": {"condition": "service_healthy"},
+        "decode": {"condition": "service_healthy"},
+    }
     assert svcs["client"]["depends_on"] == {"proxy": {"condition": "service_healthy"}}
     assert "/dev/tenstorrent:/dev/tenstorrent" in svcs["decode-tt"]["devices"]
     assert svcs["decode-tt"]["environment"]["HAWK_DOCTOR_ROLE"] == "decode"
@@ -147,11 +159,19 @@ def test_compose_file_profiles_and_config():
     env_file.write_text("HAWK_SHARED_SECRET=only-for-docker-compose-config\n")
     try:
         env.update(HAWK_ENV_FILE=str(env_file), DOCKER_HOST="unix:///nonexistent.sock")
-        for profile, extra in (("emulated", {}), ("hardware", {"HAWK_NODE_IP": "192.0.2.10",
-                                                             "HAWK_PREFILL_ADDR": "192.0.2.10",
-                                                             "HAWK_DECODE_ADDR": "192.0.2.20"})):
-            out = subprocess.run(["docker-compose", "-f", str(COMPOSE / "docker-compose.yml"), "--profile",
-                                  profile, "config"], capture_output=True, text=True, env={**env, **extra})
+        for profile, extra in (
+            ("emulated", {}),
+            (
+                "hardware",
+                {"HAWK_NODE_IP": "192.0.2.10", "HAWK_PREFILL_ADDR": "192.0.2.10", "HAWK_DECODE_ADDR": "192.0.2.20"},
+            ),
+        ):
+            out = subprocess.run(
+                ["docker-compose", "-f", str(COMPOSE / "docker-compose.yml"), "--profile", profile, "config"],
+                capture_output=True,
+                text=True,
+                env={**env, **extra},
+            )
             assert out.returncode == 0, f"{profile}: {out.stderr}"
     finally:
         env_file.unlink(missing_ok=True)
@@ -161,12 +181,18 @@ def test_hawk_node_expands_the_connector_config(tmp_path):
     """hawk-node's config step: ${VAR}s expanded, HAWK_NODE_IP defaulted only when unset,
     an empty one and an inline shared_secret refused."""
     cfg = tmp_path / "kv.json"
-    cfg.write_text('{"kv_connector": "HawkConnector", "kv_role": "kv_producer", '
-                   '"kv_connector_extra_config": {"side_channel_host": "${HAWK_NODE_IP}"}}')
+    cfg.write_text(
+        '{"kv_connector": "HawkConnector", "kv_role": "kv_producer", '
+        '"kv_connector_extra_config": {"side_channel_host": "${HAWK_NODE_IP}"}}'
+    )
     script = COMPOSE / "hawk-node.sh"
     base = {"PATH": os.environ["PATH"], "HAWK_KV_CONFIG_FILE": str(cfg)}
-    probe = ["sh", "-c", f'. /dev/null; sed -n "/^kv_config()/,/^}}/p" {script} > {tmp_path}/f.sh; '
-             f'die() {{ echo "$*" >&2; exit 2; }}; . {tmp_path}/f.sh; kv_config']
+    probe = [
+        "sh",
+        "-c",
+        f'. /dev/null; sed -n "/^kv_config()/,/^}}/p" {script} > {tmp_path}/f.sh; '
+        f'die() {{ echo "$*" >&2; exit 2; }}; . {tmp_path}/f.sh; kv_config',
+    ]
     out = subprocess.run(probe, capture_output=True, text=True, env={**base, "HAWK_NODE_IP": "10.1.2.3"})
     assert out.returncode == 0, out.stderr
     assert '"side_channel_host": "10.1.2.3"' in out.stdout

@@ -12,6 +12,7 @@ under CI=true.
   when its lease expires, nothing stays held on either side, and once the link is back a
   request through the proxy succeeds.
 """
+
 from __future__ import annotations
 
 import json
@@ -27,7 +28,7 @@ from vllm_hawk.testing.local_cluster import wait_idle
 
 pytestmark = [pytest.mark.vllm, pytest.mark.netns]
 
-TIE_MARGIN = 2.0 ** -6  # bf16 model, CPU reference vs the plugin's tile attention
+TIE_MARGIN = 2.0**-6  # bf16 model, CPU reference vs the plugin's tile attention
 PULL_TIMEOUT_S = 6.0
 LEASE_S = 8.0
 IN_CI = os.environ.get("CI", "").lower() == "true"
@@ -55,18 +56,30 @@ def two(tmp_path_factory):
     t0 = time.monotonic()
     net = TwoHosts().start()
     t_net = time.monotonic() - t0
-    c = NetnsCluster(build_tiny_llama(dtype="bfloat16"), work, net=net, dtype="bfloat16", block_size=32,
-                     decode_tt={"device": "p150a", "kv_dtype": "bfloat16"},
-                     extra_config={"pull_timeout_s": PULL_TIMEOUT_S, "handshake_timeout_s": 3.0,
-                                   "mode": "direct", "ring_nbytes": 16 << 20},
-                     prefill_config={"lease_s": LEASE_S},
-                     extra_args=["--no-enable-prefix-caching"],
-                     extra_env={"HAWK_DEBUG_DIR": str(work / "dump")})
+    c = NetnsCluster(
+        build_tiny_llama(dtype="bfloat16"),
+        work,
+        net=net,
+        dtype="bfloat16",
+        block_size=32,
+        decode_tt={"device": "p150a", "kv_dtype": "bfloat16"},
+        extra_config={
+            "pull_timeout_s": PULL_TIMEOUT_S,
+            "handshake_timeout_s": 3.0,
+            "mode": "direct",
+            "ring_nbytes": 16 << 20,
+        },
+        prefill_config={"lease_s": LEASE_S},
+        extra_args=["--no-enable-prefix-caching"],
+        extra_env={"HAWK_DEBUG_DIR": str(work / "dump")},
+    )
     try:
         t1 = time.monotonic()
         c.start()
-        print(f"\n[netns] namespaces + veth up in {t_net:.2f} s; cluster up in {time.monotonic() - t1:.1f} s "
-              f"(prefill {c.prefill_url}, decode {c.decode_url}, proxy {c.proxy_url})")
+        print(
+            f"\n[netns] namespaces + veth up in {t_net:.2f} s; cluster up in {time.monotonic() - t1:.1f} s "
+            f"(prefill {c.prefill_url}, decode {c.decode_url}, proxy {c.proxy_url})"
+        )
         c.hawk_dump = work / "dump"
         yield c
     finally:
@@ -79,8 +92,14 @@ def two(tmp_path_factory):
 
 
 def _complete(url: str, prompt, logprobs: int | None = None, max_tokens: int = 8) -> dict:
-    body = {"model": "tiny", "prompt": prompt, "max_tokens": max_tokens, "temperature": 0,
-            "ignore_eos": True, "return_token_ids": True}
+    body = {
+        "model": "tiny",
+        "prompt": prompt,
+        "max_tokens": max_tokens,
+        "temperature": 0,
+        "ignore_eos": True,
+        "return_token_ids": True,
+    }
     if logprobs:
         body.update(logprobs=logprobs, return_tokens_as_token_ids=True)
     status, out = _post(url + "/v1/completions", body)
@@ -115,11 +134,13 @@ def test_requests_cross_the_veth_pair(two):
         assert fig.get("ok") and fig.get("banks") == 8, fig
         r = _complete(two.prefill_url, p, logprobs=2)
         if d["token_ids"] != r["token_ids"]:
-            i = next(k for k, (a, b) in enumerate(zip(d["token_ids"], r["token_ids"])) if a != b)
+            i = next(k for k, (a, b) in enumerate(zip(d["token_ids"], r["token_ids"], strict=False)) if a != b)
             (ties if _gap(r, i) < TIE_MARGIN else mismatches).append((n, i, _gap(r, i)))
     moved = scrape_metrics(two.decode_url).get("vllm:hawk_transfer_bytes_sum", 0.0) - before
-    print(f"[netns] 4 requests in {time.monotonic() - t0:.1f} s, {moved / 1024:.0f} KiB over the veth pair; "
-          f"top-2 ties {ties}")
+    print(
+        f"[netns] 4 requests in {time.monotonic() - t0:.1f} s, {moved / 1024:.0f} KiB over the veth pair; "
+        f"top-2 ties {ties}"
+    )
     assert moved > 0
     assert not mismatches, f"outputs differ beyond ties (prompt_len, position, gap): {mismatches}"
 
@@ -134,25 +155,35 @@ def test_link_cut_fails_cleanly_within_the_timeout(two):
     failed0 = scrape_metrics(two.decode_url).get("vllm:hawk_failed_transfers_total", 0.0)
     prompt = [0] + list(range(100, 400))
     # the proxy's first step by hand: the prefill computes the KV and holds it for a decode
-    status, out = _post(two.prefill_url + "/v1/completions",
-                                 {"model": "tiny", "prompt": prompt, "max_tokens": 1,
-                                  "kv_transfer_params": {"do_remote_decode": True, "do_remote_prefill": False}})
+    status, out = _post(
+        two.prefill_url + "/v1/completions",
+        {
+            "model": "tiny",
+            "prompt": prompt,
+            "max_tokens": 1,
+            "kv_transfer_params": {"do_remote_decode": True, "do_remote_prefill": False},
+        },
+    )
     assert status == 200, out
     params = out["kv_transfer_params"]
     assert params["remote_host"] == net.kv_p, params
     net.cut()
     try:
         t0 = time.monotonic()
-        status, out = _post(two.decode_url + "/v1/completions",
-                                     {"model": "tiny", "prompt": prompt, "max_tokens": 4,
-                                      "kv_transfer_params": params}, timeout=PULL_TIMEOUT_S + 60)
+        status, out = _post(
+            two.decode_url + "/v1/completions",
+            {"model": "tiny", "prompt": prompt, "max_tokens": 4, "kv_transfer_params": params},
+            timeout=PULL_TIMEOUT_S + 60,
+        )
         waited = time.monotonic() - t0
     finally:
         net.mend()
     log = two.servers["decode"].log_tail(200_000)
     err = [line for line in log.splitlines() if "KV pull of" in line and "failed" in line]
-    print(f"[netns] link cut: decode answered HTTP {status} after {waited:.1f} s "
-          f"(pull_timeout_s {PULL_TIMEOUT_S}); error: {err[-1][-200:] if err else None}")
+    print(
+        f"[netns] link cut: decode answered HTTP {status} after {waited:.1f} s "
+        f"(pull_timeout_s {PULL_TIMEOUT_S}); error: {err[-1][-200:] if err else None}"
+    )
     assert status >= 500, out
     assert waited < PULL_TIMEOUT_S + 10, f"took {waited:.1f} s, pull_timeout_s is {PULL_TIMEOUT_S}"
     assert err, "no 'KV pull of ... failed' error in the decode log"

@@ -1,4 +1,5 @@
 """``hawk bench NAME``: run one benchmark."""
+
 from __future__ import annotations
 
 import importlib

@@ -1,12 +1,13 @@
 """Shared benchmark helpers: timing, progress, tables and JSON output."""
+
 from __future__ import annotations
 
 import json
 import statistics
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
-from typing import Callable
 
 
 def median_seconds(fn: Callable[[], object], repeats: int, warmup: int = 1) -> float:
@@ -34,10 +35,10 @@ def print_table(rows: list[dict], columns: list[tuple[str, str, str]]) -> None:
     """columns: (key, header, format spec)."""
     cells = [[format(r[k], f) if f else str(r[k]) for k, _, f in columns] for r in rows]
     widths = [max(len(h), *(len(c[i]) for c in cells)) for i, (_, h, _) in enumerate(columns)]
-    print("  ".join(h.rjust(w) for (_, h, _), w in zip(columns, widths)))
+    print("  ".join(h.rjust(w) for (_, h, _), w in zip(columns, widths, strict=False)))
     print("  ".join("-" * w for w in widths))
     for c in cells:
-        print("  ".join(v.rjust(w) for v, w in zip(c, widths)))
+        print("  ".join(v.rjust(w) for v, w in zip(c, widths, strict=False)))
 
 
 def write_json(path: str | Path, payload: dict) -> Path:

@@ -15,6 +15,7 @@ setting in the same run (the baseline), and the CPU time (user + sys) of both pr
 per batch. Every repeat's bytes are checked against the target's. Writes JSON and a bar
 plot next to it.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -61,8 +62,9 @@ def _target_main(env: dict, nbytes: int, conn) -> None:
         t.close()
 
 
-def _initiator_main(env: dict, poll_max_s: float, nbytes: int, peer: str, remote: int, workloads: dict,
-                    repeats: int, conn) -> None:
+def _initiator_main(
+    env: dict, poll_max_s: float, nbytes: int, peer: str, remote: int, workloads: dict, repeats: int, conn
+) -> None:
     _apply_env(env)
     from vllm_hawk.transport.mooncake import MooncakeTransport
 
@@ -88,13 +90,17 @@ def _initiator_main(env: dict, poll_max_s: float, nbytes: int, peer: str, remote
                 c1 = _cpu_s() + conn.recv()
                 for j in sorted({*range(min(64, count)), *range(max(0, count - 64), count)}):
                     r = int(order[j])
-                    if not np.array_equal(local[j * size:(j + 1) * size], want[r * size:(r + 1) * size]):
+                    if not np.array_equal(local[j * size : (j + 1) * size], want[r * size : (r + 1) * size]):
                         raise AssertionError(f"{name}: entry {j} read the wrong bytes")
                 if rep:
                     times.append(dt)
                     cpus.append(c1 - c0)
-            out[name] = {"s": statistics.median(times), "cpu_s": statistics.median(cpus), "count": count,
-                         "entry_nbytes": size}
+            out[name] = {
+                "s": statistics.median(times),
+                "cpu_s": statistics.median(cpus),
+                "count": count,
+                "entry_nbytes": size,
+            }
     except Exception as e:
         conn.send(("error", f"{type(e).__name__}: {e}"))
         raise
@@ -119,8 +125,11 @@ def measure(lanes: int, poll_max_us: float, workloads: dict, repeats: int) -> di
             raise RuntimeError("target process did not start")
         peer, remote = tconn.recv()
         iconn, ichild = ctx.Pipe()
-        iproc = ctx.Process(target=_initiator_main, args=(env, poll_max_us * 1e-6, nbytes, peer, remote, workloads,
-                                                          repeats, ichild), daemon=True)
+        iproc = ctx.Process(
+            target=_initiator_main,
+            args=(env, poll_max_us * 1e-6, nbytes, peer, remote, workloads, repeats, ichild),
+            daemon=True,
+        )
         iproc.start()
         ichild.close()
         try:
@@ -142,8 +151,7 @@ def measure(lanes: int, poll_max_us: float, workloads: dict, repeats: int) -> di
         stop_pipe_process(tproc, tconn, 20)
 
 
-def run(lanes=(1, 2, 4, 8), poll_max_us=(200.0,), small=(1280, 8 << 10), large=(4, 40 << 20),
-        repeats: int = 5) -> dict:
+def run(lanes=(1, 2, 4, 8), poll_max_us=(200.0,), small=(1280, 8 << 10), large=(4, 40 << 20), repeats: int = 5) -> dict:
     workloads = {"small": small, "large": large}
     settings = [(n, p) for p in poll_max_us for n in lanes]
     rows = []
@@ -151,18 +159,31 @@ def run(lanes=(1, 2, 4, 8), poll_max_us=(200.0,), small=(1280, 8 << 10), large=(
         progress(i, len(settings), f"lanes {n}, poll cap {p:g} us")
         r = measure(n, p, workloads, repeats)
         s, lg = r["small"], r["large"]
-        rows.append({"lanes": n, "poll_max_us": p,
-                     "small_us_per_entry": s["s"] / s["count"] * 1e6, "small_cpu_ms": s["cpu_s"] * 1e3,
-                     "large_ms": lg["s"] * 1e3, "large_gbps": lg["count"] * lg["entry_nbytes"] / lg["s"] / 1e9,
-                     "large_cpu_ms": lg["cpu_s"] * 1e3})
+        rows.append(
+            {
+                "lanes": n,
+                "poll_max_us": p,
+                "small_us_per_entry": s["s"] / s["count"] * 1e6,
+                "small_cpu_ms": s["cpu_s"] * 1e3,
+                "large_ms": lg["s"] * 1e3,
+                "large_gbps": lg["count"] * lg["entry_nbytes"] / lg["s"] / 1e9,
+                "large_cpu_ms": lg["cpu_s"] * 1e3,
+            }
+        )
     progress(len(settings), len(settings), "done")
     base = rows[0]
     for r in rows:
         r["small_ratio"] = r["small_us_per_entry"] / base["small_us_per_entry"]
         r["large_ratio"] = r["large_ms"] / base["large_ms"]
-    return {"bench": "entries", "workloads": {k: {"count": c, "entry_nbytes": s} for k, (c, s) in workloads.items()},
-            "repeats": repeats, "baseline": {"lanes": base["lanes"], "poll_max_us": base["poll_max_us"]},
-            "rows": rows, "cpu_count": os.cpu_count(), "load_avg": os.getloadavg()}
+    return {
+        "bench": "entries",
+        "workloads": {k: {"count": c, "entry_nbytes": s} for k, (c, s) in workloads.items()},
+        "repeats": repeats,
+        "baseline": {"lanes": base["lanes"], "poll_max_us": base["poll_max_us"]},
+        "rows": rows,
+        "cpu_count": os.cpu_count(),
+        "load_avg": os.getloadavg(),
+    }
 
 
 TARGET_US_PER_ENTRY = 20.0  # the project's target: 1,280 x 8 KiB READs at <= 20 us per entry
@@ -193,10 +214,20 @@ def _plot(result: dict, path: str) -> str | None:
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="hawk bench entries", description=__doc__.split("\n\n")[0])
-    ap.add_argument("--lanes", type=int, nargs="+", default=[1, 2, 4, 8],
-                    help="MC_TCP_LANES_PER_PEER values; the first is the baseline")
-    ap.add_argument("--poll-max-us", type=float, nargs="+", default=[200.0],
-                    help="the transport's longest sleep between polls, microseconds")
+    ap.add_argument(
+        "--lanes",
+        type=int,
+        nargs="+",
+        default=[1, 2, 4, 8],
+        help="MC_TCP_LANES_PER_PEER values; the first is the baseline",
+    )
+    ap.add_argument(
+        "--poll-max-us",
+        type=float,
+        nargs="+",
+        default=[200.0],
+        help="the transport's longest sleep between polls, microseconds",
+    )
     ap.add_argument("--small-count", type=int, default=1280)
     ap.add_argument("--small-kib", type=int, default=8)
     ap.add_argument("--large-count", type=int, default=4)
@@ -209,18 +240,34 @@ def main(argv: list[str] | None = None) -> int:
             ap.error(f"--{name.replace('_', '-')} must be >= 1, got {getattr(a, name)}")
     if min(a.lanes) < 1:
         ap.error(f"--lanes must be >= 1, got {a.lanes}")
-    result = run(tuple(a.lanes), tuple(a.poll_max_us), (a.small_count, a.small_kib << 10),
-                 (a.large_count, a.large_mib << 20), a.repeats)
-    print_table(result["rows"], [("lanes", "lanes", ""), ("poll_max_us", "poll cap us", "g"),
-                                 ("small_us_per_entry", "us/entry", ".1f"), ("small_ratio", "x base", ".2f"),
-                                 ("small_cpu_ms", "CPU ms", ".1f"), ("large_ms", "large ms", ".1f"),
-                                 ("large_gbps", "GB/s", ".2f"), ("large_ratio", "x base", ".2f"),
-                                 ("large_cpu_ms", "CPU ms", ".1f")])
+    result = run(
+        tuple(a.lanes),
+        tuple(a.poll_max_us),
+        (a.small_count, a.small_kib << 10),
+        (a.large_count, a.large_mib << 20),
+        a.repeats,
+    )
+    print_table(
+        result["rows"],
+        [
+            ("lanes", "lanes", ""),
+            ("poll_max_us", "poll cap us", "g"),
+            ("small_us_per_entry", "us/entry", ".1f"),
+            ("small_ratio", "x base", ".2f"),
+            ("small_cpu_ms", "CPU ms", ".1f"),
+            ("large_ms", "large ms", ".1f"),
+            ("large_gbps", "GB/s", ".2f"),
+            ("large_ratio", "x base", ".2f"),
+            ("large_cpu_ms", "CPU ms", ".1f"),
+        ],
+    )
     if (a.small_count, a.small_kib) == (1280, 8):  # the workload the target is stated for
         for r in result["rows"]:
             met = r["small_us_per_entry"] <= TARGET_US_PER_ENTRY
-            print(f"  [{'met ' if met else 'MISS'}] {r['lanes']} lanes, poll cap {r['poll_max_us']:g} us: "
-                  f"{r['small_us_per_entry']:.1f} us per entry (target <= {TARGET_US_PER_ENTRY:g})")
+            print(
+                f"  [{'met ' if met else 'MISS'}] {r['lanes']} lanes, poll cap {r['poll_max_us']:g} us: "
+                f"{r['small_us_per_entry']:.1f} us per entry (target <= {TARGET_US_PER_ENTRY:g})"
+            )
     path = write_json(a.out, result)
     try:
         png = _plot(result, str(path.with_suffix(".png")))

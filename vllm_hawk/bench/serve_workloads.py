@@ -14,6 +14,7 @@ prompt + output fits ``max_model_len``:
 Metrics follow the paper (section 5.3): a request meets an SLO pair (TTFT ms, TPOT ms)
 when both hold; failed requests miss it. Attainment = requests meeting it / requests sent.
 """
+
 from __future__ import annotations
 
 import json
@@ -25,12 +26,16 @@ import numpy as np
 
 #: name -> lognormal parameters in tokens: median, sigma (of ln), clip [lo, hi].
 WORKLOADS: dict[str, dict] = {
-    "sharegpt": {"shape": "ShareGPT-like: short chat prompts, longer answers",
-                 "prompt": {"median": 48, "sigma": 0.9, "lo": 8, "hi": 512},
-                 "output": {"median": 40, "sigma": 0.6, "lo": 8, "hi": 160}},
-    "longbench": {"shape": "LongBench-like: long documents, short answers (scaled to max_model_len)",
-                  "prompt": {"median": 640, "sigma": 0.25, "lo": 256, "hi": 900},
-                  "output": {"median": 16, "sigma": 0.5, "lo": 8, "hi": 64}},
+    "sharegpt": {
+        "shape": "ShareGPT-like: short chat prompts, longer answers",
+        "prompt": {"median": 48, "sigma": 0.9, "lo": 8, "hi": 512},
+        "output": {"median": 40, "sigma": 0.6, "lo": 8, "hi": 160},
+    },
+    "longbench": {
+        "shape": "LongBench-like: long documents, short answers (scaled to max_model_len)",
+        "prompt": {"median": 640, "sigma": 0.25, "lo": 256, "hi": 900},
+        "output": {"median": 16, "sigma": 0.5, "lo": 8, "hi": 64},
+    },
 }
 
 #: The paper's SLO pairs (TTFT ms, TPOT ms).
@@ -39,8 +44,10 @@ PAPER_SLOS = ((2000.0, 200.0), (15000.0, 200.0))
 #: 2000:15000 TTFT ratio kept; TPOT 5x its unloaded value).
 SCALED_SLO_MULTIPLES = ((5.0, 5.0), (37.5, 5.0))
 
-_WORDS = ("the cache block layer token bank device request decode prefill tile segment ring lease "
-          "read write page model answer question context document section value key head batch").split()
+_WORDS = (
+    "the cache block layer token bank device request decode prefill tile segment ring lease "
+    "read write page model answer question context document section value key head batch"
+).split()
 
 
 def _lengths(rng: np.random.Generator, p: dict, n: int) -> list[int]:
@@ -56,8 +63,7 @@ def _text(tokenizer, n: int, rnd: random.Random) -> tuple[str, int]:
     return text, len(tokenizer.encode(text, add_special_tokens=False))
 
 
-def make_workload(name: str, tokenizer, num: int, seed: int, path: str | Path,
-                  max_model_len: int = 1024) -> dict:
+def make_workload(name: str, tokenizer, num: int, seed: int, path: str | Path, max_model_len: int = 1024) -> dict:
     """Write ``num`` requests of workload ``name`` to ``path``; return its description
     (parameters, seed, the lengths' mean/P50/P90 as written)."""
     if name not in WORKLOADS:
@@ -68,7 +74,7 @@ def make_workload(name: str, tokenizer, num: int, seed: int, path: str | Path,
     rng, rnd = np.random.default_rng(seed), random.Random(seed)
     prompts, outputs = _lengths(rng, w["prompt"], num), _lengths(rng, w["output"], num)
     rows, plens, olens = [], [], []
-    for pl, ol in zip(prompts, outputs):
+    for pl, ol in zip(prompts, outputs, strict=False):
         ol = min(ol, max_model_len // 4)
         pl = min(pl, max_model_len - ol - 16)  # room for BOS and re-tokenisation drift
         prompt, pn = _text(tokenizer, pl, rnd)
@@ -80,23 +86,45 @@ def make_workload(name: str, tokenizer, num: int, seed: int, path: str | Path,
     Path(path).write_text(json.dumps(rows))
 
     def summary(v: list[int]) -> dict:
-        return {"mean": float(np.mean(v)), "p50": float(np.percentile(v, 50)), "p90": float(np.percentile(v, 90)),
-                "max": int(max(v))}
+        return {
+            "mean": float(np.mean(v)),
+            "p50": float(np.percentile(v, 50)),
+            "p90": float(np.percentile(v, 90)),
+            "max": int(max(v)),
+        }
 
-    return {"name": name, "shape": w["shape"], "seed": seed, "num_prompts": num, "max_model_len": max_model_len,
-            "distribution": "lognormal(ln(median), sigma), rounded, clipped to [lo, hi] tokens",
-            "prompt_params": w["prompt"], "output_params": w["output"],
-            "prompt_tokens": summary(plens), "output_tokens": summary(olens), "path": str(path)}
+    return {
+        "name": name,
+        "shape": w["shape"],
+        "seed": seed,
+        "num_prompts": num,
+        "max_model_len": max_model_len,
+        "distribution": "lognormal(ln(median), sigma), rounded, clipped to [lo, hi] tokens",
+        "prompt_params": w["prompt"],
+        "output_params": w["output"],
+        "prompt_tokens": summary(plens),
+        "output_tokens": summary(olens),
+        "path": str(path),
+    }
 
 
 def per_request(result: dict) -> list[dict]:
     """``vllm bench serve``'s per-request lists -> [{ok, ttft_ms, tpot_ms, e2e_ms, out}]."""
     out = []
-    for ttft, lat, n, err in zip(result["ttfts"], result["latencies"], result["output_lens"], result["errors"]):
+    for ttft, lat, n, err in zip(
+        result["ttfts"], result["latencies"], result["output_lens"], result["errors"], strict=False
+    ):
         ok = not err and n > 0
         tpot = (lat - ttft) / (n - 1) if ok and n > 1 else 0.0
-        out.append({"ok": ok, "ttft_ms": 1e3 * ttft if ok else math.inf, "tpot_ms": 1e3 * tpot if ok else math.inf,
-                    "e2e_ms": 1e3 * lat if ok else math.inf, "out": n if ok else 0})
+        out.append(
+            {
+                "ok": ok,
+                "ttft_ms": 1e3 * ttft if ok else math.inf,
+                "tpot_ms": 1e3 * tpot if ok else math.inf,
+                "e2e_ms": 1e3 * lat if ok else math.inf,
+                "out": n if ok else 0,
+            }
+        )
     return out
 
 
@@ -123,5 +151,8 @@ def knee(points: list[dict], key: str, threshold: float = 0.9) -> dict:
     output throughput at the highest rate still at or above it (None: not even the first)."""
     below = next((p["rate"] for p in points if not p[key] >= threshold), None)
     held = [p for p in points if p[key] >= threshold and (below is None or p["rate"] < below)]
-    return {"rate_below": below, "throughput_at": held[-1]["output_throughput"] if held else None,
-            "rate_at": held[-1]["rate"] if held else None}
+    return {
+        "rate_below": below,
+        "throughput_at": held[-1]["output_throughput"] if held else None,
+        "rate_at": held[-1]["rate"] if held else None,
+    }

@@ -20,6 +20,7 @@ copy, so the ratio is independent of the target dtype's smaller size. The copy u
 torch's threads (``torch.get_num_threads()``), the kernel numba's; CPU time (user + sys)
 of each is reported with its ratio to the copy's.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -53,7 +54,8 @@ def make_source(kind: str, num_layers: int, num_blocks: int, heads: int, bs: int
         adapter, order = CpuAttnKVLayout(heads, bs, dim, isa="vec" if kind == "cpu" else "amx"), "LBHNC"
     caches = make_layer_caches(num_layers, num_blocks, heads, bs, 2 * dim, layout=order, device=device)
     flat = torch.empty(0, dtype=torch.bfloat16, device=device).set_(
-        caches[0].untyped_storage(), 0, (caches[0].untyped_storage().nbytes() // 2,))
+        caches[0].untyped_storage(), 0, (caches[0].untyped_storage().nbytes() // 2,)
+    )
     flat.copy_(torch.randn(flat.numel(), device=device))
     return TransformSource([adapter] * num_layers, caches)
 
@@ -83,7 +85,7 @@ def _interleaved(fns: dict, repeats: int) -> dict:
 
 def _ratio(base: list[float], x: list[float]) -> float:
     """Median over repeats of base/x (pairs from the same repeat)."""
-    return statistics.median(b / t for b, t in zip(base, x))
+    return statistics.median(b / t for b, t in zip(base, x, strict=False))
 
 
 def run(model, tp, device_profile, block_size, sizes_mb, dtypes, sources, repeats, device, seed=0):
@@ -101,8 +103,9 @@ def run(model, tp, device_profile, block_size, sizes_mb, dtypes, sources, repeat
         key = (src_kind, mb)
         if key not in cache:
             cache.clear()
-            cache[key] = make_source(src_kind, shape.num_layers, cache_blocks, heads, block_size, shape.head_dim,
-                                     device)
+            cache[key] = make_source(
+                src_kind, shape.num_layers, cache_blocks, heads, block_size, shape.head_dim, device
+            )
         source = cache[key]
         src_blocks = rng.permutation(cache_blocks)[:n_blocks]
         dst_blocks = rng.permutation(cache_blocks)[:n_blocks]
@@ -129,22 +132,42 @@ def run(model, tp, device_profile, block_size, sizes_mb, dtypes, sources, repeat
         if "kernel" not in t:
             t["kernel"] = t["e2e"]
         (t_copy, c_copy, w_copy), (t_k, _c, w_k), (t_e2e, c_e2e, w_e2e) = t["copy"], t["kernel"], t["e2e"]
-        rows.append({"source": src_kind, "dtype": dtype, "size_mb": nbytes / 1e6, "blocks": n_blocks,
-                     "gprime_mb": plan.total_nbytes / 1e6, "repeats": reps, "copy_ms": t_copy * 1e3,
-                     "kernel_ms": t_k * 1e3, "e2e_ms": t_e2e * 1e3, "copy_gbps": nbytes / t_copy / 1e9,
-                     "kernel_gbps": nbytes / t_k / 1e9, "kernel_ratio": _ratio(w_copy, w_k),
-                     "e2e_ratio": _ratio(w_copy, w_e2e), "copy_cpu_ms": c_copy * 1e3,
-                     "e2e_cpu_ms": c_e2e * 1e3, "cpu_ratio": c_e2e / max(c_copy, 1e-9)})
+        rows.append(
+            {
+                "source": src_kind,
+                "dtype": dtype,
+                "size_mb": nbytes / 1e6,
+                "blocks": n_blocks,
+                "gprime_mb": plan.total_nbytes / 1e6,
+                "repeats": reps,
+                "copy_ms": t_copy * 1e3,
+                "kernel_ms": t_k * 1e3,
+                "e2e_ms": t_e2e * 1e3,
+                "copy_gbps": nbytes / t_copy / 1e9,
+                "kernel_gbps": nbytes / t_k / 1e9,
+                "kernel_ratio": _ratio(w_copy, w_k),
+                "e2e_ratio": _ratio(w_copy, w_e2e),
+                "copy_cpu_ms": c_copy * 1e3,
+                "e2e_cpu_ms": c_e2e * 1e3,
+                "cpu_ratio": c_e2e / max(c_copy, 1e-9),
+            }
+        )
     progress(len(cases), len(cases), "done")
     return rows
 
 
 def targets(rows: list[dict]) -> list[dict]:
     """The end-to-end targets this run can judge: one entry per targeted row."""
-    return [{"target": f"{r['source']} {r['dtype']} e2e >= {TARGET_RATIO} x copy", "size_mb": r["size_mb"],
-             "ratio": r["e2e_ratio"], "met": r["e2e_ratio"] >= TARGET_RATIO}
-            for r in rows if r["source"] in TARGET_SOURCES and r["dtype"] in TARGET_DTYPES
-            and r["size_mb"] >= TARGET_MIN_MB * 0.9]  # rows are whole blocks: 40 MB may be 37
+    return [
+        {
+            "target": f"{r['source']} {r['dtype']} e2e >= {TARGET_RATIO} x copy",
+            "size_mb": r["size_mb"],
+            "ratio": r["e2e_ratio"],
+            "met": r["e2e_ratio"] >= TARGET_RATIO,
+        }
+        for r in rows
+        if r["source"] in TARGET_SOURCES and r["dtype"] in TARGET_DTYPES and r["size_mb"] >= TARGET_MIN_MB * 0.9
+    ]  # rows are whole blocks: 40 MB may be 37
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -154,8 +177,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--device-profile", default="p150a")
     ap.add_argument("--block-size", type=int, default=64)
     ap.add_argument("--sizes-mb", type=float, nargs="+", default=[10, 40, 160])
-    ap.add_argument("--dtypes", nargs="+", default=["bfloat16", "bfloat8_b"],
-                    choices=["bfloat16", "bfloat8_b", "bfloat4_b"])
+    ap.add_argument(
+        "--dtypes", nargs="+", default=["bfloat16", "bfloat8_b"], choices=["bfloat16", "bfloat8_b", "bfloat4_b"]
+    )
     ap.add_argument("--sources", nargs="+", default=list(SOURCES), choices=SOURCES)
     ap.add_argument("--repeats", type=int, default=5)
     ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
@@ -166,22 +190,44 @@ def main(argv: list[str] | None = None) -> int:
         cpu_kernel.warm()
     rows = run(a.model, a.tp, a.device_profile, a.block_size, a.sizes_mb, a.dtypes, a.sources, a.repeats, dev)
     load = os.getloadavg()
-    print(f"transform vs plain copy of the same bytes on {a.device} ({torch.get_num_threads()} torch threads, "
-          f"{os.cpu_count()} cores, load average {load[0]:.2f}), {a.model} TP={a.tp}, {a.device_profile}, "
-          f"block {a.block_size}; ratio = copy time / transform time (1 = copy speed), median over >= "
-          f"{a.repeats} repeats of the ratio within each repeat")
-    print_table(rows, [("source", "source", ""), ("dtype", "dtype", ""), ("size_mb", "MB", ".1f"),
-                       ("gprime_mb", "G' MB", ".1f"), ("copy_ms", "copy ms", ".2f"),
-                       ("kernel_ms", "kernel ms", ".2f"),
-                       ("e2e_ms", "e2e ms", ".2f"), ("copy_gbps", "copy GB/s", ".2f"),
-                       ("kernel_ratio", "kernel/copy", ".2f"), ("e2e_ratio", "e2e/copy", ".2f"),
-                       ("cpu_ratio", "CPU time/copy's", ".2f")])
+    print(
+        f"transform vs plain copy of the same bytes on {a.device} ({torch.get_num_threads()} torch threads, "
+        f"{os.cpu_count()} cores, load average {load[0]:.2f}), {a.model} TP={a.tp}, {a.device_profile}, "
+        f"block {a.block_size}; ratio = copy time / transform time (1 = copy speed), median over >= "
+        f"{a.repeats} repeats of the ratio within each repeat"
+    )
+    print_table(
+        rows,
+        [
+            ("source", "source", ""),
+            ("dtype", "dtype", ""),
+            ("size_mb", "MB", ".1f"),
+            ("gprime_mb", "G' MB", ".1f"),
+            ("copy_ms", "copy ms", ".2f"),
+            ("kernel_ms", "kernel ms", ".2f"),
+            ("e2e_ms", "e2e ms", ".2f"),
+            ("copy_gbps", "copy GB/s", ".2f"),
+            ("kernel_ratio", "kernel/copy", ".2f"),
+            ("e2e_ratio", "e2e/copy", ".2f"),
+            ("cpu_ratio", "CPU time/copy's", ".2f"),
+        ],
+    )
     goals = targets(rows)
     if goals:
         print(f"\ntargets (ratios within this run; e2e at >= {TARGET_MIN_MB} MB):")
         for t in goals:
             print(f"  [{'met ' if t['met'] else 'MISS'}] {t['target']} @ {t['size_mb']:.0f} MB: ratio {t['ratio']:.2f}")
-    path = write_json(a.out, {"bench": "transform", "device": a.device, "threads": torch.get_num_threads(),
-                              "load_average": load, "args": vars(a), "rows": rows, "targets": goals})
+    path = write_json(
+        a.out,
+        {
+            "bench": "transform",
+            "device": a.device,
+            "threads": torch.get_num_threads(),
+            "load_average": load,
+            "args": vars(a),
+            "rows": rows,
+            "targets": goals,
+        },
+    )
     print(f"wrote {path}")
     return 0

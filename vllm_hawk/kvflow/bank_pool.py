@@ -14,8 +14,10 @@ memory happen then, not inside a transfer). ``acquire`` waits up to a deadline f
 (backpressure) and raises
 :class:`BufferFull` after it; nothing is ever handed out twice.
 """
+
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import dataclasses
 import threading
@@ -49,8 +51,9 @@ class BankBufferPool:
     transport: registers each bank's region (optional). align: slice alignment (bytes).
     """
 
-    def __init__(self, device, size_per_bank: int, transport=None, align: int | None = None,
-                 registration: str = "per_request") -> None:
+    def __init__(
+        self, device, size_per_bank: int, transport=None, align: int | None = None, registration: str = "per_request"
+    ) -> None:
         self.device = device
         self.registration = check_registration(registration)
         self._slice_regs: dict[str, list[int]] = {}
@@ -81,8 +84,11 @@ class BankBufferPool:
         if nbytes_per_bank <= 0:
             raise ValueError(f"bank pool: nbytes_per_bank must be > 0, got {nbytes_per_bank}")
         if nbytes_per_bank > self.size_per_bank:
-            raise BufferFull(f"bank pool: request {key!r} needs {nbytes_per_bank} bytes per bank, the "
-                             f"pool has {self.size_per_bank}; raise the receive-buffer size", key)
+            raise BufferFull(
+                f"bank pool: request {key!r} needs {nbytes_per_bank} bytes per bank, the "
+                f"pool has {self.size_per_bank}; raise the receive-buffer size",
+                key,
+            )
         deadline = time.monotonic() + max(0.0, timeout_s)
         with self._cond:
             if key in self._live:
@@ -97,10 +103,17 @@ class BankBufferPool:
                         raise BufferFull(
                             f"bank pool full: request {key!r} needs {nbytes_per_bank} bytes per bank, "
                             f"largest free run {self._alloc.largest_free()} of {self.size_per_bank} "
-                            f"({len(self._live)} live requests) after waiting {timeout_s:.3f} s", key) from None
+                            f"({len(self._live)} live requests) after waiting {timeout_s:.3f} s",
+                            key,
+                        ) from None
                     self._cond.wait(left)
-            s = RecvSlice(key, a.address, nbytes_per_bank, tuple(x + a.address for x in self.bank_addrs),
-                          self.buffer.address + a.address)
+            s = RecvSlice(
+                key,
+                a.address,
+                nbytes_per_bank,
+                tuple(x + a.address for x in self.bank_addrs),
+                self.buffer.address + a.address,
+            )
             if self._transport is not None and self.registration == "per_request":
                 regs: list[int] = []
                 try:
@@ -117,10 +130,8 @@ class BankBufferPool:
 
     def _unregister(self, addrs) -> None:
         for addr in addrs:
-            try:
+            with contextlib.suppress(Exception):  # transport closed already
                 self._transport.unregister(addr)
-            except Exception:  # noqa: BLE001 - transport closed already
-                pass
 
     def release(self, key: str) -> None:
         with self._cond:
@@ -149,15 +160,11 @@ class BankBufferPool:
             self._unregister(regs)
         self._slice_regs = {}
         for a in self._registered:
-            try:
+            with contextlib.suppress(Exception):  # best effort
                 self._transport.unregister(a)
-            except Exception:  # noqa: BLE001 - best effort
-                pass
         self._registered = []
         if self.buffer is not None:
-            try:
+            with contextlib.suppress(Exception):  # not mapped
                 self.device.unmap_buffer_dma(self.buffer)
-            except Exception:  # noqa: BLE001 - not mapped
-                pass
             self.device.free_buffer(self.buffer)
             self.buffer = None

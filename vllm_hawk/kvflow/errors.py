@@ -1,4 +1,5 @@
 """Errors of the Algorithm 1 library. Every message names the request and what ran out."""
+
 from __future__ import annotations
 
 

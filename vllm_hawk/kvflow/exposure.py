@@ -25,9 +25,11 @@ across) until at most ``max_ranges`` regions remain. The exposure of such a fetc
 the span of pages between its first and last page in each bank — other requests' pages
 in between included — but still only for the fetch's duration.
 """
+
 from __future__ import annotations
 
 import bisect
+import contextlib
 import threading
 
 REGISTRATIONS = ("per_request", "whole")
@@ -66,9 +68,12 @@ def coarsened(runs: list[tuple[int, int]], domains, max_ranges: int | None) -> l
         return i if i >= 0 and a + n <= doms[i][0] + doms[i][1] else -1
 
     ids = [dom(a, n) for a, n in runs]
-    gaps = sorted((runs[i + 1][0] - runs[i][0] - runs[i][1], i) for i in range(len(runs) - 1)
-                  if ids[i] >= 0 and ids[i] == ids[i + 1])
-    join = set(i for _g, i in gaps[:max(0, len(runs) - max_ranges)])
+    gaps = sorted(
+        (runs[i + 1][0] - runs[i][0] - runs[i][1], i)
+        for i in range(len(runs) - 1)
+        if ids[i] >= 0 and ids[i] == ids[i + 1]
+    )
+    join = set(i for _g, i in gaps[: max(0, len(runs) - max_ranges)])
     out: list[list[int]] = []
     for i, (a, n) in enumerate(runs):
         if out and i - 1 in join:
@@ -154,7 +159,5 @@ class Exposure:
             if run[1] == 0:
                 del self._runs[s]
                 self._starts.remove(s)
-                try:
+                with contextlib.suppress(Exception):  # transport closed already
                     self.transport.unregister(s)
-                except Exception:  # noqa: BLE001 - transport closed already
-                    pass

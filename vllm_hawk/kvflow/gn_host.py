@@ -15,6 +15,7 @@ The decode must know how the prefill's vLLM lays out a block: a :class:`WireLayo
 block's bytes). Both sides name it in the handshake (``src_layout``), so a prefill
 whose blocks are laid out otherwise is refused at start-up.
 """
+
 from __future__ import annotations
 
 import ctypes
@@ -70,16 +71,24 @@ class WireLayout:
         h, bs, c, bn = a.num_kv_heads, a.block_size, 2 * a.head_dim, self.block_nbytes
         out = []
         for layer in range(num_layers):
-            x = memory[layer * n * bn:(layer + 1) * n * bn].view(a.dtype)
+            x = memory[layer * n * bn : (layer + 1) * n * bn].view(a.dtype)
             out.append(x.view(n, h, bs, c) if self.order == "HNC" else x.view(n, bs, h, c).transpose(1, 2))
         return out
 
     def layout_desc(self, num_layers: int) -> LayoutDesc:
         """What the decode asks the prefill for (a vLLM layout: one 'bank', block-sized 'tiles')."""
         a, bn = self.adapter, self.block_nbytes
-        return LayoutDesc(name=f"vllm-paged/{self.name}"[:256], dtype=self.dtype, block_size=a.block_size,
-                          num_layers=num_layers, num_kv_heads=a.num_kv_heads, head_dim=a.head_dim, num_banks=1,
-                          tile_nbytes=bn, page_nbytes=bn)
+        return LayoutDesc(
+            name=f"vllm-paged/{self.name}"[:256],
+            dtype=self.dtype,
+            block_size=a.block_size,
+            num_layers=num_layers,
+            num_kv_heads=a.num_kv_heads,
+            head_dim=a.head_dim,
+            num_banks=1,
+            tile_nbytes=bn,
+            page_nbytes=bn,
+        )
 
 
 def wire_layout_of(adapter: SourceKVLayout, layer_cache: torch.Tensor) -> WireLayout:
@@ -90,16 +99,20 @@ def wire_layout_of(adapter: SourceKVLayout, layer_cache: torch.Tensor) -> WireLa
     for order, want in (("HNC", (bs * c, c, 1)), ("NHC", (c, h * c, 1))):
         if (s[1], s[2], s[3]) == want and s[0] >= h * bs * c:
             return WireLayout(adapter, order)
-    raise NotImplementedError(f"GN-Host needs each KV block to be one contiguous [H, N, C] or [N, H, C] run; "
-                              f"this cache's strides are {tuple(s)} for shape {tuple(layer_cache.shape)}")
+    raise NotImplementedError(
+        f"GN-Host needs each KV block to be one contiguous [H, N, C] or [N, H, C] run; "
+        f"this cache's strides are {tuple(s)} for shape {tuple(layer_cache.shape)}"
+    )
 
 
 def host_wire_layout(num_kv_heads: int, block_size: int, head_dim: int, dtype: torch.dtype) -> WireLayout:
     """The decode side: the wire layout of a vLLM prefill on the CPU of a host like this
     one (``CPU_ATTN``, LBHNC, the kernel ISA vLLM picks here). A prefill with another
     layout is refused in the handshake (``src_layout``)."""
-    return WireLayout(source_layout_for("CPU_ATTN", num_kv_heads=num_kv_heads, block_size=block_size,
-                                        head_dim=head_dim, dtype=dtype), "HNC")
+    return WireLayout(
+        source_layout_for("CPU_ATTN", num_kv_heads=num_kv_heads, block_size=block_size, head_dim=head_dim, dtype=dtype),
+        "HNC",
+    )
 
 
 class GNHostSink(KVSink):
@@ -111,14 +124,24 @@ class GNHostSink(KVSink):
     mode = "gn-host"
     caps = Capabilities(snapshot=True)
 
-    def __init__(self, device, layout: TTKVCacheLayout, kv_buffers, transport, wire: WireLayout,
-                 recv_nbytes: int, registration: str = "per_request") -> None:
+    def __init__(
+        self,
+        device,
+        layout: TTKVCacheLayout,
+        kv_buffers,
+        transport,
+        wire: WireLayout,
+        recv_nbytes: int,
+        registration: str = "per_request",
+    ) -> None:
         s = layout.spec
         a = wire.adapter
         if (a.num_kv_heads, a.block_size, a.head_dim) != (s.num_kv_heads, s.block_size, s.head_dim):
-            raise ValueError(f"GN-Host: the wire layout's (heads, block_size, head_dim) "
-                             f"{(a.num_kv_heads, a.block_size, a.head_dim)} differ from the KV pool's "
-                             f"{(s.num_kv_heads, s.block_size, s.head_dim)}")
+            raise ValueError(
+                f"GN-Host: the wire layout's (heads, block_size, head_dim) "
+                f"{(a.num_kv_heads, a.block_size, a.head_dim)} differ from the KV pool's "
+                f"{(s.num_kv_heads, s.block_size, s.head_dim)}"
+            )
         self.device, self.tt_layout, self.wire = device, layout, wire
         self.layout = wire.layout_desc(s.num_layers)
         self.recv = self.pages = None
@@ -148,8 +171,9 @@ class GNHostSink(KVSink):
         off = self.recv.reserve(req_id, total, claim_wait_s)
         try:
             base = self.recv.base_addr + off
-            streams = KVRegionMap(tuple(LayerRegion(base + layer * n * bn, bn, ((0, bn),))
-                                        for layer in range(self.layout.num_layers)), n)
+            streams = KVRegionMap(
+                tuple(LayerRegion(base + layer * n * bn, bn, ((0, bn),)) for layer in range(self.layout.num_layers)), n
+            )
             entries = pair_stream(ready.segments, remote_base, streams, list(range(n)), 0)
         except BaseException:
             self.recv.release(req_id)
@@ -168,15 +192,16 @@ class GNHostSink(KVSink):
         """The layout fix: ``memory`` (uint8, the layer streams of ``n`` blocks) tilized/packed
         into G', then G' copied into the KV pool's pages of ``plan.dst_blocks``."""
         t0 = time.monotonic()
-        src = TransformSource([self.wire.adapter] * self.layout.num_layers,
-                              self.wire.caches(memory, n, self.layout.num_layers))
+        src = TransformSource(
+            [self.wire.adapter] * self.layout.num_layers, self.wire.caches(memory, n, self.layout.num_layers)
+        )
         g = torch.empty(plan.total_nbytes, dtype=torch.uint8)
         transform_source(src, np.arange(n), self.layout.block_size, plan, g)
         t1 = time.monotonic()
         ops = plan.rdma
         local = self.pages.addresses(ops.bank, ops.dst_offset, ops.nbytes).tolist()
         gp = g.data_ptr()
-        for s, d, nb in zip(ops.src_offset.tolist(), local, ops.nbytes.tolist()):
+        for s, d, nb in zip(ops.src_offset.tolist(), local, ops.nbytes.tolist(), strict=False):
             ctypes.memmove(d, gp + s, nb)
         return {"fix_transform_s": t1 - t0, "copy_s": time.monotonic() - t0, "page_writes": len(ops)}
 
@@ -185,17 +210,21 @@ class GNHostSink(KVSink):
         first use): one block of zeros, transformed into a scratch G' (the pool is untouched)."""
         plan = make_plan(self.tt_layout, np.array([0]), "direct")
         mem = torch.zeros(self.wire.block_nbytes * self.layout.num_layers, dtype=torch.uint8)
-        src = TransformSource([self.wire.adapter] * self.layout.num_layers,
-                              self.wire.caches(mem, 1, self.layout.num_layers))
-        transform_source(src, np.arange(1), self.layout.block_size, plan,
-                         torch.empty(plan.total_nbytes, dtype=torch.uint8))
+        src = TransformSource(
+            [self.wire.adapter] * self.layout.num_layers, self.wire.caches(mem, 1, self.layout.num_layers)
+        )
+        transform_source(
+            src, np.arange(1), self.layout.block_size, plan, torch.empty(plan.total_nbytes, dtype=torch.uint8)
+        )
 
     def idle(self) -> bool:
         return self.recv is None or self.recv.alloc.is_empty()
 
     def holds(self) -> dict:
-        return {"recv_live": len(self.recv.alloc.live()) if self.recv else 0,
-                "device_buffers": len(self.device.live_buffers())}
+        return {
+            "recv_live": len(self.recv.alloc.live()) if self.recv else 0,
+            "device_buffers": len(self.device.live_buffers()),
+        }
 
     def close(self) -> None:
         if self.pages is not None:

@@ -17,9 +17,11 @@ the ranges of live requests are registered, each from ``reserve`` to ``release``
 transport peer reaches nothing of an idle ring and no range but the live ones
 (:mod:`~vllm_hawk.kvflow.exposure`); ``"whole"`` registers the ring once.
 """
+
 from __future__ import annotations
 
 import collections
+import contextlib
 import threading
 import time
 
@@ -71,7 +73,7 @@ class RingAllocator:
 
     def contains(self, offset: int, nbytes: int) -> bool:
         """True when ``[offset, offset + nbytes)`` lies inside the ring."""
-        return 0 <= offset and nbytes > 0 and offset + nbytes <= self.capacity
+        return offset >= 0 and nbytes > 0 and offset + nbytes <= self.capacity
 
     # ------------------------------------------------------------------ reserve / release
     def reserve(self, key: str, nbytes: int, timeout_s: float = 0.0) -> int:
@@ -85,8 +87,11 @@ class RingAllocator:
             raise ValueError(f"ring reserve for {key!r}: nbytes must be > 0, got {nbytes}")
         size = -(-nbytes // self.align) * self.align
         if size > self.capacity:
-            raise BufferFull(f"ring: request {key!r} needs {nbytes} bytes, more than the whole "
-                             f"{self.capacity}-byte ring; raise the ring size", key)
+            raise BufferFull(
+                f"ring: request {key!r} needs {nbytes} bytes, more than the whole "
+                f"{self.capacity}-byte ring; raise the ring size",
+                key,
+            )
         deadline = time.monotonic() + max(0.0, timeout_s)
         with self._cond:
             if key in self._ranges:
@@ -104,7 +109,9 @@ class RingAllocator:
                     raise BufferFull(
                         f"ring full: request {key!r} needs {size} bytes, {self.capacity - self._used_locked()} "
                         f"of {self.capacity} free ({len(self.live())} live ranges) after waiting "
-                        f"{timeout_s:.3f} s", key)
+                        f"{timeout_s:.3f} s",
+                        key,
+                    )
                 self._cond.wait(left)
 
     def release(self, key: str) -> None:
@@ -157,8 +164,9 @@ class RingBuffer:
     bytes (no copy) that the transform writes G' into.
     """
 
-    def __init__(self, capacity: int, transport=None, align: int = DEFAULT_ALIGN,
-                 registration: str = "per_request") -> None:
+    def __init__(
+        self, capacity: int, transport=None, align: int = DEFAULT_ALIGN, registration: str = "per_request"
+    ) -> None:
         self.alloc = RingAllocator(capacity, align)
         self.capacity = self.alloc.capacity
         self.memory = torch.empty(self.capacity, dtype=torch.uint8)
@@ -188,10 +196,8 @@ class RingBuffer:
         with self._rlock:
             addr = self._ranges.pop(key, None)
         if addr is not None:
-            try:
+            with contextlib.suppress(Exception):  # transport closed already
                 self._transport.unregister(addr)
-            except Exception:  # noqa: BLE001 - transport closed already
-                pass
         self.alloc.release(key)
 
     def abort(self) -> None:
@@ -200,7 +206,7 @@ class RingBuffer:
     def view(self, offset: int, nbytes: int) -> torch.Tensor:
         if not self.alloc.contains(offset, nbytes):
             raise ValueError(f"ring view [{offset}, {offset + nbytes}) outside the {self.capacity}-byte ring")
-        return self.memory[offset:offset + nbytes]
+        return self.memory[offset : offset + nbytes]
 
     def close(self) -> None:
         self.alloc.abort()
@@ -210,8 +216,6 @@ class RingBuffer:
             if self.registration == "whole":
                 addrs = [self.base_addr]
             for a in addrs:
-                try:
+                with contextlib.suppress(Exception):  # transport may be closed already
                     self._transport.unregister(a)
-                except Exception:  # noqa: BLE001 - transport may be closed already
-                    pass
             self._transport = None

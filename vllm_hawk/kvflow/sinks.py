@@ -23,8 +23,10 @@ a layer-group fetch (:meth:`TTSink.land_groups`) registers every group's pages o
 from D2 until ``GroupLanding.unexpose`` after the last group's batch.
 ``whole`` registers the cache / pool / ring once at start.
 """
+
 from __future__ import annotations
 
+import contextlib
 import copy
 import ctypes
 import time
@@ -69,14 +71,13 @@ class _Registered:
 
     def close(self) -> None:
         for a in self.addrs:
-            try:
+            with contextlib.suppress(Exception):  # transport closed already
                 self.transport.unregister(a)
-            except Exception:  # noqa: BLE001 - transport closed already
-                pass
         self.addrs = []
 
 
 # --------------------------------------------------------------------------- vLLM caches
+
 
 def _vllm_check(ready: KVReady, region_map: KVRegionMap, n: int, export_nbytes: int) -> str:
     if any(s.offset_bytes + s.nbytes > export_nbytes for s in ready.segments):
@@ -94,8 +95,14 @@ class VllmPagedSink(KVSink):
     mode = "direct"
     caps = Capabilities(head_shares=True)
 
-    def __init__(self, region_map: KVRegionMap, layout: LayoutDesc, transport,
-                 storages: Sequence[tuple[int, int]], registration: str = "per_request") -> None:
+    def __init__(
+        self,
+        region_map: KVRegionMap,
+        layout: LayoutDesc,
+        transport,
+        storages: Sequence[tuple[int, int]],
+        registration: str = "per_request",
+    ) -> None:
         self.region_map, self.layout, self.storages = region_map, layout, list(storages)
         self.registration = check_registration(registration)
         self._reg = _Registered(transport)
@@ -114,7 +121,7 @@ class VllmPagedSink(KVSink):
     def check_ready(self, ready: KVReady, plan, export_nbytes: int) -> str:
         return _vllm_check(ready, self.region_map, len(plan), export_nbytes)
 
-    def for_heads(self, region_map: KVRegionMap, layout: LayoutDesc) -> "VllmPagedSink":
+    def for_heads(self, region_map: KVRegionMap, layout: LayoutDesc) -> VllmPagedSink:
         """This sink restricted to some KV heads (``region_map``/``layout`` of those heads;
         a share of a request, see :class:`~vllm_hawk.kvflow.decode.Share`). It shares this
         sink's registrations and receive memory (keys are share keys) and is closed with it."""
@@ -125,8 +132,13 @@ class VllmPagedSink(KVSink):
 
     def land(self, req_id, ready, plan, remote_base, claim_wait_s) -> Landing:
         entries = pair_stream(ready.segments, remote_base, self.region_map, plan.tolist(), 0)
-        return Landing(entries, lambda: {}, None, tuple(int(b) for b in plan),
-                       unexpose=_expose(self.exposure, self.registration, req_id, entries, self.storages))
+        return Landing(
+            entries,
+            lambda: {},
+            None,
+            tuple(int(b) for b in plan),
+            unexpose=_expose(self.exposure, self.registration, req_id, entries, self.storages),
+        )
 
     def close(self) -> None:
         self.exposure.close()
@@ -149,8 +161,14 @@ class VllmStagedSink(VllmPagedSink):
 
     mode = "staged"
 
-    def __init__(self, region_map: KVRegionMap, layout: LayoutDesc, transport, recv_nbytes: int,
-                 registration: str = "per_request") -> None:
+    def __init__(
+        self,
+        region_map: KVRegionMap,
+        layout: LayoutDesc,
+        transport,
+        recv_nbytes: int,
+        registration: str = "per_request",
+    ) -> None:
         super().__init__(region_map, layout, transport, (), registration)
         self.recv = RingBuffer(recv_nbytes, transport, registration=registration)
 
@@ -181,8 +199,15 @@ class VllmStagedSink(VllmPagedSink):
         super().close()
 
 
-def vllm_sink(region_map: KVRegionMap, layout: LayoutDesc, transport, mode: str, storages, recv_nbytes: int,
-              registration: str = "per_request"):
+def vllm_sink(
+    region_map: KVRegionMap,
+    layout: LayoutDesc,
+    transport,
+    mode: str,
+    storages,
+    recv_nbytes: int,
+    registration: str = "per_request",
+):
     """The sink for a vLLM decode cache in ``mode`` (``direct`` | ``staged``)."""
     if mode == "staged":
         return VllmStagedSink(region_map, layout, transport, recv_nbytes, registration)
@@ -200,11 +225,20 @@ def _expose(exposure: Exposure, registration: str, key: str, entries, domains) -
 
 # --------------------------------------------------------------------------- Tenstorrent
 
+
 def layout_desc(layout: TTKVCacheLayout, name: str = "tt-paged") -> LayoutDesc:
     s = layout.spec
-    return LayoutDesc(name=name, dtype=s.dtype, block_size=s.block_size, num_layers=s.num_layers,
-                      num_kv_heads=s.num_kv_heads, head_dim=s.head_dim, num_banks=layout.num_banks,
-                      tile_nbytes=s.tile_nbytes, page_nbytes=layout.aligned_page)
+    return LayoutDesc(
+        name=name,
+        dtype=s.dtype,
+        block_size=s.block_size,
+        num_layers=s.num_layers,
+        num_kv_heads=s.num_kv_heads,
+        head_dim=s.head_dim,
+        num_banks=layout.num_banks,
+        tile_nbytes=s.tile_nbytes,
+        page_nbytes=layout.aligned_page,
+    )
 
 
 class KVPageAddresses:
@@ -229,17 +263,19 @@ class KVPageAddresses:
                     device.map_buffer_dma(buf)
                     self._mapped_here.append(buf)
             self.starts = np.array([b.address for b in bufs], dtype=np.int64)
-            self.host = np.array([[device.get_buffer_address_bank(buf, b) for b in range(nb)] for buf in bufs],
-                                 dtype=np.int64).reshape(len(bufs), nb)
-            self.sizes = np.array([[device.get_buffer_size_bank(buf, b) for b in range(nb)] for buf in bufs],
-                                  dtype=np.int64).reshape(len(bufs), nb)
+            self.host = np.array(
+                [[device.get_buffer_address_bank(buf, b) for b in range(nb)] for buf in bufs], dtype=np.int64
+            ).reshape(len(bufs), nb)
+            self.sizes = np.array(
+                [[device.get_buffer_size_bank(buf, b) for b in range(nb)] for buf in bufs], dtype=np.int64
+            ).reshape(len(bufs), nb)
         except BaseException:
             self.close()
             raise
 
     def regions(self) -> list[tuple[int, int]]:
         """(host address, nbytes) of every buffer's region in every bank."""
-        return list(zip(self.host.reshape(-1).tolist(), self.sizes.reshape(-1).tolist()))
+        return list(zip(self.host.reshape(-1).tolist(), self.sizes.reshape(-1).tolist(), strict=False))
 
     def addresses(self, bank: np.ndarray, dst_offset: np.ndarray, nbytes: np.ndarray) -> np.ndarray:
         """Host addresses of ops ``(bank, device offset in the bank, nbytes)``; each op must
@@ -252,24 +288,27 @@ class KVPageAddresses:
         ok &= off + n <= self.starts[kk] + self.sizes[kk, bb]
         if not ok.all():
             i = int(np.argmin(ok))
-            raise ValueError(f"KV page op {i} (bank {int(bank[i])}, offset {int(off[i])}, {int(n[i])} bytes) "
-                             "lies outside the KV pool's buffers")
+            raise ValueError(
+                f"KV page op {i} (bank {int(bank[i])}, offset {int(off[i])}, {int(n[i])} bytes) "
+                "lies outside the KV pool's buffers"
+            )
         return self.host[kk, bb] + (off - self.starts[kk])
 
     def close(self) -> None:
         for buf in self._mapped_here:
-            try:
+            with contextlib.suppress(Exception):  # freed already
                 self.device.unmap_buffer_dma(buf)
-            except Exception:  # noqa: BLE001 - freed already
-                pass
         self._mapped_here = []
 
 
 def intra_bank_copies(device, plan, recv_offset: int) -> int:
     """D6-D7 of the staged mode: each bank's copies from its receive buffer (at byte
     ``recv_offset`` in every bank) into the KV pages, all banks at once; returns the count."""
-    ops = [(b, o.src_offset + recv_offset, o.dst_offset, o.nbytes)
-           for b in range(device.num_banks) if len(o := plan.intra_bank.for_bank(b))]
+    ops = [
+        (b, o.src_offset + recv_offset, o.dst_offset, o.nbytes)
+        for b in range(device.num_banks)
+        if len(o := plan.intra_bank.for_bank(b))
+    ]
     return device.copy_in_banks(ops)
 
 
@@ -284,9 +323,18 @@ class TTSink(KVSink):
 
     caps = Capabilities(group_landing=True, snapshot=True)
 
-    def __init__(self, device, layout: TTKVCacheLayout, kv_buffers, transport, mode: str = "staged", *,
-                 recv_nbytes_per_bank: int = 16 << 20, pool: BankBufferPool | None = None,
-                 registration: str = "per_request") -> None:
+    def __init__(
+        self,
+        device,
+        layout: TTKVCacheLayout,
+        kv_buffers,
+        transport,
+        mode: str = "staged",
+        *,
+        recv_nbytes_per_bank: int = 16 << 20,
+        pool: BankBufferPool | None = None,
+        registration: str = "per_request",
+    ) -> None:
         if mode not in SINK_MODES:
             raise ValueError(f"Tenstorrent sink mode must be one of {SINK_MODES}, got {mode!r}")
         self.device, self.tt_layout, self.kv_buffers, self.mode = device, layout, list(kv_buffers), mode
@@ -318,8 +366,11 @@ class TTSink(KVSink):
     def check_ready(self, ready: KVReady, plan, export_nbytes: int) -> str:
         """The segments must be exactly the plan's: one per non-empty bank, in bank order,
         contiguous from ``ring_offset``, inside the exported ring."""
-        want = [(int(b), ready.ring_offset + int(plan.segment_offset[b]), int(plan.segment_nbytes[b]))
-                for b in range(self.num_banks) if plan.segment_nbytes[b]]
+        want = [
+            (int(b), ready.ring_offset + int(plan.segment_offset[b]), int(plan.segment_nbytes[b]))
+            for b in range(self.num_banks)
+            if plan.segment_nbytes[b]
+        ]
         got = [(s.bank, s.offset_bytes, s.nbytes) for s in ready.segments]
         if got != want or ready.total_nbytes != plan.total_nbytes:
             return f"KVReady segments do not match the transfer plan (got {got[:3]}..., want {want[:3]}...)"
@@ -348,9 +399,15 @@ class TTSink(KVSink):
         ops = plan.rdma if self.mode == "direct" else plan.per_tile_ops()
         local = self.pages.addresses(ops.bank, ops.dst_offset, ops.nbytes).tolist()
         remote = (remote_base + ready.ring_offset + ops.src_offset).tolist()
-        entries = list(zip(local, remote, ops.nbytes.tolist()))
-        return Landing(entries, lambda: {}, None, tuple(int(b) for b in plan.dst_blocks), figures,
-                       unexpose=_expose(self.exposure, self.registration, req_id, entries, self._domains))
+        entries = list(zip(local, remote, ops.nbytes.tolist(), strict=False))
+        return Landing(
+            entries,
+            lambda: {},
+            None,
+            tuple(int(b) for b in plan.dst_blocks),
+            figures,
+            unexpose=_expose(self.exposure, self.registration, req_id, entries, self._domains),
+        )
 
     # ------------------------------------------------------------------ layer groups
 
@@ -377,7 +434,7 @@ class TTSink(KVSink):
             return "KVReady range lies outside the prefill's exported ring"
         return ""
 
-    def land_groups(self, req_id: str, plan, claim_wait_s: float) -> "GroupLanding":
+    def land_groups(self, req_id: str, plan, claim_wait_s: float) -> GroupLanding:
         """D2 once for a request fetched by layer groups: claim receive memory (staged)."""
         return GroupLanding(self, req_id, plan, claim_wait_s)
 
@@ -385,8 +442,10 @@ class TTSink(KVSink):
         return self.pool is None or self.pool.is_idle()
 
     def holds(self) -> dict:
-        return {"recv_live": len(self.pool.live()) if self.pool else 0,
-                "device_buffers": len(self.device.live_buffers())}
+        return {
+            "recv_live": len(self.pool.live()) if self.pool else 0,
+            "device_buffers": len(self.device.live_buffers()),
+        }
 
     def close(self) -> None:
         self.exposure.close()
@@ -406,8 +465,11 @@ class GroupLanding:
 
     def __init__(self, sink: TTSink, req_id: str, plan, claim_wait_s: float) -> None:
         self.sink, self.req_id, self.plan = sink, req_id, plan
-        self.figures = {"tile_dtype": sink.layout.dtype, "banks": sink.num_banks,
-                        "bytes_per_bank": [int(n) for n in plan.segment_nbytes]}
+        self.figures = {
+            "tile_dtype": sink.layout.dtype,
+            "banks": sink.num_banks,
+            "bytes_per_bank": [int(n) for n in plan.segment_nbytes],
+        }
         self.recv = None
         self.unexpose: Callable[[], None] | None = None  # direct, per_request: the endpoint calls it after the READs
         if sink.mode == "staged":  # the pool registers the slice (per_request) until it is released
@@ -423,17 +485,23 @@ class GroupLanding:
             per_slot = plan.bank_counts[self._ops.bank] * tb
             self._slot = (self._ops.src_offset - plan.segment_offset[self._ops.bank]) // np.maximum(per_slot, 1)
             # every group's pages, registered once for the whole fetch (D2 .. the last batch)
-            self.unexpose = _expose(sink.exposure, sink.registration, req_id,
-                                    [(a, 0, n) for a, n in zip(self._local.tolist(), self._ops.nbytes.tolist())],
-                                    sink._domains)
+            self.unexpose = _expose(
+                sink.exposure,
+                sink.registration,
+                req_id,
+                [(a, 0, n) for a, n in zip(self._local.tolist(), self._ops.nbytes.tolist(), strict=False)],
+                sink._domains,
+            )
 
     def entries(self, ready: KVReady, remote_base: int, lo: int, hi: int) -> list[Entry]:
         if self.recv is not None:  # each bank's group slice lands at its place in the bank's receive buffer
-            return [(self.recv.addr(b) + o - int(self.plan.segment_offset[b]), remote_base + ready.ring_offset + o, n)
-                    for b, o, n in self.sink.group_ranges(self.plan, lo, hi)]
+            return [
+                (self.recv.addr(b) + o - int(self.plan.segment_offset[b]), remote_base + ready.ring_offset + o, n)
+                for b, o, n in self.sink.group_ranges(self.plan, lo, hi)
+            ]
         sel = (self._slot >= 2 * lo) & (self._slot < 2 * hi)
         remote = remote_base + ready.ring_offset + self._ops.src_offset[sel]
-        return list(zip(self._local[sel].tolist(), remote.tolist(), self._ops.nbytes[sel].tolist()))
+        return list(zip(self._local[sel].tolist(), remote.tolist(), self._ops.nbytes[sel].tolist(), strict=False))
 
     def complete(self) -> dict:
         """D6-D7 once every group has landed (staged: intra-bank copies, then free)."""

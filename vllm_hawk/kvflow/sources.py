@@ -21,6 +21,7 @@ A source's ``check`` bounds everything sized from the peer's layout before any p
 ``fill(addr, view)`` writes the bytes at a ring range and ``segments(offset)`` lists
 them (offsets from the export base).
 """
+
 from __future__ import annotations
 
 import ctypes
@@ -43,21 +44,32 @@ MAX_BANKS = 64  # bound on a peer's num_banks when its device profile is unknown
 MAX_PAGE_NBYTES = 1 << 20  # likewise for page_nbytes
 
 
-def vllm_layout_desc(region_map: KVRegionMap, name: str, dtype: str, block_size: int,
-                     num_kv_heads: int, head_dim: int) -> LayoutDesc:
+def vllm_layout_desc(
+    region_map: KVRegionMap, name: str, dtype: str, block_size: int, num_kv_heads: int, head_dim: int
+) -> LayoutDesc:
     """The LayoutDesc of a vLLM paged cache (``num_banks`` 1; ``tile_nbytes`` = bytes of one
     block of one layer, ``page_nbytes`` = the block stride)."""
     r0 = region_map.layers[0]
-    return LayoutDesc(name=name[:256], dtype=dtype, block_size=block_size, num_layers=len(region_map.layers),
-                      num_kv_heads=num_kv_heads, head_dim=head_dim, num_banks=1, tile_nbytes=r0.block_nbytes,
-                      page_nbytes=r0.block_stride_nbytes)
+    return LayoutDesc(
+        name=name[:256],
+        dtype=dtype,
+        block_size=block_size,
+        num_layers=len(region_map.layers),
+        num_kv_heads=num_kv_heads,
+        head_dim=head_dim,
+        num_banks=1,
+        tile_nbytes=r0.block_nbytes,
+        page_nbytes=r0.block_stride_nbytes,
+    )
 
 
 def head_range_error(msg: KVRequest, num_kv_heads: int) -> str:
     """'' when ``msg``'s head range lies inside this rank's ``num_kv_heads`` heads."""
     if msg.num_heads and msg.head_start + msg.num_heads > num_kv_heads:
-        return (f"KV heads {msg.head_start}..{msg.head_start + msg.num_heads - 1} asked for, this prefill rank "
-                f"holds {num_kv_heads} (check both sides' tensor_parallel_size)")
+        return (
+            f"KV heads {msg.head_start}..{msg.head_start + msg.num_heads - 1} asked for, this prefill rank "
+            f"holds {num_kv_heads} (check both sides' tensor_parallel_size)"
+        )
     return ""
 
 
@@ -79,8 +91,13 @@ class _VllmStreams(KVSource):
     """Shared by the two vLLM-layout sources: the decode must have the same block bytes.
     ``heads(start, count)``: the region map of those KV heads only (None: no shares)."""
 
-    def __init__(self, region_map: KVRegionMap, layout: LayoutDesc, storages: Sequence[tuple[int, int]],
-                 heads: Callable[[int, int], KVRegionMap] | None = None) -> None:
+    def __init__(
+        self,
+        region_map: KVRegionMap,
+        layout: LayoutDesc,
+        storages: Sequence[tuple[int, int]],
+        heads: Callable[[int, int], KVRegionMap] | None = None,
+    ) -> None:
         self.region_map, self.layout, self.storages = region_map, layout, list(storages)
         self.heads = heads
         self._maps = PerHeadRange(heads) if heads is not None else None
@@ -103,10 +120,10 @@ class _VllmStreams(KVSource):
         if share_heads(msg, mine.num_kv_heads) is not None:
             if self.heads is None:
                 return "this prefill serves whole requests only (no head ranges)"
-            mine = msgspec.structs.replace(mine, num_kv_heads=msg.num_heads,
-                                           tile_nbytes=self.share_map(msg).layers[0].block_nbytes)
-        err = _shape_mismatch(mine, d, ("num_layers", "num_kv_heads", "head_dim", "block_size", "dtype",
-                                        "tile_nbytes"))
+            mine = msgspec.structs.replace(
+                mine, num_kv_heads=msg.num_heads, tile_nbytes=self.share_map(msg).layers[0].block_nbytes
+            )
+        err = _shape_mismatch(mine, d, ("num_layers", "num_kv_heads", "head_dim", "block_size", "dtype", "tile_nbytes"))
         if err:
             return err
         if d.num_banks != 1:
@@ -157,8 +174,9 @@ def spec_from_desc(desc: LayoutDesc, num_blocks: int) -> TTKVCacheSpec:
 
 def tt_layout_of(desc: LayoutDesc, num_blocks: int) -> TTKVCacheLayout:
     """A Tenstorrent KV layout with the peer's geometry (bank bases 0: plans are relative)."""
-    return TTKVCacheLayout(spec_from_desc(desc, num_blocks), desc.num_banks, desc.page_nbytes,
-                           ((0, 0),) * desc.num_layers)
+    return TTKVCacheLayout(
+        spec_from_desc(desc, num_blocks), desc.num_banks, desc.page_nbytes, ((0, 0),) * desc.num_layers
+    )
 
 
 def group_segments(plan, offset: int, lo: int, hi: int) -> list[Segment]:
@@ -219,11 +237,15 @@ class TileTransformSource(KVSource):
             if d.num_banks != p.num_banks:
                 return f"destination has {d.num_banks} banks; device profile {p.name!r} has {p.num_banks}"
             if d.page_nbytes != p.aligned_page(d.tile_nbytes):
-                return (f"destination page of {d.page_nbytes} bytes; device profile {p.name!r} pages "
-                        f"{d.tile_nbytes}-byte tiles into {p.aligned_page(d.tile_nbytes)} bytes")
+                return (
+                    f"destination page of {d.page_nbytes} bytes; device profile {p.name!r} pages "
+                    f"{d.tile_nbytes}-byte tiles into {p.aligned_page(d.tile_nbytes)} bytes"
+                )
         elif d.num_banks > MAX_BANKS or d.page_nbytes > MAX_PAGE_NBYTES:
-            return (f"destination has {d.num_banks} banks and {d.page_nbytes}-byte pages; with its device "
-                    f"profile unknown here the limits are {MAX_BANKS} and {MAX_PAGE_NBYTES}")
+            return (
+                f"destination has {d.num_banks} banks and {d.page_nbytes}-byte pages; with its device "
+                f"profile unknown here the limits are {MAX_BANKS} and {MAX_PAGE_NBYTES}"
+            )
         return ""
 
     def prepare(self, msg: KVRequest, src_blocks: np.ndarray, export_base: int) -> Prepared:
@@ -236,14 +258,26 @@ class TileTransformSource(KVSource):
         views = self.share_views(msg)
 
         def fill_layers(addr: int, view, lo: int, hi: int) -> None:  # CPU: every layout read in place
-            transform_source(views, src_blocks, self.layout.block_size, plan, view,
-                             None if (lo, hi) == (0, L) else (lo, hi), memo=memo)
+            transform_source(
+                views,
+                src_blocks,
+                self.layout.block_size,
+                plan,
+                view,
+                None if (lo, hi) == (0, L) else (lo, hi),
+                memo=memo,
+            )
 
         def segments_layers(off: int, lo: int, hi: int) -> list[Segment]:
             return group_segments(plan, off, lo, hi)
 
-        return Prepared(int(plan.total_nbytes), lambda addr, view: fill_layers(addr, view, 0, L),
-                        lambda off: segments_layers(off, 0, L), fill_layers, segments_layers)
+        return Prepared(
+            int(plan.total_nbytes),
+            lambda addr, view: fill_layers(addr, view, 0, L),
+            lambda off: segments_layers(off, 0, L),
+            fill_layers,
+            segments_layers,
+        )
 
     def warm(self, profile: DeviceProfile) -> None:
         """Compile the transform kernels (numba: seconds on first use, under a second from
@@ -251,10 +285,18 @@ class TileTransformSource(KVSource):
         of each tile dtype into a scratch buffer."""
         for dtype in KV_DTYPES:
             tb = tile_format(dtype).tile_nbytes
-            d = LayoutDesc(name="tt-paged", dtype=dtype, block_size=self.layout.block_size,
-                           num_layers=self.layout.num_layers, num_kv_heads=self.layout.num_kv_heads,
-                           head_dim=self.layout.head_dim, num_banks=profile.num_banks, tile_nbytes=tb,
-                           page_nbytes=profile.aligned_page(tb))
+            d = LayoutDesc(
+                name="tt-paged",
+                dtype=dtype,
+                block_size=self.layout.block_size,
+                num_layers=self.layout.num_layers,
+                num_kv_heads=self.layout.num_kv_heads,
+                head_dim=self.layout.head_dim,
+                num_banks=profile.num_banks,
+                tile_nbytes=tb,
+                page_nbytes=profile.aligned_page(tb),
+            )
             plan = make_plan(tt_layout_of(d, 1), [0], "staged")
-            transform_source(self.views, [0], self.layout.block_size, plan,
-                             torch.empty(plan.total_nbytes, dtype=torch.uint8))
+            transform_source(
+                self.views, [0], self.layout.block_size, plan, torch.empty(plan.total_nbytes, dtype=torch.uint8)
+            )

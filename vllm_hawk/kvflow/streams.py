@@ -13,12 +13,13 @@ stream lies contiguously in its ring. The decode walks the stream and its own
 destination blocks together and emits one copy per piece that is contiguous on BOTH
 sides (:func:`pair_stream`), so consecutive blocks on both sides become one entry.
 """
+
 from __future__ import annotations
 
 import bisect
 import threading
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Callable, Sequence
 
 from vllm_hawk.protocol import Segment
 
@@ -53,8 +54,7 @@ class KVRegionMap:
     def signature(self) -> str:
         """What both sides must share for stream pairing: layers and block template."""
         t = {lr.template for lr in self.layers}
-        return f"L{len(self.layers)}:" + ";".join(
-            ",".join(f"{o}+{n}" for o, n in tmpl) for tmpl in sorted(t))
+        return f"L{len(self.layers)}:" + ";".join(",".join(f"{o}+{n}" for o, n in tmpl) for tmpl in sorted(t))
 
     def check_blocks(self, block_ids: Sequence[int]) -> None:
         for b in block_ids:
@@ -113,8 +113,9 @@ def gather_copies(kv: KVRegionMap, block_ids: Sequence[int], dst_addr: int) -> l
     return out
 
 
-def pair_stream(segments: Sequence[Segment], remote_base: int, dst: KVRegionMap,
-                dst_block_ids: Sequence[int], first_block: int) -> list[Entry]:
+def pair_stream(
+    segments: Sequence[Segment], remote_base: int, dst: KVRegionMap, dst_block_ids: Sequence[int], first_block: int
+) -> list[Entry]:
     """Decode side: ``(local_addr, remote_addr, nbytes)`` entries that copy stream blocks
     ``first_block .. first_block + len(dst_block_ids) - 1`` into ``dst_block_ids``.
 
@@ -127,8 +128,7 @@ def pair_stream(segments: Sequence[Segment], remote_base: int, dst: KVRegionMap,
     for s in segments:
         by_layer.setdefault(s.bank, []).append(s)
     if sorted(by_layer) != list(range(len(dst.layers))):
-        raise ValueError(f"segments name layers {sorted(by_layer)}, the destination has "
-                         f"{len(dst.layers)} layers")
+        raise ValueError(f"segments name layers {sorted(by_layer)}, the destination has {len(dst.layers)} layers")
     out: list[list[int]] = []
     for layer, region in enumerate(dst.layers):
         segs = by_layer[layer]
@@ -162,12 +162,11 @@ def pair_stream(segments: Sequence[Segment], remote_base: int, dst: KVRegionMap,
     return [(a, b, n) for a, b, n in out]
 
 
-def region_map_from_caches(caches: Sequence, templates: Sequence[Sequence[tuple[int, int]]]
-                           ) -> KVRegionMap:
+def region_map_from_caches(caches: Sequence, templates: Sequence[Sequence[tuple[int, int]]]) -> KVRegionMap:
     """Build a map from per-layer cache tensors ``[num_blocks, ...]`` and block templates
     (``SourceKVLayout.block_byte_ranges(cache, 0)``)."""
     layers = []
-    for cache, tmpl in zip(caches, templates):
+    for cache, tmpl in zip(caches, templates, strict=False):
         stride = cache.stride(0) * cache.element_size()
         layers.append(LayerRegion(cache.data_ptr(), stride, tuple((int(o), int(n)) for o, n in tmpl)))
     nb = {int(c.shape[0]) for c in caches}
@@ -199,7 +198,7 @@ def head_maps(caches: Sequence) -> Callable[[int, int], KVRegionMap]:
     from vllm_hawk.layout.vllm_kv import block_byte_ranges
 
     def for_heads(start: int, count: int) -> KVRegionMap:
-        sliced = [c[:, start:start + count] for c in caches]
+        sliced = [c[:, start : start + count] for c in caches]
         return region_map_from_caches(sliced, [block_byte_ranges(c, 0) for c in sliced])
 
     return for_heads

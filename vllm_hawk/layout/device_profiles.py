@@ -4,6 +4,7 @@ Profiles are YAML files shipped in the package, ``vllm_hawk/layout/profiles/devi
 (user folders named by ``HAWK_CONFIG_DIR`` are searched first, see
 :mod:`vllm_hawk.layout.profiles`); :func:`load_profile` takes a name or a path. Units: bytes.
 """
+
 from __future__ import annotations
 
 import os
@@ -56,8 +57,16 @@ def available_profiles() -> list[str]:
     return profiles.available("devices")
 
 
-_FIELDS = {"name": str, "arch": str, "num_banks": int, "bank_size_bytes": int, "dram_unreserved_base": int,
-           "dram_alignment_bytes": int, "bank_offsets": list, "bank_channels": list}
+_FIELDS = {
+    "name": str,
+    "arch": str,
+    "num_banks": int,
+    "bank_size_bytes": int,
+    "dram_unreserved_base": int,
+    "dram_alignment_bytes": int,
+    "bank_offsets": list,
+    "bank_channels": list,
+}
 
 
 def load_profile(name_or_path: str | os.PathLike) -> DeviceProfile:
@@ -84,13 +93,20 @@ def load_profile(name_or_path: str | os.PathLike) -> DeviceProfile:
     if a <= 0 or a & (a - 1):
         raise ValueError(f"{path}: dram_alignment_bytes must be a power of two, got {a}")
     if base % a:
-        raise ValueError(f"{path}: field 'dram_unreserved_base' {base:#x} is not a multiple of "
-                         f"dram_alignment_bytes {a}")
+        raise ValueError(
+            f"{path}: field 'dram_unreserved_base' {base:#x} is not a multiple of dram_alignment_bytes {a}"
+        )
     chips = raw.get("chips", 1)
     if not isinstance(chips, int) or chips <= 0:
         raise ValueError(f"{path}: field 'chips' must be a positive int, got {chips!r}")
     return DeviceProfile(
-        name=raw["name"], arch=raw["arch"], num_banks=nb, bank_size_bytes=raw["bank_size_bytes"],
-        dram_alignment_bytes=a, bank_offsets=tuple(raw["bank_offsets"]),
-        bank_channels=tuple(raw["bank_channels"]), dram_unreserved_base=base, chips=chips,
+        name=raw["name"],
+        arch=raw["arch"],
+        num_banks=nb,
+        bank_size_bytes=raw["bank_size_bytes"],
+        dram_alignment_bytes=a,
+        bank_offsets=tuple(raw["bank_offsets"]),
+        bank_channels=tuple(raw["bank_channels"]),
+        dram_unreserved_base=base,
+        chips=chips,
     )

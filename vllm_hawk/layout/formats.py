@@ -19,6 +19,7 @@ rounded to 7 (or 3) bits to nearest, ties to even, and saturated at the largest 
 Values are packed from float32, not via bf16. Decoding assembles bits: a magnitude m > 0
 is normalised with exponent ``shared - shift``; an exponent below 0 decodes to +0.0.
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass

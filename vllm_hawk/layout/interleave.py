@@ -15,6 +15,7 @@ place DRAM buffers that way: a 2 MiB buffer goes into a low 11 MiB hole, not a h
 3 MiB one.) The device allocator manages ``[profile.dram_unreserved_base, bank size)`` of
 every bank (:meth:`LockstepAllocator.for_device`). Units: bytes.
 """
+
 from __future__ import annotations
 
 import bisect
@@ -62,7 +63,7 @@ class LockstepAllocator:
         self._used: dict[int, int] = {}  # address -> size_per_bank
 
     @classmethod
-    def for_device(cls, profile: DeviceProfile, bank_size_bytes: int | None = None) -> "LockstepAllocator":
+    def for_device(cls, profile: DeviceProfile, bank_size_bytes: int | None = None) -> LockstepAllocator:
         """The allocator of a device's DRAM, as tt-metal's: it manages
         ``[profile.dram_unreserved_base, bank_size_bytes or profile.bank_size_bytes)``."""
         return cls(profile, bank_size_bytes, base=profile.dram_unreserved_base)
@@ -82,7 +83,8 @@ class LockstepAllocator:
             raise OutOfDeviceMemory(
                 f"{self.profile.name}: cannot allocate {size} B per bank x {self.num_banks} banks "
                 f"(lockstep): largest free block is {self.largest_free()} B in every bank, "
-                f"{self.free_bytes()} B free per bank of {self.capacity} B")
+                f"{self.free_bytes()} B free per bank of {self.capacity} B"
+            )
         start, free = self._free[i]
         if free == size:
             del self._free[i]

@@ -5,6 +5,7 @@ Model files are shipped in the package, ``vllm_hawk/layout/profiles/models/<name
 :mod:`vllm_hawk.layout.profiles`). With TP ranks > KV heads, vLLM replicates KV heads:
 each rank holds one.
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass

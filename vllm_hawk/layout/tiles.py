@@ -9,6 +9,7 @@ first. Inside a tile the 1024 elements are stored face by face (f0 = rows 0-15 x
 
 Functions work on torch tensors on any device and never loop per tile in Python.
 """
+
 from __future__ import annotations
 
 import torch

@@ -10,6 +10,7 @@ block ids index dim 0. Tile index of (block, head, token, dim)::
 and page (= tile) ``t`` lives in bank ``t % num_banks`` at byte ``address + (t //
 num_banks) * aligned_page`` of that bank. Units: bytes unless said otherwise.
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -44,8 +45,10 @@ class TTKVCacheSpec:
             if getattr(self, field) <= 0:
                 raise ValueError(f"TTKVCacheSpec.{field} must be positive, got {getattr(self, field)}")
         if self.block_size % TILE or self.head_dim % TILE:
-            raise ValueError(f"TTKVCacheSpec: block_size ({self.block_size}) and head_dim "
-                             f"({self.head_dim}) must be multiples of {TILE}")
+            raise ValueError(
+                f"TTKVCacheSpec: block_size ({self.block_size}) and head_dim "
+                f"({self.head_dim}) must be multiples of {TILE}"
+            )
         if self.dtype not in KV_DTYPES:
             raise ValueError(f"TTKVCacheSpec.dtype must be one of {KV_DTYPES}, got {self.dtype!r}")
 
@@ -68,8 +71,9 @@ class TTKVCacheSpec:
 
     def tile_index(self, block, head, token, dim):
         """Tile index (page) of element (block, head, token, dim); works on ints or arrays."""
-        return ((block * self.num_kv_heads + head) * (self.block_size // TILE) + token // TILE) \
-            * (self.head_dim // TILE) + dim // TILE
+        return ((block * self.num_kv_heads + head) * (self.block_size // TILE) + token // TILE) * (
+            self.head_dim // TILE
+        ) + dim // TILE
 
     def element_byte_in_tile(self, token, dim):
         """Byte offset inside its tile of the data byte holding element (token, dim).
@@ -97,8 +101,7 @@ class TTKVCacheLayout:
 
     def __post_init__(self) -> None:
         if len(self.addresses) != self.spec.num_layers:
-            raise ValueError(f"TTKVCacheLayout: {len(self.addresses)} address pairs for "
-                             f"{self.spec.num_layers} layers")
+            raise ValueError(f"TTKVCacheLayout: {len(self.addresses)} address pairs for {self.spec.num_layers} layers")
 
     @property
     def size_per_bank(self) -> int:

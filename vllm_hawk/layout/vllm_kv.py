@@ -31,8 +31,9 @@ Pure torch; vLLM is imported only by :func:`detect_cpu_attn_isa` and
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import ClassVar, Protocol, Sequence, runtime_checkable
+from typing import ClassVar, Protocol, runtime_checkable
 
 import numpy as np
 import torch
@@ -65,9 +66,7 @@ class SourceKVLayout(Protocol):
     strided: bool  # kv_views works (the layout is a strided view of the cache)
     isa: str | None  # the CPU kernel ISA whose layout this is (CPU_ATTN), else None
 
-    def read_blocks(
-        self, layer_cache: torch.Tensor, block_ids: torch.Tensor
-    ) -> tuple[torch.Tensor, torch.Tensor]:
+    def read_blocks(self, layer_cache: torch.Tensor, block_ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """K, V, each [len(block_ids), num_kv_heads, block_size, head_dim], logical token order."""
         ...
 
@@ -88,6 +87,7 @@ class SourceKVLayout(Protocol):
 
 # --------------------------------------------------------------------------- helpers
 
+
 def block_byte_ranges(layer_cache: torch.Tensor, block_id: int) -> list[tuple[int, int]]:
     """Byte runs covering ``layer_cache[block_id]`` (all heads, tokens, channels).
 
@@ -101,7 +101,7 @@ def block_byte_ranges(layer_cache: torch.Tensor, block_id: int) -> list[tuple[in
     es = layer_cache.element_size()
     base = block_id * layer_cache.stride(0)  # elements
     dims = sorted(
-        ((s, st) for s, st in zip(layer_cache.shape[1:], layer_cache.stride()[1:]) if s > 1),
+        ((s, st) for s, st in zip(layer_cache.shape[1:], layer_cache.stride()[1:], strict=False) if s > 1),
         key=lambda d: d[1],
         reverse=True,
     )
@@ -180,9 +180,7 @@ class _Base:
 CPU_ATTN_ISAS = ("vec", "vec16", "amx")
 
 
-def detect_cpu_attn_isa(
-    dtype: torch.dtype, block_size: int, head_dim: int, kv_cache_dtype: str = "auto"
-) -> str:
+def detect_cpu_attn_isa(dtype: torch.dtype, block_size: int, head_dim: int, kv_cache_dtype: str = "auto") -> str:
     """The ISA vLLM's CPU attention will use here (imports vLLM; same rule as the engine).
 
     Prefer the ``isa`` attribute the engine sets on its ``Attention`` layers when you
@@ -236,9 +234,7 @@ class CpuAttnKVLayout(_Base):
                 f"model (supported: {', '.join(CPU_ATTN_ISAS)})"
             )
         if self.dtype not in (torch.bfloat16, torch.float16, torch.float32):
-            raise NotImplementedError(
-                f"CPU_ATTN KV cache dtype {self.dtype} (fp8 caches are not supported)"
-            )
+            raise NotImplementedError(f"CPU_ATTN KV cache dtype {self.dtype} (fp8 caches are not supported)")
         if self.isa == "amx" and (
             self.dtype != torch.bfloat16 or self.block_size % 32 or self.head_dim % 16
         ):  # vLLM picks amx only for bf16; the packing below is bf16's (2 per 32-bit word)
@@ -281,10 +277,11 @@ class CpuAttnKVLayout(_Base):
         if not self.strided:
             raise NotImplementedError(
                 f"kv_views: CPU_ATTN isa={self.isa!r} is not expressible as a strided view; "
-                "read it through TransformSource (gathers the requested blocks)")
+                "read it through TransformSource (gathers the requested blocks)"
+            )
         nb, h, N, D = layer_cache.shape[0], self.num_kv_heads, self.block_size, self.head_dim
         slabs = layer_cache.reshape(nb, h, 2 * N * D)
-        return slabs[..., :N * D].view(nb, h, D, N).transpose(-1, -2), slabs[..., N * D:].view(nb, h, N, D)
+        return slabs[..., : N * D].view(nb, h, D, N).transpose(-1, -2), slabs[..., N * D :].view(nb, h, N, D)
 
     def write_blocks(self, layer_cache, block_ids, k, v) -> None:
         """Store K, V [len(block_ids), num_kv_heads, block_size, head_dim] as the kernel would."""
@@ -292,13 +289,12 @@ class CpuAttnKVLayout(_Base):
         ids = _as_index(block_ids, layer_cache.device)
         self._check_kv(k, v, ids.numel())
         kh, vh = self._kv_to_halves(k.to(self.dtype), v.to(self.dtype))
-        slabs = torch.cat([kh, vh], dim=-1).view(
-            ids.numel(), self.num_kv_heads, self.block_size, 2 * self.head_dim
-        )
+        slabs = torch.cat([kh, vh], dim=-1).view(ids.numel(), self.num_kv_heads, self.block_size, 2 * self.head_dim)
         layer_cache[ids] = slabs
 
 
 # --------------------------------------------------------------------------- transform input
+
 
 class TransformSource:
     """What the prefill transform reads for one request, whatever the source layout.
@@ -312,18 +308,22 @@ class TransformSource:
     ``0..n-1``. ``TransformSource.of_views(views)`` wraps ready-made strided views.
     """
 
-    def __init__(self, adapters: Sequence[SourceKVLayout] = (), caches: Sequence[torch.Tensor] = (),
-                 views: Sequence[tuple[torch.Tensor, torch.Tensor]] | None = None) -> None:
+    def __init__(
+        self,
+        adapters: Sequence[SourceKVLayout] = (),
+        caches: Sequence[torch.Tensor] = (),
+        views: Sequence[tuple[torch.Tensor, torch.Tensor]] | None = None,
+    ) -> None:
         if len(adapters) != len(caches):
             raise ValueError(f"TransformSource: {len(adapters)} adapters for {len(caches)} caches")
         self.adapters, self.caches = list(adapters), list(caches)
         if views is None and all(a.strided for a in self.adapters):
-            views = [a.kv_views(c) for a, c in zip(self.adapters, self.caches)]
+            views = [a.kv_views(c) for a, c in zip(self.adapters, self.caches, strict=False)]
         self.views = None if views is None else list(views)
         self.derived: dict = {}  # caches of data derived once from the views (the transform's kernel views)
 
     @classmethod
-    def of_views(cls, views: Sequence[tuple[torch.Tensor, torch.Tensor]]) -> "TransformSource":
+    def of_views(cls, views: Sequence[tuple[torch.Tensor, torch.Tensor]]) -> TransformSource:
         return cls(views=views)
 
     @property
@@ -339,17 +339,19 @@ class TransformSource:
     def num_blocks(self) -> int:
         return int(self.views[0][0].shape[0] if self.views is not None else self.caches[0].shape[0])
 
-    def heads(self, start: int, count: int) -> "TransformSource":
+    def heads(self, start: int, count: int) -> TransformSource:
         """The same caches restricted to KV heads ``[start, start + count)`` (no copy: head
         slices of the views, or of the caches for gathered layouts; dim 1 is heads in
         every vLLM 0.32 layer cache ``[num_blocks, H, N, C]``)."""
         if self.views is not None:
-            return TransformSource.of_views([(k[:, start:start + count], v[:, start:start + count])
-                                             for k, v in self.views])
+            return TransformSource.of_views(
+                [(k[:, start : start + count], v[:, start : start + count]) for k, v in self.views]
+            )
         from dataclasses import replace
 
-        return TransformSource([replace(a, num_kv_heads=count) for a in self.adapters],
-                               [c[:, start:start + count] for c in self.caches])
+        return TransformSource(
+            [replace(a, num_kv_heads=count) for a in self.adapters], [c[:, start : start + count] for c in self.caches]
+        )
 
     def select(self, block_ids) -> tuple[list[tuple[torch.Tensor, torch.Tensor]], np.ndarray]:
         """(per-layer logical (K, V), ids into them) for the blocks ``block_ids`` (1-D)."""
@@ -357,7 +359,7 @@ class TransformSource:
         if self.views is not None:
             return self.views, ids
         idx = torch.from_numpy(ids)
-        layers = [a.read_blocks(c, idx) for a, c in zip(self.adapters, self.caches)]
+        layers = [a.read_blocks(c, idx) for a, c in zip(self.adapters, self.caches, strict=False)]
         return layers, np.arange(ids.size, dtype=np.int64)
 
 
@@ -402,7 +404,7 @@ class FlashAttnKVLayout(_Base):
     def kv_views(self, layer_cache):
         """K, V of the WHOLE layer as logical [num_blocks, H, N, D] views (no copy)."""
         self._check_cache(layer_cache)
-        return layer_cache[..., :self.head_dim], layer_cache[..., self.head_dim:]
+        return layer_cache[..., : self.head_dim], layer_cache[..., self.head_dim :]
 
     def write_blocks(self, layer_cache, block_ids, k, v) -> None:
         """Store K, V [len(block_ids), num_kv_heads, block_size, head_dim]."""
@@ -458,11 +460,9 @@ def source_layout_for(
     cls = _BACKENDS.get(backend_name.upper())
     if cls is None:
         raise NotImplementedError(
-            f"no source KV layout for vLLM attention backend {backend_name!r}; "
-            f"supported: {', '.join(_BACKENDS)}"
+            f"no source KV layout for vLLM attention backend {backend_name!r}; supported: {', '.join(_BACKENDS)}"
         )
-    return cls(num_kv_heads=num_kv_heads, block_size=block_size, head_dim=head_dim,
-               dtype=dtype, **kwargs)
+    return cls(num_kv_heads=num_kv_heads, block_size=block_size, head_dim=head_dim, dtype=dtype, **kwargs)
 
 
 def source_layout_from_layer(layer, layer_cache: torch.Tensor | None = None) -> SourceKVLayout:

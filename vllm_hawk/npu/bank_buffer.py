@@ -10,6 +10,7 @@ Every device backend implements :class:`BankBufferAPI`: the emulated device
 (``vllm_hawk.npu.emulated``) and the real one over tt-kmd (``vllm_hawk.npu.tt_kmd``).
 Callers never branch on which one they hold.
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass

@@ -8,8 +8,10 @@ interleaving and KV tensor layout are those of the real device (see
 
 This is an emulation, not a model of timing: figures measured on it are CPU figures.
 """
+
 from __future__ import annotations
 
+import contextlib
 import itertools
 import mmap
 import os
@@ -48,8 +50,10 @@ class EmulatedDevice:
         self.profile = load_profile(profile) if isinstance(profile, str) else profile
         size = bank_size_bytes or min(DEFAULT_EMULATED_BANK_BYTES, self.profile.usable_bank_bytes)
         if not 0 < size <= self.profile.usable_bank_bytes:
-            raise ValueError(f"bank_size_bytes {size} must be in (0, {self.profile.usable_bank_bytes}]: "
-                             f"{self.profile.name}'s usable bytes per bank (bank_size_bytes - dram_unreserved_base)")
+            raise ValueError(
+                f"bank_size_bytes {size} must be in (0, {self.profile.usable_bank_bytes}]: "
+                f"{self.profile.name}'s usable bytes per bank (bank_size_bytes - dram_unreserved_base)"
+            )
         self.bank_size = size  # allocatable bytes per bank
         self.bank_nbytes = self.profile.dram_unreserved_base + size  # mapped bytes per bank
         self.allocator = LockstepAllocator.for_device(self.profile, self.bank_nbytes)
@@ -80,8 +84,15 @@ class EmulatedDevice:
         """An interleaved buffer of ``num_pages`` pages of ``page_nbytes`` bytes."""
         with self._lock:
             alloc = self.allocator.allocate(num_pages, page_nbytes)
-            buf = DeviceBuffer(next(self._ids), alloc.address, alloc.size_per_bank, page_nbytes,
-                               num_pages, self.profile.aligned_page(page_nbytes), self.num_banks)
+            buf = DeviceBuffer(
+                next(self._ids),
+                alloc.address,
+                alloc.size_per_bank,
+                page_nbytes,
+                num_pages,
+                self.profile.aligned_page(page_nbytes),
+                self.num_banks,
+            )
             self._buffers[buf.buffer_id] = buf
             return buf
 
@@ -104,17 +115,17 @@ class EmulatedDevice:
         arr = np.frombuffer(data, dtype=np.uint8) if isinstance(data, bytes) else data.reshape(-1).view(np.uint8)
         if arr.size > buf.page_size:
             raise ValueError(f"write_page: {arr.size} B into a {buf.page_size} B page")
-        self.banks[bank][off:off + arr.size] = arr
+        self.banks[bank][off : off + arr.size] = arr
 
     def read_page(self, buf: DeviceBuffer, page: int) -> np.ndarray:
         bank, off = self._page(buf, page)
-        return self.banks[bank][off:off + buf.page_size].copy()
+        return self.banks[bank][off : off + buf.page_size].copy()
 
     def copy_in_bank(self, bank: int, src_offset: np.ndarray, dst_offset: np.ndarray, nbytes: np.ndarray) -> None:
         """Intra-bank copies (the staged mode's D6-D7): byte offsets inside ``bank``."""
         b = self.banks[self._check_bank(bank)]
-        for s, d, n in zip(src_offset.tolist(), dst_offset.tolist(), nbytes.tolist()):
-            b[d:d + n] = b[s:s + n]
+        for s, d, n in zip(src_offset.tolist(), dst_offset.tolist(), nbytes.tolist(), strict=False):
+            b[d : d + n] = b[s : s + n]
 
     def copy_in_banks(self, ops: list[tuple[int, np.ndarray, np.ndarray, np.ndarray]]) -> int:
         """Intra-bank copies of several banks: ``ops`` holds ``(bank, src_offset, dst_offset,
@@ -124,8 +135,11 @@ class EmulatedDevice:
         returns the number of copies."""
         ops = [op for op in ops if len(op[3])]
         count = sum(len(op[3]) for op in ops)
-        if (len(ops) > 1 and self._copy_threads > 1
-                and sum(int(op[3].sum()) for op in ops) >= PARALLEL_COPY_MIN_NBYTES * count):
+        if (
+            len(ops) > 1
+            and self._copy_threads > 1
+            and sum(int(op[3].sum()) for op in ops) >= PARALLEL_COPY_MIN_NBYTES * count
+        ):
             with self._lock:
                 if self._copy_pool is None:
                     self._copy_pool = ThreadPoolExecutor(self._copy_threads, thread_name_prefix="hawk-bank-copy")
@@ -179,8 +193,9 @@ class EmulatedDevice:
     def get_buffer_address_bank(self, buffer: DeviceBuffer, bank: int) -> int:
         self._known(buffer)
         if buffer.buffer_id not in self._mapped:
-            raise BankBufferError(f"get_buffer_address_bank: buffer {buffer.buffer_id} is not mapped "
-                                  "(call map_buffer_dma first)")
+            raise BankBufferError(
+                f"get_buffer_address_bank: buffer {buffer.buffer_id} is not mapped (call map_buffer_dma first)"
+            )
         return self.bank_address(bank) + buffer.address
 
     def get_buffer_size_bank(self, buffer: DeviceBuffer, bank: int) -> int:
@@ -220,10 +235,8 @@ class EmulatedDevice:
             pool.shutdown(wait=True)
         self.banks = []
         for m in self._maps:
-            try:
+            with contextlib.suppress(BufferError):  # views still exported; the OS reclaims at exit
                 m.close()
-            except BufferError:  # views still exported; the OS reclaims at exit
-                pass
         self._maps = []
 
 

@@ -2,6 +2,7 @@
 names ``host:port`` (and a port stride) in its ``kv_transfer_params`` listens on
 ``tcp://host:(port + r * stride)``; an IPv6 host is bracketed. Used by the decode's
 connector and by the proxy, which must not import vLLM."""
+
 from __future__ import annotations
 
 MAX_TP_RANKS = 64  # prefill tensor-parallel ranks a request may name

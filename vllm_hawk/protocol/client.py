@@ -12,9 +12,11 @@ ZMTP handshake (wrong secret: the server drops the connection; a different auth 
 mechanism mismatch); with ``hmac``/``none`` the server answers an unsigned
 ``ErrorMsg(auth_failed)``, accepted only as the answer to our pending Hello.
 """
+
 from __future__ import annotations
 
 import concurrent.futures as cf
+import contextlib
 import logging
 import queue
 import threading
@@ -80,8 +82,13 @@ class AuthRefused(RuntimeError):
 
 
 ZMTP_ATTEMPTS = 4  # connections closed during the ZMTP handshake, in a row, before a Hello fails
-_MONITOR_EVENTS = (zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL | zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL
-                   | zmq.EVENT_HANDSHAKE_FAILED_AUTH | zmq.EVENT_HANDSHAKE_SUCCEEDED | zmq.EVENT_DISCONNECTED)
+_MONITOR_EVENTS = (
+    zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL
+    | zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL
+    | zmq.EVENT_HANDSHAKE_FAILED_AUTH
+    | zmq.EVENT_HANDSHAKE_SUCCEEDED
+    | zmq.EVENT_DISCONNECTED
+)
 
 
 class ProtocolClient:
@@ -94,16 +101,24 @@ class ProtocolClient:
     (must match the server's); timeout_s: default deadline per call (seconds).
     """
 
-    def __init__(self, endpoint: str, compat: CompatFields | None, *, secret: bytes | None = None,
-                 auth: str | None = None, client_id: str | None = None, timeout_s: float = 5.0,
-                 window_s: float = 30.0, max_message_nbytes: int = DEFAULT_MAX_MESSAGE_NBYTES) -> None:
+    def __init__(
+        self,
+        endpoint: str,
+        compat: CompatFields | None,
+        *,
+        secret: bytes | None = None,
+        auth: str | None = None,
+        client_id: str | None = None,
+        timeout_s: float = 5.0,
+        window_s: float = 30.0,
+        max_message_nbytes: int = DEFAULT_MAX_MESSAGE_NBYTES,
+    ) -> None:
         self.endpoint = endpoint
         self.client_id = client_id or f"{'decode' if compat is not None else 'control'}-{uuid.uuid4().hex[:12]}"
         self.auth = resolve_auth(auth, secret)
         self._compat = compat
         self._timeout = timeout_s
-        self._env = Envelope(self.client_id, secret, window_s=window_s,
-                             max_message_nbytes=max_message_nbytes)
+        self._env = Envelope(self.client_id, secret, window_s=window_s, max_message_nbytes=max_message_nbytes)
         self._rlog = RateLimitedLog(logger)
         self.hello: HelloAck | None = None
         self._server_id = ""  # recipient of our signed messages, from HelloAck
@@ -131,8 +146,7 @@ class ProtocolClient:
         self._sock.connect(endpoint)
         self._wakeup = Wakeup(self._ctx, "hawk-client-wake")
         self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._loop, daemon=True,
-                                        name=f"hawk-protocol-client-{endpoint}")
+        self._thread = threading.Thread(target=self._loop, daemon=True, name=f"hawk-protocol-client-{endpoint}")
         self._thread.start()
 
     # ---------------------------------------------------------------- API
@@ -142,30 +156,29 @@ class ProtocolClient:
         if self._compat is None:
             msg = ControlHello(client_id=self.client_id)
         else:
-            msg = Hello(compat=self._compat, compat_hash=compat_hash(self._compat),
-                        client_id=self.client_id)
+            msg = Hello(compat=self._compat, compat_hash=compat_hash(self._compat), client_id=self.client_id)
         try:
             ack = self.call(msg, timeout_s, _handshake=True)
         except RemoteError as e:
             if e.code == "layout_mismatch":
-                raise IncompatiblePeer(ErrorMsg(code=e.code, detail=e.detail),
-                                       self.endpoint) from None
+                raise IncompatiblePeer(ErrorMsg(code=e.code, detail=e.detail), self.endpoint) from None
             if e.code == "auth_failed":
-                raise AuthRefused(f"side-channel handshake with {self.endpoint} refused: {e.detail} "
-                                  f"(this side: auth {self.auth!r})") from None
+                raise AuthRefused(
+                    f"side-channel handshake with {self.endpoint} refused: {e.detail} (this side: auth {self.auth!r})"
+                ) from None
             raise
         except ProtocolTimeout as e:
             if self._auth_failure:
-                raise AuthRefused(f"side-channel handshake with {self.endpoint} failed: "
-                                  f"{self._auth_failure}") from None
+                raise AuthRefused(f"side-channel handshake with {self.endpoint} failed: {self._auth_failure}") from None
             raise e
         if not isinstance(ack, HelloAck):
-            raise RemoteError(ErrorMsg(code="bad_message", detail=f"Hello answered with "
-                                       f"{type(ack).__name__}"), self.endpoint)
+            raise RemoteError(
+                ErrorMsg(code="bad_message", detail=f"Hello answered with {type(ack).__name__}"), self.endpoint
+            )
         if self._compat is not None and ack.compat_hash != compat_hash(self._compat):  # the server must agree too
-            raise IncompatiblePeer(ErrorMsg(code="layout_mismatch",
-                                            detail="server acknowledged a different hash"),
-                                   self.endpoint)
+            raise IncompatiblePeer(
+                ErrorMsg(code="layout_mismatch", detail="server acknowledged a different hash"), self.endpoint
+            )
         self._server_id = ack.server_id
         self._session_epoch = epoch
         self.hello = ack
@@ -185,14 +198,19 @@ class ProtocolClient:
         """D1 -> P7. Checks that every segment lies inside the server's exported region."""
         out = self.call(msg, timeout_s)
         if not isinstance(out, KVReady) or out.req_id != msg.req_id:
-            raise RemoteError(ErrorMsg(code="bad_message", detail="KVRequest answered with "
-                                       f"{type(out).__name__} for another request"),
-                              self.endpoint)
+            raise RemoteError(
+                ErrorMsg(
+                    code="bad_message", detail=f"KVRequest answered with {type(out).__name__} for another request"
+                ),
+                self.endpoint,
+            )
         ring = self.hello.export_nbytes if self.hello else 0
         for i, s in enumerate(out.segments):
             if s.offset_bytes + s.nbytes > ring:
-                raise RemoteError(ErrorMsg(code="bad_message", detail=f"segment {i} lies "
-                                           f"outside the {ring}-byte exported region"), self.endpoint)
+                raise RemoteError(
+                    ErrorMsg(code="bad_message", detail=f"segment {i} lies outside the {ring}-byte exported region"),
+                    self.endpoint,
+                )
         return out
 
     def release(self, req_id: str, ok: bool = True, timeout_s: float | None = None, *, share: int = 0) -> None:
@@ -203,12 +221,12 @@ class ProtocolClient:
         """Heartbeat: extend the leases of ``req_ids`` (at most ``MAX_RENEW_IDS``)."""
         out = self.call(Renew(req_ids=list(req_ids)), timeout_s)
         if not isinstance(out, Renewed):
-            raise RemoteError(ErrorMsg(code="bad_message", detail=f"Renew answered with {type(out).__name__}"),
-                              self.endpoint)
+            raise RemoteError(
+                ErrorMsg(code="bad_message", detail=f"Renew answered with {type(out).__name__}"), self.endpoint
+            )
         return out
 
-    def call(self, msg: Message, timeout_s: float | None = None, *,
-             _handshake: bool = False) -> Message:
+    def call(self, msg: Message, timeout_s: float | None = None, *, _handshake: bool = False) -> Message:
         """Send ``msg`` and wait for its reply. After a lost connection (the server
         restarted?) it handshakes again first: the new connection has a new server id and
         no session for us, and drops messages addressed to the old one. A message that
@@ -229,8 +247,7 @@ class ProtocolClient:
             except Reconnected:
                 if _handshake or time.monotonic() >= deadline:
                     raise
-        if (isinstance(out, ErrorMsg) and out.detail == HANDSHAKE_REQUIRED and not _handshake
-                and self.hello is not None):
+        if isinstance(out, ErrorMsg) and out.detail == HANDSHAKE_REQUIRED and not _handshake and self.hello is not None:
             self.handshake(left())  # the server restarted or our connection was renewed
             out = self._call_once(msg, left())
         if isinstance(out, ErrorMsg):
@@ -247,8 +264,7 @@ class ProtocolClient:
         with self._lock:
             hello = isinstance(msg, (Hello, ControlHello))
             if hello and self._refused:  # the refusal came before this Hello
-                fut.set_exception(AuthRefused(f"side-channel handshake with {self.endpoint} failed: "
-                                              f"{self._refused}"))
+                fut.set_exception(AuthRefused(f"side-channel handshake with {self.endpoint} failed: {self._refused}"))
                 return fut
             if not hello and self._session_lost():  # would name a lost connection's server
                 fut.set_exception(Reconnected(f"connection to {self.endpoint} lost since the last handshake"))
@@ -275,7 +291,7 @@ class ProtocolClient:
         for f in pending:
             f.cancel()
 
-    def __enter__(self) -> "ProtocolClient":
+    def __enter__(self) -> ProtocolClient:
         return self
 
     def __exit__(self, *exc) -> None:
@@ -290,8 +306,9 @@ class ProtocolClient:
             raise
         except cf.TimeoutError:
             fut.cancel()
-            raise ProtocolTimeout(f"no reply from {self.endpoint} to {type(msg).__name__} "
-                                  f"within {timeout:.3f} s") from None
+            raise ProtocolTimeout(
+                f"no reply from {self.endpoint} to {type(msg).__name__} within {timeout:.3f} s"
+            ) from None
 
     def _forget(self, seq: int) -> None:
         with self._lock:
@@ -330,10 +347,8 @@ class ProtocolClient:
                             break
                         self._on_frames(frames)
         finally:
-            try:
+            with contextlib.suppress(zmq.ZMQError):
                 self._sock.disable_monitor()
-            except zmq.ZMQError:
-                pass
             self._monitor.close(0)
             self._sock.close()
             self._wakeup.close_receiver()
@@ -362,15 +377,21 @@ class ProtocolClient:
                 self._on_handshake_closed()
                 continue
             if kind == zmq.EVENT_HANDSHAKE_FAILED_AUTH:
-                why = (f"the prefill's ZAP handler refused this decode's CURVE key (status {value}): the shared "
-                       "secrets differ")
+                why = (
+                    f"the prefill's ZAP handler refused this decode's CURVE key (status {value}): the shared "
+                    "secrets differ"
+                )
             elif kind == zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL and value == zmq.PROTOCOL_ERROR_ZMTP_MECHANISM_MISMATCH:
-                why = (f"ZMTP security mechanism mismatch: this decode has auth {self.auth!r} and the prefill does "
-                       "not (with a shared secret both sides need the same 'auth'; without one both need "
-                       "auth 'none')")
+                why = (
+                    f"ZMTP security mechanism mismatch: this decode has auth {self.auth!r} and the prefill does "
+                    "not (with a shared secret both sides need the same 'auth'; without one both need "
+                    "auth 'none')"
+                )
             else:
-                why = (f"the ZMTP handshake failed ({zmq.Event(kind).name}, value {value}): the shared secrets "
-                       f"or the auth modes differ (this side: auth {self.auth!r})")
+                why = (
+                    f"the ZMTP handshake failed ({zmq.Event(kind).name}, value {value}): the shared secrets "
+                    f"or the auth modes differ (this side: auth {self.auth!r})"
+                )
             self._auth_failure, self._zmtp_refused = why, True
             with self._lock:  # libzmq does not reconnect after a refusal: later Hellos fail at once
                 self._refused = why
@@ -386,11 +407,15 @@ class ProtocolClient:
         row (0.5 s for a wrong secret here, with libzmq's 100 ms reconnect interval)."""
         self._zmtp_failures += 1
         if self.auth == "curve":
-            why = ("the prefill closed the connection during the CURVE handshake: the shared secrets differ, "
-                   "or the prefill has auth 'hmac'/'none'")
+            why = (
+                "the prefill closed the connection during the CURVE handshake: the shared secrets differ, "
+                "or the prefill has auth 'hmac'/'none'"
+            )
         else:
-            why = (f"the prefill closed the connection during the ZMTP handshake: the auth modes differ "
-                   f"(this side: auth {self.auth!r})")
+            why = (
+                f"the prefill closed the connection during the ZMTP handshake: the auth modes differ "
+                f"(this side: auth {self.auth!r})"
+            )
         why += f" ({self._zmtp_failures} connection(s) in a row; {self._zmtp_closed or 'no handshake event'})"
         self._zmtp_closed = ""
         self._auth_failure = why

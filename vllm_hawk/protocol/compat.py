@@ -4,6 +4,7 @@ Both sides build :class:`CompatFields` from their configuration; the handshake s
 the fields AND their hash, so a mismatch can be reported by field name rather than as
 two opaque hashes.
 """
+
 from __future__ import annotations
 
 import hashlib
@@ -15,11 +16,24 @@ from vllm_hawk.protocol.messages import PROTOCOL_VERSION, CompatFields
 COMPAT_FIELDS = tuple(CompatFields.__struct_fields__)
 
 
-def make_compat(model: str, dtype: str, block_size: int, src_layout: str, dst_layout: str,
-                device_profile: str, protocol_version: int = PROTOCOL_VERSION) -> CompatFields:
-    return CompatFields(model=model, dtype=dtype, block_size=block_size, src_layout=src_layout,
-                        dst_layout=dst_layout, device_profile=device_profile,
-                        protocol_version=protocol_version)
+def make_compat(
+    model: str,
+    dtype: str,
+    block_size: int,
+    src_layout: str,
+    dst_layout: str,
+    device_profile: str,
+    protocol_version: int = PROTOCOL_VERSION,
+) -> CompatFields:
+    return CompatFields(
+        model=model,
+        dtype=dtype,
+        block_size=block_size,
+        src_layout=src_layout,
+        dst_layout=dst_layout,
+        device_profile=device_profile,
+        protocol_version=protocol_version,
+    )
 
 
 def compat_hash(fields: CompatFields) -> str:
@@ -35,5 +49,6 @@ def compat_diff(ours: CompatFields, theirs: CompatFields) -> list[str]:
 
 def describe_diff(ours: CompatFields, theirs: CompatFields) -> str:
     """E.g. ``"block_size differs (ours 64, peer 128); dtype differs (...)"``."""
-    return "; ".join(f"{f} differs (ours {getattr(ours, f)!r}, peer {getattr(theirs, f)!r})"
-                     for f in compat_diff(ours, theirs))
+    return "; ".join(
+        f"{f} differs (ours {getattr(ours, f)!r}, peer {getattr(theirs, f)!r})" for f in compat_diff(ours, theirs)
+    )

@@ -19,6 +19,7 @@ The MAC key is derived from the shared secret for this use only
 (:func:`vllm_hawk.security.derive_key`), so the CurveZMQ keys and the host-staged
 transport's key are independent of it.
 """
+
 from __future__ import annotations
 
 import collections
@@ -28,7 +29,8 @@ import itertools
 import struct
 import threading
 import time
-from typing import Annotated, Sequence
+from collections.abc import Sequence
+from typing import Annotated
 
 import msgspec
 from msgspec import Meta, Struct
@@ -79,9 +81,15 @@ class Envelope:
     window_s: accepted clock skew / message age (seconds). max_peers: replay table size.
     """
 
-    def __init__(self, sender: str, secret: bytes | None = None, *, window_s: float = 30.0,
-                 max_peers: int = 4096,
-                 max_message_nbytes: int = DEFAULT_MAX_MESSAGE_NBYTES) -> None:
+    def __init__(
+        self,
+        sender: str,
+        secret: bytes | None = None,
+        *,
+        window_s: float = 30.0,
+        max_peers: int = 4096,
+        max_message_nbytes: int = DEFAULT_MAX_MESSAGE_NBYTES,
+    ) -> None:
         if not 1 <= len(sender) <= 128:
             raise ValueError(f"sender id must be 1..128 characters, got {len(sender)}")
         self.sender = sender
@@ -106,8 +114,9 @@ class Envelope:
         m.update(body)
         return m.digest()
 
-    def pack(self, msg: Message, reply_to: int = 0, recipient: str = "", *,
-             sign: bool = True) -> tuple[int, list[bytes]]:
+    def pack(
+        self, msg: Message, reply_to: int = 0, recipient: str = "", *, sign: bool = True
+    ) -> tuple[int, list[bytes]]:
         """Frames for ``msg`` to ``recipient``; returns ``(seq, frames)``. ``sign=False``
         only for the unsigned ``auth_failed`` answer to a peer we cannot authenticate."""
         seq = next(self._seq)
@@ -132,11 +141,16 @@ class Envelope:
             raise FrameError(f"bad header: {e}") from None
         if self._secret is not None:
             if len(mac) != MAC_NBYTES or not hmac.compare_digest(mac, self._mac(header_b, body)):
-                raise AuthError("missing MAC (the peer has no shared secret)" if not mac else
-                                "bad MAC (the shared secrets differ, or the message was altered)", header)
+                raise AuthError(
+                    "missing MAC (the peer has no shared secret)"
+                    if not mac
+                    else "bad MAC (the shared secrets differ, or the message was altered)",
+                    header,
+                )
         elif mac:
-            raise AuthMismatch("the peer signs its messages (it has a shared secret) but this side has "
-                               "auth 'none'", header)
+            raise AuthMismatch(
+                "the peer signs its messages (it has a shared secret) but this side has auth 'none'", header
+            )
         if header.recipient not in (self.sender, ""):
             raise AuthError(f"message addressed to {header.recipient[:64]!r}, not to {self.sender!r}")
         if self._secret is not None:

@@ -15,13 +15,14 @@ Bounds: at most ``max_wanted`` ids in all (a further ``want`` is refused, counte
 hand-over). A prefill that cannot be reached is retried at the next interval; its
 requests then keep only what is left of their lease.
 """
+
 from __future__ import annotations
 
 import logging
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Callable
 
 from vllm_hawk.protocol.messages import MAX_RENEW_IDS
 from vllm_hawk.security import RateLimitedLog
@@ -53,8 +54,14 @@ class LeaseKeeper:
     the prefill's ``lease_s``); max_hold_s: longest renewal of one id (0 = no bound).
     """
 
-    def __init__(self, connect: Callable[[str], object], interval_s: float, *, max_hold_s: float = 600.0,
-                 max_wanted: int = MAX_WANTED) -> None:
+    def __init__(
+        self,
+        connect: Callable[[str], object],
+        interval_s: float,
+        *,
+        max_hold_s: float = 600.0,
+        max_wanted: int = MAX_WANTED,
+    ) -> None:
         if interval_s <= 0:
             raise ValueError(f"LeaseKeeper interval_s={interval_s!r} must be > 0")
         self.connect, self.interval_s, self.max_hold_s, self.max_wanted = connect, interval_s, max_hold_s, max_wanted
@@ -84,8 +91,9 @@ class LeaseKeeper:
                 self._n += 1
                 full = False
         if full:
-            self._rlog("full", "lease keeper: %d ids renewed already; %s keeps only its lease", self.max_wanted,
-                       req_id[:64])
+            self._rlog(
+                "full", "lease keeper: %d ids renewed already; %s keeps only its lease", self.max_wanted, req_id[:64]
+            )
         return not full
 
     def drop(self, req_id: str, key: str | None = None) -> None:
@@ -132,7 +140,7 @@ class LeaseKeeper:
             try:
                 ep = self.connect(key)
                 for i in range(0, len(ids), MAX_RENEW_IDS):
-                    out = ep.renew(ids[i:i + MAX_RENEW_IDS], timeout_s=self.interval_s)
+                    out = ep.renew(ids[i : i + MAX_RENEW_IDS], timeout_s=self.interval_s)
                     with self._lock:
                         self.stats.heartbeats += 1
                         self.stats.per_peer[key] = self.stats.per_peer.get(key, 0) + 1
@@ -143,8 +151,15 @@ class LeaseKeeper:
             except Exception as e:  # noqa: BLE001 - retried at the next interval
                 with self._lock:
                     self.stats.failed += 1
-                self._rlog(f"fail-{key}", "lease keeper: heartbeat to %s failed (%s: %s); %d request(s) keep "
-                           "only their lease until the next one", key, type(e).__name__, e, len(ids))
+                self._rlog(
+                    f"fail-{key}",
+                    "lease keeper: heartbeat to %s failed (%s: %s); %d request(s) keep "
+                    "only their lease until the next one",
+                    key,
+                    type(e).__name__,
+                    e,
+                    len(ids),
+                )
 
     def close(self) -> None:
         self._stop.set()

@@ -48,9 +48,10 @@ many shares of the request all decode targets together will pull from this rank 
 ``share`` which one this is; ``Release`` names the share it ends. The prefill frees a request's blocks when all its
 shares are released. Envelope magic ``HAWK/6``.
 """
+
 from __future__ import annotations
 
-from typing import Annotated, Literal, Union
+from typing import Annotated, Literal
 
 import msgspec
 from msgspec import Meta, Struct
@@ -72,8 +73,9 @@ ReqId = Annotated[str, Meta(min_length=1, max_length=MAX_STR)]
 Detail = Annotated[str, Meta(max_length=MAX_DETAIL)]
 Hash = Annotated[str, Meta(pattern="^[0-9a-f]{64}$")]
 
-ErrorCode = Literal["unknown_request", "expired", "layout_mismatch", "no_space", "bad_message",
-                    "auth_failed", "internal"]
+ErrorCode = Literal[
+    "unknown_request", "expired", "layout_mismatch", "no_space", "bad_message", "auth_failed", "internal"
+]
 ERROR_CODES: tuple[str, ...] = ErrorCode.__args__  # type: ignore[attr-defined]
 
 
@@ -240,7 +242,7 @@ class ErrorMsg(_Base, tag="error"):
     req_id: Name = ""
 
 
-Message = Union[Hello, ControlHello, HelloAck, KVRequest, KVReady, Release, Renew, Renewed, Ack, ErrorMsg]
+Message = Hello | ControlHello | HelloAck | KVRequest | KVReady | Release | Renew | Renewed | Ack | ErrorMsg
 MESSAGE_TYPES = (Hello, ControlHello, HelloAck, KVRequest, KVReady, Release, Renew, Renewed, Ack, ErrorMsg)
 
 _encoder = msgspec.msgpack.Encoder()
@@ -274,12 +276,10 @@ def validate(msg: Message) -> None:
                 raise ProtocolError(f"segment {i} overflows 63 bits")
             total += s.nbytes
         if total != msg.total_nbytes:
-            raise ProtocolError(f"segments sum to {total} bytes, total_nbytes is "
-                                f"{msg.total_nbytes}")
+            raise ProtocolError(f"segments sum to {total} bytes, total_nbytes is {msg.total_nbytes}")
         spans = sorted((s.offset_bytes, s.offset_bytes + s.nbytes) for s in msg.segments)
-        for (_a0, a1), (b0, _b1) in zip(spans, spans[1:]):
+        for (_a0, a1), (b0, _b1) in zip(spans, spans[1:], strict=False):
             if b0 < a1:
                 raise ProtocolError(f"segments overlap at offset {b0}")
-    elif isinstance(msg, HelloAck):
-        if msg.export_base_addr + msg.export_nbytes > 2**63 - 1:
-            raise ProtocolError("exported range overflows 63 bits")
+    elif isinstance(msg, HelloAck) and msg.export_base_addr + msg.export_nbytes > 2**63 - 1:
+        raise ProtocolError("exported range overflows 63 bits")

@@ -32,16 +32,19 @@ only to an authenticated peer; with auth ``none`` only the field names. Rejected
 is logged at most a few times per 10 s per kind (:class:`~vllm_hawk.security.RateLimitedLog`)
 and counted in ``stats.refusals``.
 """
+
 from __future__ import annotations
 
 import collections
+import contextlib
 import logging
 import queue
 import threading
 import time
 import uuid
+from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Callable, Protocol
+from typing import Protocol
 
 import zmq
 from zmq.utils.monitor import parse_monitor_message  # imported now: opening files may fail under fd floods
@@ -83,8 +86,9 @@ UNSIGNED_REPLIES_PER_S = 20.0  # unsigned auth_failed answers (token bucket, bur
 
 # Not EVENT_ACCEPT_FAILED: at the fd limit libzmq retries accept() in a busy loop and
 # reports every failure (about 65,000 a second); reading them would double that cost.
-_MONITOR_EVENTS = (zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL | zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL
-                   | zmq.EVENT_HANDSHAKE_FAILED_AUTH)
+_MONITOR_EVENTS = (
+    zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL | zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL | zmq.EVENT_HANDSHAKE_FAILED_AUTH
+)
 
 
 def resolve_auth(auth: str | None, secret: bytes | None) -> str:
@@ -157,18 +161,26 @@ class ProtocolServer:
     (oldest evicted, counted).
     """
 
-    def __init__(self, handler: ProtocolHandler, compat: CompatFields, *,
-                 bind: str = "tcp://127.0.0.1:0", secret: bytes | None = None, auth: str | None = None,
-                 server_id: str | None = None, window_s: float = 30.0,
-                 max_message_nbytes: int = DEFAULT_MAX_MESSAGE_NBYTES,
-                 max_sessions: int = 4096, handshake_ivl_s: float = HANDSHAKE_IVL_S) -> None:
+    def __init__(
+        self,
+        handler: ProtocolHandler,
+        compat: CompatFields,
+        *,
+        bind: str = "tcp://127.0.0.1:0",
+        secret: bytes | None = None,
+        auth: str | None = None,
+        server_id: str | None = None,
+        window_s: float = 30.0,
+        max_message_nbytes: int = DEFAULT_MAX_MESSAGE_NBYTES,
+        max_sessions: int = 4096,
+        handshake_ivl_s: float = HANDSHAKE_IVL_S,
+    ) -> None:
         self._handler = handler
         self._compat = compat
         self._hash = compat_hash(compat)
         self.auth = resolve_auth(auth, secret)
         self.server_id = server_id or f"prefill-{uuid.uuid4().hex[:12]}"
-        self._env = Envelope(self.server_id, secret, window_s=window_s,
-                             max_message_nbytes=max_message_nbytes)
+        self._env = Envelope(self.server_id, secret, window_s=window_s, max_message_nbytes=max_message_nbytes)
         self._max_sessions = max_sessions
         self._sessions: collections.OrderedDict[bytes, str] = collections.OrderedDict()
         self._control: set[bytes] = set()  # sessions opened by ControlHello (subset of _sessions)
@@ -210,8 +222,7 @@ class ProtocolServer:
         self.endpoint: str = self._sock.getsockopt_string(zmq.LAST_ENDPOINT)
         self._wakeup = Wakeup(self._ctx, "hawk-server-wake")
         self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._loop, daemon=True,
-                                        name=f"hawk-protocol-server-{self.endpoint}")
+        self._thread = threading.Thread(target=self._loop, daemon=True, name=f"hawk-protocol-server-{self.endpoint}")
         self._thread.start()
 
     # ---------------------------------------------------------------- lifecycle
@@ -227,16 +238,14 @@ class ProtocolServer:
 
     def _teardown(self) -> None:
         if self._monitor is not None and not self._sock.closed:
-            try:
+            with contextlib.suppress(zmq.ZMQError):
                 self._sock.disable_monitor()
-            except zmq.ZMQError:
-                pass
         if self._auth is not None:
             self._auth.stop()
             self._auth = None
         self._ctx.destroy(linger=0)  # closes the socket, the monitor and the wake-up pair
 
-    def __enter__(self) -> "ProtocolServer":
+    def __enter__(self) -> ProtocolServer:
         return self
 
     def __exit__(self, *exc) -> None:
@@ -279,9 +288,15 @@ class ProtocolServer:
             kind = ev["event"]
             self.stats.zmtp_handshake_failures += 1
             self.stats.refusals.count("zmtp_handshake")
-            self._rlog("zmtp", "protocol server %s: a peer failed the ZMTP handshake (%s, value %s): wrong "
-                       "or missing shared secret, or auth mode differs (this side: %s)", self.endpoint,
-                       zmq.Event(kind).name, ev["value"], self.auth)
+            self._rlog(
+                "zmtp",
+                "protocol server %s: a peer failed the ZMTP handshake (%s, value %s): wrong "
+                "or missing shared secret, or auth mode differs (this side: %s)",
+                self.endpoint,
+                zmq.Event(kind).name,
+                ev["value"],
+                self.auth,
+            )
 
     def _flush_outbox(self) -> None:
         while True:
@@ -330,9 +345,14 @@ class ProtocolServer:
         except Exception as e:  # noqa: BLE001 - a handler bug must not kill the server
             self.stats.handler_errors += 1
             logger.exception("protocol server: handler failed")
-            self._send(identity, ErrorMsg(code="internal", detail=f"{type(e).__name__}: "
-                                          f"{str(e)[:500]}", req_id=getattr(msg, "req_id", "")),
-                       seq, peer)
+            self._send(
+                identity,
+                ErrorMsg(
+                    code="internal", detail=f"{type(e).__name__}: {str(e)[:500]}", req_id=getattr(msg, "req_id", "")
+                ),
+                seq,
+                peer,
+            )
 
     def _unpack(self, identity: bytes, payload: list[bytes]):
         """``(header, msg)``, or None for a message refused here (counted, answered where
@@ -344,19 +364,37 @@ class ProtocolServer:
             self.stats.refusals.count("auth_mismatch")
             self._rlog("mismatch", "protocol server: %s", e)
             if self._unsigned_allowed():
-                self._send(identity, ErrorMsg(code="auth_failed", detail="this prefill runs with auth 'none' but "
-                                              "the decode has a shared secret: configure both sides alike"),
-                           e.header.seq, e.header.sender, sign=False)
+                self._send(
+                    identity,
+                    ErrorMsg(
+                        code="auth_failed",
+                        detail="this prefill runs with auth 'none' but "
+                        "the decode has a shared secret: configure both sides alike",
+                    ),
+                    e.header.seq,
+                    e.header.sender,
+                    sign=False,
+                )
         except AuthError as e:
             self.stats.dropped_auth += 1
             self.stats.refusals.count("auth")
             self._rlog("auth", "protocol server: dropped unauthenticated message: %s", e)
             if e.header is not None and self._unsigned_allowed():  # missing or bad MAC
-                why = ("this prefill requires side-channel authentication" if "missing" in str(e) else
-                       "the MAC does not verify: the shared secrets differ")
-                self._send(identity, ErrorMsg(code="auth_failed", detail=f"{why}: set the same shared_secret (or "
-                                              "shared_secret_file) on both sides"),
-                           e.header.seq, e.header.sender, sign=False)
+                why = (
+                    "this prefill requires side-channel authentication"
+                    if "missing" in str(e)
+                    else "the MAC does not verify: the shared secrets differ"
+                )
+                self._send(
+                    identity,
+                    ErrorMsg(
+                        code="auth_failed",
+                        detail=f"{why}: set the same shared_secret (or shared_secret_file) on both sides",
+                    ),
+                    e.header.seq,
+                    e.header.sender,
+                    sign=False,
+                )
         except FrameError as e:
             self.stats.bad_messages += 1
             self.stats.refusals.count("bad_message")
@@ -364,8 +402,12 @@ class ProtocolServer:
             if self._env.authenticated and e.header is None:
                 self.stats.dropped_auth += 1
                 return None  # cannot be authenticated: drop silently
-            self._send(identity, ErrorMsg(code="bad_message", detail=str(e)[:1000]),
-                       e.header.seq if e.header else 0, e.header.sender if e.header else "")
+            self._send(
+                identity,
+                ErrorMsg(code="bad_message", detail=str(e)[:1000]),
+                e.header.seq if e.header else 0,
+                e.header.sender if e.header else "",
+            )
         return None
 
     def _dispatch(self, identity: bytes, header, msg) -> None:
@@ -376,20 +418,19 @@ class ProtocolServer:
             return
         known = self._sessions.get(identity)
         if known is None or not header.recipient:  # only a Hello may be sent to nobody
-            self._send(identity, ErrorMsg(code="bad_message", detail="handshake (Hello) "
-                                          "required first"), seq, peer)
+            self._send(identity, ErrorMsg(code="bad_message", detail="handshake (Hello) required first"), seq, peer)
             return
         if known != peer:
             self.stats.refusals.count("sender_changed")
-            self._send(identity, ErrorMsg(code="bad_message", detail="sender id differs from the "
-                                          "handshake's"), seq, peer)
+            self._send(
+                identity, ErrorMsg(code="bad_message", detail="sender id differs from the handshake's"), seq, peer
+            )
             return
         self._sessions.move_to_end(identity)
         reply = _OnceReply(self, identity, seq, peer, control=identity in self._control)
         if isinstance(msg, KVRequest) and identity in self._control:
             self.stats.refusals.count("control_kv_request")
-            out = ErrorMsg(code="bad_message", detail="a control session may not request KV",
-                           req_id=msg.req_id)
+            out = ErrorMsg(code="bad_message", detail="a control session may not request KV", req_id=msg.req_id)
         elif isinstance(msg, KVRequest):
             out = self._handler.on_kv_request(peer, msg, reply)
         elif isinstance(msg, Release):
@@ -398,8 +439,7 @@ class ProtocolServer:
             out = self._handler.on_renew(peer, msg, reply)
         else:
             self.stats.bad_messages += 1
-            out = ErrorMsg(code="bad_message",
-                           detail=f"{type(msg).__name__} is not a request")
+            out = ErrorMsg(code="bad_message", detail=f"{type(msg).__name__} is not a request")
         if out is not None:
             reply(out)
 
@@ -413,8 +453,9 @@ class ProtocolServer:
         if msg.compat_hash != self._hash:
             self.stats.handshakes_refused += 1
             if self.auth == "none":  # the peer is not authenticated: names only, no values
-                self._rlog("compat", "protocol server: refused an incompatible peer: %s",
-                           describe_diff(self._compat, theirs))
+                self._rlog(
+                    "compat", "protocol server: refused an incompatible peer: %s", describe_diff(self._compat, theirs)
+                )
                 detail = "incompatible peer: " + "; ".join(f"{f} differs" for f in compat_diff(self._compat, theirs))
             else:
                 detail = "incompatible peer: " + describe_diff(self._compat, theirs)
@@ -434,9 +475,14 @@ class ProtocolServer:
             self._control.discard(identity)
         endpoint, base, nbytes = self._handler.hello_info()
         tp = getattr(self._handler, "tp_info", None)
-        return HelloAck(compat_hash=self._hash, server_id=self.server_id,
-                        transfer_endpoint=endpoint, export_base_addr=base, export_nbytes=nbytes,
-                        **(tp() if tp is not None else {}))
+        return HelloAck(
+            compat_hash=self._hash,
+            server_id=self.server_id,
+            transfer_endpoint=endpoint,
+            export_base_addr=base,
+            export_nbytes=nbytes,
+            **(tp() if tp is not None else {}),
+        )
 
 
 class _OnceReply:

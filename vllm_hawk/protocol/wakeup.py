@@ -1,6 +1,8 @@
 """Waking a ZMQ poll loop from other threads: an inproc PUSH/PULL pair."""
+
 from __future__ import annotations
 
+import contextlib
 import threading
 import uuid
 
@@ -24,10 +26,8 @@ class Wakeup:
     def wake(self) -> None:
         with self._lock:
             if not self._tx.closed:
-                try:
+                with contextlib.suppress(zmq.Again):  # already a wake-up pending
                     self._tx.send(b"", zmq.NOBLOCK)
-                except zmq.Again:  # already a wake-up pending
-                    pass
 
     def drain(self) -> None:
         while True:

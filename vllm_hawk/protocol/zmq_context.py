@@ -8,6 +8,7 @@ core; a side channel on that context then waited seconds for its I/O thread (Hel
 unanswered for 5 s with TP=2 on both sides of a 2-core machine). The side channel
 therefore uses its own contexts, started with the full CPU mask.
 """
+
 from __future__ import annotations
 
 import contextlib

@@ -5,6 +5,7 @@
 Several ``--prefill`` / ``--decode`` URLs are served round robin. See
 :mod:`vllm_hawk.proxy.server` for the request flow.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -19,36 +20,72 @@ __all__ = ["limits_of", "main", "parse_args", "releaser_of"]
 
 def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(prog="hawk proxy", description=__doc__.split("\n")[0])
-    p.add_argument("--prefill", nargs="+", action="extend", required=True, metavar="URL",
-                   help="prefill vLLM server base URL(s), e.g. http://127.0.0.1:8100")
-    p.add_argument("--decode", nargs="+", action="extend", required=True, metavar="URL",
-                   help="decode vLLM server base URL(s)")
+    p.add_argument(
+        "--prefill",
+        nargs="+",
+        action="extend",
+        required=True,
+        metavar="URL",
+        help="prefill vLLM server base URL(s), e.g. http://127.0.0.1:8100",
+    )
+    p.add_argument(
+        "--decode", nargs="+", action="extend", required=True, metavar="URL", help="decode vLLM server base URL(s)"
+    )
     p.add_argument("--host", default="127.0.0.1", help="address to listen on (default %(default)s)")
     p.add_argument("--port", type=int, default=8000, help="port to listen on (default %(default)s)")
     from vllm_hawk.proxy.server import Limits
 
     d = Limits()
     p.add_argument("--connect-timeout-s", type=float, default=d.connect_s, help="TCP connect to an upstream")
-    p.add_argument("--first-byte-timeout-s", type=float, default=d.first_byte_s,
-                   help="upstream request sent -> its response headers (prefill compute, decode queue)")
-    p.add_argument("--idle-timeout-s", type=float, default=d.idle_s,
-                   help="longest gap between two chunks of an upstream body (no total cap)")
-    p.add_argument("--header-timeout-s", type=float, default=d.header_s,
-                   help="a client must send its request headers within this")
-    p.add_argument("--write-timeout-s", type=float, default=d.write_s,
-                   help="a client must accept each streamed chunk within this, else it is dropped")
+    p.add_argument(
+        "--first-byte-timeout-s",
+        type=float,
+        default=d.first_byte_s,
+        help="upstream request sent -> its response headers (prefill compute, decode queue)",
+    )
+    p.add_argument(
+        "--idle-timeout-s",
+        type=float,
+        default=d.idle_s,
+        help="longest gap between two chunks of an upstream body (no total cap)",
+    )
+    p.add_argument(
+        "--header-timeout-s", type=float, default=d.header_s, help="a client must send its request headers within this"
+    )
+    p.add_argument(
+        "--write-timeout-s",
+        type=float,
+        default=d.write_s,
+        help="a client must accept each streamed chunk within this, else it is dropped",
+    )
     p.add_argument("--max-body-bytes", type=int, default=d.max_body_nbytes, help="largest request body")
-    p.add_argument("--max-json-tokens", type=int, default=d.max_json_tokens,
-                   help="most JSON structural characters ([ { , :) in a request body")
-    p.add_argument("--shared-secret-file", default=None, metavar="PATH",
-                   help="the connectors' shared secret (default: HAWK_SHARED_SECRET / HAWK_SHARED_SECRET_FILE): "
-                        "lets the proxy release the prefill's KV of a request the decode refused")
-    p.add_argument("--side-channel-auth", choices=("curve", "hmac", "none"), default=None,
-                   help="the connectors' auth (default: curve with a secret, else none)")
-    p.add_argument("--renew-interval-s", type=float, default=1.0,
-                   help="seconds between two Renews of the requests being handed to a decode (needs the "
-                        "connectors' secret, or --side-channel-auth none; keep it well below the prefills' lease_s; "
-                        "default %(default)s)")
+    p.add_argument(
+        "--max-json-tokens",
+        type=int,
+        default=d.max_json_tokens,
+        help="most JSON structural characters ([ { , :) in a request body",
+    )
+    p.add_argument(
+        "--shared-secret-file",
+        default=None,
+        metavar="PATH",
+        help="the connectors' shared secret (default: HAWK_SHARED_SECRET / HAWK_SHARED_SECRET_FILE): "
+        "lets the proxy release the prefill's KV of a request the decode refused",
+    )
+    p.add_argument(
+        "--side-channel-auth",
+        choices=("curve", "hmac", "none"),
+        default=None,
+        help="the connectors' auth (default: curve with a secret, else none)",
+    )
+    p.add_argument(
+        "--renew-interval-s",
+        type=float,
+        default=1.0,
+        help="seconds between two Renews of the requests being handed to a decode (needs the "
+        "connectors' secret, or --side-channel-auth none; keep it well below the prefills' lease_s; "
+        "default %(default)s)",
+    )
     p.add_argument("--timeout-s", type=float, default=None, help=argparse.SUPPRESS)  # renamed
     return p.parse_args(argv)
 
@@ -57,11 +94,19 @@ def limits_of(args: argparse.Namespace):
     from vllm_hawk.proxy.server import Limits
 
     if args.timeout_s is not None:
-        raise SystemExit("hawk proxy: --timeout-s was replaced by --first-byte-timeout-s and --idle-timeout-s "
-                         "(a total cap cut long healthy streams)")
-    return Limits(connect_s=args.connect_timeout_s, first_byte_s=args.first_byte_timeout_s,
-                  idle_s=args.idle_timeout_s, header_s=args.header_timeout_s, write_s=args.write_timeout_s,
-                  max_body_nbytes=args.max_body_bytes, max_json_tokens=args.max_json_tokens)
+        raise SystemExit(
+            "hawk proxy: --timeout-s was replaced by --first-byte-timeout-s and --idle-timeout-s "
+            "(a total cap cut long healthy streams)"
+        )
+    return Limits(
+        connect_s=args.connect_timeout_s,
+        first_byte_s=args.first_byte_timeout_s,
+        idle_s=args.idle_timeout_s,
+        header_s=args.header_timeout_s,
+        write_s=args.write_timeout_s,
+        max_body_nbytes=args.max_body_bytes,
+        max_json_tokens=args.max_json_tokens,
+    )
 
 
 def releaser_of(args: argparse.Namespace):
@@ -85,7 +130,9 @@ def releaser_of(args: argparse.Namespace):
     elif auth is not None and secret is None:
         logging.getLogger("hawk.proxy").warning(
             "hawk proxy: --side-channel-auth %s without a shared secret: requests the decode refuses keep their "
-            "prefill KV until the lease ends", auth)
+            "prefill KV until the lease ends",
+            auth,
+        )
         return None
     if not 0 < args.renew_interval_s <= 60:  # NaN and inf fail too
         raise SystemExit(f"hawk proxy: --renew-interval-s {args.renew_interval_s!r} must be in (0, 60] seconds")
@@ -119,8 +166,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         loop = asyncio.get_running_loop()
         for sig in (signal.SIGINT, signal.SIGTERM):
             loop.add_signal_handler(sig, stop.set)
-        print(f"hawk proxy on http://{args.host}:{args.port}  prefill={args.prefill} "
-              f"decode={args.decode}", flush=True)
+        print(f"hawk proxy on http://{args.host}:{args.port}  prefill={args.prefill} decode={args.decode}", flush=True)
         await stop.wait()
         await runner.cleanup()
 

@@ -17,6 +17,7 @@ metric                                     meaning
 
 Each proxy has its own registry, so several can run in one process (tests).
 """
+
 from __future__ import annotations
 
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Histogram, generate_latest
@@ -34,13 +35,16 @@ class ProxyMetrics:
             return Histogram(name, doc, buckets=BUCKETS_S, registry=self.registry)
 
         self.prefill = hist("hawk_proxy_prefill_seconds", "Prefill request sent -> its answer read.")
-        self.decode_first_chunk = hist("hawk_proxy_decode_first_chunk_seconds",
-                                       "Decode request sent -> first streamed chunk.")
+        self.decode_first_chunk = hist(
+            "hawk_proxy_decode_first_chunk_seconds", "Decode request sent -> first streamed chunk."
+        )
         self.ttft = hist("hawk_proxy_ttft_seconds", "Request received -> first chunk relayed to the client.")
-        self.requests = Counter("hawk_proxy_requests", "Requests by outcome.", ["outcome"],
-                                registry=self.registry)
-        self.clients_evicted = Counter("hawk_proxy_clients_evicted", "Client connections dropped at the fd bound "
-                                       "before they sent a request.", registry=self.registry)
+        self.requests = Counter("hawk_proxy_requests", "Requests by outcome.", ["outcome"], registry=self.registry)
+        self.clients_evicted = Counter(
+            "hawk_proxy_clients_evicted",
+            "Client connections dropped at the fd bound before they sent a request.",
+            registry=self.registry,
+        )
 
     def render(self) -> bytes:
         return generate_latest(self.registry)

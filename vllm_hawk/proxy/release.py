@@ -28,6 +28,7 @@ happen there) the decode
 releases it itself, and the proxy's Release is answered ``unknown_request`` (counted
 ``already``).
 """
+
 from __future__ import annotations
 
 import asyncio
@@ -50,10 +51,17 @@ def side_channels_of(params: dict) -> tuple[list[str], str] | None:
     or None when they do not name one."""
     host, port, rid = params.get("remote_host"), params.get("remote_port"), params.get("remote_request_id")
     tp, stride = params.get("remote_tp_size") or 1, params.get("remote_port_stride") or 1
-    if not isinstance(host, str) or not host or not isinstance(rid, str) or not rid \
-            or any(isinstance(v, bool) or not isinstance(v, int) for v in (port, tp, stride)) \
-            or not 1 <= tp <= MAX_TP_RANKS or not 1 <= stride <= MAX_TP_RANKS \
-            or not 0 < port or not port + (tp - 1) * stride < 65536:
+    if (
+        not isinstance(host, str)
+        or not host
+        or not isinstance(rid, str)
+        or not rid
+        or any(isinstance(v, bool) or not isinstance(v, int) for v in (port, tp, stride))
+        or not 1 <= tp <= MAX_TP_RANKS
+        or not 1 <= stride <= MAX_TP_RANKS
+        or not port > 0
+        or not port + (tp - 1) * stride < 65536
+    ):
         return None
     return [side_channel_endpoint(host, port, r, stride) for r in range(tp)], rid
 
@@ -66,8 +74,9 @@ class PrefillReleaser:
     handshake failed (wrong secret, unreachable) is left alone for :data:`RETRY_AFTER_S`,
     so a misconfigured proxy does not handshake with it at every heartbeat."""
 
-    def __init__(self, secret: bytes | None, auth: str | None = None, timeout_s: float = 2.0,
-                 renew_interval_s: float = 1.0) -> None:
+    def __init__(
+        self, secret: bytes | None, auth: str | None = None, timeout_s: float = 2.0, renew_interval_s: float = 1.0
+    ) -> None:
         self.secret, self.auth, self.timeout_s = secret, auth, timeout_s
         self._clients: collections.OrderedDict[str, ProtocolClient] = collections.OrderedDict()
         self._failed_at: collections.OrderedDict[str, float] = collections.OrderedDict()  # endpoint -> monotonic s
@@ -98,17 +107,23 @@ class PrefillReleaser:
         if where is None:
             return False
         loop = asyncio.get_running_loop()
-        done = await asyncio.gather(*(loop.run_in_executor(None, self._release_sync, ep, where[1])
-                                      for ep in where[0]), return_exceptions=True)
+        done = await asyncio.gather(
+            *(loop.run_in_executor(None, self._release_sync, ep, where[1]) for ep in where[0]), return_exceptions=True
+        )
         freed = False
-        for endpoint, out in zip(where[0], done):
+        for endpoint, out in zip(where[0], done, strict=False):
             if isinstance(out, RemoteError) and out.code == "unknown_request":
                 self.already += 1  # released (or claimed) already: nothing to do
                 logger.debug("proxy: Release of %s at %s: %s", where[1][:64], endpoint, out)
             elif isinstance(out, BaseException):  # the prefill's lease frees it anyway
                 self.failed += 1
-                logger.warning("proxy: Release of %s at %s failed (%s: %s); its lease frees it", where[1][:64],
-                               endpoint, type(out).__name__, out)
+                logger.warning(
+                    "proxy: Release of %s at %s failed (%s: %s); its lease frees it",
+                    where[1][:64],
+                    endpoint,
+                    type(out).__name__,
+                    out,
+                )
             else:
                 self.released += 1
                 freed = True
@@ -124,9 +139,11 @@ class PrefillReleaser:
                 return c
             ago = time.monotonic() - self._failed_at.get(endpoint, float("-inf"))
             if ago < RETRY_AFTER_S:
-                raise ConnectionError(f"no session with {endpoint}: its handshake failed {ago:.0f} s ago (wrong "
-                                      f"shared secret or auth, or unreachable); tried again {RETRY_AFTER_S:.0f} s "
-                                      "after it")
+                raise ConnectionError(
+                    f"no session with {endpoint}: its handshake failed {ago:.0f} s ago (wrong "
+                    f"shared secret or auth, or unreachable); tried again {RETRY_AFTER_S:.0f} s "
+                    "after it"
+                )
         c = ProtocolClient(endpoint, None, secret=self.secret, auth=self.auth, timeout_s=self.timeout_s)
         try:
             c.handshake(self.timeout_s)

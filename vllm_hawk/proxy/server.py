@@ -47,6 +47,7 @@ Other routes: ``GET /health`` (200 while the proxy runs; ``?deep=1`` also asks e
 upstream's ``/health`` and answers 503 naming the ones that fail), ``GET /v1/models``
 (from a decode server).
 """
+
 from __future__ import annotations
 
 import asyncio
@@ -110,8 +111,11 @@ def parse_body(raw: bytes, limits: Limits) -> tuple[dict | None, web.Response | 
     """The request's JSON object, or the error response; bounded before parsing."""
     tokens = sum(raw.count(c) for c in _STRUCTURAL)
     if tokens > limits.max_json_tokens:
-        return None, _error(413, f"request body has {tokens} JSON structural characters, more than "
-                            f"{limits.max_json_tokens}", "BadRequestError")
+        return None, _error(
+            413,
+            f"request body has {tokens} JSON structural characters, more than {limits.max_json_tokens}",
+            "BadRequestError",
+        )
     try:
         body = json.loads(raw)
     except (json.JSONDecodeError, UnicodeDecodeError):
@@ -124,13 +128,13 @@ def parse_body(raw: bytes, limits: Limits) -> tuple[dict | None, web.Response | 
 
 
 def sse_error(message: str, code: int = 502) -> bytes:
-    return b"data: " + json.dumps({"error": {"message": message, "type": "BadGateway", "code": code}}).encode() + \
-        b"\n\n"
+    return (
+        b"data: " + json.dumps({"error": {"message": message, "type": "BadGateway", "code": code}}).encode() + b"\n\n"
+    )
 
 
 def _error(status: int, message: str, kind: str = "BadGateway") -> web.Response:
-    return web.json_response({"error": {"message": message, "type": kind, "code": status}},
-                             status=status)
+    return web.json_response({"error": {"message": message, "type": kind, "code": status}}, status=status)
 
 
 def prefill_body(body: dict, path: str) -> dict:
@@ -146,20 +150,26 @@ def prefill_body(body: dict, path: str) -> dict:
 
 
 class Proxy:
-    def __init__(self, prefill: list[str], decode: list[str], *, limits: Limits | None = None,
-                 releaser=None) -> None:
+    def __init__(self, prefill: list[str], decode: list[str], *, limits: Limits | None = None, releaser=None) -> None:
         self.prefill = Pool(list(prefill))
         self.releaser = releaser  # PrefillReleaser, or None: refused requests wait for their lease
         self.decode = Pool(list(decode))
         self.limits = limits or Limits()
         # No total and no sock_read: first byte and idle-between-chunks are enforced per
         # phase below, so a long healthy stream is never cut.
-        self.timeout = aiohttp.ClientTimeout(total=None, connect=None, sock_connect=self.limits.connect_s,
-                                             sock_read=None)
+        self.timeout = aiohttp.ClientTimeout(
+            total=None, connect=None, sock_connect=self.limits.connect_s, sock_read=None
+        )
         self.session: aiohttp.ClientSession | None = None
         self.served = 0
-        self.stats = {"truncated_streams": 0, "slow_clients_dropped": 0, "refused_bodies": 0,
-                      "decode_refused": 0, "upstream_resent": 0, "upstream_emfile_retries": 0}
+        self.stats = {
+            "truncated_streams": 0,
+            "slow_clients_dropped": 0,
+            "refused_bodies": 0,
+            "decode_refused": 0,
+            "upstream_resent": 0,
+            "upstream_emfile_retries": 0,
+        }
         self.metrics = ProxyMetrics()
 
     # ---------------------------------------------------------------- app
@@ -177,8 +187,9 @@ class Proxy:
     async def _start(self, _app) -> None:
         # Idle upstream connections are closed before uvicorn's (vLLM's) 5 s keep-alive ends,
         # so that we rarely send on one it is closing.
-        self.session = aiohttp.ClientSession(timeout=self.timeout,
-                                             connector=aiohttp.TCPConnector(limit=0, keepalive_timeout=2.0))
+        self.session = aiohttp.ClientSession(
+            timeout=self.timeout, connector=aiohttp.TCPConnector(limit=0, keepalive_timeout=2.0)
+        )
 
     async def _stop(self, _app) -> None:
         if self.session is not None:
@@ -205,7 +216,7 @@ class Proxy:
         if request.query.get("deep") in ("1", "true", "yes"):
             urls = self.prefill.urls + self.decode.urls
             results = await asyncio.gather(*(self._ping(u) for u in urls))
-            bad = [u for u, ok in zip(urls, results) if not ok]
+            bad = [u for u, ok in zip(urls, results, strict=False) if not ok]
             if bad:
                 out.update(status="degraded", unhealthy=bad)
                 return web.json_response(out, status=503)
@@ -216,10 +227,9 @@ class Proxy:
 
     async def _ping(self, url: str) -> bool:
         try:
-            async with self.session.get(url + "/health",
-                                        timeout=aiohttp.ClientTimeout(total=5)) as r:
+            async with self.session.get(url + "/health", timeout=aiohttp.ClientTimeout(total=5)) as r:
                 return r.status == 200
-        except (aiohttp.ClientError, asyncio.TimeoutError):
+        except (TimeoutError, aiohttp.ClientError):
             return False
 
     async def models(self, request: web.Request) -> web.StreamResponse:
@@ -227,7 +237,7 @@ class Proxy:
         try:
             async with await self._open(lambda: self.session.get(url + "/v1/models")) as r:
                 return web.Response(status=r.status, body=await self._read(r), content_type=r.content_type)
-        except (aiohttp.ClientError, asyncio.TimeoutError) as e:
+        except (TimeoutError, aiohttp.ClientError) as e:
             return _error(502, f"decode server {url} unreachable: {e!s}")
 
     async def _open(self, make) -> aiohttp.ClientResponse:
@@ -284,14 +294,18 @@ class Proxy:
         p_url = self.prefill.pick()
         t0 = time.perf_counter()
         try:
-            async with await self._open(lambda: self.session.post(p_url + path, json=prefill_body(body, path),
-                                                          headers=headers)) as r:
+            async with await self._open(
+                lambda: self.session.post(p_url + path, json=prefill_body(body, path), headers=headers)
+            ) as r:
                 raw = await self._read(r)
                 if r.status != 200:
                     return web.Response(status=r.status, body=raw, content_type=r.content_type)
-        except asyncio.TimeoutError:
-            return _error(504, f"prefill server {p_url} did not answer within its deadline (first byte "
-                               f"{self.limits.first_byte_s:.0f} s, idle {self.limits.idle_s:.0f} s)")
+        except TimeoutError:
+            return _error(
+                504,
+                f"prefill server {p_url} did not answer within its deadline (first byte "
+                f"{self.limits.first_byte_s:.0f} s, idle {self.limits.idle_s:.0f} s)",
+            )
         except aiohttp.ClientError as e:
             return _error(502, f"prefill server {p_url} unreachable: {e!s}")
         prefill_ms = (time.perf_counter() - t0) * 1e3
@@ -301,8 +315,11 @@ class Proxy:
         except (ValueError, AttributeError):
             params = None
         if not isinstance(params, dict):
-            return _error(502, f"prefill server {p_url} returned no kv_transfer_params "
-                               "(is it a vLLM with HawkConnector as kv_producer?)")
+            return _error(
+                502,
+                f"prefill server {p_url} returned no kv_transfer_params "
+                "(is it a vLLM with HawkConnector as kv_producer?)",
+            )
 
         # 2. decode: the prefill's lease is renewed until the decode answers
         if self.releaser is not None:
@@ -313,37 +330,60 @@ class Proxy:
             if self.releaser is not None:
                 self.releaser.unhold(params)
 
-    async def _decode(self, request: web.Request, path: str, body: dict, params: dict, headers: dict[str, str],
-                      p_url: str, prefill_ms: float, t_in: float) -> web.StreamResponse:
+    async def _decode(
+        self,
+        request: web.Request,
+        path: str,
+        body: dict,
+        params: dict,
+        headers: dict[str, str],
+        p_url: str,
+        prefill_ms: float,
+        t_in: float,
+    ) -> web.StreamResponse:
         d_body = dict(body)
         d_body["kv_transfer_params"] = params
         d_url = self.decode.pick()
-        info = {"x-hawk-prefill": p_url, "x-hawk-decode": d_url,
-                "x-hawk-prefill-ms": f"{prefill_ms:.2f}"}
+        info = {"x-hawk-prefill": p_url, "x-hawk-decode": d_url, "x-hawk-prefill-ms": f"{prefill_ms:.2f}"}
         t_d = time.perf_counter()
         try:
             async with await self._open(lambda: self.session.post(d_url + path, json=d_body, headers=headers)) as r:
                 if r.status != 200:
                     await self._decode_refused(params)
                 if r.status != 200 or not body.get("stream"):
-                    return web.Response(status=r.status, body=await self._read(r),
-                                        content_type=r.content_type, headers=info)
-                resp = web.StreamResponse(status=200, headers={
-                    **info, "Content-Type": r.headers.get("Content-Type", "text/event-stream"),
-                    "Cache-Control": "no-cache"})
+                    return web.Response(
+                        status=r.status, body=await self._read(r), content_type=r.content_type, headers=info
+                    )
+                resp = web.StreamResponse(
+                    status=200,
+                    headers={
+                        **info,
+                        "Content-Type": r.headers.get("Content-Type", "text/event-stream"),
+                        "Cache-Control": "no-cache",
+                    },
+                )
                 await resp.prepare(request)
                 return await self._stream(request, resp, r, d_url, (t_in, t_d))
-        except asyncio.TimeoutError:
-            return _error(504, f"decode server {d_url} did not answer within its deadline (first byte "
-                               f"{self.limits.first_byte_s:.0f} s, idle {self.limits.idle_s:.0f} s)")
+        except TimeoutError:
+            return _error(
+                504,
+                f"decode server {d_url} did not answer within its deadline (first byte "
+                f"{self.limits.first_byte_s:.0f} s, idle {self.limits.idle_s:.0f} s)",
+            )
         except aiohttp.ClientConnectorError as e:  # never reached: nobody will ask for the KV
             await self._decode_refused(params)
             return _error(502, f"decode server {d_url} failed: {e!s}")
         except aiohttp.ClientError as e:
             return _error(502, f"decode server {d_url} failed: {e!s}")
 
-    async def _stream(self, request: web.Request, resp: web.StreamResponse, r: aiohttp.ClientResponse,
-                      d_url: str, t_in_dec: tuple[float, float] | None = None) -> web.StreamResponse:
+    async def _stream(
+        self,
+        request: web.Request,
+        resp: web.StreamResponse,
+        r: aiohttp.ClientResponse,
+        d_url: str,
+        t_in_dec: tuple[float, float] | None = None,
+    ) -> web.StreamResponse:
         """Relay the decode's SSE stream. A broken, stalled or unterminated upstream stream
         ends with an SSE error event; a client that stops reading is dropped (the upstream
         closes with the ``async with`` around us, and vLLM aborts the request)."""
@@ -353,7 +393,7 @@ class Proxy:
         while True:
             try:
                 chunk = await asyncio.wait_for(r.content.readany(), lim.idle_s)
-            except asyncio.TimeoutError:
+            except TimeoutError:
                 error = f"decode server {d_url} sent nothing for {lim.idle_s:.0f} s; stream aborted"
                 break
             except aiohttp.ClientError as e:
@@ -371,7 +411,7 @@ class Proxy:
                 t_in_dec = None
             try:
                 await asyncio.wait_for(resp.write(chunk), lim.write_s)
-            except asyncio.TimeoutError:
+            except TimeoutError:
                 self.stats["slow_clients_dropped"] += 1
                 logger.warning("proxy: client did not read for %.0f s; dropping it and its upstream", lim.write_s)
                 if request.transport is not None:
@@ -382,7 +422,7 @@ class Proxy:
             logger.warning("proxy: %s", error)
             try:
                 await asyncio.wait_for(resp.write(sse_error(error)), lim.write_s)
-            except (asyncio.TimeoutError, ConnectionError):
+            except (TimeoutError, ConnectionError):
                 return resp
         await resp.write_eof()
         self.served += 1
@@ -419,9 +459,13 @@ class _BoundedServer:
                 idle[0].force_close()
                 if time.monotonic() - self._logged_at >= EVICTION_LOG_S:
                     self._logged_at = time.monotonic()
-                    logger.warning("proxy: %d client connections, the bound for its file descriptors (RLIMIT_NOFILE): "
-                                   "dropped the oldest one that had sent no request (%d dropped so far); raise "
-                                   "`ulimit -n` if these are real clients", len(live), self.evicted)
+                    logger.warning(
+                        "proxy: %d client connections, the bound for its file descriptors (RLIMIT_NOFILE): "
+                        "dropped the oldest one that had sent no request (%d dropped so far); raise "
+                        "`ulimit -n` if these are real clients",
+                        len(live),
+                        self.evicted,
+                    )
         return self.inner(*args, **kwargs)
 
 
@@ -465,10 +509,14 @@ async def serve(proxy: Proxy, host: str, port: int) -> web.AppRunner:
     ``keepalive_timeout`` is the header-read timeout too: aiohttp arms it when a connection
     opens and a partial request does not reset it. Client connections are bounded below
     the fd limit (:class:`_BoundedServer`)."""
-    runner = web.AppRunner(proxy.app(), handler_cancellation=True, access_log=None,
-                           keepalive_timeout=proxy.limits.header_s)
+    runner = web.AppRunner(
+        proxy.app(), handler_cancellation=True, access_log=None, keepalive_timeout=proxy.limits.header_s
+    )
     await runner.setup()
-    runner._server = _BoundedServer(runner._server, max_clients_for_fd_limit(),  # TCPSite uses runner.server
-                                    proxy.metrics)
+    runner._server = _BoundedServer(
+        runner._server,
+        max_clients_for_fd_limit(),  # TCPSite uses runner.server
+        proxy.metrics,
+    )
     await web.TCPSite(runner, host, port, backlog=accept_backlog()).start()
     return runner

@@ -13,6 +13,7 @@ endpoints the connector builds, and calls them.
 * :class:`GNHostDecode` — the GN-Host baseline: an emulated Tenstorrent KV pool fed
   vLLM-layout blocks, with the runtime :class:`~vllm_hawk.kvflow.GNHostSink`.
 """
+
 from __future__ import annotations
 
 from vllm_hawk.kvflow import (
@@ -35,8 +36,9 @@ SOURCE_KINDS = ("hawk", "staged", "vllm")
 
 def make_source(cache, kind: str, device_profile: str | None = "p150a"):
     if kind == "hawk":
-        return TileTransformSource(cache.kv_views(), cache.desc, load_profile(device_profile) if device_profile
-                                   else None)
+        return TileTransformSource(
+            cache.kv_views(), cache.desc, load_profile(device_profile) if device_profile else None
+        )
     if kind == "staged":
         return RingGatherSource(cache.region_map, cache.desc, cache.storages, head_maps(cache.layers))
     if kind == "vllm":
@@ -46,8 +48,9 @@ def make_source(cache, kind: str, device_profile: str | None = "p150a"):
 
 def prefill_endpoint(cache, transport, compat, kind: str = "hawk", **kw) -> PrefillEndpoint:
     """A prefill endpoint serving ``cache`` (keyword arguments go to PrefillEndpoint)."""
-    return PrefillEndpoint(make_source(cache, kind, compat.device_profile if kind == "hawk" else None),
-                           transport, compat, **kw)
+    return PrefillEndpoint(
+        make_source(cache, kind, compat.device_profile if kind == "hawk" else None), transport, compat, **kw
+    )
 
 
 class _Endpoint:
@@ -84,9 +87,22 @@ class TTDecode(_Endpoint):
     ``recv_nbytes_per_bank``, or uses ``pool``; ``direct`` and ``per_tile`` register the KV pages, one of
     them at a time). Freed at :meth:`close`; a failing ``__init__`` frees the pool."""
 
-    def __init__(self, device, spec: TTKVCacheSpec, transport, endpoint: str, compat, *, secret=None, auth=None,
-                 recv_nbytes_per_bank: int = 16 << 20, pool=None, timeout_s: float = 10.0,
-                 claim_wait_s: float = 5.0, registration: str = "per_request") -> None:
+    def __init__(
+        self,
+        device,
+        spec: TTKVCacheSpec,
+        transport,
+        endpoint: str,
+        compat,
+        *,
+        secret=None,
+        auth=None,
+        recv_nbytes_per_bank: int = 16 << 20,
+        pool=None,
+        timeout_s: float = 10.0,
+        claim_wait_s: float = 5.0,
+        registration: str = "per_request",
+    ) -> None:
         self.device, self.transport, self.recv, self.shared_pool = device, transport, recv_nbytes_per_bank, pool
         self.registration = registration
         self.sinks: dict[str, TTSink] = {}
@@ -95,8 +111,15 @@ class TTDecode(_Endpoint):
         try:
             if recv_nbytes_per_bank:
                 self.sink("staged")
-            self.ep = DecodeEndpoint(transport, endpoint, compat, secret=secret, auth=auth, pull_timeout_s=timeout_s,
-                                     claim_wait_s=claim_wait_s)
+            self.ep = DecodeEndpoint(
+                transport,
+                endpoint,
+                compat,
+                secret=secret,
+                auth=auth,
+                pull_timeout_s=timeout_s,
+                claim_wait_s=claim_wait_s,
+            )
         except BaseException:
             self.close()
             raise
@@ -115,9 +138,16 @@ class TTDecode(_Endpoint):
             for other in ("direct", "per_tile"):
                 if mode != "staged" and other in self.sinks:
                     self.sinks.pop(other).close()
-            self.sinks[mode] = TTSink(self.device, self.layout, self.bufs, self.transport, mode,
-                                      recv_nbytes_per_bank=self.recv, pool=self.shared_pool,
-                                      registration=self.registration)
+            self.sinks[mode] = TTSink(
+                self.device,
+                self.layout,
+                self.bufs,
+                self.transport,
+                mode,
+                recv_nbytes_per_bank=self.recv,
+                pool=self.shared_pool,
+                registration=self.registration,
+            )
         return self.sinks[mode]
 
     def fetch(self, req_id: str, num_tokens: int, dst_blocks, mode: str = "staged", **kw):
@@ -143,11 +173,22 @@ class VllmDecode(_Endpoint):
     """A decode with a vLLM-layout cache (``PagedKVCache``): GG-Direct (``direct``) or
     GG-Host / staged (``staged``: receive ring of ``recv_nbytes``)."""
 
-    def __init__(self, cache, transport, endpoint: str, compat, *, mode: str = "direct", secret=None, auth=None,
-                 timeout_s: float = 10.0, recv_nbytes: int = 64 << 20, registration: str = "per_request") -> None:
+    def __init__(
+        self,
+        cache,
+        transport,
+        endpoint: str,
+        compat,
+        *,
+        mode: str = "direct",
+        secret=None,
+        auth=None,
+        timeout_s: float = 10.0,
+        recv_nbytes: int = 64 << 20,
+        registration: str = "per_request",
+    ) -> None:
         self.cache = cache
-        self.sink = vllm_sink(cache.region_map, cache.desc, transport, mode, cache.storages, recv_nbytes,
-                              registration)
+        self.sink = vllm_sink(cache.region_map, cache.desc, transport, mode, cache.storages, recv_nbytes, registration)
         try:
             self.ep = DecodeEndpoint(transport, endpoint, compat, secret=secret, auth=auth, pull_timeout_s=timeout_s)
         except BaseException:
@@ -168,16 +209,38 @@ class GNHostDecode(_Endpoint):
     cache.layers[0])``) in a receive ring of ``recv_nbytes``, fixed up on this side by
     :class:`~vllm_hawk.kvflow.GNHostSink`. Freed at :meth:`close`."""
 
-    def __init__(self, device, spec: TTKVCacheSpec, transport, endpoint: str, compat, wire, *, secret=None,
-                 auth=None, recv_nbytes: int = 64 << 20, timeout_s: float = 10.0, claim_wait_s: float = 5.0,
-                 registration: str = "per_request", layout=None, bufs=None) -> None:
+    def __init__(
+        self,
+        device,
+        spec: TTKVCacheSpec,
+        transport,
+        endpoint: str,
+        compat,
+        wire,
+        *,
+        secret=None,
+        auth=None,
+        recv_nbytes: int = 64 << 20,
+        timeout_s: float = 10.0,
+        claim_wait_s: float = 5.0,
+        registration: str = "per_request",
+        layout=None,
+        bufs=None,
+    ) -> None:
         self.device, self.sink, self.ep = device, None, None
         self._own = layout is None
         self.layout, self.bufs = (layout, list(bufs)) if layout is not None else device.allocate_kv_cache(spec)
         try:
             self.sink = GNHostSink(device, self.layout, self.bufs, transport, wire, recv_nbytes, registration)
-            self.ep = DecodeEndpoint(transport, endpoint, compat, secret=secret, auth=auth, pull_timeout_s=timeout_s,
-                                     claim_wait_s=claim_wait_s)
+            self.ep = DecodeEndpoint(
+                transport,
+                endpoint,
+                compat,
+                secret=secret,
+                auth=auth,
+                pull_timeout_s=timeout_s,
+                claim_wait_s=claim_wait_s,
+            )
         except BaseException:
             self.close()
             raise

@@ -21,6 +21,7 @@ On machines with 2+ CPUs the prefill's model threads are bound to the first CPU 
 decode's to the second (``VLLM_CPU_OMP_THREADS_BIND``); vLLM's default binds both to the
 same core.
 """
+
 from __future__ import annotations
 
 import contextlib
@@ -36,12 +37,14 @@ import time
 import urllib.error
 import urllib.parse
 import urllib.request
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Callable
 
-CHAT_TEMPLATE = ("{% for m in messages %}{{ m['role'] }}: {{ m['content'] }}\n{% endfor %}"
-                 "{% if add_generation_prompt %}assistant:{% endif %}")
+CHAT_TEMPLATE = (
+    "{% for m in messages %}{{ m['role'] }}: {{ m['content'] }}\n{% endfor %}"
+    "{% if add_generation_prompt %}assistant:{% endif %}"
+)
 
 Progress = Callable[[str, float], None]  # (what is starting, seconds so far)
 
@@ -55,8 +58,7 @@ Progress = Callable[[str, float], None]  # (what is starting, seconds so far)
 CONFIGURATIONS: dict[str, dict] = {
     "GG-Host": {"extra_config": {"transport": "host-staged", "mode": "staged"}},
     "GG-Direct": {"extra_config": {"transport": "mooncake-tcp", "mode": "direct"}},
-    "GN-Host": {"extra_config": {"transport": "host-staged", "mode": "staged", "layout_fix": "decode"},
-                "tt": True},
+    "GN-Host": {"extra_config": {"transport": "host-staged", "mode": "staged", "layout_fix": "decode"}, "tt": True},
     "GN-HAWK": {"extra_config": {"transport": "mooncake-tcp", "mode": "direct"}, "tt": True},
 }
 
@@ -142,8 +144,9 @@ def http_post_json(url: str, body: dict, timeout: float = 120.0) -> tuple[int, d
         try:
             conn.request("POST", u.path, json.dumps(body), {"Content-Type": "application/json"})
         except (BrokenPipeError, ConnectionResetError) as e:
-            raise RequestNotSent(f"POST {url}: the server closed the connection before the request was sent "
-                                 f"({e!s})") from e
+            raise RequestNotSent(
+                f"POST {url}: the server closed the connection before the request was sent ({e!s})"
+            ) from e
         r = conn.getresponse()
         raw = r.read().decode()
         try:
@@ -163,10 +166,8 @@ def scrape_metrics(base_url: str) -> dict[str, float]:
             continue
         name_labels, _, value = line.rpartition(" ")
         name = name_labels.split("{", 1)[0]
-        try:
+        with contextlib.suppress(ValueError):
             out[name] = out.get(name, 0.0) + float(value)
-        except ValueError:
-            pass
     return out
 
 
@@ -201,9 +202,11 @@ def idle_state(cluster, dump_dir: str | os.PathLike) -> tuple[bool, dict]:
     ps = [x.get("prefill", {}) for x in s.get("prefill", [])] or [{}]
     ds = [x.get("decode", {}) for x in s.get("decode", [])] or [{}]
     usage = (kv_usage(cluster.prefill_url), kv_usage(cluster.decode_url))
-    ok = (all(p.get("held") == 0 and p.get("ring_live") == 0 and p.get("ring_used", 0) == 0 for p in ps)
-          and all(d.get("inflight") == 0 and d.get("renewing", 0) == 0 and d.get("recv_live", 0) == 0 for d in ds)
-          and usage == (0.0, 0.0))
+    ok = (
+        all(p.get("held") == 0 and p.get("ring_live") == 0 and p.get("ring_used", 0) == 0 for p in ps)
+        and all(d.get("inflight") == 0 and d.get("renewing", 0) == 0 and d.get("recv_live", 0) == 0 for d in ds)
+        and usage == (0.0, 0.0)
+    )
     one = (lambda xs: xs[0]) if len(ps) == len(ds) == 1 else (lambda xs: xs)
     return ok, {"prefill": one(ps), "decode": one(ds), "usage": usage}
 
@@ -233,9 +236,10 @@ class Server:
     _log: object = None
 
     def start(self) -> None:
-        self._log = open(self.log_path, "w")
-        self.proc = subprocess.Popen(self.argv, stdout=self._log, stderr=subprocess.STDOUT,
-                                     env=self.env, start_new_session=True)
+        self._log = open(self.log_path, "w")  # noqa: SIM115 - the server writes it until stop() closes it
+        self.proc = subprocess.Popen(
+            self.argv, stdout=self._log, stderr=subprocess.STDOUT, env=self.env, start_new_session=True
+        )
         self.pgid = self.proc.pid
 
     def log_tail(self, nbytes: int = 4000) -> str:
@@ -264,10 +268,8 @@ class Server:
 
 
 def _signal_group(pgid: int, sig: int) -> None:
-    try:
+    with contextlib.suppress(ProcessLookupError, PermissionError):
         os.killpg(pgid, sig)
-    except (ProcessLookupError, PermissionError):
-        pass
 
 
 def _group_alive(pgid: int) -> bool:
@@ -315,8 +317,16 @@ class LocalCluster:
     servers: dict[str, Server] = field(default_factory=dict)
 
     @classmethod
-    def configured(cls, name: str, model: str | os.PathLike, workdir: str | os.PathLike, *,
-                   device: str = "p150a", kv_dtype: str = "bfloat16", **kw) -> "LocalCluster":
+    def configured(
+        cls,
+        name: str,
+        model: str | os.PathLike,
+        workdir: str | os.PathLike,
+        *,
+        device: str = "p150a",
+        kv_dtype: str = "bfloat16",
+        **kw,
+    ) -> LocalCluster:
         """A cluster for configuration ``name`` of :data:`CONFIGURATIONS` (not started).
         ``device``/``kv_dtype``: the Tenstorrent decode of the GN configurations; other
         keyword arguments are :class:`LocalCluster` fields (``extra_config`` is merged
@@ -359,8 +369,11 @@ class LocalCluster:
 
     def _env(self, cpu: str | None, tt: bool = False) -> dict[str, str]:
         env = dict(os.environ)
-        env.update(HF_HUB_OFFLINE="1", VLLM_CPU_KVCACHE_SPACE=env.get("VLLM_CPU_KVCACHE_SPACE", "1"),
-                   TOKENIZERS_PARALLELISM="false")
+        env.update(
+            HF_HUB_OFFLINE="1",
+            VLLM_CPU_KVCACHE_SPACE=env.get("VLLM_CPU_KVCACHE_SPACE", "1"),
+            TOKENIZERS_PARALLELISM="false",
+        )
         env.pop("VLLM_TARGET_DEVICE", None)
         for k in [k for k in env if k.startswith("HAWK_TT_") or k.startswith("HAWK_SHARED_SECRET")]:
             env.pop(k)  # only the --tt-* flags choose the platform; only _auth_config the secret
@@ -381,26 +394,58 @@ class LocalCluster:
         if tp > 1:  # TP_RANK_ENV: ranks unpinned, one OpenMP thread each
             cpu = "nobind"
         port = free_port()
-        ktc = {"kv_connector": "HawkConnector", "kv_connector_module_path": "vllm_hawk.connector",
-               "kv_role": kv_role, "kv_connector_extra_config": config}
+        ktc = {
+            "kv_connector": "HawkConnector",
+            "kv_connector_module_path": "vllm_hawk.connector",
+            "kv_role": kv_role,
+            "kv_connector_extra_config": config,
+        }
         if kv_role == "kv_consumer":
             ktc["kv_load_failure_policy"] = self.decode_policy
         launcher = ["-m", "vllm_hawk.vllm_launcher"]
         if role == "decode" and self.decode_tt:
-            launcher = ["-m", "vllm_hawk.tt_plugin", "--tt-platform", "emulated",
-                        "--tt-device", self.decode_tt.get("device", "p150a"),
-                        "--tt-kv-dtype", self.decode_tt.get("kv_dtype", "bfloat16"),
-                        *(["--tt-chips", str(self.decode_tt["chips"])] if self.decode_tt.get("chips") else [])]
-        argv = [self.python, *launcher, "serve", str(self.model),
-                "--host", "127.0.0.1", "--port", str(port), "--served-model-name", "tiny",
-                "--enforce-eager", "--dtype", self.dtype, "--max-model-len", str(self.max_model_len),
-                "--block-size", str(self.block_size), "--max-num-seqs", str(self.max_num_seqs),
-                "--chat-template", str(work / "chat_template.jinja"),
-                *tp_args, *map(str, self.extra_args), "--kv-transfer-config", json.dumps(ktc)]
+            launcher = [
+                "-m",
+                "vllm_hawk.tt_plugin",
+                "--tt-platform",
+                "emulated",
+                "--tt-device",
+                self.decode_tt.get("device", "p150a"),
+                "--tt-kv-dtype",
+                self.decode_tt.get("kv_dtype", "bfloat16"),
+                *(["--tt-chips", str(self.decode_tt["chips"])] if self.decode_tt.get("chips") else []),
+            ]
+        argv = [
+            self.python,
+            *launcher,
+            "serve",
+            str(self.model),
+            "--host",
+            "127.0.0.1",
+            "--port",
+            str(port),
+            "--served-model-name",
+            "tiny",
+            "--enforce-eager",
+            "--dtype",
+            self.dtype,
+            "--max-model-len",
+            str(self.max_model_len),
+            "--block-size",
+            str(self.block_size),
+            "--max-num-seqs",
+            str(self.max_num_seqs),
+            "--chat-template",
+            str(work / "chat_template.jinja"),
+            *tp_args,
+            *map(str, self.extra_args),
+            "--kv-transfer-config",
+            json.dumps(ktc),
+        ]
         tt = role == "decode" and bool(self.decode_tt)
         return Server(role, argv, self._env(cpu, tt), work / f"{role}.log", f"http://127.0.0.1:{port}")
 
-    def start(self, progress: Progress | None = None) -> "LocalCluster":
+    def start(self, progress: Progress | None = None) -> LocalCluster:
         work = Path(self.workdir)
         work.mkdir(parents=True, exist_ok=True)
         (work / "chat_template.jinja").write_text(CHAT_TEMPLATE)
@@ -420,9 +465,25 @@ class LocalCluster:
             auth = p_cfg.get("auth", "curve")
             secret = ["--shared-secret-file", p_cfg["shared_secret_file"]] if p_cfg.get("shared_secret_file") else []
             self.servers["proxy"] = Server(
-                "proxy", [self.python, "-m", "vllm_hawk.proxy", "--prefill", self.prefill_url,
-                          "--decode", self.decode_url, "--port", str(pport), "--side-channel-auth", auth, *secret],
-                self._env(None), work / "proxy.log", f"http://127.0.0.1:{pport}")
+                "proxy",
+                [
+                    self.python,
+                    "-m",
+                    "vllm_hawk.proxy",
+                    "--prefill",
+                    self.prefill_url,
+                    "--decode",
+                    self.decode_url,
+                    "--port",
+                    str(pport),
+                    "--side-channel-auth",
+                    auth,
+                    *secret,
+                ],
+                self._env(None),
+                work / "proxy.log",
+                f"http://127.0.0.1:{pport}",
+            )
             self.servers["proxy"].start()
             self._wait(["proxy"], progress)
         except BaseException:
@@ -449,16 +510,19 @@ class LocalCluster:
             for name in list(pending):
                 s = self.servers[name]
                 if s.proc.poll() is not None:
-                    raise RuntimeError(f"{name} server exited with code {s.proc.returncode}\n"
-                                       f"--- {s.log_path} ---\n{s.log_tail()}")
+                    raise RuntimeError(
+                        f"{name} server exited with code {s.proc.returncode}\n--- {s.log_path} ---\n{s.log_tail()}"
+                    )
                 try:
                     if http_get(s.url + "/health", timeout=2)[0] == 200:
                         pending.remove(name)
                 except OSError:
                     pass
             if elapsed > self.startup_timeout_s:
-                raise TimeoutError(f"{pending} not healthy after {elapsed:.0f} s\n" +
-                                   "\n".join(self.servers[n].log_tail(2000) for n in pending))
+                raise TimeoutError(
+                    f"{pending} not healthy after {elapsed:.0f} s\n"
+                    + "\n".join(self.servers[n].log_tail(2000) for n in pending)
+                )
             if progress is not None and pending:
                 progress(", ".join(pending), elapsed)
             if pending:
@@ -476,7 +540,7 @@ class LocalCluster:
         """Process groups of this cluster that still exist (should be empty after stop)."""
         return [s.pgid for s in self.servers.values() if s.pgid and _group_alive(s.pgid)]
 
-    def __enter__(self) -> "LocalCluster":
+    def __enter__(self) -> LocalCluster:
         return self.start()
 
     def __exit__(self, *exc) -> None:

@@ -16,6 +16,7 @@ down (``ip link set down``), :meth:`TwoHosts.mend` brings it back.
 
 Setting up and tearing down take well under a second (0.2 s measured).
 """
+
 from __future__ import annotations
 
 import os
@@ -61,7 +62,7 @@ class TwoHosts:
         self.host_p, self.p_addr = f"198.18.{n + 1}.1", f"198.18.{n + 1}.2"
         self.host_d, self.d_addr = f"198.18.{n + 2}.1", f"198.18.{n + 2}.2"
 
-    def start(self) -> "TwoHosts":
+    def start(self) -> TwoHosts:
         try:
             for ns in (self.ns_p, self.ns_d):
                 _ip("netns", "add", ns)
@@ -74,8 +75,10 @@ class TwoHosts:
                 _ip("addr", "add", f"{addr}/30", "dev", ifname, ns=ns)
                 _ip("link", "set", ifname, "up", ns=ns)
             # host <-> P and host <-> D, for HTTP (proxy, health, metrics)
-            for side, ns, host_addr, ns_addr in (("p", self.ns_p, self.host_p, self.p_addr),
-                                                 ("d", self.ns_d, self.host_d, self.d_addr)):
+            for side, ns, host_addr, ns_addr in (
+                ("p", self.ns_p, self.host_p, self.p_addr),
+                ("d", self.ns_d, self.host_d, self.d_addr),
+            ):
                 h, inner = f"hk{self.tag}h{side}", f"hk{self.tag}n{side}"
                 _ip("link", "add", h, "type", "veth", "peer", "name", inner)
                 self.host_links.append(h)
@@ -116,10 +119,11 @@ class TwoHosts:
         """Namespaces or host links of this run that still exist (empty after stop)."""
         names = subprocess.run(["ip", "netns", "list"], capture_output=True, text=True).stdout
         links = subprocess.run(["ip", "-o", "link"], capture_output=True, text=True).stdout
-        return ([ns for ns in (self.ns_p, self.ns_d) if ns in names]
-                + [f"link {i}" for i in (f"hk{self.tag}hp", f"hk{self.tag}hd") if i in links])
+        return [ns for ns in (self.ns_p, self.ns_d) if ns in names] + [
+            f"link {i}" for i in (f"hk{self.tag}hp", f"hk{self.tag}hd") if i in links
+        ]
 
-    def __enter__(self) -> "TwoHosts":
+    def __enter__(self) -> TwoHosts:
         return self.start()
 
     def __exit__(self, *exc) -> None:

@@ -9,6 +9,7 @@ Per layer a FlashAttention cache ``[num_blocks, num_kv_heads, block_size, 2*head
 ``block_nbytes`` bytes, and consecutive blocks are adjacent: a run of blocks moves as
 one transfer entry per layer.
 """
+
 from __future__ import annotations
 
 import torch
@@ -26,14 +27,23 @@ LAYOUT_NAME = "vllm-flash-nhd"
 class PagedKVCache:
     """num_layers x [num_blocks, num_kv_heads, block_size, 2*head_dim] in one buffer (bytes below)."""
 
-    def __init__(self, num_layers: int, num_blocks: int, num_kv_heads: int, block_size: int,
-                 head_dim: int, dtype: torch.dtype = torch.bfloat16) -> None:
+    def __init__(
+        self,
+        num_layers: int,
+        num_blocks: int,
+        num_kv_heads: int,
+        block_size: int,
+        head_dim: int,
+        dtype: torch.dtype = torch.bfloat16,
+    ) -> None:
         self.num_layers, self.num_blocks = num_layers, num_blocks
         self.num_kv_heads, self.block_size, self.head_dim, self.dtype = num_kv_heads, block_size, head_dim, dtype
-        self.adapter = FlashAttnKVLayout(num_kv_heads=num_kv_heads, block_size=block_size,
-                                         head_dim=head_dim, dtype=dtype)
-        self.layers = make_layer_caches(num_layers, num_blocks, num_kv_heads, block_size, 2 * head_dim,
-                                        dtype, layout="LBNHC")
+        self.adapter = FlashAttnKVLayout(
+            num_kv_heads=num_kv_heads, block_size=block_size, head_dim=head_dim, dtype=dtype
+        )
+        self.layers = make_layer_caches(
+            num_layers, num_blocks, num_kv_heads, block_size, 2 * head_dim, dtype, layout="LBNHC"
+        )
         storage = self.layers[0].untyped_storage()
         self.base_addr = storage.data_ptr()
         self.nbytes = storage.nbytes()
@@ -48,13 +58,13 @@ class PagedKVCache:
         """The whole buffer as uint8 [nbytes] (no copy)."""
         return torch.empty(0, dtype=torch.uint8).set_(self.layers[0].untyped_storage()).view(-1)
 
-    def fill_random(self, seed: int, chunk_elems: int = 1 << 24) -> "PagedKVCache":
+    def fill_random(self, seed: int, chunk_elems: int = 1 << 24) -> PagedKVCache:
         """Deterministic N(0, 1) values (the same for the same seed and shapes)."""
         g = torch.Generator().manual_seed(seed)
         flat = self.flat.view(self.dtype)
         for s in range(0, flat.numel(), chunk_elems):
             n = min(chunk_elems, flat.numel() - s)
-            flat[s:s + n] = torch.randn(n, generator=g).to(self.dtype)
+            flat[s : s + n] = torch.randn(n, generator=g).to(self.dtype)
         return self
 
     def kv_views(self) -> list[tuple[torch.Tensor, torch.Tensor]]:
@@ -70,8 +80,10 @@ class PagedKVCache:
     def region_map(self) -> KVRegionMap:
         """Per layer: block 0's address, the block stride, one run of ``block_nbytes``."""
         bn = self.block_nbytes
-        return KVRegionMap(tuple(LayerRegion(self.base_addr + i * self.layer_nbytes, bn, ((0, bn),))
-                                 for i in range(self.num_layers)), self.num_blocks)
+        return KVRegionMap(
+            tuple(LayerRegion(self.base_addr + i * self.layer_nbytes, bn, ((0, bn),)) for i in range(self.num_layers)),
+            self.num_blocks,
+        )
 
     @property
     def storages(self) -> list[tuple[int, int]]:
@@ -80,5 +92,11 @@ class PagedKVCache:
 
     @property
     def desc(self) -> LayoutDesc:
-        return vllm_layout_desc(self.region_map, LAYOUT_NAME, str(self.dtype).removeprefix("torch."),
-                                self.block_size, self.num_kv_heads, self.head_dim)
+        return vllm_layout_desc(
+            self.region_map,
+            LAYOUT_NAME,
+            str(self.dtype).removeprefix("torch."),
+            self.block_size,
+            self.num_kv_heads,
+            self.head_dim,
+        )

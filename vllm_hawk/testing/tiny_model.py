@@ -72,13 +72,24 @@ def _params(hidden, layers, heads, kv_heads, head_dim, vocab, dtype, seed) -> di
         raise ValueError(f"heads ({heads}) must be a multiple of kv_heads ({kv_heads})")
     if vocab < 300:
         raise ValueError(f"vocab ({vocab}) must leave room for 256 bytes + merges")
-    return dict(hidden=hidden, layers=layers, heads=heads, kv_heads=kv_heads,
-                head_dim=head_dim, vocab=vocab, dtype=dtype, seed=seed, format=_FORMAT)
+    return dict(
+        hidden=hidden,
+        layers=layers,
+        heads=heads,
+        kv_heads=kv_heads,
+        head_dim=head_dim,
+        vocab=vocab,
+        dtype=dtype,
+        seed=seed,
+        format=_FORMAT,
+    )
 
 
 def _dir_name(p: dict) -> str:
-    return (f"tiny-llama-h{p['hidden']}-l{p['layers']}-a{p['heads']}-kv{p['kv_heads']}"
-            f"-d{p['head_dim']}-v{p['vocab']}-{p['dtype']}-s{p['seed']}")
+    return (
+        f"tiny-llama-h{p['hidden']}-l{p['layers']}-a{p['heads']}-kv{p['kv_heads']}"
+        f"-d{p['head_dim']}-v{p['vocab']}-{p['dtype']}-s{p['seed']}"
+    )
 
 
 def _is_built(path: Path, params: dict) -> bool:

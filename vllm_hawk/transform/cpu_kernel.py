@@ -18,6 +18,7 @@ Source elements: bf16 (uint16 bits) or float32 (uint32 bits). Target codes: see 
 The numba cache lives in ``$HAWK_CACHE/numba`` (``NUMBA_CACHE_DIR`` overrides), so the
 compiled kernels survive across processes even when the package is installed read-only.
 """
+
 from __future__ import annotations
 
 import importlib.util
@@ -48,6 +49,7 @@ def available(x: torch.Tensor) -> bool:
 def numba_cache_dir() -> str:
     """Where the compiled kernels are cached: ``$NUMBA_CACHE_DIR``, else ``$HAWK_CACHE/numba``."""
     from vllm_hawk import envs
+
     return os.environ.get("NUMBA_CACHE_DIR") or str(envs.cache_dir() / "numba")
 
 
@@ -60,6 +62,7 @@ def _kernels():
         except OSError:
             pass  # numba falls back to its own locations
     from vllm_hawk.transform import cpu_kernel_numba
+
     return cpu_kernel_numba
 
 
@@ -89,7 +92,7 @@ class _Group:
     dim_off: np.ndarray  # [views, head_dim]
     keep: object = None  # the storage owner, kept alive
 
-    def subset(self, lo: int, hi: int) -> "_Group | None":
+    def subset(self, lo: int, hi: int) -> _Group | None:
         """The views whose slot is in [lo, hi), or None."""
         sel = (self.slots >= lo) & (self.slots < hi)
         if not sel.any():
@@ -97,8 +100,21 @@ class _Group:
         if sel.all():
             return self
         f = lambda a: np.ascontiguousarray(a[sel])  # noqa: E731
-        return _Group(self.src, self.src64, self.bf16, f(self.slots), f(self.bases), f(self.sbs), f(self.shs),
-                      f(self.kinds), f(self.sts), f(self.sds), f(self.tok_off), f(self.dim_off), self.keep)
+        return _Group(
+            self.src,
+            self.src64,
+            self.bf16,
+            f(self.slots),
+            f(self.bases),
+            f(self.sbs),
+            f(self.shs),
+            f(self.kinds),
+            f(self.sts),
+            f(self.sds),
+            f(self.tok_off),
+            f(self.dim_off),
+            self.keep,
+        )
 
 
 def _kind(tok_off: np.ndarray, dim_off: np.ndarray) -> tuple[int, int, int]:
@@ -116,13 +132,27 @@ def _kind(tok_off: np.ndarray, dim_off: np.ndarray) -> tuple[int, int, int]:
 def _group(src_tensor: torch.Tensor, slots, bases, sbs, shs, tok, dim) -> _Group:
     src = storage_bits(src_tensor)
     bf16 = src_tensor.dtype == torch.bfloat16
-    src64 = src.view(np.uint64) if bf16 and src.size % 4 == 0 and src.ctypes.data % 8 == 0 \
-        else np.zeros(0, dtype=np.uint64)
+    src64 = (
+        src.view(np.uint64) if bf16 and src.size % 4 == 0 and src.ctypes.data % 8 == 0 else np.zeros(0, dtype=np.uint64)
+    )
     tok, dim = np.asarray(tok, dtype=np.int64), np.asarray(dim, dtype=np.int64)
-    kinds = [_kind(t, d) for t, d in zip(tok, dim)]
+    kinds = [_kind(t, d) for t, d in zip(tok, dim, strict=False)]
     u = lambda a: np.ascontiguousarray(a, dtype=np.uint64)  # noqa: E731
-    return _Group(src, src64, bf16, u(slots), u(bases), u(sbs), u(shs), np.array([k[0] for k in kinds], np.uint8),
-                  u([k[1] for k in kinds]), u([k[2] for k in kinds]), u(tok), u(dim), src_tensor)
+    return _Group(
+        src,
+        src64,
+        bf16,
+        u(slots),
+        u(bases),
+        u(sbs),
+        u(shs),
+        np.array([k[0] for k in kinds], np.uint8),
+        u([k[1] for k in kinds]),
+        u([k[2] for k in kinds]),
+        u(tok),
+        u(dim),
+        src_tensor,
+    )
 
 
 class KernelViews:
@@ -132,7 +162,7 @@ class KernelViews:
         self.groups, self.num_slots, self.tokens, self.head_dim = groups, num_slots, tokens, head_dim
 
     @classmethod
-    def of_views(cls, views) -> "KernelViews":
+    def of_views(cls, views) -> KernelViews:
         """From per-layer (K, V) logical strided views ``[blocks, H, N, D]`` (CPU tensors,
         bf16 or float32); raises ValueError for anything else."""
         flat = [x for pair in views for x in pair]
@@ -147,13 +177,21 @@ class KernelViews:
         groups = []
         for ids in by_storage.values():
             xs = [flat[s] for s in ids]
-            groups.append(_group(xs[0], ids, [x.storage_offset() for x in xs], [x.stride(0) for x in xs],
-                                 [x.stride(1) for x in xs], [np.arange(n) * x.stride(2) for x in xs],
-                                 [np.arange(d) * x.stride(3) for x in xs]))
+            groups.append(
+                _group(
+                    xs[0],
+                    ids,
+                    [x.storage_offset() for x in xs],
+                    [x.stride(0) for x in xs],
+                    [x.stride(1) for x in xs],
+                    [np.arange(n) * x.stride(2) for x in xs],
+                    [np.arange(d) * x.stride(3) for x in xs],
+                )
+            )
         return cls(groups, len(flat), n, d)
 
     @classmethod
-    def of_amx(cls, caches, block_size: int, head_dim: int) -> "KernelViews":
+    def of_amx(cls, caches, block_size: int, head_dim: int) -> KernelViews:
         """vLLM 0.32's CPU ``amx`` layout read in place (bf16 layer caches ``[B, H, N, 2D]``,
         LBHNC; see :class:`~vllm_hawk.layout.vllm_kv.CpuAttnKVLayout`): K ``[N/16, D/2, 16, 2]``
         and V ``[D/16, N/2, 16, 2]`` per (block, head) half."""
@@ -163,10 +201,17 @@ class KernelViews:
         v_tok, v_dim = (t // 2) * 32 + t % 2, (d // 16) * (N // 2) * 32 + (d % 16) * 2
         by_storage: dict[int, list] = {}
         for layer, c in enumerate(caches):
-            if c.dtype != torch.bfloat16 or c.device.type != "cpu" or c.dim() != 4 or c.stride(3) != 1 \
-                    or c.stride(2) != 2 * D or c.stride(1) != 2 * N * D:
-                raise ValueError("cpu_kernel amx source: bf16 CPU caches [B, H, N, 2D] with dense (block, head) "
-                                 "slabs expected")
+            if (
+                c.dtype != torch.bfloat16
+                or c.device.type != "cpu"
+                or c.dim() != 4
+                or c.stride(3) != 1
+                or c.stride(2) != 2 * D
+                or c.stride(1) != 2 * N * D
+            ):
+                raise ValueError(
+                    "cpu_kernel amx source: bf16 CPU caches [B, H, N, 2D] with dense (block, head) slabs expected"
+                )
             by_storage.setdefault(c.untyped_storage().data_ptr(), []).append((layer, c))
         groups = []
         for items in by_storage.values():
@@ -209,19 +254,26 @@ def tile_args(idx: tuple[np.ndarray, ...], first: np.ndarray, step: np.ndarray) 
     blk, head, tr, tc, valid = idx
     order = np.lexsort((tc, tr, head, blk))
     u = lambda a: np.ascontiguousarray(np.asarray(a)[order], dtype=np.uint64)  # noqa: E731
-    return (u(blk), u(head), u(tr), u(tc), np.ascontiguousarray(np.asarray(valid)[order], dtype=np.uint8),
-            u(first), u(step))
+    return (
+        u(blk),
+        u(head),
+        u(tr),
+        u(tc),
+        np.ascontiguousarray(np.asarray(valid)[order], dtype=np.uint8),
+        u(first),
+        u(step),
+    )
 
 
-def launch(kv: KernelViews, args: tuple[np.ndarray, ...], out: torch.Tensor, dtype: str,
-           layers: tuple[int, int] | None = None) -> None:
+def launch(
+    kv: KernelViews, args: tuple[np.ndarray, ...], out: torch.Tensor, dtype: str, layers: tuple[int, int] | None = None
+) -> None:
     """Run the kernels for tile arguments ``args`` (:func:`tile_args`) into ``out``."""
     blk, head, tr, tc, valid, first, step = args
     lo, hi = (0, kv.num_slots) if layers is None else (2 * layers[0], 2 * layers[1])
     out_np = out.numpy()
     out16 = out_np.view(np.uint16) if out_np.size % 2 == 0 else np.zeros(0, np.uint16)
-    out64 = out_np.view(np.uint64) if out_np.size % 8 == 0 and out_np.ctypes.data % 8 == 0 \
-        else np.zeros(0, np.uint64)
+    out64 = out_np.view(np.uint64) if out_np.size % 8 == 0 and out_np.ctypes.data % 8 == 0 else np.zeros(0, np.uint64)
     k = _kernels()
     target = TARGET[dtype]
     with _KERNEL_LOCK:
@@ -232,17 +284,64 @@ def launch(kv: KernelViews, args: tuple[np.ndarray, ...], out: torch.Tensor, dty
             if g.bf16 and target != 3:
                 if target == 0 and out16.size == 0:
                     raise ValueError("bfloat16 G' must have an even size")
-                k.transform_bf16(g.src, g.src64, g.bases, g.sbs, g.shs, g.kinds, g.sts, g.sds, g.tok_off,
-                                 g.dim_off, g.slots, blk, head, tr, tc, valid, out_np, out16, out64,
-                                 first, step, target)
+                k.transform_bf16(
+                    g.src,
+                    g.src64,
+                    g.bases,
+                    g.sbs,
+                    g.shs,
+                    g.kinds,
+                    g.sts,
+                    g.sds,
+                    g.tok_off,
+                    g.dim_off,
+                    g.slots,
+                    blk,
+                    head,
+                    tr,
+                    tc,
+                    valid,
+                    out_np,
+                    out16,
+                    out64,
+                    first,
+                    step,
+                    target,
+                )
             else:  # float32 sources (and the float32 target, which no KV cache uses)
                 src = g.src if not g.bf16 else g.src.astype(np.uint32) << np.uint32(16)
-                k.transform_f32(src, g.bases, g.sbs, g.shs, g.kinds, g.sts, g.sds, g.tok_off, g.dim_off,
-                                g.slots, blk, head, tr, tc, valid, out_np, first, step, target)
+                k.transform_f32(
+                    src,
+                    g.bases,
+                    g.sbs,
+                    g.shs,
+                    g.kinds,
+                    g.sts,
+                    g.sds,
+                    g.tok_off,
+                    g.dim_off,
+                    g.slots,
+                    blk,
+                    head,
+                    tr,
+                    tc,
+                    valid,
+                    out_np,
+                    first,
+                    step,
+                    target,
+                )
 
 
-def run(kv: KernelViews, idx: tuple[np.ndarray, ...], out: torch.Tensor, first: np.ndarray, step: np.ndarray,
-        dtype: str, layers: tuple[int, int] | None = None) -> None:
+def run(
+    kv: KernelViews,
+    idx: tuple[np.ndarray, ...],
+    out: torch.Tensor,
+    first: np.ndarray,
+    step: np.ndarray,
+    dtype: str,
+    layers: tuple[int, int] | None = None,
+) -> None:
     """Write, for every view (slot s) and every tile k, source tile ``(blk, head, tr, tc)``
     of ``idx`` packed as ``dtype`` at byte ``first[k] + s * step[k]`` of ``out`` (uint8,
     CPU); ``valid[k] == 0`` writes a zero tile. ``layers=(a, b)``: only layers a..b-1.
@@ -254,6 +353,7 @@ def pack_tiles_bf16(tiles: torch.Tensor, dtype: str) -> torch.Tensor:
     """Face-ordered bf16 tiles ``[n, 1024]`` -> block-float bytes with the kernel's
     arithmetic (tests compare it with :func:`~vllm_hawk.layout.formats.pack_tiles`)."""
     from vllm_hawk.layout.formats import tile_format
+
     fmt = tile_format(dtype)
     bits = tiles.contiguous().view(torch.int16).numpy().view(np.uint16)
     out = np.zeros((bits.shape[0], fmt.tile_nbytes), dtype=np.uint8)

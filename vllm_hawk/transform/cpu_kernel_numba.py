@@ -23,6 +23,7 @@ blocks vectorisation); bf16 block-float packing runs in 16-bit lanes (exact: see
 order (the caller sorts tiles by source address, layer K then V); the next tile's source
 lines are prefetched.
 """
+
 import numba
 import numpy as np
 from llvmlite import ir
@@ -42,8 +43,7 @@ def _prefetch(typingctx, arr, idx):
     def codegen(context, builder, sig, args):
         aryty = sig.args[0]
         ary = context.make_array(aryty)(context, builder, args[0])
-        ptr = cgutils.get_item_pointer(context, builder, aryty, ary, [args[1]], wraparound=False,
-                                       boundscheck=False)
+        ptr = cgutils.get_item_pointer(context, builder, aryty, ary, [args[1]], wraparound=False, boundscheck=False)
         i8p = ir.IntType(8).as_pointer()
         fnty = ir.FunctionType(ir.VoidType(), [i8p, ir.IntType(32), ir.IntType(32), ir.IntType(32)])
         fn = cgutils.get_or_insert_function(builder.module, fnty, "llvm.prefetch.p0i8")
@@ -91,8 +91,7 @@ def _ir_codes(builder, v, ex, sv, mbits):
     rest = builder.and_(m8, builder.sub(builder.shl(k(1), sh), k(1)))
     half = builder.shl(k(1), builder.sub(sh, k(1)))
     odd = builder.icmp_unsigned("!=", builder.and_(q, k(1)), k(0))
-    up = builder.or_(builder.icmp_unsigned(">", rest, half),
-                     builder.and_(builder.icmp_unsigned("==", rest, half), odd))
+    up = builder.or_(builder.icmp_unsigned(">", rest, half), builder.and_(builder.icmp_unsigned("==", rest, half), odd))
     q = builder.add(q, builder.zext(up, v.type))
     top = k((1 << mbits) - 1)
     q = builder.select(builder.icmp_unsigned(">", q, top), top, q)
@@ -118,8 +117,10 @@ def _ir_transpose(builder, rows, perm=None):
     perm = list(range(m)) if perm is None else list(perm)
 
     def zip_mask(off, src):
-        return ir.Constant(ir.VectorType(_I32, m), [x for b in range(0, m, 16) for i in range(off, off + 8)
-                                                   for x in (src[b + i], m + src[b + i])])
+        return ir.Constant(
+            ir.VectorType(_I32, m),
+            [x for b in range(0, m, 16) for i in range(off, off + 8) for x in (src[b + i], m + src[b + i])],
+        )
 
     ident = list(range(m))
     for stage in range(n.bit_length() - 1):
@@ -147,8 +148,9 @@ def _row_bfp_intrinsic(mbits: int):
             p_src = builder.bitcast(_ir_ptr(context, builder, sig.args[0], args[0], args[1]), _V16.as_pointer())
             v = builder.load(p_src, align=2)
             ex = _ir_exp(builder, v)
-            red = cgutils.get_or_insert_function(builder.module, ir.FunctionType(_I16, [_V16]),
-                                                 "llvm.vector.reduce.umax.v16i16")
+            red = cgutils.get_or_insert_function(
+                builder.module, ir.FunctionType(_I16, [_V16]), "llvm.vector.reduce.umax.v16i16"
+            )
             shared = builder.call(red, [ex])
             sv = builder.insert_element(ir.Constant(_V16, None), shared, ir.Constant(_I32, 0))
             sv = builder.shuffle_vector(sv, ir.Constant(_V16, None), ir.Constant(ir.VectorType(_I32, 16), [0] * 16))
@@ -239,8 +241,9 @@ def _faces_bfp_t_intrinsic(mbits: int):
             def store16(vec, idx, off):  # bytes 16*half .. of vec to out[idx + off*half]
                 for h, mask in enumerate(lo_hi):
                     ptr = _ir_ptr(context, builder, sig.args[3], args[3], builder.add(idx, ir.Constant(i64, off * h)))
-                    builder.store(builder.shuffle_vector(vec, vec, mask), builder.bitcast(ptr, v16.as_pointer()),
-                                  align=1)
+                    builder.store(
+                        builder.shuffle_vector(vec, vec, mask), builder.bitcast(ptr, v16.as_pointer()), align=1
+                    )
 
             vs = []
             for j in range(16):
@@ -251,7 +254,7 @@ def _faces_bfp_t_intrinsic(mbits: int):
             sv = exs[0]
             for ex in exs[1:]:
                 sv = builder.select(builder.icmp_unsigned(">", ex, sv), ex, sv)
-            codes = [_ir_codes(builder, v, ex, sv, mbits) for v, ex in zip(vs, exs)]
+            codes = [_ir_codes(builder, v, ex, sv, mbits) for v, ex in zip(vs, exs, strict=False)]
             if mbits != 7:
                 codes = [_ir_nibble_pairs(builder, codes[2 * j], codes[2 * j + 1]) for j in range(8)]
             rows = _ir_transpose(builder, [builder.trunc(x, v8) for x in codes])
@@ -280,14 +283,20 @@ def _faces_bf16_t(typingctx, src, p, sd, out16, o):
         i64, v32 = ir.IntType(64), ir.VectorType(_I16, 32)
         vs = []
         for j in range(16):
-            ptr = _ir_ptr(context, builder, sig.args[0], args[0],
-                          builder.add(args[1], builder.mul(args[2], ir.Constant(i64, j))))
+            ptr = _ir_ptr(
+                context, builder, sig.args[0], args[0], builder.add(args[1], builder.mul(args[2], ir.Constant(i64, j)))
+            )
             vs.append(builder.load(builder.bitcast(ptr, v32.as_pointer()), align=2))
         even_odd = [*range(0, 32, 2), *range(1, 32, 2)]
         for j, rows in enumerate(_ir_transpose(builder, vs, even_odd)):
             t = 2 * j  # tokens t, t + 1: face t // 16, rows t % 16 and the next
-            ptr = _ir_ptr(context, builder, sig.args[3], args[3],
-                          builder.add(args[4], ir.Constant(i64, 512 * (t // 16) + 16 * (t % 16))))
+            ptr = _ir_ptr(
+                context,
+                builder,
+                sig.args[3],
+                args[3],
+                builder.add(args[4], ir.Constant(i64, 512 * (t // 16) + 16 * (t % 16))),
+            )
             builder.store(rows, builder.bitcast(ptr, v32.as_pointer()), align=2)
         return context.get_dummy_value()
 
@@ -377,8 +386,30 @@ def _tile_start(bases, sbs, shs, kinds, sts, sds, blk, head, tr, tc, s, k):
 # target format. They are kept whole as `hawk bench transform` measured them (over the mccabe
 # bound): splitting the loop body into calls is a performance change to measure first.
 @numba.njit(cache=True, parallel=True, boundscheck=False)
-def transform_bf16(src, src64, bases, sbs, shs, kinds, sts, sds, tok_off, dim_off, slots,  # noqa: C901
-                   blk, head, tr, tc, valid, out, out16, out64, first, step, target):
+def transform_bf16(  # noqa: C901
+    src,
+    src64,
+    bases,
+    sbs,
+    shs,
+    kinds,
+    sts,
+    sds,
+    tok_off,
+    dim_off,
+    slots,
+    blk,
+    head,
+    tr,
+    tc,
+    valid,
+    out,
+    out16,
+    out64,
+    first,
+    step,
+    target,
+):
     """bf16 source (uint16 storage ``src``; ``src64`` its uint64 view, or empty when the
     storage is not 8-byte sized) -> target 0 bfloat16, 1 bfloat8_b, 2 bfloat4_b.
 
@@ -400,8 +431,9 @@ def transform_bf16(src, src64, bases, sbs, shs, kinds, sts, sds, tok_off, dim_of
         tr0, tc0 = tr[k] * U64(32), tc[k] * U64(32)
         tile, _ = _tile_start(bases, sbs, shs, kinds, sts, sds, blk, head, tr, tc, s, k)
         if job + 1 < nv * n:  # the next job's source lines
-            p1, line = _tile_start(bases, sbs, shs, kinds, sts, sds, blk, head, tr, tc, U64((job + 1) // n),
-                                   U64((job + 1) % n))
+            p1, line = _tile_start(
+                bases, sbs, shs, kinds, sts, sds, blk, head, tr, tc, U64((job + 1) // n), U64((job + 1) % n)
+            )
             for i in range(32 if line != 0 else 1):
                 _prefetch(src, p1 + U64(i) * line)
         if valid[k] == 0:
@@ -466,6 +498,7 @@ def pack_tiles_bf16(tiles, out, mbits):
 
 # --------------------------------------------------------------------------- float32 sources
 
+
 @numba.njit(cache=True, inline="always")
 def _to_bf16(bits):
     if (bits & np.uint32(0x7F800000)) == np.uint32(0x7F800000) and (bits & np.uint32(0x7FFFFF)) != 0:
@@ -492,8 +525,27 @@ def _bfp_code(bits, shared, mbits):
 
 
 @numba.njit(cache=True, parallel=True, boundscheck=False)
-def transform_f32(src, bases, sbs, shs, kinds, sts, sds, tok_off, dim_off, slots,  # noqa: C901
-                  blk, head, tr, tc, valid, out, first, step, target):
+def transform_f32(  # noqa: C901
+    src,
+    bases,
+    sbs,
+    shs,
+    kinds,
+    sts,
+    sds,
+    tok_off,
+    dim_off,
+    slots,
+    blk,
+    head,
+    tr,
+    tc,
+    valid,
+    out,
+    first,
+    step,
+    target,
+):
     """float32 source (uint32 storage) -> target 0 bfloat16, 1 bfloat8_b, 2 bfloat4_b,
     3 float32; same arguments as :func:`transform_bf16`."""
     n = blk.size
@@ -527,7 +579,8 @@ def transform_f32(src, bases, sbs, shs, kinds, sts, sds, tok_off, dim_off, slots
                     for c in range(16):
                         for b in range(4):
                             out[o + U64(4) * (pos + U64(c)) + U64(b)] = np.uint8(
-                                (row[c] >> np.uint32(8 * b)) & np.uint32(0xFF))
+                                (row[c] >> np.uint32(8 * b)) & np.uint32(0xFF)
+                            )
                 else:
                     shared = np.uint32(0)
                     for c in range(16):

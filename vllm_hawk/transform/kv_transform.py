@@ -15,9 +15,10 @@ copy per run of source blocks when the bank of a tile is a suffix of its digits,
 gather of the source tiles in G' order, then packing into each bank's segment.
 ``HAWK_TRANSFORM_IMPL=torch|cpu_kernel`` forces one implementation.
 """
+
 from __future__ import annotations
 
-from typing import Sequence
+from collections.abc import Sequence
 
 import numpy as np
 import torch
@@ -86,9 +87,9 @@ class _FusedTilizer:
         (h1, h0), (r1, r0), (c1, c0) = self.split
         d = dst.reshape(h0, r0, c0, self.n, h1, r1, c1, 2, 2, 16, 16)
         for pos, first, length in self.runs:
-            tv = tile_view(x[first:first + length])  # [len, H, TR, TC, 2, 2, 16, 16]
+            tv = tile_view(x[first : first + length])  # [len, H, TR, TC, 2, 2, 16, 16]
             tv = tv.reshape(length, h1, h0, r1, r0, c1, c0, 2, 2, 16, 16)
-            d[:, :, :, pos:pos + length].copy_(tv.permute(2, 4, 6, 0, 1, 3, 5, 7, 8, 9, 10))
+            d[:, :, :, pos : pos + length].copy_(tv.permute(2, 4, 6, 0, 1, 3, 5, 7, 8, 9, 10))
 
 
 def transform_kv(
@@ -133,8 +134,10 @@ def _checked(layers, src_blocks, src_block_size: int, plan: TransferPlan, out, l
         raise ValueError(f"transform_kv: layer range {layer_range} not inside [0, {spec.num_layers})")
     k0 = layers[0][0]
     if tuple(k0.shape[1:]) != (spec.num_kv_heads, src_block_size, spec.head_dim):
-        raise ValueError(f"transform_kv: source K is {tuple(k0.shape)}, expected "
-                         f"[*, {spec.num_kv_heads}, {src_block_size}, {spec.head_dim}]")
+        raise ValueError(
+            f"transform_kv: source K is {tuple(k0.shape)}, expected "
+            f"[*, {spec.num_kv_heads}, {src_block_size}, {spec.head_dim}]"
+        )
     src = np.asarray(src_blocks, dtype=np.int64).reshape(-1)
     if src.size and (src.min() < 0 or src.max() >= k0.shape[0]):
         raise ValueError(f"transform_kv: source block ids must be in [0, {k0.shape[0]})")
@@ -145,8 +148,9 @@ def _checked(layers, src_blocks, src_block_size: int, plan: TransferPlan, out, l
     return lo, hi, src, out
 
 
-def _torch_transform(layers, src: np.ndarray, src_block_size: int, plan: TransferPlan, out: torch.Tensor,
-                     lo: int, hi: int) -> None:
+def _torch_transform(
+    layers, src: np.ndarray, src_block_size: int, plan: TransferPlan, out: torch.Tensor, lo: int, hi: int
+) -> None:
     """The torch transform of layers lo..hi-1 into ``out``: a fused tilizer when every
     bank holds the same tiles per block and block sizes match, else a gather by tile index."""
     spec = plan.layout.spec
@@ -156,9 +160,14 @@ def _torch_transform(layers, src: np.ndarray, src_block_size: int, plan: Transfe
     uniform = bool((counts == counts[0]).all())
     split = bank_digit_split(spec.num_kv_heads, spec.block_size // TILE, spec.head_dim // TILE, nb)
     fused = idx = invalid = None
-    if (src_block_size == spec.block_size and src.size >= plan.dst_blocks.size and uniform
-            and spec.tiles_per_block % nb == 0 and split is not None):
-        fused = _FusedTilizer(plan, src[:plan.dst_blocks.size], split)
+    if (
+        src_block_size == spec.block_size
+        and src.size >= plan.dst_blocks.size
+        and uniform
+        and spec.tiles_per_block % nb == 0
+        and split is not None
+    ):
+        fused = _FusedTilizer(plan, src[: plan.dst_blocks.size], split)
     else:
         sblk, head, s_tr, tc, valid = source_tile_index(plan, src, src_block_size)
         idx = [torch.from_numpy(a).to(device) for a in (sblk, head, s_tr, tc)]
@@ -191,7 +200,7 @@ def _scatter_slot(out: torch.Tensor, packed: torch.Tensor, plan: TransferPlan, s
     for c, cnt in enumerate(int(x) for x in plan.bank_counts):
         if cnt:
             o = int(plan.segment_offset[c]) + slot * cnt * tb
-            out[o:o + cnt * tb] = packed[start:start + cnt].reshape(-1)
+            out[o : o + cnt * tb] = packed[start : start + cnt].reshape(-1)
         start += cnt
 
 
@@ -208,23 +217,39 @@ def kernel_tile_args(plan: TransferPlan, src: np.ndarray, src_block_size: int) -
     return cpu_kernel.tile_args(idx, first, stride)
 
 
-def kernel_transform(kv: cpu_kernel.KernelViews, src: np.ndarray, src_block_size: int, plan: TransferPlan,
-                     out: torch.Tensor, layer_range: tuple[int, int] | None = None, args=None) -> None:
+def kernel_transform(
+    kv: cpu_kernel.KernelViews,
+    src: np.ndarray,
+    src_block_size: int,
+    plan: TransferPlan,
+    out: torch.Tensor,
+    layer_range: tuple[int, int] | None = None,
+    args=None,
+) -> None:
     """The CPU kernel's transform: ``kv`` (built once per cache) -> G' in ``out`` (uint8,
     CPU, ``plan.total_nbytes``); ``layer_range`` as in :func:`transform_kv`; ``args``:
     :func:`kernel_tile_args` when already computed."""
     spec = plan.layout.spec
     if (kv.tokens, kv.head_dim, kv.num_slots) != (src_block_size, spec.head_dim, 2 * spec.num_layers):
-        raise ValueError(f"transform: kernel views of {kv.num_slots // 2} layers x {kv.tokens} tokens x "
-                         f"{kv.head_dim} dims do not match the plan")
+        raise ValueError(
+            f"transform: kernel views of {kv.num_slots // 2} layers x {kv.tokens} tokens x "
+            f"{kv.head_dim} dims do not match the plan"
+        )
     if args is None:
         args = kernel_tile_args(plan, src, src_block_size)
     cpu_kernel.launch(kv, args, out, spec.dtype, layer_range)
 
 
-def transform_source(source, src_blocks, src_block_size: int, plan: TransferPlan, out: torch.Tensor,
-                     layer_range: tuple[int, int] | None = None, impl: str | None = None,
-                     memo: dict | None = None) -> torch.Tensor:
+def transform_source(
+    source,
+    src_blocks,
+    src_block_size: int,
+    plan: TransferPlan,
+    out: torch.Tensor,
+    layer_range: tuple[int, int] | None = None,
+    impl: str | None = None,
+    memo: dict | None = None,
+) -> torch.Tensor:
     """:func:`transform_kv` from a :class:`~vllm_hawk.layout.vllm_kv.TransformSource`:
     on the CPU through its kernel views (built once; vLLM's packed AMX layout read in
     place), elsewhere through ``source.select`` (zero-copy views, or a gather).

@@ -15,6 +15,7 @@ paged cache (:class:`~vllm_hawk.layout.tt_kv_cache.TTKVCacheLayout`):
 
 Adjacent tiles whose destinations are adjacent are coalesced into one op. Pure numpy.
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -43,17 +44,18 @@ class OpList:
     def total_nbytes(self) -> int:
         return int(self.nbytes.sum())
 
-    def for_bank(self, bank: int) -> "OpList":
+    def for_bank(self, bank: int) -> OpList:
         sel = self.bank == bank
         return OpList(self.src_offset[sel], self.bank[sel], self.dst_offset[sel], self.nbytes[sel])
 
     @staticmethod
-    def concat(parts: list["OpList"]) -> "OpList":
+    def concat(parts: list[OpList]) -> OpList:
         if not parts:
             z = np.zeros(0, dtype=np.int64)
             return OpList(z, z, z, z)
-        return OpList(*(np.concatenate([getattr(p, f) for p in parts])
-                        for f in ("src_offset", "bank", "dst_offset", "nbytes")))
+        return OpList(
+            *(np.concatenate([getattr(p, f) for p in parts]) for f in ("src_offset", "bank", "dst_offset", "nbytes"))
+        )
 
 
 @dataclass(frozen=True)
@@ -97,7 +99,7 @@ def block_runs(blocks) -> list[tuple[int, int, int]]:
     brk = np.nonzero(np.diff(b) != 1)[0] + 1
     starts = np.concatenate([[0], brk])
     ends = np.concatenate([brk, [b.size]])
-    return [(int(s), int(b[s]), int(e - s)) for s, e in zip(starts, ends)]
+    return [(int(s), int(b[s]), int(e - s)) for s, e in zip(starts, ends, strict=False)]
 
 
 def make_plan(layout: TTKVCacheLayout, dst_blocks, mode: str = "staged") -> TransferPlan:
@@ -109,8 +111,9 @@ def make_plan(layout: TTKVCacheLayout, dst_blocks, mode: str = "staged") -> Tran
     if dst.size == 0:
         raise ValueError("make_plan: a request needs at least one destination block")
     if dst.min() < 0 or dst.max() >= spec.num_blocks:
-        raise ValueError(f"make_plan: destination block ids must be in [0, {spec.num_blocks}), "
-                         f"got min {dst.min()} max {dst.max()}")
+        raise ValueError(
+            f"make_plan: destination block ids must be in [0, {spec.num_blocks}), got min {dst.min()} max {dst.max()}"
+        )
     if np.unique(dst).size != dst.size:
         raise ValueError("make_plan: destination block ids must be distinct")
     nb, tb = layout.num_banks, spec.tile_nbytes

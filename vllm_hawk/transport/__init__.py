@@ -8,6 +8,7 @@
 
 Use :func:`make_transport` so callers never import a backend by name.
 """
+
 from __future__ import annotations
 
 from typing import Any
@@ -32,16 +33,30 @@ def make_transport(kind: str, **options: Any) -> Transport:
     """Build a transport by name; ``options`` go to its constructor."""
     if kind == "mooncake":
         from vllm_hawk.transport.mooncake import MooncakeTransport
+
         return MooncakeTransport(**options)
     if kind == "host_staged":
         from vllm_hawk.transport.host_staged import HostStagedTransport
+
         return HostStagedTransport(**options)
     if kind == "inprocess":
         from vllm_hawk.transport.inprocess import InProcessTransport
+
         return InProcessTransport(**options)
     raise ValueError(f"unknown transport {kind!r}; choose one of {TRANSPORT_KINDS}")
 
 
-__all__ = ["Entry", "Kind", "RegionError", "RegionTable", "TRANSPORT_KINDS", "TransferFailed",
-           "TransferHandle", "TransferState", "TransferTimeout", "Transport", "TransportError",
-           "make_transport"]
+__all__ = [
+    "Entry",
+    "Kind",
+    "RegionError",
+    "RegionTable",
+    "TRANSPORT_KINDS",
+    "TransferFailed",
+    "TransferHandle",
+    "TransferState",
+    "TransferTimeout",
+    "Transport",
+    "TransportError",
+    "make_transport",
+]

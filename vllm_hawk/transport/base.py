@@ -15,14 +15,16 @@ Every transport refuses an entry that is not wholly inside one registered region
 on both sides: a local range error raises :class:`RegionError` at submit time; a
 remote one fails the transfer (the target refuses it, nothing is written).
 """
+
 from __future__ import annotations
 
 import bisect
 import enum
 import threading
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import Literal, Protocol, Sequence, runtime_checkable
+from typing import Literal, Protocol, runtime_checkable
 
 Kind = Literal["read", "write"]
 #: One transfer entry: (local_addr, remote_addr, nbytes). "read" copies remote -> local,
@@ -77,8 +79,7 @@ class TransferHandle:
     settled: threading.Event = field(default_factory=threading.Event, repr=False)
 
     def describe(self) -> str:
-        return (f"{self.kind} of {self.num_entries} entries ({self.total_nbytes} bytes) "
-                f"with peer {self.peer}")
+        return f"{self.kind} of {self.num_entries} entries ({self.total_nbytes} bytes) with peer {self.peer}"
 
     # Implementations call these two; they are idempotent (first outcome wins).
     def finish_ok(self) -> None:
@@ -164,7 +165,7 @@ def check_entries(entries: Sequence[Entry], max_entries: int = 1 << 20) -> tuple
     return n, total
 
 
-def begin_transfer(regions: "RegionTable", kind: str, peer: str, entries: Sequence[Entry]) -> TransferHandle:
+def begin_transfer(regions: RegionTable, kind: str, peer: str, entries: Sequence[Entry]) -> TransferHandle:
     """Validate a ``submit`` call (kind, entries, local ranges registered) and open its handle."""
     check_kind(kind)
     n, total = check_entries(entries)
@@ -198,11 +199,9 @@ class RegionTable:
         with self._lock:
             i = bisect.bisect_right(self._starts, addr)
             if i > 0 and self._ends[i - 1] > addr:
-                raise RegionError(f"range {addr:#x}+{nbytes} overlaps region at "
-                                  f"{self._starts[i - 1]:#x}")
+                raise RegionError(f"range {addr:#x}+{nbytes} overlaps region at {self._starts[i - 1]:#x}")
             if i < len(self._starts) and self._starts[i] < addr + nbytes:
-                raise RegionError(f"range {addr:#x}+{nbytes} overlaps region at "
-                                  f"{self._starts[i]:#x}")
+                raise RegionError(f"range {addr:#x}+{nbytes} overlaps region at {self._starts[i]:#x}")
             self._starts.insert(i, addr)
             self._ends.insert(i, addr + nbytes)
 
@@ -227,7 +226,7 @@ class RegionTable:
     def regions(self) -> list[tuple[int, int]]:
         """``[(addr, nbytes), ...]`` in address order."""
         with self._lock:
-            return [(s, e - s) for s, e in zip(self._starts, self._ends)]
+            return [(s, e - s) for s, e in zip(self._starts, self._ends, strict=False)]
 
     def __len__(self) -> int:
         return len(self._starts)
@@ -236,5 +235,4 @@ class RegionTable:
         """Raise RegionError unless every entry's local range is inside one region."""
         for i, (local, _remote, nbytes) in enumerate(entries):
             if not self.contains(local, nbytes):
-                raise RegionError(f"entry {i}: local range {local:#x}+{nbytes} is not inside "
-                                  f"a registered region")
+                raise RegionError(f"entry {i}: local range {local:#x}+{nbytes} is not inside a registered region")

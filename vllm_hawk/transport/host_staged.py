@@ -41,9 +41,11 @@ Wire format (little endian), one TCP connection per (client, peer):
   response ``<B7xQ``: status (0 ok, 1 outside registered regions, 2 too large,
            3 bad op), nbytes; an ok read response is followed by the payload.
 """
+
 from __future__ import annotations
 
 import collections
+import contextlib
 import ctypes
 import hashlib
 import hmac
@@ -55,8 +57,8 @@ import socket
 import struct
 import threading
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Sequence
 
 from vllm_hawk.security import RateLimitedLog, Refusals, derive_key
 from vllm_hawk.transport.base import (
@@ -78,11 +80,13 @@ _HELLO = struct.Struct("<4sB3xQ32s32s")
 _ANSWER = struct.Struct("<B7x32s")
 AUTH_WINDOW_S = 30.0
 _AUTH_OK, _AUTH_REQUIRED, _AUTH_FAILED, _AUTH_NONE_HERE = 0, 1, 2, 3
-_ANSWER_TEXT = {_AUTH_REQUIRED: "requires the shared secret and this side has none (auth 'none')",
-                _AUTH_FAILED: "refused this side's proof of the shared secret: the secrets differ (or the clocks "
-                              "differ by more than 30 s)",
-                _AUTH_NONE_HERE: "runs without authentication (auth 'none') and this side has a shared secret: "
-                                 "configure both sides alike"}
+_ANSWER_TEXT = {
+    _AUTH_REQUIRED: "requires the shared secret and this side has none (auth 'none')",
+    _AUTH_FAILED: "refused this side's proof of the shared secret: the secrets differ (or the clocks "
+    "differ by more than 30 s)",
+    _AUTH_NONE_HERE: "runs without authentication (auth 'none') and this side has a shared secret: "
+    "configure both sides alike",
+}
 _REQ = struct.Struct("<4sB3xQQ")
 _RESP = struct.Struct("<B7xQ")
 _OP_READ, _OP_WRITE = 1, 2
@@ -92,8 +96,11 @@ AUTH_TIMEOUT_S = 2.0
 MAX_PENDING = 32
 _rlog = RateLimitedLog(logger)
 ST_OK, ST_OUT_OF_RANGE, ST_TOO_LARGE, ST_BAD_OP = 0, 1, 2, 3
-_STATUS_TEXT = {ST_OUT_OF_RANGE: "outside the peer's registered regions",
-                ST_TOO_LARGE: "piece larger than the peer accepts", ST_BAD_OP: "bad op"}
+_STATUS_TEXT = {
+    ST_OUT_OF_RANGE: "outside the peer's registered regions",
+    ST_TOO_LARGE: "piece larger than the peer accepts",
+    ST_BAD_OP: "bad op",
+}
 
 
 class _PeerError(Exception):
@@ -143,12 +150,22 @@ class HostStagedTransport:
     the bounds of the module doc.
     """
 
-    def __init__(self, bind_host: str = "127.0.0.1", port: int = 0, *,
-                 advertise_host: str | None = None, chunk_nbytes: int = 4 << 20,
-                 max_piece_nbytes: int = 64 << 20, window: int = 32,
-                 io_timeout_s: float = 10.0, max_connections: int = 64, secret: bytes | None = None,
-                 max_pending: int = MAX_PENDING, idle_timeout_s: float = IDLE_TIMEOUT_S,
-                 auth_timeout_s: float = AUTH_TIMEOUT_S) -> None:
+    def __init__(
+        self,
+        bind_host: str = "127.0.0.1",
+        port: int = 0,
+        *,
+        advertise_host: str | None = None,
+        chunk_nbytes: int = 4 << 20,
+        max_piece_nbytes: int = 64 << 20,
+        window: int = 32,
+        io_timeout_s: float = 10.0,
+        max_connections: int = 64,
+        secret: bytes | None = None,
+        max_pending: int = MAX_PENDING,
+        idle_timeout_s: float = IDLE_TIMEOUT_S,
+        auth_timeout_s: float = AUTH_TIMEOUT_S,
+    ) -> None:
         if chunk_nbytes <= 0 or chunk_nbytes > max_piece_nbytes:
             raise ValueError(f"need 0 < chunk_nbytes <= max_piece_nbytes, got {chunk_nbytes}, {max_piece_nbytes}")
         self._key = derive_key(secret, "host-staged") if secret is not None else None
@@ -176,8 +193,9 @@ class HostStagedTransport:
         self._listener.settimeout(0.2)
         host = advertise_host or bind_host
         self._endpoint = f"{host}:{self._listener.getsockname()[1]}"
-        self._accept_thread = threading.Thread(target=self._accept_loop, daemon=True,
-                                               name=f"hawk-hs-accept-{self._endpoint}")
+        self._accept_thread = threading.Thread(
+            target=self._accept_loop, daemon=True, name=f"hawk-hs-accept-{self._endpoint}"
+        )
         self._accept_thread.start()
 
     # ---------------------------------------------------------------- interface
@@ -216,10 +234,8 @@ class HostStagedTransport:
         for _t, q in workers:
             q.put(None)
         for c in conns:
-            try:
+            with contextlib.suppress(OSError):
                 c.shutdown(socket.SHUT_RDWR)
-            except OSError:
-                pass
         self._accept_thread.join(timeout=2.0)
         self._listener.close()
         for t, _q in workers:
@@ -231,8 +247,9 @@ class HostStagedTransport:
             entry = self._workers.get(peer)
             if entry is None:
                 q: queue.Queue = queue.Queue()
-                t = threading.Thread(target=self._client_loop, args=(peer, q), daemon=True,
-                                     name=f"hawk-hs-client-{peer}")
+                t = threading.Thread(
+                    target=self._client_loop, args=(peer, q), daemon=True, name=f"hawk-hs-client-{peer}"
+                )
                 self._workers[peer] = (t, q)
                 t.start()
                 return q
@@ -264,8 +281,10 @@ class HostStagedTransport:
         try:
             _recv_exact(s, memoryview(ans))
         except (OSError, ConnectionError) as e:
-            raise _AuthFailed(f"{peer} closed the connection before answering ({e}): not a host-staged peer "
-                              "of this version, or it is overloaded") from e
+            raise _AuthFailed(
+                f"{peer} closed the connection before answering ({e}): not a host-staged peer "
+                "of this version, or it is overloaded"
+            ) from e
         status, proof = _ANSWER.unpack(ans)
         if status != _AUTH_OK:
             raise _AuthFailed(f"{peer} {_ANSWER_TEXT.get(status, f'answered status {status}')}")
@@ -312,11 +331,14 @@ class HostStagedTransport:
                 self._client_socks.discard(sock)
             sock.close()
 
-    def _run_job(self, sock: socket.socket, job: _Job, staging_addr: int,
-                 staging: memoryview, resp: memoryview) -> None:
-        pieces = [(local + off, remote + off, min(self._chunk, nbytes - off))
-                  for local, remote, nbytes in job.entries
-                  for off in range(0, nbytes, self._chunk)]
+    def _run_job(
+        self, sock: socket.socket, job: _Job, staging_addr: int, staging: memoryview, resp: memoryview
+    ) -> None:
+        pieces = [
+            (local + off, remote + off, min(self._chunk, nbytes - off))
+            for local, remote, nbytes in job.entries
+            for off in range(0, nbytes, self._chunk)
+        ]
         pending: list[tuple[int, int]] = []  # (local_addr, nbytes) awaiting a response
         refused = 0
         first_refusal = ""
@@ -348,8 +370,7 @@ class HostStagedTransport:
                 _recv_exact(sock, staging[:nbytes])
                 ctypes.memmove(local, staging_addr, nbytes)  # host staging -> device
         if refused:
-            raise _RemoteRefused(f"peer refused {refused} of {len(pieces)} pieces: "
-                                 f"{first_refusal}", closed)
+            raise _RemoteRefused(f"peer refused {refused} of {len(pieces)} pieces: {first_refusal}", closed)
 
     # ---------------------------------------------------------------- server side
     def _accept_loop(self) -> None:
@@ -400,10 +421,8 @@ class HostStagedTransport:
     def _drop_pending(self, sel, bufs, conn) -> None:
         self._pending.pop(conn, None)
         bufs.pop(conn, None)
-        try:
+        with contextlib.suppress(KeyError, ValueError):
             sel.unregister(conn)
-        except (KeyError, ValueError):
-            pass
         conn.close()
 
     def _expire_pending(self, sel, bufs) -> None:
@@ -444,16 +463,21 @@ class HostStagedTransport:
             with self._lock:
                 if len(self._server_conns) >= self._max_conns:
                     self.stats.count("connections_full")
-                    _rlog("full", "host-staged server %s: %d connections: refusing another", self._endpoint,
-                          self._max_conns)
+                    _rlog(
+                        "full",
+                        "host-staged server %s: %d connections: refusing another",
+                        self._endpoint,
+                        self._max_conns,
+                    )
                 elif not self._closed.is_set():
                     self._server_conns.add(conn)
                     admitted = True
         if not admitted:
             conn.close()
             return
-        threading.Thread(target=self._serve_conn, args=(conn,), daemon=True,
-                         name=f"hawk-hs-serve-{self._endpoint}").start()
+        threading.Thread(
+            target=self._serve_conn, args=(conn,), daemon=True, name=f"hawk-hs-serve-{self._endpoint}"
+        ).start()
 
     def _check_hello(self, raw: bytes) -> tuple[int, bytes]:
         magic, flags, ts, nonce, mac = _HELLO.unpack(raw)
@@ -473,8 +497,11 @@ class HostStagedTransport:
         fresh = abs(time.time() * 1000 - ts) <= AUTH_WINDOW_S * 1000
         if not (fresh and hmac.compare_digest(mac, _mac(self._key, b"c", tsb, nonce)) and self._first_use(nonce)):
             self.stats.count("auth_failed")
-            _rlog("auth", "host-staged server %s: a connection failed authentication (wrong secret, stale or "
-                  "replayed proof)", self._endpoint)
+            _rlog(
+                "auth",
+                "host-staged server %s: a connection failed authentication (wrong secret, stale or replayed proof)",
+                self._endpoint,
+            )
             return _AUTH_FAILED, bytes(32)
         return _AUTH_OK, _mac(self._key, b"s", nonce, tsb)
 
@@ -504,7 +531,7 @@ class HostStagedTransport:
                 conn.settimeout(self._idle_timeout)  # idle connections are closed
                 try:
                     _recv_exact(conn, hview[:1])
-                except socket.timeout:
+                except TimeoutError:
                     self.stats.count("idle_closed")
                     return
                 conn.settimeout(self._io_timeout)
@@ -522,8 +549,13 @@ class HostStagedTransport:
                     return
                 if not self._regions.contains(remote, nbytes):  # before allocating or reading anything
                     self.stats.count("out_of_range")
-                    _rlog("range", "host-staged server %s: refused a %s of %d bytes outside the registered "
-                          "regions", self._endpoint, "write" if op == _OP_WRITE else "read", nbytes)
+                    _rlog(
+                        "range",
+                        "host-staged server %s: refused a %s of %d bytes outside the registered regions",
+                        self._endpoint,
+                        "write" if op == _OP_WRITE else "read",
+                        nbytes,
+                    )
                     conn.sendall(_RESP.pack(ST_OUT_OF_RANGE, 0))
                     if op == _OP_WRITE:
                         return  # its payload follows and is never read: close

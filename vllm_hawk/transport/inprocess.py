@@ -5,12 +5,13 @@ For unit tests of everything above the transport. Each instance is reachable by 
 dead peer. Both the local and the target's registered ranges are checked, like the
 real transports. ``fail_next`` injects failures for tests of the failure paths.
 """
+
 from __future__ import annotations
 
 import ctypes
 import itertools
 import threading
-from typing import Sequence
+from collections.abc import Sequence
 
 from vllm_hawk.transport.base import (
     Entry,
@@ -23,7 +24,7 @@ from vllm_hawk.transport.base import (
 )
 
 _ids = itertools.count(1)
-_peers: dict[str, "InProcessTransport"] = {}
+_peers: dict[str, InProcessTransport] = {}
 _peers_lock = threading.Lock()
 
 
@@ -60,11 +61,11 @@ class InProcessTransport:
             self.fail_next -= 1
             h.finish_failed("injected failure")
         else:
-            bad = [i for i, (_l, r, nb) in enumerate(entries)
-                   if not target._regions.contains(r, nb)]
+            bad = [i for i, (_l, r, nb) in enumerate(entries) if not target._regions.contains(r, nb)]
             if bad:
-                h.finish_failed(f"peer refused {len(bad)} entries outside its registered "
-                                f"regions (first: entry {bad[0]})")
+                h.finish_failed(
+                    f"peer refused {len(bad)} entries outside its registered regions (first: entry {bad[0]})"
+                )
             else:
                 for local, remote, nbytes in entries:
                     if kind == "read":

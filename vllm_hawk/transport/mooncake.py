@@ -29,16 +29,18 @@ docs/mooncake.md in the repository):
   :attr:`MooncakeTransport.effective_protocol` says what the engine really uses; in the
   QEMU guest stage the soft-RoCE packet counters check it (tests/guest).
 """
+
 from __future__ import annotations
 
 import collections
+import contextlib
 import logging
 import os
 import queue
 import threading
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import Sequence
 
 from vllm_hawk.transport.base import (
     Entry,
@@ -105,9 +107,16 @@ class MooncakeTransport:
     poll_min_s / poll_max_s: the polling thread's sleep range (seconds).
     """
 
-    def __init__(self, local_host: str = "127.0.0.1", protocol: str = "tcp",
-                 device_name: str = "", *, max_inflight: int = 512,
-                 poll_min_s: float = 50e-6, poll_max_s: float = POLL_MAX_S) -> None:
+    def __init__(
+        self,
+        local_host: str = "127.0.0.1",
+        protocol: str = "tcp",
+        device_name: str = "",
+        *,
+        max_inflight: int = 512,
+        poll_min_s: float = 50e-6,
+        poll_max_s: float = POLL_MAX_S,
+    ) -> None:
         if protocol not in ("tcp", "rdma"):
             raise ValueError(f"protocol must be 'tcp' or 'rdma', got {protocol!r}")
         for k, v in ENV_DEFAULTS.items():
@@ -117,20 +126,30 @@ class MooncakeTransport:
         except ImportError as e:  # pragma: no cover - depends on the environment
             raise TransportError(
                 "Mooncake is not installed (pip install mooncake-transfer-engine-non-cuda; "
-                "it needs libibverbs1 even for TCP)") from e
+                "it needs libibverbs1 even for TCP)"
+            ) from e
         self._engine = TransferEngine()
         rc, self.effective_protocol = _initialize(self._engine, local_host, protocol, device_name)
         if rc != 0:
-            raise TransportError(f"Mooncake initialize({local_host!r}, P2PHANDSHAKE, "
-                                 f"{protocol!r}, {device_name!r}) returned {rc}")
+            raise TransportError(
+                f"Mooncake initialize({local_host!r}, P2PHANDSHAKE, {protocol!r}, {device_name!r}) returned {rc}"
+            )
         self._endpoint = f"{local_host}:{self._engine.get_rpc_port()}"
         if self.effective_protocol != protocol:
-            logger.warning("Mooncake engine %s: protocol %r requested but MC_FORCE_TCP=%r is set in "
-                           "the environment: the engine uses TCP", self._endpoint, protocol,
-                           os.environ.get("MC_FORCE_TCP"))
+            logger.warning(
+                "Mooncake engine %s: protocol %r requested but MC_FORCE_TCP=%r is set in "
+                "the environment: the engine uses TCP",
+                self._endpoint,
+                protocol,
+                os.environ.get("MC_FORCE_TCP"),
+            )
         else:
-            logger.info("Mooncake engine %s uses %s%s", self._endpoint, self.effective_protocol,
-                        f" (device {device_name or 'any'})" if protocol == "rdma" else "")
+            logger.info(
+                "Mooncake engine %s uses %s%s",
+                self._endpoint,
+                self.effective_protocol,
+                f" (device {device_name or 'any'})" if protocol == "rdma" else "",
+            )
         self._regions = RegionTable()
         self._max_inflight = max(1, max_inflight)
         self._poll_min = poll_min_s
@@ -189,13 +208,12 @@ class MooncakeTransport:
                 w.thread.join(timeout=2.0)
                 stuck = stuck or w.thread.is_alive()
         for addr, _n in self._regions.regions():
-            try:
+            with contextlib.suppress(Exception):  # best effort at shutdown
                 self.unregister(addr)
-            except Exception:  # noqa: BLE001 - best effort at shutdown
-                pass
         if stuck:
-            logger.warning("Mooncake transport closed with a peer thread still blocked in "
-                           "the engine; keeping the engine alive")
+            logger.warning(
+                "Mooncake transport closed with a peer thread still blocked in the engine; keeping the engine alive"
+            )
             _LEAKED.append(self._engine)
         self._engine = None
 
@@ -205,8 +223,9 @@ class MooncakeTransport:
             w = self._workers.get(peer)
             if w is None:
                 w = _PeerWorker(peer)
-                w.thread = threading.Thread(target=self._peer_loop, args=(w,), daemon=True,
-                                            name=f"hawk-mooncake-{peer}")
+                w.thread = threading.Thread(
+                    target=self._peer_loop, args=(w,), daemon=True, name=f"hawk-mooncake-{peer}"
+                )
                 self._workers[peer] = w
                 w.thread.start()
             return w
@@ -276,8 +295,8 @@ class MooncakeTransport:
                 job.failed_entries += 1
                 job.aborted = True
                 job.handle.finish_failed(
-                    f"engine refused to start entry {job.next_entry - 1} (peer unreachable "
-                    f"or queue full)")
+                    f"engine refused to start entry {job.next_entry - 1} (peer unreachable or queue full)"
+                )
                 continue
             job.inflight += 1
             inflight.append((bid, job))
@@ -299,7 +318,9 @@ class MooncakeTransport:
                 job.aborted = True
                 job.handle.finish_failed(
                     "entry failed in the engine (peer died, or remote range refused)"
-                    if st == -1 else "entry timed out in the engine")
+                    if st == -1
+                    else "entry timed out in the engine"
+                )
             self._maybe_finish(job)
         return progressed
 

@@ -21,6 +21,7 @@ KV connectors find the running engine's cache with :func:`get_kv_cache` (see
 This module imports neither vLLM nor torch: vLLM loads it during platform detection
 (``register`` imports torch, for the AMX policy).
 """
+
 from __future__ import annotations
 
 import importlib.abc
@@ -33,8 +34,14 @@ from pathlib import Path
 from vllm_hawk import envs
 from vllm_hawk.tt_plugin.config import TTPluginConfig, TTPluginConfigError
 
-__all__ = ["register", "ensure_entry_point", "entry_point_path", "get_kv_cache", "ENTRY_POINT_GROUP",
-           "ENTRY_POINT_NAME"]
+__all__ = [
+    "register",
+    "ensure_entry_point",
+    "entry_point_path",
+    "get_kv_cache",
+    "ENTRY_POINT_GROUP",
+    "ENTRY_POINT_NAME",
+]
 
 logger = logging.getLogger("vllm.hawk.tt_plugin")
 
@@ -75,6 +82,7 @@ def get_kv_cache(vllm_config=None):
 
 # --------------------------------------------------------------------------- activation
 
+
 class _EntryPointDistribution(md.Distribution):
     """Metadata-only distribution declaring the platform entry point (no files)."""
 
@@ -95,7 +103,7 @@ class _EntryPointFinder(importlib.abc.MetaPathFinder):
     def find_spec(self, fullname, path=None, target=None):
         return None
 
-    def find_distributions(self, context=md.DistributionFinder.Context()):
+    def find_distributions(self, context=md.DistributionFinder.Context()):  # noqa: B008 - importlib.metadata signature
         name = getattr(context, "name", None)
         if name is None or name.replace("_", "-").lower() == _EntryPointDistribution._NAME:
             yield _EntryPointDistribution()
@@ -116,15 +124,16 @@ def ensure_entry_point() -> bool:
     return True
 
 
-
 def entry_point_path(directory: str | os.PathLike | None = None) -> str | None:
     """For processes vLLM spawns (they do not inherit :func:`ensure_entry_point`'s
     in-memory finder): write a metadata-only ``.dist-info`` declaring the entry point
     under ``directory`` (default ``$HAWK_CACHE/tt_entry_point``), put it on ``sys.path``
     and on ``PYTHONPATH`` of this process's environment, and return it. Returns None
     when an installed distribution already declares the entry point."""
-    if any(ep.value == ENTRY_POINT_VALUE and not isinstance(ep.dist, _EntryPointDistribution)
-           for ep in md.entry_points(group=ENTRY_POINT_GROUP)):
+    if any(
+        ep.value == ENTRY_POINT_VALUE and not isinstance(ep.dist, _EntryPointDistribution)
+        for ep in md.entry_points(group=ENTRY_POINT_GROUP)
+    ):
         return None
     d = Path(directory) if directory is not None else envs.cache_dir() / "tt_entry_point"
     info = d / "vllm_hawk_tt_plugin-0.dist-info"

@@ -9,6 +9,7 @@ entry point is made visible even when the package is not installed, here and in 
 processes vLLM spawns (they re-import this module as ``__mp_main__``); so is the AMX
 decision (``HAWK_CPU_AMX``, :mod:`vllm_hawk.cpu_amx`), made in ``main()``.
 """
+
 from __future__ import annotations
 
 import os
@@ -18,8 +19,12 @@ from vllm_hawk.cpu_amx import apply_inherited_decision
 from vllm_hawk.tt_plugin import ensure_entry_point, entry_point_path
 from vllm_hawk.tt_plugin.config import ENV_CHIPS, ENV_DEVICE, ENV_KV_DTYPE, ENV_PLATFORM, TTPluginConfig
 
-_FLAGS = {"--tt-platform": ENV_PLATFORM, "--tt-device": ENV_DEVICE, "--tt-chips": ENV_CHIPS,
-          "--tt-kv-dtype": ENV_KV_DTYPE}
+_FLAGS = {
+    "--tt-platform": ENV_PLATFORM,
+    "--tt-device": ENV_DEVICE,
+    "--tt-chips": ENV_CHIPS,
+    "--tt-kv-dtype": ENV_KV_DTYPE,
+}
 
 
 def split_tt_flags(argv: list[str]) -> tuple[dict[str, str], list[str]]:

@@ -18,6 +18,7 @@ profiling and warm-up passes, where ``attn_metadata`` is None) the backend does 
 Not supported (refused when a layer is built): sliding window, ALiBi, logit soft-cap,
 attention sinks, encoder / cross attention, MLA, fp8 KV caches.
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -80,11 +81,11 @@ class TTPagedAttentionBackend(AttentionBackend):
         return False
 
     @staticmethod
-    def get_impl_cls() -> type["TTPagedAttentionImpl"]:
+    def get_impl_cls() -> type[TTPagedAttentionImpl]:
         return TTPagedAttentionImpl
 
     @staticmethod
-    def get_builder_cls() -> type["TTPagedMetadataBuilder"]:
+    def get_builder_cls() -> type[TTPagedMetadataBuilder]:
         return TTPagedMetadataBuilder
 
     @classmethod
@@ -118,13 +119,14 @@ class TTPagedMetadataBuilder(AttentionMetadataBuilder[TTPagedMetadata]):
     def __init__(self, kv_cache_spec, layer_names, vllm_config, device) -> None:
         super().__init__(kv_cache_spec, layer_names, vllm_config, device)
 
-    def build(self, common_prefix_len: int, common_attn_metadata: CommonAttentionMetadata,
-              fast_build: bool = False) -> TTPagedMetadata:
+    def build(
+        self, common_prefix_len: int, common_attn_metadata: CommonAttentionMetadata, fast_build: bool = False
+    ) -> TTPagedMetadata:
         m = common_attn_metadata
         n = m.num_reqs
         return TTPagedMetadata(
             num_actual_tokens=m.num_actual_tokens,
-            query_start_loc=m.query_start_loc_cpu[:n + 1],
+            query_start_loc=m.query_start_loc_cpu[: n + 1],
             seq_lens=m.seq_lens[:n].cpu(),
             block_table=m.block_table_tensor[:n].cpu(),
             slot_mapping=m.slot_mapping,
@@ -132,14 +134,27 @@ class TTPagedMetadataBuilder(AttentionMetadataBuilder[TTPagedMetadata]):
 
 
 class TTPagedAttentionImpl(AttentionImpl[TTPagedMetadata]):
-    def __init__(self, num_heads: int, head_size: int, scale: float, num_kv_heads: int | None = None,
-                 alibi_slopes: list[float] | None = None, sliding_window: int | None = None,
-                 kv_cache_dtype: str = "auto", logits_soft_cap: float | None = None,
-                 attn_type: str = AttentionType.DECODER,
-                 kv_sharing_target_layer_name: str | None = None, sinks: torch.Tensor | None = None) -> None:
-        unsupported = {"alibi_slopes": alibi_slopes, "sliding_window": sliding_window,
-                       "logits_soft_cap": logits_soft_cap or None, "sinks": sinks,
-                       "kv_sharing_target_layer_name": kv_sharing_target_layer_name}
+    def __init__(
+        self,
+        num_heads: int,
+        head_size: int,
+        scale: float,
+        num_kv_heads: int | None = None,
+        alibi_slopes: list[float] | None = None,
+        sliding_window: int | None = None,
+        kv_cache_dtype: str = "auto",
+        logits_soft_cap: float | None = None,
+        attn_type: str = AttentionType.DECODER,
+        kv_sharing_target_layer_name: str | None = None,
+        sinks: torch.Tensor | None = None,
+    ) -> None:
+        unsupported = {
+            "alibi_slopes": alibi_slopes,
+            "sliding_window": sliding_window,
+            "logits_soft_cap": logits_soft_cap or None,
+            "sinks": sinks,
+            "kv_sharing_target_layer_name": kv_sharing_target_layer_name,
+        }
         bad = [k for k, v in unsupported.items() if v is not None]
         if bad or attn_type != AttentionType.DECODER:
             raise NotImplementedError(f"{BACKEND_NAME} does not support {bad or attn_type}")
@@ -151,25 +166,40 @@ class TTPagedAttentionImpl(AttentionImpl[TTPagedMetadata]):
         self.tile_dtype = tt_kv_dtype(kv_cache_dtype)
         self.attn_type = attn_type
 
-    def do_kv_cache_update(self, layer, key: torch.Tensor, value: torch.Tensor,
-                           kv_cache: torch.Tensor, slot_mapping: torch.Tensor) -> None:
+    def do_kv_cache_update(
+        self, layer, key: torch.Tensor, value: torch.Tensor, kv_cache: torch.Tensor, slot_mapping: torch.Tensor
+    ) -> None:
         cache: TTMeshKVCache | None = getattr(layer, "hawk_tt_cache", None)
         if cache is None:  # profiling / warm-up before the KV cache exists
             return
         n = slot_mapping.shape[0]
         cache.write_tokens(layer.hawk_tt_layer, key[:n], value[:n], slot_mapping)
 
-    def forward(self, layer: AttentionLayer, query: torch.Tensor, key: torch.Tensor,
-                value: torch.Tensor, kv_cache: torch.Tensor, attn_metadata: TTPagedMetadata | None,
-                output: torch.Tensor, output_scale: torch.Tensor | None = None,
-                output_block_scale: torch.Tensor | None = None) -> torch.Tensor:
+    def forward(
+        self,
+        layer: AttentionLayer,
+        query: torch.Tensor,
+        key: torch.Tensor,
+        value: torch.Tensor,
+        kv_cache: torch.Tensor,
+        attn_metadata: TTPagedMetadata | None,
+        output: torch.Tensor,
+        output_scale: torch.Tensor | None = None,
+        output_block_scale: torch.Tensor | None = None,
+    ) -> torch.Tensor:
         if output_scale is not None or output_block_scale is not None:
             raise NotImplementedError(f"{BACKEND_NAME}: fused output quantization")
         if attn_metadata is None:  # profiling run: no KV cache, nothing to attend
             return output
         cache: TTMeshKVCache = layer.hawk_tt_cache  # type: ignore[attr-defined]
         n = attn_metadata.num_actual_tokens
-        cache.paged_attention(layer.hawk_tt_layer, query[:n], attn_metadata.query_start_loc,  # type: ignore[attr-defined]
-                              attn_metadata.seq_lens, attn_metadata.block_table, self.scale, output[:n])
+        cache.paged_attention(
+            layer.hawk_tt_layer,
+            query[:n],
+            attn_metadata.query_start_loc,  # type: ignore[attr-defined]
+            attn_metadata.seq_lens,
+            attn_metadata.block_table,
+            self.scale,
+            output[:n],
+        )
         return output
-

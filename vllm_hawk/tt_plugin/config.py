@@ -20,10 +20,11 @@ never changes what vLLM does on a GPU node. Every variable, its values and its d
 
 Pure: no vLLM import, so it can be checked anywhere.
 """
+
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import Mapping
 
 from vllm_hawk import envs
 
@@ -62,14 +63,15 @@ class TTPluginConfig:
         return self.bank_mib << 20
 
     @classmethod
-    def from_env(cls, env: Mapping[str, str] | None = None) -> "TTPluginConfig":
+    def from_env(cls, env: Mapping[str, str] | None = None) -> TTPluginConfig:
         """Parse the environment (default ``os.environ``); raises TTPluginConfigError."""
         env = envs.tt_env(env)
         raw = env.get(ENV_PLATFORM, "").strip().lower()
         backend = None if raw in _OFF else raw
         if backend is not None and backend not in BACKENDS:
             raise TTPluginConfigError(
-                f"{ENV_PLATFORM}={env.get(ENV_PLATFORM)!r}: expected one of {BACKENDS} (or unset)")
+                f"{ENV_PLATFORM}={env.get(ENV_PLATFORM)!r}: expected one of {BACKENDS} (or unset)"
+            )
         kv_dtype = env.get(ENV_KV_DTYPE, "").strip() or "bfloat16"
         if kv_dtype not in KV_DTYPES:
             raise TTPluginConfigError(f"{ENV_KV_DTYPE}={kv_dtype!r}: expected one of {KV_DTYPES}")
@@ -107,5 +109,6 @@ def kv_dtype_for(vllm_cache_dtype: str, cfg: TTPluginConfig) -> str:
     if vllm_cache_dtype not in ("auto", "bfloat16"):
         raise TTPluginConfigError(
             f"kv_cache_dtype={vllm_cache_dtype!r} is not supported by the Tenstorrent platform; "
-            f"keep 'auto' and choose the tile format with {ENV_KV_DTYPE} ({'|'.join(KV_DTYPES)})")
+            f"keep 'auto' and choose the tile format with {ENV_KV_DTYPE} ({'|'.join(KV_DTYPES)})"
+        )
     return cfg.kv_dtype

@@ -17,6 +17,7 @@ What the attention does with it (the emulation of an NPU kernel consuming tiles)
 
 Units: bytes for offsets and sizes, tokens for ``block_size``, elements elsewhere.
 """
+
 from __future__ import annotations
 
 from collections.abc import Sequence
@@ -43,8 +44,9 @@ def face_row_bytes(dtype: str) -> tuple[int, int]:
     raise ValueError(f"no face-row packing for tile dtype {dtype!r}")
 
 
-def kv_budget_blocks(spec_per_block_tiles: int, num_layers: int, num_banks: int,
-                     aligned_tile: int, budget_per_bank: int) -> int:
+def kv_budget_blocks(
+    spec_per_block_tiles: int, num_layers: int, num_banks: int, aligned_tile: int, budget_per_bank: int
+) -> int:
     """Largest block count whose K and V tensors (2 per layer, lockstep) fit in
     ``budget_per_bank`` bytes of every bank, counting the lockstep rounding up to whole
     pages per bank (``ceil(tiles / num_banks)``)."""
@@ -79,8 +81,7 @@ class TTPagedKVCache:
             per_kv = []
             for kv in (K, V):
                 base = self.layout.addresses[layer][kv]
-                per_kv.append([device.bank_tensor(b)[base:base + pages * ap].view(pages, ap)
-                               for b in range(nb)])
+                per_kv.append([device.bank_tensor(b)[base : base + pages * ap].view(pages, ap) for b in range(nb)])
             self._views.append(per_kv)
         self._closed = False
 
@@ -170,8 +171,7 @@ class TTPagedKVCache:
                 self.write_tiles(layer, kv, dst, self.read_tiles(layer, kv, src))
 
     # ---- tokens (the attention's write and read) ----------------------------------
-    def write_tokens(self, layer: int | str, key: torch.Tensor, value: torch.Tensor,
-                     slots: torch.Tensor) -> None:
+    def write_tokens(self, layer: int | str, key: torch.Tensor, value: torch.Tensor, slots: torch.Tensor) -> None:
         """Store K and V of tokens ``[T, H, head_dim]`` at vLLM slots ``block * block_size +
         offset`` (slots < 0 are padding and skipped).
 
@@ -248,9 +248,16 @@ class TTPagedKVCache:
             self.device.free_buffer(buf)
 
 
-def paged_attention(cache: "TTPagedKVCache", layer: int, query: torch.Tensor, query_start_loc: torch.Tensor,
-                    seq_lens: torch.Tensor, block_table: torch.Tensor, scale: float,
-                    out: torch.Tensor) -> torch.Tensor:
+def paged_attention(
+    cache: TTPagedKVCache,
+    layer: int,
+    query: torch.Tensor,
+    query_start_loc: torch.Tensor,
+    seq_lens: torch.Tensor,
+    block_table: torch.Tensor,
+    scale: float,
+    out: torch.Tensor,
+) -> torch.Tensor:
     """Causal attention of each request's queries over its cached tokens.
 
     query/out: ``[num_tokens, num_heads, head_dim]``; request ``r`` owns query rows
@@ -263,7 +270,7 @@ def paged_attention(cache: "TTPagedKVCache", layer: int, query: torch.Tensor, qu
     qsl = query_start_loc.tolist()
     lens = seq_lens.tolist()
     nblk = [-(-ln // bs) for ln in lens]
-    blocks = np.concatenate([block_table[r, :nblk[r]].numpy() for r in range(len(lens))] or [np.zeros(0)])
+    blocks = np.concatenate([block_table[r, : nblk[r]].numpy() for r in range(len(lens))] or [np.zeros(0)])
     if blocks.size == 0:
         return out
     k_all = cache.read_blocks(layer, 0, blocks)  # [sum(nblk), H, bs, D] float32
@@ -275,8 +282,8 @@ def paged_attention(cache: "TTPagedKVCache", layer: int, query: torch.Tensor, qu
         if nq == 0:
             first += nblk[r]
             continue
-        k = k_all[first:first + nblk[r]].transpose(0, 1).reshape(hkv, -1, s.head_dim)[:, :ln]
-        v = v_all[first:first + nblk[r]].transpose(0, 1).reshape(hkv, -1, s.head_dim)[:, :ln]
+        k = k_all[first : first + nblk[r]].transpose(0, 1).reshape(hkv, -1, s.head_dim)[:, :ln]
+        v = v_all[first : first + nblk[r]].transpose(0, 1).reshape(hkv, -1, s.head_dim)[:, :ln]
         first += nblk[r]
         q = query[q0:q1].to(torch.float32).transpose(0, 1)  # [Hq, nq, D]
         group = q.shape[0] // hkv

@@ -16,6 +16,7 @@ single-chip cache: same allocations, same bytes, same calls.
 
 Units: heads for head ranges, bytes for bank bytes, tokens for ``block_size``.
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -49,24 +50,23 @@ class TTMeshKVCache:
     chip's; with more they raise AttributeError (use ``chips[c]``).
     """
 
-    def __init__(self, devices: Sequence, spec: TTKVCacheSpec, layer_names: Sequence[str] = (),
-                 who: str = CHIPS_NAME) -> None:
+    def __init__(
+        self, devices: Sequence, spec: TTKVCacheSpec, layer_names: Sequence[str] = (), who: str = CHIPS_NAME
+    ) -> None:
         if not devices:
             raise ValueError("TTMeshKVCache needs at least one device")
         self.spec = spec
         self.shards = chip_shards(spec.num_kv_heads, len(devices), who)
         self.chips: list[TTPagedKVCache] = []
         try:
-            for dev, sh in zip(devices, self.shards):
-                self.chips.append(TTPagedKVCache(dev, dataclasses.replace(spec, num_kv_heads=sh.count),
-                                                 layer_names))
+            for dev, sh in zip(devices, self.shards, strict=False):
+                self.chips.append(TTPagedKVCache(dev, dataclasses.replace(spec, num_kv_heads=sh.count), layer_names))
         except Exception:
             for c in self.chips:
                 c.close()
             raise
         # for the global views: the lowest chip holding each head range (replicas skipped)
-        self._distinct = [c for c, sh in enumerate(self.shards)
-                          if c == 0 or sh.start != self.shards[c - 1].start]
+        self._distinct = [c for c, sh in enumerate(self.shards) if c == 0 or sh.start != self.shards[c - 1].start]
 
     # ---- identity -----------------------------------------------------------------
     @property
@@ -98,8 +98,10 @@ class TTMeshKVCache:
 
     def _single(self, what: str) -> TTPagedKVCache:
         if self.num_chips != 1:
-            raise AttributeError(f"TTMeshKVCache.{what}: the cache is sharded over {self.num_chips} chips; "
-                                 f"use .chips[c].{what} (chip c holds heads .heads_of(c))")
+            raise AttributeError(
+                f"TTMeshKVCache.{what}: the cache is sharded over {self.num_chips} chips; "
+                f"use .chips[c].{what} (chip c holds heads .heads_of(c))"
+            )
         return self.chips[0]
 
     @property
@@ -128,35 +130,42 @@ class TTMeshKVCache:
         for c in self.chips:
             c.copy_blocks(pairs)
 
-    def write_tokens(self, layer: int | str, key: torch.Tensor, value: torch.Tensor,
-                     slots: torch.Tensor) -> None:
+    def write_tokens(self, layer: int | str, key: torch.Tensor, value: torch.Tensor, slots: torch.Tensor) -> None:
         """Store K/V of tokens ``[T, H, head_dim]`` (all heads): each chip its heads."""
-        for c, sh in zip(self.chips, self.shards):
+        for c, sh in zip(self.chips, self.shards, strict=False):
             if sh.count == self.num_kv_heads:
                 c.write_tokens(layer, key, value, slots)
             else:
-                c.write_tokens(layer, key[:, sh.start:sh.stop], value[:, sh.start:sh.stop], slots)
+                c.write_tokens(layer, key[:, sh.start : sh.stop], value[:, sh.start : sh.stop], slots)
 
-    def paged_attention(self, layer: int, query: torch.Tensor, query_start_loc: torch.Tensor,
-                        seq_lens: torch.Tensor, block_table: torch.Tensor, scale: float,
-                        out: torch.Tensor) -> torch.Tensor:
+    def paged_attention(
+        self,
+        layer: int,
+        query: torch.Tensor,
+        query_start_loc: torch.Tensor,
+        seq_lens: torch.Tensor,
+        block_table: torch.Tensor,
+        scale: float,
+        out: torch.Tensor,
+    ) -> torch.Tensor:
         """:func:`~vllm_hawk.tt_plugin.kv_cache.paged_attention` on each chip over its
         query heads (``[c*Hq/n, (c+1)*Hq/n)``, those of its KV heads), then the gather of
         the chips' outputs into ``out`` ``[num_tokens, Hq, head_dim]``."""
         n = self.num_chips
         if n == 1:
-            return paged_attention(self.chips[0], layer, query, query_start_loc, seq_lens, block_table,
-                                   scale, out)
+            return paged_attention(self.chips[0], layer, query, query_start_loc, seq_lens, block_table, scale, out)
         hq = query.shape[1]
         if hq % n or hq % self.num_kv_heads:
-            raise TPMismatch(f"{CHIPS_NAME}={n}: the model's {hq} query heads do not split over {n} chips "
-                             f"with {self.num_kv_heads} KV heads")
+            raise TPMismatch(
+                f"{CHIPS_NAME}={n}: the model's {hq} query heads do not split over {n} chips "
+                f"with {self.num_kv_heads} KV heads"
+            )
         per = hq // n
         for c, chip in enumerate(self.chips):
-            q = query[:, c * per:(c + 1) * per]
+            q = query[:, c * per : (c + 1) * per]
             part = torch.empty(q.shape, dtype=out.dtype)
             paged_attention(chip, layer, q, query_start_loc, seq_lens, block_table, scale, part)
-            out[:, c * per:(c + 1) * per] = part  # all-gather
+            out[:, c * per : (c + 1) * per] = part  # all-gather
         return out
 
     # ---- global views (all heads; debug dumps, tests) -----------------------------

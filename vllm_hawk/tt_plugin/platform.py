@@ -15,6 +15,7 @@ Notes for operators: do not set ``VLLM_TARGET_DEVICE=cpu`` together with this pl
 stays ``auto``/``bfloat16`` (the tile format comes from ``HAWK_TT_KV_DTYPE``); block
 size defaults to 64 tokens (tt_transformers' examples) and must be a multiple of 32.
 """
+
 from __future__ import annotations
 
 import logging
@@ -47,8 +48,9 @@ class TTEmulatedPlatform(CpuPlatform):
         if attn_selector_config.use_mla or attn_selector_config.use_sparse:
             raise NotImplementedError("MLA / sparse attention have no Tenstorrent paged backend here")
         if selected_backend is not None and selected_backend != AttentionBackendEnum[BACKEND_NAME]:
-            logger.info("attention backend %s ignored: the Tenstorrent platform uses %s",
-                        selected_backend, BACKEND_NAME)
+            logger.info(
+                "attention backend %s ignored: the Tenstorrent platform uses %s", selected_backend, BACKEND_NAME
+            )
         return BACKEND_PATH
 
     @classmethod
@@ -60,8 +62,10 @@ class TTEmulatedPlatform(CpuPlatform):
             cache.block_size = DEFAULT_BLOCK_SIZE
             cache.user_specified_block_size = True  # keep CpuPlatform from choosing 128
         if cache.block_size % 32:
-            raise ValueError(f"block_size {cache.block_size}: the Tenstorrent paged cache needs a "
-                             "multiple of 32 tokens (whole tile rows)")
+            raise ValueError(
+                f"block_size {cache.block_size}: the Tenstorrent paged cache needs a "
+                "multiple of 32 tokens (whole tile rows)"
+            )
         par = vllm_config.parallel_config
         if par.worker_cls == "auto":
             par.worker_cls = WORKER_CLS
@@ -70,14 +74,20 @@ class TTEmulatedPlatform(CpuPlatform):
         if par.world_size > 1:
             raise NotImplementedError("the emulated Tenstorrent platform runs one worker (TP=PP=1)")
         super().check_and_update_config(vllm_config)
-        logger.info("HAWK Tenstorrent platform (emulated %s, chips %s, KV %s, block %d tokens)",
-                    cfg.device, cfg.chips or "from the profile", cfg.kv_dtype, cache.block_size)
+        logger.info(
+            "HAWK Tenstorrent platform (emulated %s, chips %s, KV %s, block %d tokens)",
+            cfg.device,
+            cfg.chips or "from the profile",
+            cfg.kv_dtype,
+            cache.block_size,
+        )
 
     @classmethod
     def pack_kv_cache(cls, kv_cache, indices) -> None:
         raise NotImplementedError(
             "the Tenstorrent KV cache is tiled and interleaved over DRAM banks; blocks cannot be "
-            "repacked by position. Write through vllm_hawk.tt_plugin.registry.get_kv_cache().")
+            "repacked by position. Write through vllm_hawk.tt_plugin.registry.get_kv_cache()."
+        )
 
 
 class TTPlatformMisconfigured(CpuPlatform):

@@ -23,6 +23,7 @@ With one chip, ``cache.device`` / ``.layout`` / ``.buffers`` / ``.buffer()`` are
 Keys are the engine's ``VllmConfig.instance_id`` (one per engine; a connector built from
 the same config finds it). Entries are removed when the worker shuts down.
 """
+
 from __future__ import annotations
 
 import threading
@@ -70,13 +71,16 @@ def get_kv_cache(vllm_config=None) -> TTMeshKVCache:
         if vllm_config is not None:
             key = engine_key(vllm_config)
             if key not in _caches:
-                raise LookupError(f"no Tenstorrent KV cache registered for engine {key} "
-                                  f"(registered: {sorted(_caches)}); is HAWK_TT_PLATFORM set and "
-                                  "the KV cache initialised?")
+                raise LookupError(
+                    f"no Tenstorrent KV cache registered for engine {key} "
+                    f"(registered: {sorted(_caches)}); is HAWK_TT_PLATFORM set and "
+                    "the KV cache initialised?"
+                )
             return _caches[key]
         if len(_caches) != 1:
-            raise LookupError(f"{len(_caches)} Tenstorrent KV caches registered in this process; "
-                              "pass the engine's vllm_config")
+            raise LookupError(
+                f"{len(_caches)} Tenstorrent KV caches registered in this process; pass the engine's vllm_config"
+            )
         return next(iter(_caches.values()))
 
 

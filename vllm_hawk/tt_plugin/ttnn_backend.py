@@ -27,6 +27,7 @@ DRAM interleaved, zero-filled, ``bfloat8_b`` by default; vLLM's block table goes
 unchanged to the device as an int32 ROW_MAJOR ``page_table`` ``[batch, max_blocks]``.
 Units: bytes; addresses are tt-metal's lockstep DRAM addresses (the same in every bank).
 """
+
 from __future__ import annotations
 
 import itertools
@@ -44,8 +45,16 @@ from vllm_hawk.layout.interleave import page_location, pages_per_bank
 from vllm_hawk.layout.tt_kv_cache import TILE, TILE_NBYTES, TTKVCacheLayout, TTKVCacheSpec
 from vllm_hawk.npu.bank_buffer import BankBufferError, DeviceBuffer
 
-__all__ = ["TTNNUnavailable", "NeedsSFPI", "import_ttnn", "TTNNDevice", "page_table",
-           "paged_decode_attention", "tensor_host_bytes", "TTNNPlatform"]
+__all__ = [
+    "TTNNUnavailable",
+    "NeedsSFPI",
+    "import_ttnn",
+    "TTNNDevice",
+    "page_table",
+    "paged_decode_attention",
+    "tensor_host_bytes",
+    "TTNNPlatform",
+]
 
 
 class TTNNUnavailable(RuntimeError):
@@ -84,7 +93,7 @@ def tensor_host_bytes(tensor) -> np.ndarray:
         ttnn.dump_tensor(str(path), host)
         data = path.read_bytes()
     (hs,) = struct.unpack_from("<Q", data, 0)
-    return np.frombuffer(data[8 + hs:], dtype=np.uint8).copy()
+    return np.frombuffer(data[8 + hs :], dtype=np.uint8).copy()
 
 
 def page_table(block_table, num_reqs: int) -> np.ndarray:
@@ -97,9 +106,11 @@ def page_table(block_table, num_reqs: int) -> np.ndarray:
 def paged_decode_attention(*_args, **_kwargs):
     """Decode attention over the paged cache (``ttnn.transformer.paged_scaled_dot_product_
     attention_decode``). Needs compute kernels: not runnable without SFPI."""
-    raise NeedsSFPI("paged decode attention runs compute kernels compiled with the SFPI "
-                    "toolchain, which this environment lacks (scripts/ttsim_env.sh says which "
-                    "one it found); the KV cache side (allocation, landing, read-back) runs")
+    raise NeedsSFPI(
+        "paged decode attention runs compute kernels compiled with the SFPI "
+        "toolchain, which this environment lacks (scripts/ttsim_env.sh says which "
+        "one it found); the KV cache side (allocation, landing, read-back) runs"
+    )
 
 
 class TTNNDevice:
@@ -134,15 +145,18 @@ class TTNNDevice:
     def _check_profile(self, table, ttnn) -> None:
         p = self.profile
         where = profiles.find("devices", p.name)
-        got = {"num_banks": len(table),
-               "bank_offsets": tuple(int(e["base_addr"]) for e in table),
-               "bank_size_bytes": int(table[0]["bank_size"]),
-               "dram_alignment_bytes": int(ttnn.get_dram_alignment()),
-               "dram_unreserved_base": int(ttnn.get_allocator_base_address(self.device, ttnn.BufferType.DRAM))}
+        got = {
+            "num_banks": len(table),
+            "bank_offsets": tuple(int(e["base_addr"]) for e in table),
+            "bank_size_bytes": int(table[0]["bank_size"]),
+            "dram_alignment_bytes": int(ttnn.get_dram_alignment()),
+            "dram_unreserved_base": int(ttnn.get_allocator_base_address(self.device, ttnn.BufferType.DRAM)),
+        }
         for field, value in got.items():
             if getattr(p, field) != value:
-                raise ValueError(f"{where}: field {field!r} is {getattr(p, field)!r}, the device "
-                                 f"(tt-metal) says {value!r}")
+                raise ValueError(
+                    f"{where}: field {field!r} is {getattr(p, field)!r}, the device (tt-metal) says {value!r}"
+                )
 
     @property
     def num_banks(self) -> int:
@@ -173,8 +187,13 @@ class TTNNDevice:
         """An interleaved DRAM buffer of ``num_pages`` pages of ``page_nbytes`` bytes: a
         ROW_MAJOR uint8 ttnn tensor ``[num_pages, page_nbytes]`` (one row = one page)."""
         ttnn = self._ttnn
-        t = ttnn.allocate_tensor_on_device(ttnn.Shape([num_pages, page_nbytes]), ttnn.uint8,
-                                           ttnn.ROW_MAJOR_LAYOUT, self.device, ttnn.DRAM_MEMORY_CONFIG)
+        t = ttnn.allocate_tensor_on_device(
+            ttnn.Shape([num_pages, page_nbytes]),
+            ttnn.uint8,
+            ttnn.ROW_MAJOR_LAYOUT,
+            self.device,
+            ttnn.DRAM_MEMORY_CONFIG,
+        )
         return self._register(t, num_pages, page_nbytes)
 
     def allocate_bank_buffers(self, size_per_bank: int) -> DeviceBuffer:
@@ -183,9 +202,15 @@ class TTNNDevice:
 
     def _register(self, tensor, num_pages: int, page_nbytes: int) -> DeviceBuffer:
         ap = self.profile.aligned_page(page_nbytes)
-        buf = DeviceBuffer(next(self._ids), int(tensor.buffer_address()),
-                           pages_per_bank(num_pages, self.num_banks) * ap, page_nbytes, num_pages,
-                           ap, self.num_banks)
+        buf = DeviceBuffer(
+            next(self._ids),
+            int(tensor.buffer_address()),
+            pages_per_bank(num_pages, self.num_banks) * ap,
+            page_nbytes,
+            num_pages,
+            ap,
+            self.num_banks,
+        )
         self._tensors[buf.buffer_id] = tensor
         self._buffers[buf.buffer_id] = buf
         return buf
@@ -243,11 +268,13 @@ class TTNNDevice:
         ttnn = self._ttnn
         dt = _ttnn_dtype(ttnn, dtype)
         if data is None:
-            t = ttnn.allocate_tensor_on_device(ttnn.Shape(list(shape)), dt, ttnn.TILE_LAYOUT, self.device,
-                                               ttnn.DRAM_MEMORY_CONFIG)
+            t = ttnn.allocate_tensor_on_device(
+                ttnn.Shape(list(shape)), dt, ttnn.TILE_LAYOUT, self.device, ttnn.DRAM_MEMORY_CONFIG
+            )
         else:
-            t = ttnn.Tensor(np.ascontiguousarray(data, dtype=np.float32), dt, self.device, ttnn.TILE_LAYOUT,
-                            ttnn.DRAM_MEMORY_CONFIG)
+            t = ttnn.Tensor(
+                np.ascontiguousarray(data, dtype=np.float32), dt, self.device, ttnn.TILE_LAYOUT, ttnn.DRAM_MEMORY_CONFIG
+            )
         *lead, h, w = shape
         tiles = int(np.prod(lead, dtype=np.int64)) * -(-h // TILE) * -(-w // TILE)
         return self._register(t, tiles, TILE_NBYTES[dtype])
@@ -272,8 +299,9 @@ class TTNNDevice:
     def page_table_tensor(self, block_table, num_reqs: int):
         """tt_transformers' page table on the device: int32 ROW_MAJOR, DRAM."""
         ttnn = self._ttnn
-        return ttnn.Tensor(page_table(block_table, num_reqs), ttnn.int32, self.device,
-                           ttnn.ROW_MAJOR_LAYOUT, ttnn.DRAM_MEMORY_CONFIG)
+        return ttnn.Tensor(
+            page_table(block_table, num_reqs), ttnn.int32, self.device, ttnn.ROW_MAJOR_LAYOUT, ttnn.DRAM_MEMORY_CONFIG
+        )
 
     def land(self, gprime: np.ndarray, plan, recv: DeviceBuffer | None = None) -> dict:
         """Land one request's G' (uint8) into the KV cache, the host moving the bytes.
@@ -286,20 +314,25 @@ class TTNNDevice:
         g = np.ascontiguousarray(gprime, dtype=np.uint8).reshape(-1)
         ops = plan.rdma
         if plan.mode == "direct":
-            for s, b, d, n in zip(*(np.asarray(getattr(ops, f)).tolist() for f in
-                                    ("src_offset", "bank", "dst_offset", "nbytes"))):
-                self.write_bank(b, d, g[s:s + n])
+            for s, b, d, n in zip(
+                *(np.asarray(getattr(ops, f)).tolist() for f in ("src_offset", "bank", "dst_offset", "nbytes")),
+                strict=False,
+            ):
+                self.write_bank(b, d, g[s : s + n])
             return {"direct_bytes": int(np.sum(ops.nbytes))}
         if recv is None:
             raise ValueError("land: staged mode needs a mapped receive buffer")
         shadows = self._mapped(recv, "land")
         used = [0] * self.num_banks
-        for s, b, d, n in zip(*(np.asarray(getattr(ops, f)).tolist() for f in
-                                ("src_offset", "bank", "dst_offset", "nbytes"))):
+        for s, b, d, n in zip(
+            *(np.asarray(getattr(ops, f)).tolist() for f in ("src_offset", "bank", "dst_offset", "nbytes")),
+            strict=False,
+        ):
             if d + n > recv.size_per_bank:
-                raise BankBufferError(f"land: segment of {n} B at {d} overflows the {recv.size_per_bank} B "
-                                      f"receive region of bank {b}")
-            shadows[b][d:d + n] = g[s:s + n]
+                raise BankBufferError(
+                    f"land: segment of {n} B at {d} overflows the {recv.size_per_bank} B receive region of bank {b}"
+                )
+            shadows[b][d : d + n] = g[s : s + n]
             used[b] = max(used[b], d + n)
         self.flush_buffer_dma(recv, used)
         intra = plan.intra_bank
@@ -308,9 +341,13 @@ class TTNNDevice:
                 continue
             region = self.read_bank(b, recv.address, used[b])  # what the device holds now
             sel = np.asarray(intra.bank) == b
-            for s, d, n in zip(np.asarray(intra.src_offset)[sel].tolist(),
-                               np.asarray(intra.dst_offset)[sel].tolist(), np.asarray(intra.nbytes)[sel].tolist()):
-                self.write_bank(b, d, region[s:s + n])
+            for s, d, n in zip(
+                np.asarray(intra.src_offset)[sel].tolist(),
+                np.asarray(intra.dst_offset)[sel].tolist(),
+                np.asarray(intra.nbytes)[sel].tolist(),
+                strict=False,
+            ):
+                self.write_bank(b, d, region[s : s + n])
         return {"rdma_bytes": sum(used), "intra_bank_bytes": int(np.sum(intra.nbytes))}
 
     def read_kv_tensor(self, buf: DeviceBuffer) -> np.ndarray:
@@ -369,5 +406,5 @@ class TTNNPlatform(_cpu_platform_base()):  # type: ignore[misc]
             "HAWK_TT_PLATFORM=ttnn: the KV-cache side (TTNNDevice: allocate_kv_cache, page "
             "tables, bank-buffer API, landing G') runs, on hardware or ttsim; decode attention "
             "needs the Tenstorrent vLLM plugin's runner and SFPI-compiled kernels; use "
-            "HAWK_TT_PLATFORM=emulated on machines without them")
-
+            "HAWK_TT_PLATFORM=emulated on machines without them"
+        )

@@ -20,6 +20,7 @@ host) with the KV cache moved into an :class:`~vllm_hawk.npu.emulated.EmulatedDe
 * block zeroing and copy-on-write copies, which vLLM does on its own views, are done
   through the layout on every chip (``TTMeshKVCache.zero_blocks`` / ``copy_blocks``).
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -65,10 +66,14 @@ class TTEmulatedModelRunner(CPUModelRunner):
             cfg = TTPluginConfig.from_env()
             profile = load_profile(cfg.device)
             n = cfg.num_chips(profile.chips)
-            self.hawk_tt_devices = [EmulatedDevice(profile, bank_size_bytes=cfg.bank_size_bytes)
-                                    for _ in range(n)]
-            logger.info("HAWK emulated Tenstorrent device: %s, %d chip(s) x %d banks x %d MiB",
-                        profile.name, n, profile.num_banks, cfg.bank_mib)
+            self.hawk_tt_devices = [EmulatedDevice(profile, bank_size_bytes=cfg.bank_size_bytes) for _ in range(n)]
+            logger.info(
+                "HAWK emulated Tenstorrent device: %s, %d chip(s) x %d banks x %d MiB",
+                profile.name,
+                n,
+                profile.num_banks,
+                cfg.bank_mib,
+            )
         return self.hawk_tt_devices
 
     def hawk_kv_budget_bytes(self) -> int:
@@ -81,8 +86,11 @@ class TTEmulatedModelRunner(CPUModelRunner):
         if not specs:
             return 0
         s0 = specs[0]
-        if any((s.block_size, s.num_kv_heads, s.head_size, s.page_size_bytes)
-               != (s0.block_size, s0.num_kv_heads, s0.head_size, s0.page_size_bytes) for s in specs):
+        if any(
+            (s.block_size, s.num_kv_heads, s.head_size, s.page_size_bytes)
+            != (s0.block_size, s0.num_kv_heads, s0.head_size, s0.page_size_bytes)
+            for s in specs
+        ):
             raise NotImplementedError("the emulated Tenstorrent platform needs uniform attention layers")
         where = f"device {cfg.device}, {'set' if cfg.chips is not None else 'the profile default'}"
         try:
@@ -100,28 +108,36 @@ class TTEmulatedModelRunner(CPUModelRunner):
         return blocks * s0.page_size_bytes * len(specs)
 
     # ---- allocation ------------------------------------------------------------------
-    def initialize_kv_cache_tensors(self, kv_cache_config, kernel_block_sizes,
-                                    kv_cache_allocation_context=None) -> dict[str, torch.Tensor]:
+    def initialize_kv_cache_tensors(
+        self, kv_cache_config, kernel_block_sizes, kv_cache_allocation_context=None
+    ) -> dict[str, torch.Tensor]:
         from vllm.v1.kv_cache_interface import AttentionSpec
         from vllm.v1.worker.utils import bind_kv_cache
 
         groups = kv_cache_config.kv_cache_groups
         if len(groups) != 1 or not isinstance(groups[0].kv_cache_spec, AttentionSpec):
-            raise NotImplementedError("the emulated Tenstorrent platform supports one full-attention "
-                                      f"KV cache group, got {len(groups)}")
+            raise NotImplementedError(
+                f"the emulated Tenstorrent platform supports one full-attention KV cache group, got {len(groups)}"
+            )
         spec = groups[0].kv_cache_spec
         layers = _attention_layers(self)
         names = [n for n in groups[0].layer_names if n in layers]
         for n in names:
             if layers[n].attn_backend is not TTPagedAttentionBackend:
-                raise RuntimeError(f"layer {n} uses {layers[n].attn_backend.get_name()}, "
-                                   f"not {TTPagedAttentionBackend.get_name()}")
+                raise RuntimeError(
+                    f"layer {n} uses {layers[n].attn_backend.get_name()}, not {TTPagedAttentionBackend.get_name()}"
+                )
         if kernel_block_sizes and kernel_block_sizes[0] != spec.block_size:
-            raise NotImplementedError(f"kernel block size {kernel_block_sizes[0]} != block size "
-                                      f"{spec.block_size}")
+            raise NotImplementedError(f"kernel block size {kernel_block_sizes[0]} != block size {spec.block_size}")
         num_blocks = kv_cache_config.num_blocks
-        tt_spec = TTKVCacheSpec(len(names), num_blocks, spec.num_kv_heads, spec.block_size,
-                                spec.head_size, tt_kv_dtype(self.cache_config.cache_dtype))
+        tt_spec = TTKVCacheSpec(
+            len(names),
+            num_blocks,
+            spec.num_kv_heads,
+            spec.block_size,
+            spec.head_size,
+            tt_kv_dtype(self.cache_config.cache_dtype),
+        )
         if self.hawk_tt_cache is not None:  # re-initialisation: drop the previous cache
             self.hawk_shutdown()
         cache = TTMeshKVCache(self.hawk_devices(), tt_spec, names, ENV_CHIPS)
@@ -131,15 +147,25 @@ class TTEmulatedModelRunner(CPUModelRunner):
             layers[n].hawk_tt_layer = i
         registry.register(self.vllm_config, cache)
         chip = cache.chips[0]
-        logger.info("HAWK KV cache on %s x %d chip(s) (%d of %d KV heads each): %d layers x (K, V) x "
-                    "%d blocks x %d tiles of %s per chip, %d B per bank per tensor (%d tiles per tensor "
-                    "over %d banks)", chip.device.profile.name, cache.num_chips, chip.spec.num_kv_heads,
-                    tt_spec.num_kv_heads, len(names), num_blocks, chip.spec.tiles_per_block, tt_spec.dtype,
-                    chip.layout.size_per_bank, chip.spec.tiles_per_tensor, chip.num_banks)
+        logger.info(
+            "HAWK KV cache on %s x %d chip(s) (%d of %d KV heads each): %d layers x (K, V) x "
+            "%d blocks x %d tiles of %s per chip, %d B per bank per tensor (%d tiles per tensor "
+            "over %d banks)",
+            chip.device.profile.name,
+            cache.num_chips,
+            chip.spec.num_kv_heads,
+            tt_spec.num_kv_heads,
+            len(names),
+            num_blocks,
+            chip.spec.tiles_per_block,
+            tt_spec.dtype,
+            chip.layout.size_per_bank,
+            chip.spec.tiles_per_tensor,
+            chip.num_banks,
+        )
         placeholder = torch.zeros((num_blocks, 1), dtype=torch.uint8)
         kv_caches = {n: placeholder for n in names}
-        bind_kv_cache(kv_caches, self.compilation_config.static_forward_context, self.kv_caches,
-                      kv_cache_groups=groups)
+        bind_kv_cache(kv_caches, self.compilation_config.static_forward_context, self.kv_caches, kv_cache_groups=groups)
         return kv_caches
 
     # ---- block operations vLLM performs on its own views ----------------------------
@@ -155,8 +181,9 @@ class TTEmulatedModelRunner(CPUModelRunner):
                 self.hawk_tt_cache.zero_blocks(zeros)
             if copies:
                 self.hawk_tt_cache.copy_blocks([(int(s), int(d)) for s, d in copies])
-            scheduler_output = dataclasses.replace(scheduler_output, kv_cache_block_copies=None,
-                                                   new_block_ids_to_zero=None)
+            scheduler_output = dataclasses.replace(
+                scheduler_output, kv_cache_block_copies=None, new_block_ids_to_zero=None
+            )
         return super()._update_states(scheduler_output)
 
     # ---- teardown ----------------------------------------------------------------------

@@ -10,6 +10,7 @@ hardware; ``TtKmdDevice.open()`` is the first call that does.
 - ``bank_buffers``: ``TtKmdBankBuffers``, the BankBufferAPI implementation
 - ``registration``: Mooncake + tt_peermem, and pyverbs dma-buf MR registration
 """
+
 from vllm_hawk.npu.tt_kmd.bank_buffers import BankMapping, TtKmdBankBuffers
 from vllm_hawk.npu.tt_kmd.device import TtDeviceNotFoundError, TtKmdDevice, TtKmdError, find_device
 from vllm_hawk.npu.tt_kmd.topology import Arch, CoordSystem, UnsupportedArchError

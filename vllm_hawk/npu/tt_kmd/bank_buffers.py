@@ -15,6 +15,7 @@ EXPORT_TLB_DMABUF over its page-rounded range (optional). The host address of ba
 region is ``window VA + (buffer.address mod 4 GiB)``. ``unmap_buffer_dma`` closes the
 buffer's dma-bufs; the last buffer out of a window munmaps it and frees it.
 """
+
 from __future__ import annotations
 
 import os
@@ -105,8 +106,11 @@ class TtKmdBankBuffers:
         window_map_bytes: int = BLACKHOLE_DRAM_BANK_BYTES,
     ) -> None:
         require_blackhole(device.arch, "RDMA bank buffers (map_buffer_dma)")
-        if window_map_bytes <= 0 or window_map_bytes % device.page_size \
-                or window_map_bytes > BLACKHOLE_TLB_4G_WINDOW_BYTES:
+        if (
+            window_map_bytes <= 0
+            or window_map_bytes % device.page_size
+            or window_map_bytes > BLACKHOLE_TLB_4G_WINDOW_BYTES
+        ):
             raise ValueError(f"window_map_bytes {window_map_bytes:#x} must be a page multiple <= 4 GiB")
         self._device = device
         self._num_banks = len(blackhole_bank_channels(harvest_mask))
@@ -146,8 +150,9 @@ class TtKmdBankBuffers:
                 f"buffer {buffer.buffer_id} [{buffer.address:#x}, {end:#x}) exceeds a Blackhole DRAM bank "
                 f"({BLACKHOLE_DRAM_BANK_BYTES:#x} bytes)"
             )
-        plan = plan_tlb_window(buffer.address, buffer.size_per_bank, BLACKHOLE_TLB_4G_WINDOW_BYTES,
-                               self._device.page_size)
+        plan = plan_tlb_window(
+            buffer.address, buffer.size_per_bank, BLACKHOLE_TLB_4G_WINDOW_BYTES, self._device.page_size
+        )
         if plan.map_length > self._map_bytes:
             raise BankBufferError(
                 f"buffer {buffer.buffer_id} ends {plan.map_length:#x} bytes into its window, past the "
@@ -226,8 +231,7 @@ class TtKmdBankBuffers:
             except BaseException:
                 dev.free_tlb(window)
                 raise
-            win = _BankWindow(window=window, endpoint=endpoint, window_base=window_base, va=va,
-                              length=self._map_bytes)
+            win = _BankWindow(window=window, endpoint=endpoint, window_base=window_base, va=va, length=self._map_bytes)
             self._windows[key] = win
         win.refs += 1
         return win
@@ -251,8 +255,9 @@ class TtKmdBankBuffers:
             except BaseException:
                 self._drop_window(bank, plan.window_base)
                 raise
-        return BankMapping(bank=bank, endpoint=win.endpoint, window=win.window, plan=plan,
-                           window_va=win.va, dmabuf_fd=fd)
+        return BankMapping(
+            bank=bank, endpoint=win.endpoint, window=win.window, plan=plan, window_va=win.va, dmabuf_fd=fd
+        )
 
     def _release(self, mapping: BankMapping) -> None:
         try:

@@ -12,6 +12,7 @@ for a NIC. Teardown is the reverse: munmap, close the dma-buf, FREE_TLB (tt-kmd 
 FREE_TLB with EBUSY while the window is mmap'd; a live dma-buf keeps the window pinned
 after FREE_TLB until its last reference is dropped).
 """
+
 from __future__ import annotations
 
 import ctypes
@@ -165,7 +166,12 @@ class _Libc:
         self.mmap.restype = ctypes.c_void_p
         # off_t is 64-bit on the LP64 Linux targets tt-kmd supports (x86-64, arm64).
         self.mmap.argtypes = [
-            ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int, ctypes.c_int, ctypes.c_int, ctypes.c_int64,
+            ctypes.c_void_p,
+            ctypes.c_size_t,
+            ctypes.c_int,
+            ctypes.c_int,
+            ctypes.c_int,
+            ctypes.c_int64,
         ]
         self.munmap = libc.munmap
         self.munmap.restype = ctypes.c_int
@@ -213,7 +219,7 @@ class TtKmdDevice:
             raise TtKmdError(errno.ENODEV, f"{path} is not a Tenstorrent device (vendor {vendor:#06x})")
 
     @classmethod
-    def open(cls, ordinal: int | None = None, root: str | os.PathLike[str] = "/") -> "TtKmdDevice":
+    def open(cls, ordinal: int | None = None, root: str | os.PathLike[str] = "/") -> TtKmdDevice:
         """Open /dev/tenstorrent/<ordinal> (lowest ordinal if None)."""
         return cls(find_device(ordinal, root))
 
@@ -236,7 +242,7 @@ class TtKmdDevice:
             os.close(self._fd)
             self._fd = None
 
-    def __enter__(self) -> "TtKmdDevice":
+    def __enter__(self) -> TtKmdDevice:
         return self
 
     def __exit__(self, *exc_info: object) -> None:
@@ -264,8 +270,9 @@ class TtKmdDevice:
         arg.in_.output_size_bytes = ctypes.sizeof(abi.GetDriverInfoOut)
         self._ioctl("GET_DRIVER_INFO", abi.TENSTORRENT_IOCTL_GET_DRIVER_INFO, arg)
         out = arg.out
-        return DriverInfo(out.driver_version, out.driver_version_major, out.driver_version_minor,
-                          out.driver_version_patch)
+        return DriverInfo(
+            out.driver_version, out.driver_version_major, out.driver_version_minor, out.driver_version_patch
+        )
 
     @property
     def arch(self) -> Arch:
@@ -285,8 +292,13 @@ class TtKmdDevice:
         return sizes[4] if len(sizes) > 4 else 0
 
     # -- power ------------------------------------------------------------------------------
-    def request_power(self, flags: int = abi.TT_POWER_FLAG_MAX_AI_CLK | abi.TT_POWER_FLAG_MRISC_PHY_WAKEUP
-                      | abi.TT_POWER_FLAG_TENSIX_ENABLE | abi.TT_POWER_FLAG_L2CPU_ENABLE) -> None:
+    def request_power(
+        self,
+        flags: int = abi.TT_POWER_FLAG_MAX_AI_CLK
+        | abi.TT_POWER_FLAG_MRISC_PHY_WAKEUP
+        | abi.TT_POWER_FLAG_TENSIX_ENABLE
+        | abi.TT_POWER_FLAG_L2CPU_ENABLE,
+    ) -> None:
         """SET_POWER_STATE (Blackhole): keep GDDR PHYs awake while this fd is open."""
         require_blackhole(self.arch, "SET_POWER_STATE")
         arg = abi.PowerState()
@@ -304,17 +316,22 @@ class TtKmdDevice:
             self._ioctl("ALLOCATE_TLB", abi.TENSTORRENT_IOCTL_ALLOCATE_TLB, arg)
         except TtKmdError as exc:
             if exc.errno == errno.ENOMEM:
-                raise TtKmdError(errno.ENOMEM, f"ALLOCATE_TLB({size:#x}): every window of that size "
-                                 "is taken (Blackhole has at most 8 of 4 GiB, as many as BAR4 holds)") from exc
+                raise TtKmdError(
+                    errno.ENOMEM,
+                    f"ALLOCATE_TLB({size:#x}): every window of that size "
+                    "is taken (Blackhole has at most 8 of 4 GiB, as many as BAR4 holds)",
+                ) from exc
             if exc.errno == errno.EINVAL:
-                raise TtKmdError(errno.EINVAL, f"ALLOCATE_TLB({size:#x}): {self.arch.value} has no "
-                                 "TLB window of that size") from exc
+                raise TtKmdError(
+                    errno.EINVAL, f"ALLOCATE_TLB({size:#x}): {self.arch.value} has no TLB window of that size"
+                ) from exc
             raise
         out = arg.out
         return TlbWindow(id=out.id, size=size, mmap_offset_uc=out.mmap_offset_uc, mmap_offset_wc=out.mmap_offset_wc)
 
-    def configure_tlb(self, window: TlbWindow, endpoint: NocEndpoint, noc_address: int,
-                      ordering: int = ORDERING_RELAXED) -> None:
+    def configure_tlb(
+        self, window: TlbWindow, endpoint: NocEndpoint, noc_address: int, ordering: int = ORDERING_RELAXED
+    ) -> None:
         """CONFIGURE_TLB: aim ``window`` at ``noc_address`` (window-size aligned) on ``endpoint``."""
         if noc_address % window.size:
             raise ValueError(f"window base {noc_address:#x} is not aligned to the window size {window.size:#x}")
@@ -343,8 +360,11 @@ class TtKmdDevice:
         addr = libc.mmap(None, length, mmap.PROT_READ | mmap.PROT_WRITE, mmap.MAP_SHARED, self.fd, offset)
         if addr is None or addr == libc.map_failed:
             err = ctypes.get_errno()
-            raise TtKmdError(err, f"mmap of TLB window {window.id} ({length:#x} bytes at offset {offset:#x}) "
-                             f"on {self.path} failed: {os.strerror(err)}")
+            raise TtKmdError(
+                err,
+                f"mmap of TLB window {window.id} ({length:#x} bytes at offset {offset:#x}) "
+                f"on {self.path} failed: {os.strerror(err)}",
+            )
         return int(addr)
 
     def unmap_window(self, address: int, length: int) -> None:
@@ -371,7 +391,10 @@ class TtKmdDevice:
             self._ioctl("EXPORT_TLB_DMABUF", abi.TENSTORRENT_IOCTL_EXPORT_TLB_DMABUF, arg)
         except TtKmdError as exc:
             if exc.errno in (errno.EINVAL, errno.ENOTTY, errno.EOPNOTSUPP):
-                raise TtKmdError(exc.errno, f"{exc.strerror}. EXPORT_TLB_DMABUF needs tt-kmd >= 2.10.0 on "
-                                 "Linux >= 5.8 (see /sys/module/tenstorrent/version)") from exc
+                raise TtKmdError(
+                    exc.errno,
+                    f"{exc.strerror}. EXPORT_TLB_DMABUF needs tt-kmd >= 2.10.0 on "
+                    "Linux >= 5.8 (see /sys/module/tenstorrent/version)",
+                ) from exc
             raise
         return int(arg.fd)

@@ -7,6 +7,7 @@ compiles the header with gcc and checks every size, field offset and request num
 All requests are ``_IO(0xFA, n)``: tt-kmd does not encode the argument size in the
 request number, so the number alone never tells whether a struct grew.
 """
+
 from __future__ import annotations
 
 import ctypes
@@ -22,12 +23,7 @@ _IOC_NONE = 0
 
 def _IO(ioc_type: int, nr: int) -> int:  # noqa: N802 - mirrors the C macro name
     """The request number of a Linux ``_IO(type, nr)`` ioctl (no direction, no size)."""
-    return (
-        (_IOC_NONE << _IOC_DIRSHIFT)
-        | (ioc_type << _IOC_TYPESHIFT)
-        | (nr << _IOC_NRSHIFT)
-        | (0 << _IOC_SIZESHIFT)
-    )
+    return (_IOC_NONE << _IOC_DIRSHIFT) | (ioc_type << _IOC_TYPESHIFT) | (nr << _IOC_NRSHIFT) | (0 << _IOC_SIZESHIFT)
 
 
 TENSTORRENT_IOCTL_MAGIC = 0xFA
@@ -68,11 +64,13 @@ u8, u16, u32, u64, s32 = ctypes.c_uint8, ctypes.c_uint16, ctypes.c_uint32, ctype
 
 class GetDeviceInfoIn(ctypes.Structure):
     """struct tenstorrent_get_device_info_in"""
+
     _fields_ = [("output_size_bytes", u32)]
 
 
 class GetDeviceInfoOut(ctypes.Structure):
     """struct tenstorrent_get_device_info_out"""
+
     _fields_ = [
         ("output_size_bytes", u32),
         ("vendor_id", u16),
@@ -88,16 +86,19 @@ class GetDeviceInfoOut(ctypes.Structure):
 
 class GetDeviceInfo(ctypes.Structure):
     """struct tenstorrent_get_device_info"""
+
     _fields_ = [("in_", GetDeviceInfoIn), ("out", GetDeviceInfoOut)]
 
 
 class GetDriverInfoIn(ctypes.Structure):
     """struct tenstorrent_get_driver_info_in"""
+
     _fields_ = [("output_size_bytes", u32)]
 
 
 class GetDriverInfoOut(ctypes.Structure):
     """struct tenstorrent_get_driver_info_out"""
+
     _fields_ = [
         ("output_size_bytes", u32),
         ("driver_version", u32),
@@ -110,16 +111,19 @@ class GetDriverInfoOut(ctypes.Structure):
 
 class GetDriverInfo(ctypes.Structure):
     """struct tenstorrent_get_driver_info"""
+
     _fields_ = [("in_", GetDriverInfoIn), ("out", GetDriverInfoOut)]
 
 
 class AllocateTlbIn(ctypes.Structure):
     """struct tenstorrent_allocate_tlb_in (size: exact window size in bytes)"""
+
     _fields_ = [("size", u64), ("reserved", u64)]
 
 
 class AllocateTlbOut(ctypes.Structure):
     """struct tenstorrent_allocate_tlb_out (mmap offsets select the window and cache mode)"""
+
     _fields_ = [
         ("id", u32),
         ("reserved0", u32),
@@ -131,26 +135,31 @@ class AllocateTlbOut(ctypes.Structure):
 
 class AllocateTlb(ctypes.Structure):
     """struct tenstorrent_allocate_tlb"""
+
     _fields_ = [("in_", AllocateTlbIn), ("out", AllocateTlbOut)]
 
 
 class FreeTlbIn(ctypes.Structure):
     """struct tenstorrent_free_tlb_in"""
+
     _fields_ = [("id", u32)]
 
 
 class FreeTlbOut(ctypes.Structure):
     """struct tenstorrent_free_tlb_out (empty: size 0, a GNU C extension)"""
+
     _fields_: list = []
 
 
 class FreeTlb(ctypes.Structure):
     """struct tenstorrent_free_tlb"""
+
     _fields_ = [("in_", FreeTlbIn), ("out", FreeTlbOut)]
 
 
 class NocTlbConfig(ctypes.Structure):
     """struct tenstorrent_noc_tlb_config: NOC endpoint (x_end, y_end) and window base ``addr``."""
+
     _fields_ = [
         ("addr", u64),
         ("x_end", u16),
@@ -169,21 +178,25 @@ class NocTlbConfig(ctypes.Structure):
 
 class ConfigureTlbIn(ctypes.Structure):
     """struct tenstorrent_configure_tlb_in"""
+
     _fields_ = [("id", u32), ("reserved", u32), ("config", NocTlbConfig)]
 
 
 class ConfigureTlbOut(ctypes.Structure):
     """struct tenstorrent_configure_tlb_out"""
+
     _fields_ = [("reserved", u64)]
 
 
 class ConfigureTlb(ctypes.Structure):
     """struct tenstorrent_configure_tlb"""
+
     _fields_ = [("in_", ConfigureTlbIn), ("out", ConfigureTlbOut)]
 
 
 class PowerState(ctypes.Structure):
     """struct tenstorrent_power_state (argsz must be its size)"""
+
     _fields_ = [
         ("argsz", u32),
         ("flags", u32),
@@ -196,6 +209,7 @@ class PowerState(ctypes.Structure):
 
 class ExportTlbDmabuf(ctypes.Structure):
     """struct tenstorrent_export_tlb_dmabuf (fd is written back by the driver)"""
+
     _fields_ = [
         ("argsz", u32),
         ("flags", u32),

@@ -16,6 +16,7 @@ NOT exercised in CI: no Tenstorrent device and no RDMA device here.
     Linux, mlx5/bnxt_re/irdma). pyverbs passes iova = dma-buf offset, so a peer addresses
     the region at remote address ``mapping.dmabuf_offset`` with the MR's rkey.
 """
+
 from __future__ import annotations
 
 import ctypes
@@ -106,10 +107,17 @@ class TtPeermemDevice:
     def register(self, va: int, length: int, dmabuf_fd: int, dmabuf_offset: int) -> int:
         """TT_PEERMEM_IOCTL_REGISTER; all three of va, length, dmabuf_offset 4 KiB aligned."""
         if (va | length | dmabuf_offset) % TT_PEERMEM_ALIGN:
-            raise ValueError(f"tt_peermem needs 4 KiB alignment: va {va:#x}, length {length:#x}, "
-                             f"dmabuf_offset {dmabuf_offset:#x}")
-        arg = TtPeermemRegister(argsz=ctypes.sizeof(TtPeermemRegister), flags=0, dmabuf_fd=dmabuf_fd,
-                                va_start=va, nbytes=length, dmabuf_offset=dmabuf_offset)
+            raise ValueError(
+                f"tt_peermem needs 4 KiB alignment: va {va:#x}, length {length:#x}, dmabuf_offset {dmabuf_offset:#x}"
+            )
+        arg = TtPeermemRegister(
+            argsz=ctypes.sizeof(TtPeermemRegister),
+            flags=0,
+            dmabuf_fd=dmabuf_fd,
+            va_start=va,
+            nbytes=length,
+            dmabuf_offset=dmabuf_offset,
+        )
         fcntl.ioctl(self._fd, TT_PEERMEM_IOCTL_REGISTER, arg, True)
         return int(arg.id)
 
@@ -225,8 +233,7 @@ def _read(path: str) -> str:
         return ""
 
 
-def register_bank_dmabuf_mr(pd: Any, mapping: BankMapping, access: int | None = None,
-                            device_name: str = "") -> Any:
+def register_bank_dmabuf_mr(pd: Any, mapping: BankMapping, access: int | None = None, device_name: str = "") -> Any:
     """Path (b): ``DmaBufMR(pd, nbytes, access, dmabuf=fd, offset=dmabuf_offset)``.
 
     ``pd`` is a ``pyverbs.pd.PD``. Returns the MR (``.rkey``, ``.lkey``); its iova is
@@ -252,7 +259,6 @@ def register_bank_dmabuf_mr(pd: Any, mapping: BankMapping, access: int | None = 
         raise DmaBufMRUnsupported(
             errno.EOPNOTSUPP,
             f"RDMA device {dev} cannot register dma-buf MRs (ibv_reg_dmabuf_mr: EOPNOTSUPP, errno 95)"
-            + (f": it is {soft[dev]}, for testing only; soft-RoCE and siw never import dma-bufs"
-               if dev in soft else "")
+            + (f": it is {soft[dev]}, for testing only; soft-RoCE and siw never import dma-bufs" if dev in soft else "")
             + ". Use a NIC whose driver imports dma-bufs (mlx5, bnxt_re, irdma), or host staging",
         ) from exc

@@ -5,6 +5,7 @@ point it at a fake tree. Paths follow tt-kmd ttkmd-2.10.0 (``chardev.c``: class
 ``tenstorrent``, device name ``tenstorrent/<ordinal>`` which sysfs spells
 ``tenstorrent!<ordinal>``; ``module.c``: MODULE_VERSION; ``telemetry.c``: ``tt_card_type``).
 """
+
 from __future__ import annotations
 
 import os

@@ -19,6 +19,7 @@ Sources (read, not copied):
   ``dram_address_offsets`` all 0 (bank b is channel b at NOC address 0),
   ``dram_preferred_worker_endpoint`` = port 2, ``translation_id_enabled: True``.
 """
+
 from __future__ import annotations
 
 import enum
@@ -64,7 +65,7 @@ BLACKHOLE_DRAM_TRANSLATED_Y0 = 12
 BLACKHOLE_DEFAULT_DRAM_PORT = 0
 
 
-class Arch(str, enum.Enum):
+class Arch(str, enum.Enum):  # noqa: UP042 - StrEnum would change str() and format() of members
     """Tenstorrent chip architecture as identified by its PCI device id."""
 
     WORMHOLE = "wormhole"
@@ -75,7 +76,7 @@ class UnsupportedArchError(RuntimeError):
     """The device cannot expose per-bank 4 GiB windows (anything but Blackhole)."""
 
 
-class CoordSystem(str, enum.Enum):
+class CoordSystem(str, enum.Enum):  # noqa: UP042 - StrEnum would change str() and format() of members
     """Which NOC coordinates a TLB window is programmed with."""
 
     #: Firmware-enabled NOC translation (the Blackhole default; what tt-umd uses).
@@ -122,8 +123,7 @@ def _harvested_channels(harvest_mask: int) -> list[int]:
     harvested = [c for c in range(BLACKHOLE_NUM_DRAM_CHANNELS) if harvest_mask >> c & 1]
     if len(harvested) > 1:
         raise ValueError(
-            f"DRAM harvesting mask {harvest_mask:#x} harvests {len(harvested)} channels; "
-            "Blackhole harvests at most one"
+            f"DRAM harvesting mask {harvest_mask:#x} harvests {len(harvested)} channels; Blackhole harvests at most one"
         )
     return harvested
 
