@@ -169,18 +169,50 @@ class _AllSettled:
 
 
 @dataclass
-class _Flight:
-    """One request between KVReady and the end of its READ batch."""
+class _Fetch:
+    """One fetch from :meth:`DecodeEndpoint.fetch` to its return: what was asked for,
+    its deadlines, and what the prefill and the sink answered so far. ``ready`` is the
+    (first group's) KVReady, ``t_ready`` its arrival; ``read_deadline`` and ``note``
+    come from :func:`_read_deadline`; ``hello`` is the HelloAck the READs address. A
+    layer-group fetch also keeps the futures of its groups' KVReady (``futs``) and its
+    submitted READ batches (``handles``)."""
 
-    rid: str
+    req_id: str
+    num_tokens: int
+    sink: KVSink
     dst: np.ndarray
-    landing: Landing
-    handle: object
-    ready: KVReady
-    t_ready: float
-    read_deadline: float
-    note: str
-    share: Share = WHOLE
+    first_block: int
+    share: Share
+    timeout: float
+    t0: float
+    deadline: float
+    release: bool
+    time_cap_s: float | None
+    plan: object = None
+    res: FetchResult | None = None
+    ready: KVReady | None = None
+    t_ready: float = 0.0
+    read_deadline: float = 0.0
+    note: str = ""
+    landing: Landing | None = None
+    hello: HelloAck | None = None
+    futs: list = field(default_factory=list)
+    handles: list = field(default_factory=list)
+
+    def __post_init__(self) -> None:
+        self.t_ready, self.read_deadline = self.t0, self.deadline
+
+    def first_ready(self, ready: KVReady) -> None:
+        """Record the first KVReady: its arrival, request_s, and the read deadline."""
+        self.t_ready = time.monotonic()
+        self.ready = ready
+        self.res.request_s = self.t_ready - self.t0
+        self.read_deadline, self.note = _read_deadline(ready, self.t_ready, self.deadline)
+
+    def claim_wait(self, claim_wait_s: float) -> float:
+        """How long the sink may wait for receive memory: ``claim_wait_s``, at most until
+        the read deadline."""
+        return max(0.0, min(claim_wait_s, self.read_deadline - time.monotonic()))
 
 
 class DecodeEndpoint:
@@ -234,145 +266,163 @@ class DecodeEndpoint:
         with nothing held."""
         timeout = self.pull_timeout_s if timeout_s is None else timeout_s
         t0 = time.monotonic()
-        deadline = t0 + timeout
         dst = self._check_dst(req_id, num_tokens, sink, dst_blocks, first_block)
+        fs = _Fetch(req_id, num_tokens, sink, dst, first_block, share, timeout, t0, t0 + timeout, release,
+                    time_cap_s)
         if layer_groups == AUTO_LAYER_GROUPS:
             layer_groups = auto_layer_groups(sink, len(dst))
         groups = split_layers(sink.layout.num_layers, layer_groups)
+        fs.plan = sink.plan(dst)
         if len(groups) > 1 and sink.caps.group_landing and time_cap_s is None:
-            return self._fetch_groups(req_id, num_tokens, sink, dst, first_block, groups, timeout, t0, release,
-                                      share)
-        plan = sink.plan(dst)
-        res = FetchResult(req_id, sink.mode)
-        msg = self._kv_request(req_id, num_tokens, sink, dst, first_block, timeout, share)
-        try:
-            ready = self._request_kv(msg, deadline)  # D1 -> P7
-        except (ProtocolTimeout, RemoteError) as e:
-            self._release_quietly(req_id, ok=False, share=share)  # also cancels a request still being served
-            raise PeerFailed(f"request {req_id}: {e}", req_id) from e
-        t1, hello = time.monotonic(), self.client.hello
-        res.request_s, res.segments = t1 - t0, len(ready.segments)
-        rdeadline, note = _read_deadline(ready, t1, deadline)
-        landing = self._land(req_id, ready, plan, sink, hello, rdeadline, note, share=share)
-        try:
-            return self._fetch_landed(req_id, res, ready, landing, dst, hello, t0, t1, rdeadline, deadline, note,
-                                      release, time_cap_s, share)
-        finally:
-            if landing.unexpose is not None:  # the batch is over (done, failed or abandoned)
-                landing.unexpose()
+            return self._fetch_groups(fs, groups)
+        return self._fetch_whole(fs)
 
-    def _fetch_landed(self, req_id, res, ready, landing, dst, hello, t0, t1, rdeadline, deadline, note, release,
-                      time_cap_s, share: Share = WHOLE) -> FetchResult:
+    def _fetch_whole(self, fs: _Fetch) -> FetchResult:
+        """:meth:`fetch` as one KVRequest and (unless time-capped) one READ batch."""
+        fs.res = FetchResult(fs.req_id, fs.sink.mode)
+        msg = self._kv_request(fs)
+        try:
+            ready = self._request_kv(msg, fs.deadline)  # D1 -> P7
+        except (ProtocolTimeout, RemoteError) as e:
+            self._release_quietly(fs.req_id, ok=False, share=fs.share)  # also cancels a request still being served
+            raise PeerFailed(f"request {fs.req_id}: {e}", fs.req_id) from e
+        fs.first_ready(ready)
+        fs.hello = self.client.hello
+        fs.res.segments = len(ready.segments)
+        fs.landing = self._land(fs)
+        try:
+            return self._finish(fs, self._read_whole(fs))
+        finally:
+            if fs.landing.unexpose is not None:  # the batch is over (done, failed or abandoned)
+                fs.landing.unexpose()
+
+    def _read_whole(self, fs: _Fetch) -> float:
+        """Submit the whole request's READs (one batch unless time-capped) and wait for
+        them; returns when the last batch ended (monotonic)."""
+        res, landing = fs.res, fs.landing
         res.entries, res.nbytes = len(landing.entries), sum(e[2] for e in landing.entries)
         res.extra.update(landing.figures)
-        peer = hello.transfer_endpoint
+        peer = fs.hello.transfer_endpoint
         t2 = time.monotonic()
-        step = 4096 if time_cap_s is not None else max(1, len(landing.entries))
+        step = 4096 if fs.time_cap_s is not None else max(1, len(landing.entries))
         done = 0
         while done < len(landing.entries):  # ONE batch unless a per-tile run is time-capped
-            h = self._submit(peer, landing.entries[done:done + step], req_id, landing, share)
-            self._wait(_Flight(req_id, dst, landing, h, ready, t1, rdeadline, note, share), deadline)
+            h = self._submit(peer, landing.entries[done:done + step], fs)
+            self._wait(fs, h)
             done += min(step, len(landing.entries) - done)
-            if time_cap_s is not None and time.monotonic() - t2 > time_cap_s:
+            if fs.time_cap_s is not None and time.monotonic() - t2 > fs.time_cap_s:
                 break
         res.fraction = done / max(1, len(landing.entries))
         t3 = time.monotonic()
         res.transfer_s = t3 - t2
+        return t3
+
+    def _finish(self, fs: _Fetch, t3: float) -> FetchResult:
+        """D6-D8 once every READ ended at ``t3``: the sink's copies (a failure Releases
+        and raises PeerFailed), copy_s and total_s, then (with ``release``) the Release."""
+        res = fs.res
         try:
-            res.extra.update(landing.complete())  # D6-D7 (frees the receive memory)
+            res.extra.update(fs.landing.complete())  # D6-D7 (frees the receive memory)
         except Exception as e:
-            self._release_quietly(req_id, ok=False, share=share)
-            raise PeerFailed(f"request {req_id}: copying into the destination failed: {e}", req_id) from e
+            self._release_quietly(fs.req_id, ok=False, share=fs.share)
+            raise PeerFailed(f"request {fs.req_id}: copying into the destination failed: {e}", fs.req_id) from e
         t4 = time.monotonic()
-        res.copy_s, res.total_s = t4 - t3, t4 - t0
-        if release:  # D8
-            self._release_done(req_id, ready, t1, deadline, dst, share)
+        res.copy_s, res.total_s = t4 - t3, t4 - fs.t0
+        if fs.release:  # D8
+            self._release_done(fs)
             res.release_s = time.monotonic() - t4
         return res
 
-    def _fetch_groups(self, req_id, num_tokens, sink, dst, first_block, groups, timeout, t0, release,
-                      share: Share = WHOLE) -> FetchResult:
+    def _fetch_groups(self, fs: _Fetch, groups: list[tuple[int, int]]) -> FetchResult:
         """:meth:`fetch` by layer groups: every group's D1 at once; D2 (receive memory)
         once at the first KVReady; each group's READ batch as its KVReady arrives; D6-D8
         once. On failure: every submitted batch is abandoned together (receive memory
         freed once all settled; KV pages waited for and named if they did not drain)."""
-        deadline = t0 + timeout
-        plan = sink.plan(dst)
-        res = FetchResult(req_id, f"{sink.mode}-layer-groups")
-        res.extra["layer_groups"] = len(groups)
-        base = self._kv_request(req_id, num_tokens, sink, dst, first_block, timeout, share)
-        try:  # call_async does not handshake again itself: after a lost connection, do it now
-            self.client.ensure_session(max(1e-3, deadline - time.monotonic()))
-        except Exception as e:  # noqa: BLE001 - timeout, refusal: nothing asked for yet
-            self._release_quietly(req_id, ok=False, share=share)  # as a failed whole request does
-            raise PeerFailed(f"request {req_id}: handshake with the prefill again failed: {e}", req_id) from e
-        futs = [self.client.call_async(msgspec.structs.replace(base, first_layer=lo, num_layers=hi - lo))
-                for lo, hi in groups]
-        landing, handles, first = None, [], None
-        t_ready, rdeadline, note = t0, deadline, ""
+        fs.res = FetchResult(fs.req_id, f"{fs.sink.mode}-layer-groups")
+        fs.res.extra["layer_groups"] = len(groups)
+        fs.futs = self._ask_groups(fs, groups)
         try:
-            for (lo, hi), fut in zip(groups, futs):
-                try:
-                    ready = fut.result(max(1e-3, deadline - time.monotonic()))
-                except Exception as e:  # noqa: BLE001 - timeout or cancelled
-                    raise PeerFailed(f"request {req_id}: no KVReady for layers {lo}..{hi - 1} in time "
-                                     f"({type(e).__name__})", req_id) from e
-                if not isinstance(ready, KVReady) or ready.req_id != req_id:
-                    raise PeerFailed(f"request {req_id}: prefill answered {ready!r:.300}", req_id)
-                hello = self.client.hello
-                if first is None:
-                    t_ready = time.monotonic()
-                    first = ready
-                    res.request_s = t_ready - t0  # first group's KVReady
-                    rdeadline, note = _read_deadline(ready, t_ready, deadline)
-                err = _chip_error(ready, share) or sink.check_group(ready, plan, hello.export_nbytes, lo, hi,
-                                                                    first.ring_offset)
-                if err:
-                    raise PeerFailed(f"request {req_id}: {err}", req_id)
-                if landing is None:
-                    wait = max(0.0, min(self.claim_wait_s, rdeadline - time.monotonic()))
-                    landing = sink.land_groups(share.key(req_id), plan, wait)  # D2
-                entries = landing.entries(ready, hello.export_base_addr, lo, hi)
-                handles.append(self.transport.submit("read", hello.transfer_endpoint, entries))
-                res.entries += len(entries)
-                res.nbytes += sum(e[2] for e in entries)
-                res.segments += len(ready.segments)
-            for h in handles:
-                self.transport.wait(h, max(0.0, rdeadline - time.monotonic()))
+            self._read_groups(fs, groups)
         except Exception as e:
-            for fut in futs:
-                fut.cancel()
-            unsafe: list[int] = []
-            if landing is not None:
-                f = _Flight(req_id, dst, landing, _AllSettled(handles), first, t_ready, deadline, "", share)
-                unsafe = self._abandon(f, deadline, time.monotonic() + SETTLE_WAIT_S)
-            self._release_quietly(req_id, ok=False, share=share)  # also cancels groups still being served
-            if unsafe:
-                raise TransferUnsettled(f"request {req_id}: {e}; READs did not drain within {SETTLE_WAIT_S} s and "
-                                        f"may still write destination blocks {unsafe}: do not use them", req_id,
-                                        tuple(unsafe), _AllSettled(handles)) from e
-            if isinstance(e, KVFlowError):
+            err = self._abandon_groups(fs, e)
+            if err is None:
                 raise
-            if isinstance(e, (TransferFailed, TransferTimeout)):
-                raise PeerFailed(f"request {req_id}: transfer from {self.peer} failed: {e}{note}", req_id) from e
-            raise PeerFailed(f"request {req_id}: {type(e).__name__}: {e}", req_id) from e
+            raise err from e
         finally:
-            if landing is not None and landing.unexpose is not None:  # every batch done or abandoned
-                landing.unexpose()
+            if fs.landing is not None and fs.landing.unexpose is not None:  # every batch done or abandoned
+                fs.landing.unexpose()
         t3 = time.monotonic()
-        res.transfer_s = t3 - t0 - res.request_s  # first KVReady -> last batch done
-        res.extra.update(landing.figures)
+        fs.res.transfer_s = t3 - fs.t0 - fs.res.request_s  # first KVReady -> last batch done
+        fs.res.extra.update(fs.landing.figures)
+        return self._finish(fs, t3)
+
+    def _ask_groups(self, fs: _Fetch, groups: list[tuple[int, int]]) -> list:
+        """D1 for every layer group at once; the futures of their answers."""
+        base = self._kv_request(fs)
+        try:  # call_async does not handshake again itself: after a lost connection, do it now
+            self.client.ensure_session(max(1e-3, fs.deadline - time.monotonic()))
+        except Exception as e:  # noqa: BLE001 - timeout, refusal: nothing asked for yet
+            self._release_quietly(fs.req_id, ok=False, share=fs.share)  # the same Release a failed whole request sends
+            raise PeerFailed(f"request {fs.req_id}: handshake with the prefill again failed: {e}", fs.req_id) from e
+        return [self.client.call_async(msgspec.structs.replace(base, first_layer=lo, num_layers=hi - lo))
+                for lo, hi in groups]
+
+    def _read_groups(self, fs: _Fetch, groups: list[tuple[int, int]]) -> None:
+        """Each group's KVReady in turn, checked, then its READ batch (appended to
+        ``fs.handles``); then wait for every batch until the read deadline."""
+        for (lo, hi), fut in zip(groups, fs.futs):
+            ready = self._group_ready(fs, fut, (lo, hi))
+            if fs.landing is None:
+                fs.landing = fs.sink.land_groups(fs.share.key(fs.req_id), fs.plan,
+                                                 fs.claim_wait(self.claim_wait_s))  # D2
+            entries = fs.landing.entries(ready, fs.hello.export_base_addr, lo, hi)
+            fs.handles.append(self.transport.submit("read", fs.hello.transfer_endpoint, entries))
+            fs.res.entries += len(entries)
+            fs.res.nbytes += sum(e[2] for e in entries)
+            fs.res.segments += len(ready.segments)
+        for h in fs.handles:
+            self.transport.wait(h, max(0.0, fs.read_deadline - time.monotonic()))
+
+    def _group_ready(self, fs: _Fetch, fut, group: tuple[int, int]) -> KVReady:
+        """The KVReady of layers ``lo..hi-1`` (``group``), checked against the sink's
+        plan; the first one sets the fetch's request_s and read deadline."""
+        req_id, (lo, hi) = fs.req_id, group
         try:
-            res.extra.update(landing.complete())  # D6-D7 (frees the receive memory)
-        except Exception as e:
-            self._release_quietly(req_id, ok=False, share=share)
-            raise PeerFailed(f"request {req_id}: copying into the destination failed: {e}", req_id) from e
-        t4 = time.monotonic()
-        res.copy_s, res.total_s = t4 - t3, t4 - t0
-        if release:  # D8
-            self._release_done(req_id, first, t_ready, deadline, dst, share)
-            res.release_s = time.monotonic() - t4
-        return res
+            ready = fut.result(max(1e-3, fs.deadline - time.monotonic()))
+        except Exception as e:  # noqa: BLE001 - timeout or cancelled
+            raise PeerFailed(f"request {req_id}: no KVReady for layers {lo}..{hi - 1} in time "
+                             f"({type(e).__name__})", req_id) from e
+        if not isinstance(ready, KVReady) or ready.req_id != req_id:
+            raise PeerFailed(f"request {req_id}: prefill answered {ready!r:.300}", req_id)
+        fs.hello = self.client.hello
+        if fs.ready is None:
+            fs.first_ready(ready)  # request_s: the first group's KVReady
+        err = _chip_error(ready, fs.share) or fs.sink.check_group(ready, fs.plan, fs.hello.export_nbytes, lo, hi,
+                                                                  fs.ready.ring_offset)
+        if err:
+            raise PeerFailed(f"request {req_id}: {err}", req_id)
+        return ready
+
+    def _abandon_groups(self, fs: _Fetch, e: Exception) -> KVFlowError | None:
+        """A layer-group fetch failed with ``e``: cancel what is still asked for, abandon
+        every submitted batch together, Release. Returns the error to raise from ``e``
+        (None: raise ``e`` itself)."""
+        req_id = fs.req_id
+        for fut in fs.futs:
+            fut.cancel()
+        unsafe: list[int] = []
+        if fs.landing is not None:
+            unsafe = self._abandon(fs, _AllSettled(fs.handles), time.monotonic() + SETTLE_WAIT_S)
+        self._release_quietly(req_id, ok=False, share=fs.share)  # also cancels groups still being served
+        if unsafe:
+            return TransferUnsettled(f"request {req_id}: {e}; READs did not drain within {SETTLE_WAIT_S} s and "
+                                     f"may still write destination blocks {unsafe}: do not use them", req_id,
+                                     tuple(unsafe), _AllSettled(fs.handles))
+        if isinstance(e, KVFlowError):
+            return None
+        if isinstance(e, (TransferFailed, TransferTimeout)):
+            return PeerFailed(f"request {req_id}: transfer from {self.peer} failed: {e}{fs.note}", req_id)
+        return PeerFailed(f"request {req_id}: {type(e).__name__}: {e}", req_id)
 
     def _request_kv(self, msg: KVRequest, deadline: float) -> KVReady:
         """D1 -> P7; a ``no_space`` refusal (the prefill's ring is full) is asked again,
@@ -418,66 +468,69 @@ class DecodeEndpoint:
         return dst
 
     @staticmethod
-    def _kv_request(req_id, num_tokens, sink, dst, first_block, timeout, share: Share = WHOLE) -> KVRequest:
-        return KVRequest(req_id=req_id, dst_layout=sink.layout, num_tokens=num_tokens,
-                         dst_block_ids=[int(b) for b in dst], first_block=first_block,
-                         deadline_ms=int((time.time() + timeout) * 1000), head_start=share.head_start,
+    def _kv_request(fs: _Fetch) -> KVRequest:
+        share = fs.share
+        return KVRequest(req_id=fs.req_id, dst_layout=fs.sink.layout, num_tokens=fs.num_tokens,
+                         dst_block_ids=[int(b) for b in fs.dst], first_block=fs.first_block,
+                         deadline_ms=int((time.time() + fs.timeout) * 1000), head_start=share.head_start,
                          num_heads=share.num_heads, consumers=share.consumers, share=share.index,
                          dst_chip=share.chip)
 
-    def _land(self, req_id, ready, plan, sink, hello, rdeadline, note, release_on_fail: bool = True,
-              share: Share = WHOLE) -> Landing:
-        """Check KVReady against the sink's plan, then D2-D5 (claim and pair)."""
+    def _land(self, fs: _Fetch) -> Landing:
+        """Check KVReady against the sink's plan, then D2-D5 (claim and pair); a failure
+        Releases."""
+        req_id, ready = fs.req_id, fs.ready
         try:
-            err = _chip_error(ready, share) or sink.check_ready(ready, plan, hello.export_nbytes)
+            err = _chip_error(ready, fs.share) or fs.sink.check_ready(ready, fs.plan, fs.hello.export_nbytes)
             if err:
                 raise PeerFailed(f"request {req_id}: {err}", req_id)
-            wait = max(0.0, min(self.claim_wait_s, rdeadline - time.monotonic()))
             try:
-                return sink.land(share.key(req_id), ready, plan, hello.export_base_addr, wait)
+                return fs.sink.land(fs.share.key(req_id), ready, fs.plan, fs.hello.export_base_addr,
+                                    fs.claim_wait(self.claim_wait_s))
             except ValueError as e:
                 raise PeerFailed(f"request {req_id}: KVReady does not fit this sink: {e}", req_id) from e
         except KVFlowError as e:
-            if release_on_fail:
-                self._release_quietly(req_id, ok=False, share=share)
-            if isinstance(e, BufferFull) and note and time.monotonic() >= rdeadline:
-                raise BufferFull(f"{e}{note}", req_id) from e
+            self._release_quietly(req_id, ok=False, share=fs.share)
+            if isinstance(e, BufferFull) and fs.note and time.monotonic() >= fs.read_deadline:
+                raise BufferFull(f"{e}{fs.note}", req_id) from e
             raise
 
-    def _submit(self, peer: str, entries, req_id: str, landing: Landing, share: Share = WHOLE):
+    def _submit(self, peer: str, entries, fs: _Fetch):
         """Submit one READ batch; a refused submit frees what was taken and Releases."""
         try:
             return self.transport.submit("read", peer, entries)
         except Exception:
-            if landing.free is not None:
-                landing.free()
-            self._release_quietly(req_id, ok=False, share=share)
+            if fs.landing.free is not None:
+                fs.landing.free()
+            self._release_quietly(fs.req_id, ok=False, share=fs.share)
             raise
 
-    def _wait(self, f: _Flight, deadline: float) -> None:
-        """Wait for a flight's batch; on failure abandon it (settle or quarantine), Release."""
+    def _wait(self, fs: _Fetch, handle) -> None:
+        """Wait for one READ batch until the read deadline; on failure abandon it (settle
+        or quarantine), Release."""
         try:
-            self.transport.wait(f.handle, max(0.0, f.read_deadline - time.monotonic()))
+            self.transport.wait(handle, max(0.0, fs.read_deadline - time.monotonic()))
         except (TransferFailed, TransferTimeout) as e:
-            unsafe = self._abandon(f, deadline, time.monotonic() + SETTLE_WAIT_S)
-            self._release_quietly(f.rid, ok=False, share=f.share)
-            msg = f"request {f.rid}: transfer from {self.peer} failed: {e}{f.note}"
+            unsafe = self._abandon(fs, handle, time.monotonic() + SETTLE_WAIT_S)
+            self._release_quietly(fs.req_id, ok=False, share=fs.share)
+            msg = f"request {fs.req_id}: transfer from {self.peer} failed: {e}{fs.note}"
             if unsafe:
                 raise TransferUnsettled(f"{msg}; its READs did not drain within {SETTLE_WAIT_S} s and may still "
-                                        f"write destination blocks {list(unsafe)}: do not use them", f.rid,
-                                        tuple(unsafe), f.handle.settled) from e
-            raise PeerFailed(msg, f.rid) from e
+                                        f"write destination blocks {list(unsafe)}: do not use them", fs.req_id,
+                                        tuple(unsafe), handle.settled) from e
+            raise PeerFailed(msg, fs.req_id) from e
 
-    def _abandon(self, f: _Flight, deadline: float, settle_end: float) -> list[int]:
-        """A failed batch: nothing may write our memory once we return. Receive memory is
-        freed once settled (in the background if late); KV pages are waited for until
-        ``settle_end`` and returned as unsafe if the batch has not drained."""
-        if f.landing.free is not None:
-            self._free_when_settled(f.handle, f.rid, f.landing.free, deadline)
+    def _abandon(self, fs: _Fetch, handle, settle_end: float) -> list[int]:
+        """A failed batch ``handle``: nothing may write our memory once we return. Receive
+        memory is freed once settled (in the background if late, up to the fetch's
+        deadline here); KV pages are waited for until ``settle_end`` and returned as
+        unsafe if the batch has not drained."""
+        if fs.landing.free is not None:
+            self._free_when_settled(handle, fs.req_id, fs.landing.free, fs.deadline)
             return []
-        if f.handle.settled.wait(max(0.0, settle_end - time.monotonic())):
+        if handle.settled.wait(max(0.0, settle_end - time.monotonic())):
             return []
-        return [int(b) for b in f.landing.dst_blocks]
+        return [int(b) for b in fs.landing.dst_blocks]
 
     def _free_when_settled(self, h, req_id: str, free, deadline: float) -> None:
         """Free receive memory once no entry of ``h`` can still write it: here up to
@@ -515,24 +568,23 @@ class DecodeEndpoint:
         except Exception as e:  # noqa: BLE001 - the prefill's lease frees it anyway
             logger.debug("release of %s failed: %s", req_id, e)
 
-    def _release_done(self, req_id: str, ready: KVReady, t_ready: float, deadline: float, blocks,
-                      share: Share = WHOLE) -> None:
+    def _release_done(self, fs: _Fetch) -> None:
         """D8 after the KV is in place. A prefill that no longer knows the request
         (``unknown_request``: its lease ran out) may have reused the range mid-read."""
+        req_id, ready = fs.req_id, fs.ready
         try:
-            self.client.release(req_id, ok=True, timeout_s=max(RELEASE_TIMEOUT_S, deadline - time.monotonic()),
-                                share=share.index)
+            self.client.release(req_id, ok=True, timeout_s=max(RELEASE_TIMEOUT_S, fs.deadline - time.monotonic()),
+                                share=fs.share.index)
         except RemoteError as e:
             if e.code == "unknown_request":
-                age = time.monotonic() - t_ready
+                age = time.monotonic() - fs.t_ready
                 lease = (f"its lease of {ready.lease_ms} ms ran out ({age:.2f} s since KVReady)"
                          if ready.lease_ms else "it dropped the request")
                 raise PeerFailed(f"request {req_id}: Release refused ({e}): {lease}, so it may have freed and "
                                  f"reused the range while it was being read; the KV in destination blocks "
-                                 f"{[int(b) for b in blocks]} may be corrupt", req_id) from e
+                                 f"{[int(b) for b in fs.dst]} may be corrupt", req_id) from e
             raise PeerFailed(f"request {req_id}: KV is in place but Release failed: {e}", req_id) from e
         except ProtocolTimeout as e:
             raise PeerFailed(f"request {req_id}: KV is in place but Release failed: {e}", req_id) from e
-
     def close(self) -> None:
         self.client.close()
