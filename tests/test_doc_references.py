@@ -1,5 +1,6 @@
-"""Every ``docs/*.md`` that code, tests, scripts or the README point at exists, and nothing
-points at a design document outside this repository."""
+"""Every ``docs/*.md`` that code, tests, scripts or the README point at exists, nothing
+points at a design document outside this repository, every relative markdown link in the
+README and ``docs/*.md`` resolves, and the README stays short."""
 import re
 from pathlib import Path
 
@@ -26,3 +27,48 @@ def test_doc_references_resolve():
             external.append(str(p.relative_to(REPO)))
     assert not missing, missing
     assert not external, f"refer to docs/ instead of DESIGN.md: {external}"
+
+
+README_MAX_LINES = 250
+# [text](target) with an optional "title"; images too. Targets with a scheme, mail links and
+# pure #anchors are not files.
+_LINK = re.compile(r"!?\[[^\]]*\]\(\s*<?([^)\s>]+)>?(?:\s+\"[^\"]*\")?\s*\)")
+_FENCE = re.compile(r"^(```|~~~).*?^\1", re.S | re.M)
+
+
+def markdown_files():
+    yield REPO / "README.md"
+    yield from sorted((REPO / "docs").glob("*.md"))
+
+
+def relative_links(text: str):
+    """Relative link targets of markdown ``text``, without their #anchor; code blocks and
+    inline code are skipped (they show syntax, not links)."""
+    text = _FENCE.sub("", text)
+    text = re.sub(r"`[^`\n]*`", "", text)
+    for target in _LINK.findall(text):
+        if re.match(r"^[a-zA-Z][a-zA-Z0-9+.-]*:", target) or target.startswith("#"):
+            continue  # http(s)://, mailto:, ... and anchors within the page
+        path = target.split("#", 1)[0]
+        if path:
+            yield path
+
+
+def test_relative_links_resolve():
+    broken = []
+    for md in markdown_files():
+        for path in relative_links(md.read_text()):
+            if not (md.parent / path).exists():
+                broken.append(f"{md.relative_to(REPO)}: {path}")
+    assert not broken, broken
+
+
+def test_link_parser():
+    text = ("[a](sub/x.md) [b](y.md#part) [c](https://e.org/z.md) [d](#here) [e](mailto:a@b.c)\n"
+            "![img](pic.png \"title\") `[f](not/a/link.md)`\n```\n[g](fenced.md)\n```\n")
+    assert list(relative_links(text)) == ["sub/x.md", "y.md", "pic.png"]
+
+
+def test_readme_is_short():
+    n = len((REPO / "README.md").read_text().splitlines())
+    assert n <= README_MAX_LINES, f"README.md has {n} lines; move detail to docs/ (at most {README_MAX_LINES})"

@@ -138,7 +138,7 @@ except where it says "failed pull"; a failed pull is recomputed by the decode un
   decode's READs must end before).
 * **hold bound** (``max_hold_s``): see the table; failed pull beyond it.
 * **pull deadline** (``pull_timeout_s``): failed pull.
-* **side-channel tables** (issue 10, :mod:`vllm_hawk.kvflow.prefill`): at most 1024
+* **side-channel tables** (:mod:`vllm_hawk.kvflow.prefill`): at most 1024
   early KVRequests / Releases, 4096 sessions, 65,536 ids renewed per decode; beyond
   them the oldest is evicted or the new one refused (counted in the refusals).
 * **refused at the decode's API server** (bad ``max_tokens``, prompt longer than the
@@ -147,7 +147,7 @@ except where it says "failed pull"; a failed pull is recomputed by the decode un
 
 Security
 --------
-Who may reach each port and what it exposes (threat model: README, "Threat model"):
+Who may reach each port and what it exposes (threat model: docs/security.md):
 
 * side channel (``side_channel_host:side_channel_port``, ZMQ). CurveZMQ + ZAP against the
   HMAC envelope alone, measured (``tests/security/test_idle_floods.py``: a prefill limited
