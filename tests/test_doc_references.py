@@ -41,25 +41,39 @@ def markdown_files():
     yield from sorted((REPO / "docs").glob("*.md"))
 
 
-def relative_links(text: str):
-    """Relative link targets of markdown ``text``, without their #anchor; code blocks and
-    inline code are skipped (they show syntax, not links)."""
+def relative_links(text: str, with_anchor: bool = False):
+    """Relative link targets of markdown ``text``, without their #anchor (or as
+    ``(path, anchor)`` pairs); code blocks and inline code are skipped (they show syntax,
+    not links)."""
     text = _FENCE.sub("", text)
     text = re.sub(r"`[^`\n]*`", "", text)
     for target in _LINK.findall(text):
         if re.match(r"^[a-zA-Z][a-zA-Z0-9+.-]*:", target) or target.startswith("#"):
             continue  # http(s)://, mailto:, ... and anchors within the page
-        path = target.split("#", 1)[0]
+        path, _, anchor = target.partition("#")
         if path:
-            yield path
+            yield (path, anchor) if with_anchor else path
+
+
+def anchors(text: str) -> set[str]:
+    """GitHub's anchors for the headings of markdown ``text``: lower case, punctuation
+    dropped, spaces to hyphens."""
+    text = _FENCE.sub("", text)
+    out = set()
+    for title in re.findall(r"^#{1,6}\s+(.+?)\s*#*\s*$", text, re.M):
+        out.add(re.sub(r"[^\w\- ]", "", title.lower()).replace(" ", "-"))
+    return out
 
 
 def test_relative_links_resolve():
     broken = []
     for md in markdown_files():
-        for path in relative_links(md.read_text()):
-            if not (md.parent / path).exists():
+        for path, anchor in relative_links(md.read_text(), with_anchor=True):
+            target = md.parent / path
+            if not target.exists():
                 broken.append(f"{md.relative_to(REPO)}: {path}")
+            elif anchor and target.suffix == ".md" and anchor not in anchors(target.read_text()):
+                broken.append(f"{md.relative_to(REPO)}: {path}#{anchor} (no such heading)")
     assert not broken, broken
 
 
@@ -67,6 +81,9 @@ def test_link_parser():
     text = ("[a](sub/x.md) [b](y.md#part) [c](https://e.org/z.md) [d](#here) [e](mailto:a@b.c)\n"
             "![img](pic.png \"title\") `[f](not/a/link.md)`\n```\n[g](fenced.md)\n```\n")
     assert list(relative_links(text)) == ["sub/x.md", "y.md", "pic.png"]
+    assert list(relative_links(text, with_anchor=True))[1] == ("y.md", "part")
+    assert anchors("# Top\n## Docker compose: two nodes\n### The `emulated` profile\n```\n# not\n```\n") == {
+        "top", "docker-compose-two-nodes", "the-emulated-profile"}
 
 
 def test_readme_is_short():
