@@ -275,7 +275,7 @@ def case_lifecycle_hugetlb_2m():
 
 def case_shmem_needs_4k_pages():
     """A 2 MiB-aligned VA over shmem pages: 2 MiB pages are chosen, the exporter's 4 KiB
-    entries cannot back them, dma_map fails cleanly with EINVAL (README: max_page_size=4096)."""
+    entries cannot back them, dma_map fails cleanly with EINVAL (kernel_driver/README.md: max_page_size=4096)."""
     global EXPECTED_MAP_FAILURES
     set_max_page(2 * MiB)
     buf = Buf("shmem", 4 * MiB)

@@ -5,7 +5,7 @@ refused or gets no KV bytes, and the legitimate pair keeps serving exact bytes.
 
 What remains exposed is stated where it is measured: while a request's transfer is in
 flight its ring range (prefill) and receive slice or pages (decode) are registered with
-Mooncake, which authenticates nobody (README, "Threat model").
+Mooncake, which authenticates nobody (docs/security.md).
 """
 from __future__ import annotations
 

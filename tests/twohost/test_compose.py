@@ -12,7 +12,7 @@ fails under CI=true.
 
 Cold (nothing cached, Debian packages installed): 12 min on this shared 2-core machine,
 most of it the debootstrap, the pip layer of the CPU image and the engines' start-up;
-warm: 3-6 min, mostly `compose up` (README "Deploy on two nodes" has the measured times).
+warm: 3-6 min, mostly `compose up` (docs/deployment.md has the measured times).
 The other tests here only read files and run `docker-compose config` when it is installed.
 """
 

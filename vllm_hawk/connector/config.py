@@ -147,7 +147,7 @@ except where it says "failed pull"; a failed pull is recomputed by the decode un
 
 Security
 --------
-Who may reach each port and what it exposes (threat model: README, "Threat model"):
+Who may reach each port and what it exposes (threat model: docs/security.md):
 
 * side channel (``side_channel_host:side_channel_port``, ZMQ). CurveZMQ + ZAP against the
   HMAC envelope alone, measured (``tests/security/test_idle_floods.py``: a prefill limited
