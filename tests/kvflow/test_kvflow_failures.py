@@ -3,7 +3,6 @@ leases, batches that fail or never drain, restarts, constructors that fail half 
 hostile layouts. Every case ends with nothing held on either side."""
 from __future__ import annotations
 
-import contextlib
 import threading
 import time
 
@@ -11,7 +10,7 @@ import msgspec
 import numpy as np
 import pytest
 import zmq
-from test_kvflow_inprocess import BS, COMPAT, D, H, L, assert_pool_holds
+from kvflow_helpers import BS, COMPAT, D, H, L, assert_pool_holds, endpoints, wait_until
 
 import vllm_hawk.kvflow.decode as decode_mod
 import vllm_hawk.kvflow.sources as sources_mod
@@ -24,38 +23,6 @@ from vllm_hawk.protocol import KVRequest, RemoteError
 from vllm_hawk.testing.endpoints import TTDecode, VllmDecode, prefill_endpoint
 from vllm_hawk.testing.paged_cache import PagedKVCache
 from vllm_hawk.transport import TransferHandle, make_transport
-
-
-def wait_until(pred, timeout_s: float = 10.0) -> bool:
-    end = time.monotonic() + timeout_s
-    while not pred():
-        if time.monotonic() > end:
-            return False
-        time.sleep(0.02)
-    return True
-
-
-@contextlib.contextmanager
-def endpoints(pool_blocks: int = 32, recv: int = 128 << 10, dec_kw: dict | None = None, **pre_kw):
-    """A prefill (in-process transport) and one bf16 decode; everything freed after."""
-    cache = PagedKVCache(L, 48, H, BS, D).fill_random(7)
-    tp, td = make_transport("inprocess"), make_transport("inprocess")
-    finished: list[tuple[str, bool]] = []
-    pre_kw.setdefault("ring_nbytes", 1 << 20)
-    pre = prefill_endpoint(cache, tp, COMPAT, on_finished=lambda r, ok: finished.append((r, ok)), **pre_kw)
-    dev = EmulatedDevice("p150a", 8 << 20)
-    dec = None
-    try:
-        dec = TTDecode(dev, TTKVCacheSpec(L, pool_blocks, H, BS, D, "bfloat16"), td, pre.endpoint, COMPAT,
-                       recv_nbytes_per_bank=recv, timeout_s=10, **(dec_kw or {}))
-        yield cache, pre, dec, dev, td, finished
-    finally:
-        if dec is not None:
-            dec.close()
-        pre.close()
-        tp.close()
-        td.close()
-    assert dev.live_buffers() == []
 
 
 def fake_submit(td, monkeypatch, *, fail: bool, settle_after: float | None):

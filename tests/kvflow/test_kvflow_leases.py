@@ -10,8 +10,7 @@ import threading
 import time
 
 import pytest
-from test_kvflow_failures import endpoints, wait_until
-from test_kvflow_inprocess import BS, COMPAT
+from kvflow_helpers import BS, COMPAT, endpoints, wait_until
 
 from vllm_hawk.kvflow import LeaseKeeper
 from vllm_hawk.protocol import MAX_RENEW_IDS, KVRequest, ProtocolClient, RemoteError

@@ -19,6 +19,7 @@ from pathlib import Path
 
 import pytest
 from aiohttp import web
+from security_helpers import RawFlood
 
 from vllm_hawk.proxy.server import Limits, Proxy, serve
 from vllm_hawk.testing.local_cluster import scrape_metrics
@@ -299,8 +300,6 @@ def test_partial_header_flood_at_the_fd_limit(upstream):
 
 class _PartialHeaderFlood:
     def __init__(self, endpoint: str, n: int) -> None:
-        from test_idle_floods import RawFlood
-
         class Partial(RawFlood):
             def _open(self):
                 super()._open()
