@@ -16,7 +16,7 @@ References for the tokens:
 
 * bf16 KV: the single-engine run is the stock CPU engine (the prefill server asked
   directly, with ``logprobs=2``). Outputs must be equal token for token except where the
-  reference's top-2 logprob gap at the first differing position is below ``TIE_MARGIN``
+  reference's top-2 logprob gap at the first differing position is below ``GN_TIE_MARGIN``
   (the tiny random bf16 model has exact ties, and its bf16 logits are coarse: two attention
   implementations may split a near-tie); ties are counted and reported.
 * bfloat8_b KV: the single-engine run of the emulated plugin itself (the decode server
@@ -32,27 +32,26 @@ buffer or landing pull on the decode, and the decode device's buffer count uncha
 """
 from __future__ import annotations
 
-import glob
 import http.client
 import json
 import os
 import urllib.parse
-from pathlib import Path
 
 import pytest
-from test_pd_serving import _post, greedy_divergence
-from vllm_fixtures import running, token_prompts
+from e2e_helpers import (
+    BLOCK,
+    GN_MAX_TOKENS,
+    GN_TIE_MARGIN,
+    check_new_transfers,
+    complete,
+    gn_prompts,
+    greedy_divergence,
+)
+from vllm_fixtures import running
 
-from vllm_hawk.testing.local_cluster import kv_usage, wait_idle
+from vllm_hawk.testing.local_cluster import http_post_json, kv_usage, wait_idle
 
 pytestmark = pytest.mark.vllm
-
-#: bf16 logits: the CPU reference's attention kernel and the plugin's tile-layout attention
-#: (float32 over unpacked tiles) round differently, which moves a logit by a bf16 ulp or
-#: two (2**-8 .. 2**-7 for |logit| < 2); gaps below this count as ties.
-TIE_MARGIN = 2.0 ** -6
-MAX_TOKENS = 10
-BLOCK = 32
 
 CONFIGS = {
     # layer_groups: the prefill transforms layer group i+1 while the decode reads group i
@@ -64,11 +63,6 @@ if os.environ.get("HAWK_GN_E2E_FULL"):  # the other two corners (about 50 s each
         "n150-bf16-direct": dict(device="n150", kv_dtype="bfloat16", mode="direct"),
         "p150a-bfp8-staged": dict(device="p150a", kv_dtype="bfloat8_b", mode="staged"),
     })
-
-
-def _prompts() -> list[list[int]]:
-    """Token-id prompts (BOS included) across block boundaries (block 32)."""
-    return token_prompts(11, (5, 32, 33, 100, 257))
 
 
 @pytest.fixture(scope="module", params=list(CONFIGS))
@@ -99,49 +93,13 @@ def gn(request, tmp_path_factory):
         yield c
 
 
-def _complete(url: str, prompt, logprobs: int | None = None, max_tokens: int = MAX_TOKENS) -> dict:
-    body = {"model": "tiny", "prompt": prompt, "max_tokens": max_tokens, "temperature": 0,
-            "ignore_eos": True, "return_token_ids": True}
-    if logprobs:
-        body.update(logprobs=logprobs, return_tokens_as_token_ids=True)
-    status, out = _post(url + "/v1/completions", body)
-    assert status == 200, out
-    return {**out["choices"][0], "kv_transfer_params": out.get("kv_transfer_params")}
-
-
-def _check_new_transfers(c) -> list[dict]:
-    """Every transfer not checked yet: decode bank bytes == tilize_pack(prefill K/V)."""
-    import torch
-
-    from vllm_hawk.layout.formats import tilize_pack
-
-    out = []
-    for dp in sorted(glob.glob(str(c.hawk_dump / "decode-*.pt"))):
-        key = Path(dp).name.removeprefix("decode-")
-        if key in c.hawk_checked:
-            continue
-        pp = c.hawk_dump / f"prefill-{key}"
-        assert pp.exists(), f"no prefill dump for {key}"
-        d, p = torch.load(dp), torch.load(pp)
-        assert d["dtype"] == c.hawk_cfg["kv_dtype"] and d["device"] == c.hawk_cfg["device"]
-        assert d["dst_blocks"] == p["dst_blocks"]
-        assert len(d["bytes"]) == len(p["kv"])
-        for layer, ((k, v), (kb, vb)) in enumerate(zip(p["kv"], d["bytes"])):
-            for name, x, got in (("K", k, kb), ("V", v, vb)):
-                want = tilize_pack(x.to(torch.float32), d["dtype"]).reshape(got.shape)
-                assert torch.equal(want, got), f"{key}: layer {layer} {name} bytes differ"
-        c.hawk_checked.add(key)
-        out.append({"key": key, "blocks": len(d["dst_blocks"])})
-    return out
-
-
 def test_outputs_and_kv_bytes(gn, record_property):
     bfp8 = gn.hawk_cfg["kv_dtype"] == "bfloat8_b"
     ref_url = gn.decode_url if bfp8 else gn.prefill_url  # see the module docstring
     ties, mismatches, stats = [], [], []
-    for p in _prompts():
-        d = _complete(gn.proxy_url, p)
-        checked = _check_new_transfers(gn)  # right after this request's transfer
+    for p in gn_prompts():
+        d = complete(gn.proxy_url, p, max_tokens=GN_MAX_TOKENS)
+        checked = check_new_transfers(gn)  # right after this request's transfer
         assert len(checked) == 1, f"expected one transfer for a {len(p)}-token prompt: {checked}"
         assert checked[0]["blocks"] == -(-len(p) // BLOCK)
         fig = (d["kv_transfer_params"] or {}).get("hawk_transfer") or {}
@@ -150,14 +108,14 @@ def test_outputs_and_kv_bytes(gn, record_property):
         assert fig.get("layer_groups", 1) == groups  # one KVReady per layer group, one segment per bank each
         assert fig["segments"] == groups * sum(1 for b in fig["bytes_per_bank"] if b)
         stats.append((len(p), fig["nbytes"], fig["entries"], fig["total_ms"]))
-        r = _complete(ref_url, p, logprobs=2)
-        assert len(d["token_ids"]) == MAX_TOKENS
+        r = complete(ref_url, p, max_tokens=GN_MAX_TOKENS, logprobs=2)
+        assert len(d["token_ids"]) == GN_MAX_TOKENS
         div = greedy_divergence(d["token_ids"], r)
         if div is not None:
-            (ties if div[1] < TIE_MARGIN else mismatches).append((len(p), *div))
+            (ties if div[1] < GN_TIE_MARGIN else mismatches).append((len(p), *div))
     print(f"[{gn.hawk_name}] transfers (prompt_len, bytes, READ entries, total ms): {stats}")
     print(f"[{gn.hawk_name}] top-2 ties (prompt_len, position, gap): {ties} ({len(ties)} of "
-          f"{len(_prompts())} prompts)")
+          f"{len(gn_prompts())} prompts)")
     record_property(f"{gn.hawk_name}-ties", ties)
     assert not mismatches, f"outputs differ beyond ties (prompt_len, position, gap): {mismatches}"
 
@@ -179,16 +137,16 @@ def test_abort_leaks_nothing(gn):
     conn.close()
     after = wait_idle(gn, gn.hawk_dump)
     assert after["decode"]["device_buffers"] == bufs
-    _check_new_transfers(gn)
+    check_new_transfers(gn)
     # a request whose prefill is unknown fails, and leaves nothing behind either
     from vllm_hawk.testing.local_cluster import free_port
 
     params = {"do_remote_prefill": True, "do_remote_decode": False, "remote_engine_id": "gone",
               "remote_request_id": "cmpl-gone-0", "remote_block_ids": [1, 2],
               "remote_num_tokens": 40, "remote_host": "127.0.0.1", "remote_port": free_port()}
-    status, _ = _post(gn.decode_url + "/v1/completions",
-                      {"model": "tiny", "prompt": [0] + list(range(10, 49)), "max_tokens": 4,
-                       "kv_transfer_params": params})
+    status, _ = http_post_json(gn.decode_url + "/v1/completions",
+                               {"model": "tiny", "prompt": [0] + list(range(10, 49)), "max_tokens": 4,
+                                "kv_transfer_params": params})
     assert status == 500
     assert wait_idle(gn, gn.hawk_dump)["decode"]["device_buffers"] == bufs
     assert os.path.isdir(gn.hawk_dump)

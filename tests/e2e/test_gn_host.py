@@ -12,8 +12,15 @@ layer, vLLM bytes), and both sides are idle afterwards.
 from __future__ import annotations
 
 import pytest
-from test_gn_hawk import BLOCK, MAX_TOKENS, TIE_MARGIN, _check_new_transfers, _complete, _prompts
-from test_pd_serving import greedy_divergence
+from e2e_helpers import (
+    BLOCK,
+    GN_MAX_TOKENS,
+    GN_TIE_MARGIN,
+    check_new_transfers,
+    complete,
+    gn_prompts,
+    greedy_divergence,
+)
 from vllm_fixtures import running
 
 from vllm_hawk.testing.local_cluster import wait_idle
@@ -47,9 +54,9 @@ def gn(tmp_path_factory):
 
 def test_gn_host_outputs_and_kv_bytes(gn, record_property):
     ties, mismatches, stats = [], [], []
-    for p in _prompts():
-        d = _complete(gn.proxy_url, p)
-        checked = _check_new_transfers(gn)  # decode bank bytes == tilize_pack(prefill K/V)
+    for p in gn_prompts():
+        d = complete(gn.proxy_url, p, max_tokens=GN_MAX_TOKENS)
+        checked = check_new_transfers(gn)  # decode bank bytes == tilize_pack(prefill K/V)
         assert len(checked) == 1, f"expected one transfer for a {len(p)}-token prompt: {checked}"
         nblocks = -(-len(p) // BLOCK)
         assert checked[0]["blocks"] == nblocks
@@ -59,13 +66,13 @@ def test_gn_host_outputs_and_kv_bytes(gn, record_property):
         # vLLM bytes on the wire: per block and layer 4 KV heads x 32 tokens x (K+V) 2*32 dims x 2 bytes
         assert fig["nbytes"] == nblocks * 4 * (4 * BLOCK * 64 * 2)
         stats.append((len(p), fig["nbytes"], fig["entries"], fig["total_ms"], fig["copy_ms"]))
-        r = _complete(gn.prefill_url, p, logprobs=2)
-        assert len(d["token_ids"]) == MAX_TOKENS
+        r = complete(gn.prefill_url, p, max_tokens=GN_MAX_TOKENS, logprobs=2)
+        assert len(d["token_ids"]) == GN_MAX_TOKENS
         div = greedy_divergence(d["token_ids"], r)
         if div is not None:
-            (ties if div[1] < TIE_MARGIN else mismatches).append((len(p), *div))
+            (ties if div[1] < GN_TIE_MARGIN else mismatches).append((len(p), *div))
     print(f"[gn-host] transfers (prompt_len, bytes, READ entries, total ms, fix ms): {stats}")
-    print(f"[gn-host] top-2 ties (prompt_len, position, gap): {ties} ({len(ties)} of {len(_prompts())} prompts)")
+    print(f"[gn-host] top-2 ties (prompt_len, position, gap): {ties} ({len(ties)} of {len(gn_prompts())} prompts)")
     record_property("gn-host-ties", ties)
     assert not mismatches, f"outputs differ beyond ties (prompt_len, position, gap): {mismatches}"
     wait_idle(gn, gn.hawk_dump)

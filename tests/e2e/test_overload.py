@@ -1,4 +1,4 @@
-"""The connector holds at overload (issue 13): prefill vLLM + decode vLLM (staged mode, a
+"""The connector holds at overload: prefill vLLM + decode vLLM (staged mode, a
 2 MiB prefill ring, an 8 s lease renewed by the decode's heartbeat) + ``hawk proxy``, one
 module-scoped trio.
 
@@ -63,7 +63,7 @@ def _prompt(rng: random.Random) -> list[int]:
 
 
 def _one(url: str, prompt: list[int]) -> dict:
-    """One completion; a request whose connection the proxy closed before it was sent is
+    """One completion; a request whose connection the proxy closed before sending it is
     sent once more, as HTTP clients do (``resent``): it never reached the pipeline."""
     t0 = time.monotonic()
     body = {"model": "tiny", "prompt": prompt, "max_tokens": MAX_TOKENS, "temperature": 0, "ignore_eos": True}

@@ -4,7 +4,7 @@ over Mooncake TCP) + ``hawk proxy``, one module-scoped trio shared by the tests.
 The model is the offline tiny Llama in float32 (docs/vllm-cpu.md: bf16 random models have
 exact top-2 ties). The single-engine reference is the decode server itself, asked
 without ``kv_transfer_params``. Where outputs differ, the reference's top-2 logprob
-gap at the first differing position must be below ``TIE_MARGIN`` (a tie), and ties
+gap at the first differing position must be below ``GG_TIE_MARGIN`` (a tie), and ties
 are reported.
 """
 from __future__ import annotations
@@ -16,15 +16,12 @@ import time
 import urllib.parse
 
 import pytest
-from vllm_fixtures import running, token_prompts
+from e2e_helpers import BLOCK, GG_MAX_TOKENS, GG_TIE_MARGIN, complete, gg_prompts, greedy_divergence
+from vllm_fixtures import running
 
-from vllm_hawk.testing.local_cluster import http_post_json as _post
+from vllm_hawk.testing.local_cluster import http_post_json
 
 pytestmark = pytest.mark.vllm
-
-TIE_MARGIN = 1e-3
-MAX_TOKENS = 16
-BLOCK = 32
 
 
 def _stream(url: str, body: dict, timeout: float = 120.0) -> tuple[int, list[dict]]:
@@ -64,52 +61,21 @@ def cluster(tmp_path_factory):
         yield c
 
 
-def _prompts() -> list[list[int]]:
-    """Token-id prompts (BOS included) of lengths across block boundaries."""
-    return token_prompts(7, [1, 2, 5, 17, 31, 32, 33, 63, 64, 65, 96, 100, 127, 128, 129, 200, 255, 256,
-                             300, 417, 512, 700])
-
-
-def _complete(url: str, prompt, logprobs: int | None = None) -> dict:
-    body = {"model": "tiny", "prompt": prompt, "max_tokens": MAX_TOKENS, "temperature": 0,
-            "ignore_eos": True, "return_token_ids": True}
-    if logprobs:
-        body.update(logprobs=logprobs, return_tokens_as_token_ids=True)
-    status, out = _post(url + "/v1/completions", body)
-    assert status == 200, out
-    return out["choices"][0]
-
-
-def _top2_gap(choice: dict, pos: int) -> float:
-    top = sorted(choice["logprobs"]["top_logprobs"][pos].values(), reverse=True)
-    return top[0] - top[1] if len(top) > 1 else float("inf")
-
-
-def greedy_divergence(got: list[int], ref_choice: dict) -> tuple[int, float] | None:
-    """None if ``got`` equals the reference's tokens, else (first differing position, the
-    reference's top-2 logprob gap there) — a gap below the margin is a tie."""
-    want = ref_choice["token_ids"]
-    if got == want:
-        return None
-    i = next(k for k, (a, b) in enumerate(zip(got, want)) if a != b)
-    return i, _top2_gap(ref_choice, i)
-
-
 def test_greedy_outputs_match_single_engine(cluster, record_property):
-    prompts = _prompts()
+    prompts = gg_prompts()
     assert len(prompts) >= 20
     with cf.ThreadPoolExecutor(4) as pool:  # several pulls in flight at once
-        disagg = list(pool.map(lambda p: _complete(cluster.proxy_url, p), prompts))
-    ref = [_complete(cluster.decode_url, p, logprobs=2) for p in prompts]
+        disagg = list(pool.map(lambda p: complete(cluster.proxy_url, p, max_tokens=GG_MAX_TOKENS), prompts))
+    ref = [complete(cluster.decode_url, p, max_tokens=GG_MAX_TOKENS, logprobs=2) for p in prompts]
     # Again through the proxy: the decode now has these prompts' prefixes cached, so the
     # pulls start after the local hit (first_block > 0).
-    again = [_complete(cluster.proxy_url, p) for p in prompts[-4:]]
+    again = [complete(cluster.proxy_url, p, max_tokens=GG_MAX_TOKENS) for p in prompts[-4:]]
     ties, mismatches = [], []
     for p, d, r in zip(prompts + prompts[-4:], disagg + again, ref + ref[-4:]):
-        assert len(d["token_ids"]) == MAX_TOKENS
+        assert len(d["token_ids"]) == GG_MAX_TOKENS
         div = greedy_divergence(d["token_ids"], r)
         if div is not None:
-            (ties if div[1] < TIE_MARGIN else mismatches).append((len(p), *div))
+            (ties if div[1] < GG_TIE_MARGIN else mismatches).append((len(p), *div))
     record_property("ties", ties)
     if ties:
         print(f"top-2 ties (prompt_len, position, gap): {ties}")
@@ -123,12 +89,12 @@ def test_streaming_and_chat_through_proxy(cluster):
     status, events = _stream(cluster.proxy_url + "/v1/completions", body)
     assert status == 200 and len(events) >= 2
     streamed = "".join(e["choices"][0]["text"] for e in events)
-    status, whole = _post(cluster.proxy_url + "/v1/completions", body)
+    status, whole = http_post_json(cluster.proxy_url + "/v1/completions", body)
     assert status == 200 and streamed == whole["choices"][0]["text"]
 
     chat = {"model": "tiny", "messages": [{"role": "user", "content": prompt}],
             "max_tokens": 8, "temperature": 0, "ignore_eos": True}
-    status, out = _post(cluster.proxy_url + "/v1/chat/completions", chat)
+    status, out = http_post_json(cluster.proxy_url + "/v1/chat/completions", chat)
     assert status == 200, out
     status, events = _stream(cluster.proxy_url + "/v1/chat/completions", chat)
     assert status == 200
@@ -177,9 +143,9 @@ def test_dead_prefill_fails_the_request_and_decode_keeps_serving(cluster):
               "remote_block_ids": [1, 2], "remote_num_tokens": 40,
               "remote_host": "127.0.0.1", "remote_port": free_port()}
     t0 = time.monotonic()
-    status, out = _post(cluster.decode_url + "/v1/completions",
-                        {"model": "tiny", "prompt": [0] + list(range(10, 49)), "max_tokens": 4,
-                         "kv_transfer_params": params})
+    status, out = http_post_json(cluster.decode_url + "/v1/completions",
+                                 {"model": "tiny", "prompt": [0] + list(range(10, 49)), "max_tokens": 4,
+                                  "kv_transfer_params": params})
     assert status == 500, out
     assert time.monotonic() - t0 < 15  # within handshake_timeout_s (3 s) + slack
     log = cluster.servers["decode"].log_tail(200_000)
@@ -188,19 +154,19 @@ def test_dead_prefill_fails_the_request_and_decode_keeps_serving(cluster):
     # a request the prefill does not know fails fast too (unknown_request)
     params.update(remote_port=json.loads(cluster.servers["prefill"].argv[-1])
                   ["kv_connector_extra_config"]["side_channel_port"])
-    status, _ = _post(cluster.decode_url + "/v1/completions",
-                      {"model": "tiny", "prompt": [0] + list(range(10, 49)), "max_tokens": 4,
-                       "kv_transfer_params": params})
+    status, _ = http_post_json(cluster.decode_url + "/v1/completions",
+                               {"model": "tiny", "prompt": [0] + list(range(10, 49)), "max_tokens": 4,
+                                "kv_transfer_params": params})
     assert status == 500
     # ... and the decode keeps serving
-    assert _complete(cluster.proxy_url, [0] + list(range(7, 90)))["token_ids"]
+    assert complete(cluster.proxy_url, [0] + list(range(7, 90)), max_tokens=GG_MAX_TOKENS)["token_ids"]
     assert _wait_idle(cluster) == (0.0, 0.0)
 
 
 def test_metrics_in_prometheus(cluster):
     from vllm_hawk.testing.local_cluster import scrape_metrics
 
-    _complete(cluster.proxy_url, [0] + list(range(3, 70)))
+    complete(cluster.proxy_url, [0] + list(range(3, 70)), max_tokens=GG_MAX_TOKENS)
     d = scrape_metrics(cluster.decode_url)
     assert d["vllm:hawk_transfer_time_seconds_count"] >= 1
     assert d["vllm:hawk_transfer_bytes_sum"] > 0
@@ -213,8 +179,8 @@ def test_metrics_in_prometheus(cluster):
 def test_proxy_propagates_upstream_errors_and_health(cluster):
     from vllm_hawk.testing.local_cluster import http_get
 
-    status, out = _post(cluster.proxy_url + "/v1/completions",
-                        {"model": "nope", "prompt": "x", "max_tokens": 2})
+    status, out = http_post_json(cluster.proxy_url + "/v1/completions",
+                                 {"model": "nope", "prompt": "x", "max_tokens": 2})
     assert status == 404 and "nope" in json.dumps(out)
     assert http_get(cluster.proxy_url + "/health?deep=1")[0] == 200
 

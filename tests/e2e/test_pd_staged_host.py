@@ -6,8 +6,10 @@ from __future__ import annotations
 import time
 
 import pytest
-from test_pd_serving import BLOCK, TIE_MARGIN, _complete, _post, _prompts, greedy_divergence
+from e2e_helpers import BLOCK, GG_MAX_TOKENS, GG_TIE_MARGIN, complete, gg_prompts, greedy_divergence
 from vllm_fixtures import running
+
+from vllm_hawk.testing.local_cluster import http_post_json
 
 pytestmark = pytest.mark.vllm
 
@@ -35,13 +37,13 @@ def cluster(tmp_path_factory):
 def test_staged_host_outputs_match_single_engine(cluster):
     from vllm_hawk.testing.local_cluster import scrape_metrics
 
-    prompts = _prompts()[::3]
-    disagg = [_complete(cluster.proxy_url, p) for p in prompts]
-    ref = [_complete(cluster.decode_url, p, logprobs=2) for p in prompts]
+    prompts = gg_prompts()[::3]
+    disagg = [complete(cluster.proxy_url, p, max_tokens=GG_MAX_TOKENS) for p in prompts]
+    ref = [complete(cluster.decode_url, p, max_tokens=GG_MAX_TOKENS, logprobs=2) for p in prompts]
     for p, d, r in zip(prompts, disagg, ref):
         div = greedy_divergence(d["token_ids"], r)
         if div is not None:
-            assert div[1] < TIE_MARGIN, f"prompt of {len(p)} tokens differs at {div[0]}"
+            assert div[1] < GG_TIE_MARGIN, f"prompt of {len(p)} tokens differs at {div[0]}"
     m = scrape_metrics(cluster.decode_url)
     # staged: each layer's stream is one contiguous ring range -> one READ per layer at most
     assert m["vllm:hawk_transfer_operations_sum"] <= 4 * m["vllm:hawk_transfer_operations_count"]
@@ -51,9 +53,9 @@ def test_lease_expiry_frees_prefill_blocks(cluster):
     from vllm_hawk.testing.local_cluster import scrape_metrics
 
     before = scrape_metrics(cluster.prefill_url).get("vllm:hawk_expired_leases_total", 0.0)
-    status, out = _post(cluster.prefill_url + "/v1/completions",
-                        {"model": "tiny", "prompt": [0] + list(range(20, 150)), "max_tokens": 1,
-                         "kv_transfer_params": {"do_remote_decode": True}})
+    status, out = http_post_json(cluster.prefill_url + "/v1/completions",
+                                 {"model": "tiny", "prompt": [0] + list(range(20, 150)), "max_tokens": 1,
+                                  "kv_transfer_params": {"do_remote_decode": True}})
     assert status == 200 and out["kv_transfer_params"]["remote_block_ids"]
     assert scrape_metrics(cluster.prefill_url)["vllm:kv_cache_usage_perc"] > 0  # held
     deadline = time.monotonic() + LEASE_S + 15
@@ -66,8 +68,8 @@ def test_lease_expiry_frees_prefill_blocks(cluster):
     else:
         pytest.fail(f"blocks still held after the lease: {m.get('vllm:kv_cache_usage_perc')}")
     # a decode that comes after the lease gets a clear refusal (expired) -> HTTP 500
-    status, _ = _post(cluster.decode_url + "/v1/completions",
-                      {"model": "tiny", "prompt": [0] + list(range(20, 150)), "max_tokens": 2,
-                       "kv_transfer_params": out["kv_transfer_params"]})
+    status, _ = http_post_json(cluster.decode_url + "/v1/completions",
+                               {"model": "tiny", "prompt": [0] + list(range(20, 150)), "max_tokens": 2,
+                                "kv_transfer_params": out["kv_transfer_params"]})
     assert status == 500
     assert "blocks were expired" in cluster.servers["decode"].log_tail(200_000)

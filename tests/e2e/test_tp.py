@@ -30,8 +30,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from test_gn_hawk import _complete
-from test_pd_serving import greedy_divergence
+from e2e_helpers import GG_TIE_MARGIN, GN_TIE_MARGIN, complete, greedy_divergence
 from vllm_fixtures import running, token_prompts
 
 from vllm_hawk.testing.local_cluster import http_post_json, wait_idle
@@ -49,7 +48,7 @@ CONFIGS = {
                        decode_config={"prefill_tp": 2}),
     "GN-P1-p150ax2": dict(prefill_tp=1, tt={"device": "p150a", "kv_dtype": "bfloat16", "chips": 2}, mode="staged"),
 }
-TIE_MARGIN = {"GG": 1e-3, "GN": 2.0 ** -6}  # GN: bf16 logits, see test_gn_hawk
+TIE_MARGIN = {"GG": GG_TIE_MARGIN, "GN": GN_TIE_MARGIN}  # GN: bf16 logits, see e2e_helpers
 
 
 @pytest.fixture(scope="module", params=list(CONFIGS))
@@ -138,10 +137,10 @@ def test_tp_pair_serves_exactly(cluster, record_property):
     ties, mismatches, figs = [], [], []
     t0 = time.monotonic()
     for prompt in _prompts():
-        got = _complete(cluster.proxy_url, prompt, max_tokens=MAX_TOKENS)
+        got = complete(cluster.proxy_url, prompt, max_tokens=MAX_TOKENS)
         fig = (got["kv_transfer_params"] or {}).get("hawk_transfer") or {}
         figs.append((len(prompt), fig.get("nbytes"), fig.get("segments"), fig.get("entries")))
-        ref = _complete(ref_url, prompt, logprobs=2, max_tokens=MAX_TOKENS)
+        ref = complete(ref_url, prompt, logprobs=2, max_tokens=MAX_TOKENS)
         div = greedy_divergence(got["token_ids"], ref)
         if div is not None:
             (ties if div[1] < TIE_MARGIN[name[:2]] else mismatches).append((len(prompt), *div))

@@ -177,7 +177,7 @@ def test_rdma_carried_the_bytes(guest_run, nodeid):
 
 def test_transport_protocol_checks_found_the_silent_rdma(guest_run):
     """Mooncake's protocol argument alone does not pick the wire: a bare engine asked for
-    "tcp" uses RDMA when an HCA exists. Our transport pins what it was asked for."""
+    "tcp" uses RDMA when an HCA exists. Our transport pins the protocol it is asked for."""
     res, _ = guest_run
     m = re.search(r"^RESULT raw_tcp_unforced (.*)$", res.output, re.M)
     assert m, res.output[-2000:]

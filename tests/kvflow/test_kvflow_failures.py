@@ -3,7 +3,6 @@ leases, batches that fail or never drain, restarts, constructors that fail half 
 hostile layouts. Every case ends with nothing held on either side."""
 from __future__ import annotations
 
-import contextlib
 import threading
 import time
 
@@ -11,7 +10,7 @@ import msgspec
 import numpy as np
 import pytest
 import zmq
-from test_kvflow_inprocess import BS, COMPAT, D, H, L, assert_pool_holds
+from kvflow_helpers import BS, COMPAT, D, H, L, assert_pool_holds, endpoints, wait_until
 
 import vllm_hawk.kvflow.decode as decode_mod
 import vllm_hawk.kvflow.sources as sources_mod
@@ -24,38 +23,6 @@ from vllm_hawk.protocol import KVRequest, RemoteError
 from vllm_hawk.testing.endpoints import TTDecode, VllmDecode, prefill_endpoint
 from vllm_hawk.testing.paged_cache import PagedKVCache
 from vllm_hawk.transport import TransferHandle, make_transport
-
-
-def wait_until(pred, timeout_s: float = 10.0) -> bool:
-    end = time.monotonic() + timeout_s
-    while not pred():
-        if time.monotonic() > end:
-            return False
-        time.sleep(0.02)
-    return True
-
-
-@contextlib.contextmanager
-def endpoints(pool_blocks: int = 32, recv: int = 128 << 10, dec_kw: dict | None = None, **pre_kw):
-    """A prefill (in-process transport) and one bf16 decode; everything freed after."""
-    cache = PagedKVCache(L, 48, H, BS, D).fill_random(7)
-    tp, td = make_transport("inprocess"), make_transport("inprocess")
-    finished: list[tuple[str, bool]] = []
-    pre_kw.setdefault("ring_nbytes", 1 << 20)
-    pre = prefill_endpoint(cache, tp, COMPAT, on_finished=lambda r, ok: finished.append((r, ok)), **pre_kw)
-    dev = EmulatedDevice("p150a", 8 << 20)
-    dec = None
-    try:
-        dec = TTDecode(dev, TTKVCacheSpec(L, pool_blocks, H, BS, D, "bfloat16"), td, pre.endpoint, COMPAT,
-                       recv_nbytes_per_bank=recv, timeout_s=10, **(dec_kw or {}))
-        yield cache, pre, dec, dev, td, finished
-    finally:
-        if dec is not None:
-            dec.close()
-        pre.close()
-        tp.close()
-        td.close()
-    assert dev.live_buffers() == []
 
 
 def fake_submit(td, monkeypatch, *, fail: bool, settle_after: float | None):
@@ -78,7 +45,7 @@ def fake_submit(td, monkeypatch, *, fail: bool, settle_after: float | None):
     return handles
 
 
-# --------------------------------------------------------------------------- finding 1
+# --------------------------------------------------------------------------- cancel before KVReady
 def test_release_before_kvready_cancels_and_frees_the_ring_at_once(monkeypatch):
     real = sources_mod.transform_source
 
@@ -101,7 +68,7 @@ def test_release_before_kvready_cancels_and_frees_the_ring_at_once(monkeypatch):
         assert dec.pool.is_idle()
 
 
-# --------------------------------------------------------------------------- finding 2
+# --------------------------------------------------------------------------- lease bounds the read
 def test_read_deadline_is_capped_by_the_prefill_lease(monkeypatch):
     with endpoints(lease_s=1.0) as (_cache, pre, dec, _dev, td, _finished):
         pre.add_request("lease", [1], BS)
@@ -126,14 +93,14 @@ def test_release_after_lease_expiry_says_the_kv_may_be_corrupt(monkeypatch):
         monkeypatch.setattr(dev, "copy_in_bank", slow_copy)
         with pytest.raises(PeerFailed, match=r"lease of 1000 ms ran out.*may be corrupt"):
             dec.fetch("late", BS, [2], "staged", timeout_s=30.0)
-        # finding 7: the engine heard that the request's blocks are free
+        # the engine hears (on_finished) that the request's blocks are free
         assert wait_until(lambda: finished == [("late", False)], 5.0), finished
         snap = pre.snapshot()
         assert snap["ring_used"] == 0 and snap["requests"] == 0 and snap["expired"] == 1, snap
         assert dec.pool.is_idle()
 
 
-# --------------------------------------------------------------------------- finding 7
+# --------------------------------------------------------------------------- lease expiry reaches the engine
 def test_lease_expiry_tells_the_engine():
     with endpoints(lease_s=1.0) as (_cache, pre, dec, _dev, _td, finished):
         pre.add_request("held", [1], BS)
@@ -142,7 +109,7 @@ def test_lease_expiry_tells_the_engine():
         assert pre.snapshot()["ring_used"] == 0 and pre.snapshot()["requests"] == 0
 
 
-# --------------------------------------------------------------------------- finding 3
+# --------------------------------------------------------------------------- batches that fail or never drain
 @pytest.mark.parametrize("mode", ["direct", "per_tile"])
 def test_failed_direct_fetch_returns_only_after_its_reads_drained(monkeypatch, mode):
     with endpoints() as (_cache, pre, dec, _dev, td, _finished):
@@ -183,7 +150,7 @@ def test_staged_receive_buffers_of_a_batch_that_never_settles_stay_quarantined(m
         assert not any(t.name.startswith("hawk-free-") for t in threading.enumerate())
 
 
-# --------------------------------------------------------------------------- finding 4
+# --------------------------------------------------------------------------- constructors that fail half way
 def test_decode_endpoint_frees_its_kv_pool_when_the_receive_pool_does_not_fit():
     dev = EmulatedDevice("p150a", 1 << 20)
     td = make_transport("inprocess")
@@ -196,7 +163,7 @@ def test_decode_endpoint_frees_its_kv_pool_when_the_receive_pool_does_not_fit():
         td.close()
 
 
-# --------------------------------------------------------------------------- finding 5
+# --------------------------------------------------------------------------- prefill restart
 def test_fetch_after_the_prefill_restarts_uses_the_new_ring():
     cache = PagedKVCache(L, 48, H, BS, D).fill_random(9)
     tp1, td = make_transport("inprocess"), make_transport("inprocess")
@@ -227,7 +194,7 @@ def test_fetch_after_the_prefill_restarts_uses_the_new_ring():
     assert dev.live_buffers() == []
 
 
-# --------------------------------------------------------------------------- finding 6
+# --------------------------------------------------------------------------- prefill reserve wait and close
 def test_prefill_reserve_wait_is_capped_by_claim_wait_not_the_far_deadline():
     with endpoints(claim_wait_s=0.3) as (_cache, pre, dec, _dev, _td, _finished):
         pre.add_request("a", list(range(10)), 10 * BS)  # 640 KiB of the 1 MiB ring
@@ -257,7 +224,7 @@ def test_prefill_close_does_not_wait_out_a_blocked_reserve():
         fut.cancel()
 
 
-# --------------------------------------------------------------------------- finding 9
+# --------------------------------------------------------------------------- bind failure
 def test_prefill_endpoint_that_cannot_bind_leaves_nothing_behind():
     cache = PagedKVCache(L, 4, H, BS, D)
     t1, t2 = make_transport("inprocess"), make_transport("inprocess")

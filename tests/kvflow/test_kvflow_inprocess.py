@@ -6,37 +6,16 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import torch
+from kvflow_helpers import BS, COMPAT, D, H, L, assert_pool_holds, reference
 
 from vllm_hawk.kvflow import PeerFailed, PrefillEndpoint
 from vllm_hawk.kvflow.gn_host import wire_layout_of
-from vllm_hawk.layout.formats import tilize_pack
 from vllm_hawk.layout.tt_kv_cache import TTKVCacheSpec
 from vllm_hawk.npu.emulated import EmulatedDevice
-from vllm_hawk.protocol import KVReady, Segment, make_compat
+from vllm_hawk.protocol import KVReady, Segment
 from vllm_hawk.testing.endpoints import GNHostDecode, TTDecode, VllmDecode, make_source, prefill_endpoint
 from vllm_hawk.testing.paged_cache import PagedKVCache
 from vllm_hawk.transport import TransferFailed, make_transport
-
-L, H, BS, D = 2, 2, 64, 64
-COMPAT = make_compat("tiny", "bfloat16", BS, "vllm-flash-nhd", "tt-paged", "p150a")
-
-
-def reference(cache: PagedKVCache, layer: int, kv: int, src_blocks, num_tokens: int, dtype: str, bs: int = BS):
-    """Tilized/packed bytes the pool must hold for the request's destination blocks."""
-    x = cache.kv_views()[layer][kv]
-    tok = torch.cat([x[b] for b in src_blocks], dim=1)
-    n_dst = -(-num_tokens // bs)
-    out = torch.zeros(H, n_dst * bs, D, dtype=tok.dtype)
-    m = min(tok.shape[1], n_dst * bs)
-    out[:, :m] = tok[:, :m]
-    return tilize_pack(out.reshape(H, n_dst, bs, D).transpose(0, 1), dtype)
-
-
-def assert_pool_holds(dec: TTDecode, cache, src_blocks, num_tokens, dst_blocks):
-    for layer in range(L):
-        for kv in range(2):
-            want = reference(cache, layer, kv, src_blocks, num_tokens, dec.layout.spec.dtype)
-            assert torch.equal(dec.read_blocks(layer, kv, dst_blocks), want), (layer, kv)
 
 
 @pytest.fixture()

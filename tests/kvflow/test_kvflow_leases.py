@@ -1,4 +1,4 @@
-"""Lease renewal and early release (issue 13): the decode's heartbeat (LeaseKeeper ->
+"""Lease renewal and early release: the decode's heartbeat (LeaseKeeper ->
 Renew) keeps a queued request's KV past ``lease_s``, bounded by ``max_hold_s``; one Renew
 per prefill and interval; only the owner may renew or release a claimed request; a
 control peer (the proxy) may release an unclaimed one but never request KV, and renews
@@ -10,8 +10,7 @@ import threading
 import time
 
 import pytest
-from test_kvflow_failures import endpoints, wait_until
-from test_kvflow_inprocess import BS, COMPAT
+from kvflow_helpers import BS, COMPAT, endpoints, wait_until
 
 from vllm_hawk.kvflow import LeaseKeeper
 from vllm_hawk.protocol import MAX_RENEW_IDS, KVRequest, ProtocolClient, RemoteError
@@ -20,7 +19,7 @@ from vllm_hawk.protocol import MAX_RENEW_IDS, KVRequest, ProtocolClient, RemoteE
 def test_heartbeat_keeps_a_queued_request_past_its_lease():
     with endpoints(lease_s=1.0) as (_cache, pre, dec, _dev, _td, finished):
         pre.add_request("q", [1], BS)
-        pre.add_request("nobody", [2], BS)  # not wanted: expires as before
+        pre.add_request("nobody", [2], BS)  # not wanted: expires when its lease runs out
         keeper = LeaseKeeper(lambda _key: dec.ep, 0.2)
         try:
             assert keeper.want("prefill", "q")
@@ -189,7 +188,7 @@ def test_proxy_renews_through_the_hand_over_until_a_decode_claims_it():
 
     with endpoints(lease_s=1.0) as (_cache, pre, dec, _dev, _td, finished):
         pre.add_request("handed", [1], BS)
-        pre.add_request("nobody", [2], BS)  # not held by the proxy: expires as before
+        pre.add_request("nobody", [2], BS)  # not held by the proxy: expires when its lease runs out
         port = int(pre.endpoint.rsplit(":", 1)[1])
         params = {"remote_host": "127.0.0.1", "remote_port": port, "remote_request_id": "handed"}
         rel = PrefillReleaser(None, "none", renew_interval_s=0.2)

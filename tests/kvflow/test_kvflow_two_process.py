@@ -18,8 +18,8 @@ import numpy as np
 import pytest
 import torch
 import zmq
+from kvflow_helpers import reference
 from prefill_proc import start_prefill
-from test_kvflow_inprocess import reference
 
 from vllm_hawk.kvflow import PeerFailed
 from vllm_hawk.kvflow.decode import RELEASE_TIMEOUT_S, SETTLE_WAIT_S

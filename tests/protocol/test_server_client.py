@@ -358,8 +358,8 @@ def test_curve_handshake_survives_a_starved_prefill(monkeypatch):
     """A prefill starved of CPU past its 1 s ZMTP ``HANDSHAKE_IVL`` drops a connection in
     mid-handshake (CI: 4-6 vLLM processes on 2 cores). The decode's Hello is not failed as
     an auth error: libzmq reconnects and the queued Hello is answered. The starvation is
-    the ZAP handler's own thread taking 1.6 s over the first connection's key (spinning on
-    the GIL to starve it was a race: the handler could answer before the spin began)."""
+    the ZAP handler's own thread taking 1.6 s over the first connection's key (not another
+    thread spinning on the GIL: the handler could answer before the spin began)."""
     from vllm_hawk.protocol import server as server_mod
 
     real, calls = server_mod._CurvePeers.callback, []

@@ -1,4 +1,4 @@
-"""Each attack of the security review, from a process without the shared secret (this
+"""Attacks on the KV data path from a process without the shared secret (this
 test process), against real components in their own processes: the Mooncake transfer
 engine, the host-staged port (raw sockets), the side channel (ZMQ). Each attempt is
 refused or gets no KV bytes, and the legitimate pair keeps serving exact bytes.
@@ -75,10 +75,11 @@ def _prefill(kind: str, **kw) -> Target:
 @needs_mooncake
 @pytest.mark.parametrize("kind", ["hawk", "vllm"], ids=["ring (GN-HAWK)", "cache in place (GG-Direct)"])
 def test_mooncake_attacker_reads_and_writes_nothing_of_an_idle_prefill(kind):
-    """The review READ a request's bytes out of the prefill ring (learning the base from
-    get_first_buffer_address), read the whole cache in GG-Direct mode, and WROTE into the
-    ring. Now nothing is registered between transfers: every READ and WRITE is refused,
-    whatever address the attacker knows, and the legitimate decode still gets exact bytes."""
+    """The attacker tries to READ a request's bytes out of the prefill ring (learning the
+    base from get_first_buffer_address), to read the whole cache in GG-Direct mode, and to
+    WRITE into the ring. Nothing is registered between transfers: every READ and WRITE is
+    refused, whatever address the attacker knows, and the legitimate decode still gets
+    exact bytes."""
     att = Attacker()
     dev = EmulatedDevice("p150a", 8 << 20)
     t = make_transport("mooncake")
@@ -119,9 +120,9 @@ def _hs_hello(flags: int, ts: int, nonce: bytes, mac: bytes) -> bytes:
 
 
 def test_host_staged_raw_socket_attacks_get_no_bytes():
-    """The review read and wrote registered memory through the host-staged port with a raw
-    socket and mapped valid addresses from the out-of-range replies. Now a connection that
-    cannot prove the secret gets one status byte and is closed; nothing else is answered."""
+    """A raw socket on the host-staged port tries to read and write registered memory and
+    to map valid addresses from the out-of-range replies. A connection that cannot prove
+    the secret gets one status byte and is closed; nothing else is answered."""
     with Target({"what": "host_staged", "secret": SECRET}) as t:
         host, port = t.info["transfer"].rsplit(":", 1)
         addr = t.info["addr"]
@@ -179,9 +180,9 @@ def test_host_staged_raw_socket_attacks_get_no_bytes():
 
 
 def test_side_channel_attacks_are_refused_and_releases_are_bound_to_their_requester():
-    """The review released another decode's request (its ring space was freed while that
-    decode still read it). Now only the requesting decode's Release counts; a stranger
-    without the secret cannot even finish the ZMQ handshake."""
+    """Releasing another decode's request would free its ring space while that decode still
+    reads it: only the requesting decode's Release counts, and a stranger without the
+    secret cannot even finish the ZMQ handshake."""
     with _prefill("hawk", transport="inprocess") as p:
         ep = p.info["endpoint"]
         # no secret / wrong secret / NULL mechanism: refused at the handshake

@@ -19,6 +19,7 @@ from pathlib import Path
 
 import pytest
 from aiohttp import web
+from security_helpers import RawFlood
 
 from vllm_hawk.proxy.server import Limits, Proxy, serve
 from vllm_hawk.testing.local_cluster import scrape_metrics
@@ -141,7 +142,7 @@ def test_body_limits_and_json_amplification(upstream):
     async def fn(proxy, port):
         before = _rss_mib()
         big = await _http(port, _post("/v1/completions", b"x" * (6 << 20)))
-        amp = b"[" + b"[]," * 400_000 + b"[]]"  # 1.2 MB of empty lists (the 1.4 GiB finding, scaled)
+        amp = b"[" + b"[]," * 400_000 + b"[]]"  # 1.2 MB of empty lists: 400,000 Python lists once parsed
         lists = await _http(port, _post("/v1/completions", b'{"prompt": ' + amp + b"}"))
         deep = await _http(port, _post("/v1/completions", b"[" * 50_000 + b"]" * 50_000))
         good = await _http(port, _post("/v1/completions", json.dumps({"prompt": list(range(20_000))}).encode()))
@@ -299,8 +300,6 @@ def test_partial_header_flood_at_the_fd_limit(upstream):
 
 class _PartialHeaderFlood:
     def __init__(self, endpoint: str, n: int) -> None:
-        from test_idle_floods import RawFlood
-
         class Partial(RawFlood):
             def _open(self):
                 super()._open()

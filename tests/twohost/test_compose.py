@@ -7,7 +7,7 @@ prefill, decode (emulated p150a) and proxy containers on a user-defined network,
 client container (outputs vs the prefill engine alone modulo top-2 ties; KV bytes in the
 decode's banks exact vs tilize_pack), tears everything down and checks that no
 container, network or volume of the project, no dockerd, no mount is left and that
-ip_forward and the FORWARD policy are as before. Needs root: skips locally without it,
+ip_forward and the FORWARD policy are unchanged. Needs root: skips locally without it,
 fails under CI=true.
 
 Cold (nothing cached, Debian packages installed): 12 min on this shared 2-core machine,

@@ -1,0 +1,100 @@
+"""Shared by the end-to-end serving tests: the block size and reference tolerances of the
+two model setups, their prompt sets, a greedy completion request, the tie-aware greedy
+comparison against a single-engine reference, and the exact check of the KV bytes a
+Tenstorrent decode received (from the ``HAWK_DEBUG_DIR`` dumps of both sides).
+
+Two setups: GG (GPU-to-GPU layout, the tiny Llama in float32; docs/vllm-cpu.md: bf16
+random models have exact top-2 ties) and GN (a decode on the emulated Tenstorrent
+platform plugin, the tiny Llama in bfloat16)."""
+from __future__ import annotations
+
+import glob
+from pathlib import Path
+
+from vllm_fixtures import token_prompts
+
+from vllm_hawk.testing.local_cluster import http_post_json
+
+#: vLLM block size (tokens) of every e2e cluster
+BLOCK = 32
+
+#: GG (float32 logits): a reference top-2 gap below this at the first differing token is a tie
+GG_TIE_MARGIN = 1e-3
+#: GG: tokens generated per completion
+GG_MAX_TOKENS = 16
+
+#: GN (bf16 logits): the CPU reference's attention kernel and the plugin's tile-layout
+#: attention (float32 over unpacked tiles) round differently, which moves a logit by a bf16
+#: ulp or two (2**-8 .. 2**-7 for |logit| < 2); gaps below this count as ties.
+GN_TIE_MARGIN = 2.0 ** -6
+#: GN: tokens generated per completion
+GN_MAX_TOKENS = 10
+
+
+def gg_prompts() -> list[list[int]]:
+    """Token-id prompts (BOS included) of lengths across block boundaries (GG setup)."""
+    return token_prompts(7, [1, 2, 5, 17, 31, 32, 33, 63, 64, 65, 96, 100, 127, 128, 129, 200, 255, 256,
+                             300, 417, 512, 700])
+
+
+def gn_prompts() -> list[list[int]]:
+    """Token-id prompts (BOS included) across block boundaries (block 32, GN setup)."""
+    return token_prompts(11, (5, 32, 33, 100, 257))
+
+
+def complete(url: str, prompt, *, max_tokens: int, logprobs: int | None = None) -> dict:
+    """One greedy ``/v1/completions`` request (EOS ignored, token ids returned, with
+    ``logprobs`` top logprobs per position if given); asserts HTTP 200 and returns the first
+    choice with the response's ``kv_transfer_params`` added."""
+    body = {"model": "tiny", "prompt": prompt, "max_tokens": max_tokens, "temperature": 0,
+            "ignore_eos": True, "return_token_ids": True}
+    if logprobs:
+        body.update(logprobs=logprobs, return_tokens_as_token_ids=True)
+    status, out = http_post_json(url + "/v1/completions", body)
+    assert status == 200, out
+    return {**out["choices"][0], "kv_transfer_params": out.get("kv_transfer_params")}
+
+
+def top2_gap(choice: dict, pos: int) -> float:
+    """The gap between the two highest logprobs of ``choice`` at position ``pos``."""
+    top = sorted(choice["logprobs"]["top_logprobs"][pos].values(), reverse=True)
+    return top[0] - top[1] if len(top) > 1 else float("inf")
+
+
+def greedy_divergence(got: list[int], ref_choice: dict) -> tuple[int, float] | None:
+    """None if ``got`` equals the reference's tokens, else (first differing position, the
+    reference's top-2 logprob gap there) — a gap below the margin is a tie."""
+    want = ref_choice["token_ids"]
+    if got == want:
+        return None
+    i = next(k for k, (a, b) in enumerate(zip(got, want)) if a != b)
+    return i, top2_gap(ref_choice, i)
+
+
+def check_new_transfers(c) -> list[dict]:
+    """Every transfer not checked yet: decode bank bytes == tilize_pack(prefill K/V).
+
+    ``c`` is a cluster with ``hawk_dump`` (the ``HAWK_DEBUG_DIR``), ``hawk_cfg`` (its
+    ``device`` and ``kv_dtype``) and ``hawk_checked`` (the dump keys already checked)."""
+    import torch
+
+    from vllm_hawk.layout.formats import tilize_pack
+
+    out = []
+    for dp in sorted(glob.glob(str(c.hawk_dump / "decode-*.pt"))):
+        key = Path(dp).name.removeprefix("decode-")
+        if key in c.hawk_checked:
+            continue
+        pp = c.hawk_dump / f"prefill-{key}"
+        assert pp.exists(), f"no prefill dump for {key}"
+        d, p = torch.load(dp), torch.load(pp)
+        assert d["dtype"] == c.hawk_cfg["kv_dtype"] and d["device"] == c.hawk_cfg["device"]
+        assert d["dst_blocks"] == p["dst_blocks"]
+        assert len(d["bytes"]) == len(p["kv"])
+        for layer, ((k, v), (kb, vb)) in enumerate(zip(p["kv"], d["bytes"])):
+            for name, x, got in (("K", k, kb), ("V", v, vb)):
+                want = tilize_pack(x.to(torch.float32), d["dtype"]).reshape(got.shape)
+                assert torch.equal(want, got), f"{key}: layer {layer} {name} bytes differ"
+        c.hawk_checked.add(key)
+        out.append({"key": key, "blocks": len(d["dst_blocks"])})
+    return out
