@@ -5,6 +5,7 @@ printed the moment it happens (with its cluster's server log tails, if it holds 
 timestamped line where each group starts and one for each slow test phase, and a deadline
 (``HAWK_SUITE_DEADLINE``) after which the remaining tests are not started, so that a slow
 or stuck machine still ends with a summary instead of being killed by CI."""
+
 import collections
 import os
 import time
@@ -13,16 +14,20 @@ from pathlib import Path
 import pytest
 from hypothesis import HealthCheck, settings
 
-settings.register_profile("ci", max_examples=60, deadline=None,
-                          suppress_health_check=[HealthCheck.too_slow])
-settings.register_profile("dev", max_examples=25, deadline=None,
-                          suppress_health_check=[HealthCheck.too_slow])
+settings.register_profile("ci", max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+settings.register_profile("dev", max_examples=25, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 settings.load_profile(os.environ.get("HAWK_HYPOTHESIS_PROFILE", "ci" if os.environ.get("CI") else "dev"))
 
 
 # Folders whose every test needs something heavy: an engine, the simulator, apt, a guest.
-FOLDER_MARKS = {"security": "security",
-                "e2e": "vllm", "tt_plugin": "vllm", "ttsim": "ttsim", "kernel_driver": "kernel", "guest": "guest"}
+FOLDER_MARKS = {
+    "security": "security",
+    "e2e": "vllm",
+    "tt_plugin": "vllm",
+    "ttsim": "ttsim",
+    "kernel_driver": "kernel",
+    "guest": "guest",
+}
 TESTS = Path(__file__).parent
 _group_s: collections.Counter = collections.Counter()
 SLOW_PHASE_S = 120.0  # a setup, call or teardown longer than this gets its own line at once
@@ -81,8 +86,11 @@ def pytest_runtest_makereport(item, call):
     for value in getattr(item, "funcargs", {}).values():
         servers = getattr(value, "servers", None)
         if isinstance(servers, dict):
-            tails += [f"--- {s.log_path} (last 25 lines) ---\n" + "\n".join(s.log_tail(20000).splitlines()[-25:])
-                      for s in servers.values() if hasattr(s, "log_tail")]
+            tails += [
+                f"--- {s.log_path} (last 25 lines) ---\n" + "\n".join(s.log_tail(20000).splitlines()[-25:])
+                for s in servers.values()
+                if hasattr(s, "log_tail")
+            ]
     if tails:
         rep.sections.append((CLUSTER_LOGS, "\n".join(tails)))
 
@@ -102,9 +110,11 @@ def pytest_runtest_protocol(item, nextitem):
     """Past ``HAWK_SUITE_DEADLINE`` no test starts: the run stops, failed, with its summary."""
     if SUITE_DEADLINE and time.time() > SUITE_DEADLINE:
         if not item.session.shouldfail:
-            item.session.shouldfail = (f"HAWK_SUITE_DEADLINE passed before {item.nodeid} "
-                                       f"({time.monotonic() - _t0:.0f} s into this session): it and the tests "
-                                       "after it were not started (the [slow] lines say where the time went)")
+            item.session.shouldfail = (
+                f"HAWK_SUITE_DEADLINE passed before {item.nodeid} "
+                f"({time.monotonic() - _t0:.0f} s into this session): it and the tests "
+                "after it were not started (the [slow] lines say where the time went)"
+            )
         return True  # not run
     return None
 

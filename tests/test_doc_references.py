@@ -1,6 +1,7 @@
 """Every ``docs/*.md`` that code, tests, scripts or the README point at exists, nothing
 points at a design document outside this repository, every relative markdown link in the
 README and ``docs/*.md`` resolves, and the README stays short."""
+
 import re
 from pathlib import Path
 
@@ -78,12 +79,17 @@ def test_relative_links_resolve():
 
 
 def test_link_parser():
-    text = ("[a](sub/x.md) [b](y.md#part) [c](https://e.org/z.md) [d](#here) [e](mailto:a@b.c)\n"
-            "![img](pic.png \"title\") `[f](not/a/link.md)`\n```\n[g](fenced.md)\n```\n")
+    text = (
+        "[a](sub/x.md) [b](y.md#part) [c](https://e.org/z.md) [d](#here) [e](mailto:a@b.c)\n"
+        '![img](pic.png "title") `[f](not/a/link.md)`\n```\n[g](fenced.md)\n```\n'
+    )
     assert list(relative_links(text)) == ["sub/x.md", "y.md", "pic.png"]
     assert list(relative_links(text, with_anchor=True))[1] == ("y.md", "part")
     assert anchors("# Top\n## Docker compose: two nodes\n### The `emulated` profile\n```\n# not\n```\n") == {
-        "top", "docker-compose-two-nodes", "the-emulated-profile"}
+        "top",
+        "docker-compose-two-nodes",
+        "the-emulated-profile",
+    }
 
 
 def test_readme_is_short():

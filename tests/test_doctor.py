@@ -1,5 +1,6 @@
 """`hawk doctor` run as a subprocess: on this machine (no RDMA, no Tenstorrent device) and
 against FAKE sysfs/dev/proc trees built under tmp_path with --root."""
+
 from __future__ import annotations
 
 import importlib.util
@@ -17,8 +18,14 @@ GiB = 1 << 30
 
 def run_doctor(*args: str) -> tuple[int, str]:
     env = dict(os.environ, PYTHONPATH=str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", ""))
-    proc = subprocess.run([sys.executable, "-m", "vllm_hawk.doctor", *args], cwd=ROOT, env=env,
-                          capture_output=True, text=True, timeout=120)
+    proc = subprocess.run(
+        [sys.executable, "-m", "vllm_hawk.doctor", *args],
+        cwd=ROOT,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert proc.stderr == "" or "Warning" in proc.stderr, proc.stderr
     return proc.returncode, proc.stdout
 
@@ -52,9 +59,16 @@ def test_this_machine_has_no_rdma_and_no_tenstorrent_device() -> None:
     assert "NOT READY for role all" in table
 
 
-def make_fake_node(root: Path, *, device_id: str = "0xb140", card: str = "p150a", bar4: int = 32 * GiB,
-                   kmd: str | None = "2.10.1-pre", modules: tuple[str, ...] = ("nvidia_peermem", "tt_peermem"),
-                   port_state: str = "4: ACTIVE") -> Path:
+def make_fake_node(
+    root: Path,
+    *,
+    device_id: str = "0xb140",
+    card: str = "p150a",
+    bar4: int = 32 * GiB,
+    kmd: str | None = "2.10.1-pre",
+    modules: tuple[str, ...] = ("nvidia_peermem", "tt_peermem"),
+    port_state: str = "4: ACTIVE",
+) -> Path:
     """A FAKE /sys, /dev, /proc tree of a node with one NIC and one Tenstorrent card."""
     port = root / "sys/class/infiniband/mlx5_0/ports/1"
     port.mkdir(parents=True)
@@ -72,8 +86,9 @@ def make_fake_node(root: Path, *, device_id: str = "0xb140", card: str = "p150a"
     (pci / "vendor").write_text("0x1e52\n")
     (pci / "device").write_text(device_id + "\n")
     bars = [(0x9000_0000, 512 << 20), (0, 0), (0xA000_0000, 1 << 20), (0, 0), (0x20_0000_0000, bar4)]
-    (pci / "resource").write_text("".join(
-        f"0x{s:016x} 0x{(s + n - 1) if n else 0:016x} 0x0000000000040200\n" for s, n in bars))
+    (pci / "resource").write_text(
+        "".join(f"0x{s:016x} 0x{(s + n - 1) if n else 0:016x} 0x0000000000040200\n" for s, n in bars)
+    )
     cls = root / "sys/class/tenstorrent/tenstorrent!0"
     cls.mkdir(parents=True)
     (cls / "tt_card_type").write_text(card + "\n")
@@ -154,6 +169,7 @@ def _add_rxe(root: Path, name: str = "rxe0") -> None:
 def test_fake_soft_roce_only_is_named_and_for_testing(tmp_path: Path) -> None:
     root = make_fake_node(tmp_path)
     import shutil
+
     shutil.rmtree(root / "sys/class/infiniband/mlx5_0")
     _add_rxe(root)
     rc, out = run_doctor("--json", "--role", "decode", "--root", str(root))

@@ -1,6 +1,7 @@
 """The folders tell the data flow: layout -> transform -> kvflow -> transport / protocol,
 with connector, tt_plugin and proxy as adapters on top. No module imports a layer above
 its own (checked on the source, so a lazy import inside a function counts too)."""
+
 from __future__ import annotations
 
 import ast
@@ -43,9 +44,11 @@ def test_leaf_modules_import_nothing_of_vllm_hawk():
 
 
 def test_runtime_modules_do_not_import_the_testing_package():
-    bad = [str(f.relative_to(PKG.parent)) for f in sorted(PKG.rglob("*.py"))
-           if "testing" not in f.relative_to(PKG).parts[:1] and f.parent.name != "bench"
-           and "testing" in _imports(f)]
+    bad = [
+        str(f.relative_to(PKG.parent))
+        for f in sorted(PKG.rglob("*.py"))
+        if "testing" not in f.relative_to(PKG).parts[:1] and f.parent.name != "bench" and "testing" in _imports(f)
+    ]
     assert not bad, f"runtime modules import vllm_hawk.testing: {bad}"
 
 
@@ -55,6 +58,6 @@ def test_every_hawk_variable_is_read_in_envs():
         if f.name == "envs.py":
             continue
         for i, line in enumerate(f.read_text().splitlines(), 1):
-            if "environ" in line and '"HAWK_' in line or "getenv(\"HAWK_" in line:
+            if "environ" in line and '"HAWK_' in line or 'getenv("HAWK_' in line:
                 bad.append(f"{f.relative_to(PKG.parent)}:{i}: {line.strip()}")
     assert not bad, "read HAWK_* variables through vllm_hawk.envs:\n" + "\n".join(bad)

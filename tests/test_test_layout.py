@@ -6,6 +6,7 @@ fixtures) in a second place, and moving or renaming a test would break unrelated
 Checked on the source of every ``tests/**/*.py`` (so an import inside a function counts
 too), including ``importlib.import_module``/``__import__``/``spec_from_file_location``
 calls that name a test module."""
+
 from __future__ import annotations
 
 import ast
@@ -15,8 +16,15 @@ import pytest
 
 TESTS = Path(__file__).resolve().parent
 #: calls that load a module named by a string argument
-LOADERS = {"import_module", "__import__", "spec_from_file_location", "SourceFileLoader", "run_module",
-           "run_path", "importorskip"}
+LOADERS = {
+    "import_module",
+    "__import__",
+    "spec_from_file_location",
+    "SourceFileLoader",
+    "run_module",
+    "run_path",
+    "importorskip",
+}
 
 
 def _is_test_module(name: str) -> bool:
@@ -42,14 +50,18 @@ def imports_of_test_modules(source: str, filename: str = "<source>") -> list[tup
             if node.module and _is_test_module(node.module):
                 out.append((node.lineno, f"from {module} import ..."))
             elif node.level or _is_tests_package(node.module):  # from . import test_x, from e2e import test_x
-                out += [(node.lineno, f"from {module} import {a.name}") for a in node.names
-                        if a.name.startswith("test_")]
+                out += [
+                    (node.lineno, f"from {module} import {a.name}") for a in node.names if a.name.startswith("test_")
+                ]
         elif isinstance(node, ast.Call):
             func = node.func
             name = func.attr if isinstance(func, ast.Attribute) else getattr(func, "id", "")
             if name in LOADERS:
-                out += [(node.lineno, f"{name}({arg.value!r})") for arg in node.args
-                        if isinstance(arg, ast.Constant) and isinstance(arg.value, str) and _is_test_module(arg.value)]
+                out += [
+                    (node.lineno, f"{name}({arg.value!r})")
+                    for arg in node.args
+                    if isinstance(arg, ast.Constant) and isinstance(arg.value, str) and _is_test_module(arg.value)
+                ]
     return out
 
 
@@ -61,29 +73,35 @@ def test_no_test_module_imports_another_test_module():
     assert not bad, "move shared code into the folder's *_helpers.py module:\n" + "\n".join(bad)
 
 
-@pytest.mark.parametrize("source", [
-    "from test_kvflow_inprocess import BS",
-    "import test_gn_hawk",
-    "import tests.e2e.test_pd_serving as pd",
-    "from tests.e2e.test_pd_serving import greedy_divergence",
-    "from tests.security import test_idle_floods",
-    "from . import test_idle_floods",
-    "from e2e import test_pd_serving",
-    "def f():\n    from test_idle_floods import RawFlood\n",
-    "import importlib\nm = importlib.import_module('test_gn_hawk')",
-    "m = __import__('test_gn_hawk')",
-    "import importlib.util\ns = importlib.util.spec_from_file_location('x', 'tests/e2e/test_tp.py')",
-])
+@pytest.mark.parametrize(
+    "source",
+    [
+        "from test_kvflow_inprocess import BS",
+        "import test_gn_hawk",
+        "import tests.e2e.test_pd_serving as pd",
+        "from tests.e2e.test_pd_serving import greedy_divergence",
+        "from tests.security import test_idle_floods",
+        "from . import test_idle_floods",
+        "from e2e import test_pd_serving",
+        "def f():\n    from test_idle_floods import RawFlood\n",
+        "import importlib\nm = importlib.import_module('test_gn_hawk')",
+        "m = __import__('test_gn_hawk')",
+        "import importlib.util\ns = importlib.util.spec_from_file_location('x', 'tests/e2e/test_tp.py')",
+    ],
+)
 def test_the_check_sees_every_kind_of_test_module_import(source):
     assert imports_of_test_modules(source), source
 
 
-@pytest.mark.parametrize("source", [
-    "from kvflow_helpers import BS, endpoints",
-    "import vllm_fixtures",
-    "from vllm_hawk.testing.local_cluster import http_post_json",
-    "from vllm_hawk.testing import endpoints",
-    "import importlib.util\nimportlib.util.find_spec('mooncake.engine')",
-])
+@pytest.mark.parametrize(
+    "source",
+    [
+        "from kvflow_helpers import BS, endpoints",
+        "import vllm_fixtures",
+        "from vllm_hawk.testing.local_cluster import http_post_json",
+        "from vllm_hawk.testing import endpoints",
+        "import importlib.util\nimportlib.util.find_spec('mooncake.engine')",
+    ],
+)
 def test_the_check_allows_helper_and_package_imports(source):
     assert not imports_of_test_modules(source), source

@@ -5,6 +5,7 @@ gcc compiles a program against the header that prints sizeof/offsetof of every s
 header's struct and field names are also parsed so neither side can hold a field the
 other lacks.
 """
+
 from __future__ import annotations
 
 import ctypes
@@ -36,7 +37,7 @@ def _field_paths(struct: type[ctypes.Structure], prefix: str = "") -> list[tuple
 
 
 def _c_program() -> str:
-    lines = ['#include <stddef.h>', '#include <stdio.h>', f'#include "{HEADER}"', "int main(void) {"]
+    lines = ["#include <stddef.h>", "#include <stdio.h>", f'#include "{HEADER}"', "int main(void) {"]
     for cname, struct in abi.STRUCTS.items():
         lines.append(f'  printf("size {cname} %zu\\n", sizeof(struct {cname}));')
         for path, _, _ in _field_paths(struct):
@@ -56,8 +57,12 @@ def c_layout(tmp_path_factory: pytest.TempPathFactory) -> dict[str, tuple[int, .
     tmp = tmp_path_factory.mktemp("abi")
     src, exe = tmp / "abi.c", tmp / "abi"
     src.write_text(_c_program())
-    subprocess.run(["gcc", "-std=gnu11", "-Wall", "-Wextra", "-Werror", "-o", str(exe), str(src)],
-                   check=True, capture_output=True, text=True)
+    subprocess.run(
+        ["gcc", "-std=gnu11", "-Wall", "-Wextra", "-Werror", "-o", str(exe), str(src)],
+        check=True,
+        capture_output=True,
+        text=True,
+    )
     out = subprocess.run([str(exe)], check=True, capture_output=True, text=True).stdout
     layout: dict[str, tuple[int, ...]] = {}
     for line in out.splitlines():
@@ -132,10 +137,13 @@ def test_tt_peermem_mirror_matches_its_uapi_header(tmp_path: Path) -> None:
     lines += ["  return 0;", "}"]
     src, exe = tmp_path / "pm.c", tmp_path / "pm"
     src.write_text("\n".join(lines) + "\n")
-    subprocess.run(["gcc", "-std=gnu11", "-Wall", "-Werror", "-o", str(exe), str(src)],
-                   check=True, capture_output=True, text=True)
-    got = dict(line.rsplit(" ", 1) for line in
-               subprocess.run([str(exe)], check=True, capture_output=True, text=True).stdout.splitlines())
+    subprocess.run(
+        ["gcc", "-std=gnu11", "-Wall", "-Werror", "-o", str(exe), str(src)], check=True, capture_output=True, text=True
+    )
+    got = dict(
+        line.rsplit(" ", 1)
+        for line in subprocess.run([str(exe)], check=True, capture_output=True, text=True).stdout.splitlines()
+    )
     for cname, struct in structs.items():
         assert int(got[f"size {cname}"]) == ctypes.sizeof(struct)
         assert {n for n, _ in struct._fields_} == set(_header_members(PEERMEM_HEADER, cname))

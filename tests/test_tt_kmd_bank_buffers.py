@@ -4,6 +4,7 @@ on (exact 4 GiB windows, at most 8, size-aligned base, page-aligned export insid
 window, FREE_TLB refused while mapped) and backs each window with anonymous memory, so
 host addresses are real and writable. Nothing here proves the real driver behaves so:
 that needs a Blackhole."""
+
 from __future__ import annotations
 
 import ctypes
@@ -59,8 +60,9 @@ class FakeTlbDevice:
     def map_window(self, window: TlbWindow, length: int, write_combined: bool = True) -> int:
         self.calls.append("map")
         assert window.id in self.config and 0 < length <= window.size and length % self.page_size == 0
-        va = _libc.mmap(None, length, mmap.PROT_READ | mmap.PROT_WRITE,
-                        mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS | MAP_NORESERVE, -1, 0)
+        va = _libc.mmap(
+            None, length, mmap.PROT_READ | mmap.PROT_WRITE, mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS | MAP_NORESERVE, -1, 0
+        )
         assert va not in (None, ctypes.c_void_p(-1).value)
         self.mapped[va] = (window.id, length)
         return va
@@ -87,11 +89,19 @@ class FakeTlbDevice:
         self.free_ids.append(window.id)
 
 
-def make_buffer(buffer_id: int = 1, address: int = 0x10_0040, pages: int = 80, page: int = 1088,
-                banks: int = 8) -> DeviceBuffer:
+def make_buffer(
+    buffer_id: int = 1, address: int = 0x10_0040, pages: int = 80, page: int = 1088, banks: int = 8
+) -> DeviceBuffer:
     aligned = -(-page // 64) * 64
-    return DeviceBuffer(buffer_id=buffer_id, address=address, size_per_bank=-(-pages // banks) * aligned,
-                        page_size=page, num_pages=pages, aligned_page_size=aligned, num_banks=banks)
+    return DeviceBuffer(
+        buffer_id=buffer_id,
+        address=address,
+        size_per_bank=-(-pages // banks) * aligned,
+        page_size=page,
+        num_pages=pages,
+        aligned_page_size=aligned,
+        num_banks=banks,
+    )
 
 
 def fd_is_open(fd: int) -> bool:

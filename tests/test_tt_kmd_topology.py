@@ -1,5 +1,6 @@
 """Pure tt-kmd parts: Blackhole bank -> NOC endpoints, TLB window arithmetic, arch errors,
 and the error raised when /dev/tenstorrent is absent. No device, no fakes."""
+
 from __future__ import annotations
 
 import errno
@@ -59,11 +60,21 @@ def test_unharvested_translated_layout() -> None:
 
 def test_noc0_endpoints_are_the_soc_descriptor_table() -> None:
     assert blackhole_bank_endpoint(0, coords=CoordSystem.NOC0).x == 0
-    assert (blackhole_bank_endpoint(5, port=2, coords=CoordSystem.NOC0).x,
-            blackhole_bank_endpoint(5, port=2, coords=CoordSystem.NOC0).y) == (9, 3)
+    assert (
+        blackhole_bank_endpoint(5, port=2, coords=CoordSystem.NOC0).x,
+        blackhole_bank_endpoint(5, port=2, coords=CoordSystem.NOC0).y,
+    ) == (9, 3)
     # tt-metal's preferred worker endpoint of every channel is port 2.
     assert [BLACKHOLE_DRAM_NOC0[c][2] for c in range(8)] == [
-        (0, 11), (0, 3), (0, 8), (0, 6), (9, 11), (9, 3), (9, 8), (9, 6)]
+        (0, 11),
+        (0, 3),
+        (0, 8),
+        (0, 6),
+        (9, 11),
+        (9, 3),
+        (9, 8),
+        (9, 6),
+    ]
     flat = [xy for ch in BLACKHOLE_DRAM_NOC0 for xy in ch]
     assert len(set(flat)) == 24 and {x for x, _ in flat} == {0, 9}
 
@@ -81,8 +92,10 @@ def test_one_harvested_channel_leaves_seven_distinct_banks(channel: int) -> None
     assert sorted(xy for xy in flat if xy[0] == 17) == [(17, y) for y in range(12, 24)]
     assert sorted(xy for xy in flat if xy[0] == 18) == [(18, y) for y in range(12, 21)]
     # NOC0 endpoints skip the harvested channel.
-    assert blackhole_bank_endpoint(channel if channel < 7 else 6, coords=CoordSystem.NOC0,
-                                   harvest_mask=mask).x in (0, 9)
+    assert blackhole_bank_endpoint(channel if channel < 7 else 6, coords=CoordSystem.NOC0, harvest_mask=mask).x in (
+        0,
+        9,
+    )
 
 
 def test_harvesting_masks_that_blackhole_cannot_have() -> None:
@@ -110,7 +123,12 @@ def test_window_plan_inside_a_bank() -> None:
 def test_window_plan_whole_bank_and_aligned_base() -> None:
     plan = plan_tlb_window(0, BLACKHOLE_DRAM_BANK_BYTES, BLACKHOLE_TLB_4G_WINDOW_BYTES, PAGE)
     assert (plan.offset, plan.map_length, plan.export_offset, plan.export_size, plan.dmabuf_offset) == (
-        0, BLACKHOLE_DRAM_BANK_BYTES, 0, BLACKHOLE_DRAM_BANK_BYTES, 0)
+        0,
+        BLACKHOLE_DRAM_BANK_BYTES,
+        0,
+        BLACKHOLE_DRAM_BANK_BYTES,
+        0,
+    )
     high = plan_tlb_window(5 * GiB + 64, 64, 4 * GiB, PAGE)
     assert high.window_base == 4 * GiB and high.offset == GiB + 64
 
@@ -159,13 +177,15 @@ def test_missing_ordinal_lists_the_present_ones(tmp_path: Path) -> None:
 
 
 def test_sysfs_resource_and_version_parsing() -> None:
-    text = "\n".join([
-        "0x0000000090000000 0x000000009fffffff 0x000000000014220c",
-        "0x0000000000000000 0x0000000000000000 0x0000000000000000",
-        "0x00000000a0000000 0x00000000a00fffff 0x0000000000040200",
-        "0x0000000000000000 0x0000000000000000 0x0000000000000000",
-        "0x0000002000000000 0x00000027ffffffff 0x000000000014220c",
-    ])
+    text = "\n".join(
+        [
+            "0x0000000090000000 0x000000009fffffff 0x000000000014220c",
+            "0x0000000000000000 0x0000000000000000 0x0000000000000000",
+            "0x00000000a0000000 0x00000000a00fffff 0x0000000000040200",
+            "0x0000000000000000 0x0000000000000000 0x0000000000000000",
+            "0x0000002000000000 0x00000027ffffffff 0x000000000014220c",
+        ]
+    )
     sizes = sysfs.parse_resource_file(text)
     assert sizes[0] == 256 << 20 and sizes[1] == 0 and sizes[4] == 32 * GiB
     assert sysfs.parse_version("2.10.1-pre") == (2, 10, 1)

@@ -115,7 +115,7 @@ def _zeros_signed() -> np.ndarray:
     z[1, :16] = -0.0
     z[1, 16:32] = 1.5
     z[2, ::2] = -0.0
-    z[2, 1::2] = -2.0**-20
+    z[2, 1::2] = -(2.0**-20)
     z[3, 5] = -0.0
     z[3, 6] = 3.0
     z[32:, 32:] = -0.0  # one whole tile of -0.0
@@ -145,9 +145,24 @@ def _subnormals(rng: np.random.Generator) -> np.ndarray:
 
 def _saturate_large() -> np.ndarray:
     vals = _f32(
-        [0x7F7FFFFF, 0xFF7FFFFF, 0x7F7F8000, 0x7F7F7FFF, 0x7F000000, 0x3FFFFFFF, 0xBFFFFFFF,
-         0x3FFF8000, 0x477FE000, 0x47800000, 0x3F7FFFFF, 0x4B7FFFFF, 0x7E800000, 0x7F7F0001,
-         0x3FFFFFFE, 0x3FF80000]
+        [
+            0x7F7FFFFF,
+            0xFF7FFFFF,
+            0x7F7F8000,
+            0x7F7F7FFF,
+            0x7F000000,
+            0x3FFFFFFF,
+            0xBFFFFFFF,
+            0x3FFF8000,
+            0x477FE000,
+            0x47800000,
+            0x3F7FFFFF,
+            0x4B7FFFFF,
+            0x7E800000,
+            0x7F7F0001,
+            0x3FFFFFFE,
+            0x3FF80000,
+        ]
     )
     out = np.tile(vals, (32, 2)).copy()
     out[16:] = np.roll(out[16:], 5, axis=1)
@@ -155,8 +170,27 @@ def _saturate_large() -> np.ndarray:
 
 
 def _all_equal() -> np.ndarray:
-    vals = np.array([1.0, -3.5, 0.1, 1e-3, 65504.0, 2.0**-120, -7.25, 1.0 / 3.0,
-                     2.0**100, -(2.0**-126), 0.0, -0.0, 123456.789, 0.5, -1.0, 1e-8], np.float32)
+    vals = np.array(
+        [
+            1.0,
+            -3.5,
+            0.1,
+            1e-3,
+            65504.0,
+            2.0**-120,
+            -7.25,
+            1.0 / 3.0,
+            2.0**100,
+            -(2.0**-126),
+            0.0,
+            -0.0,
+            123456.789,
+            0.5,
+            -1.0,
+            1e-8,
+        ],
+        np.float32,
+    )
     return np.repeat(vals, 64).reshape(32, 32)
 
 
@@ -175,9 +209,24 @@ def _wide_exponents(rng: np.random.Generator) -> np.ndarray:
 
 def _inf_nan() -> np.ndarray:
     special = _f32(
-        [0x7F800000, 0xFF800000, 0x7FC00000, 0xFFC00000, 0x7F800001, 0x7FFFFFFF, 0x7FC00001,
-         0xFF80FFFF, 0x3F800000, 0x40000000, 0xBF800000, 0x00000000, 0x80000000, 0x3F808000,
-         0x00000001, 0x7F7FFFFF]
+        [
+            0x7F800000,
+            0xFF800000,
+            0x7FC00000,
+            0xFFC00000,
+            0x7F800001,
+            0x7FFFFFFF,
+            0x7FC00001,
+            0xFF80FFFF,
+            0x3F800000,
+            0x40000000,
+            0xBF800000,
+            0x00000000,
+            0x80000000,
+            0x3F808000,
+            0x00000001,
+            0x7F7FFFFF,
+        ]
     )
     out = np.zeros((32, 64), np.float32)
     out[:, :16] = special  # each face row has every special
@@ -250,15 +299,17 @@ def ttnn_python() -> str:
     try:
         proc = subprocess.run(
             ["bash", str(REPO / "scripts" / "ensure_env.sh"), "ttnn"],
-            cwd=REPO, capture_output=True, text=True, timeout=1800,
+            cwd=REPO,
+            capture_output=True,
+            text=True,
+            timeout=1800,
         )
     except (OSError, subprocess.TimeoutExpired) as exc:
         _fail_or_skip(f"scripts/ensure_env.sh ttnn could not run: {exc}")
     lines = proc.stdout.strip().splitlines()
     if proc.returncode != 0 or not lines or not Path(lines[-1]).is_file():
         _fail_or_skip(
-            f"scripts/ensure_env.sh ttnn failed (rc={proc.returncode}):\n"
-            f"{proc.stdout[-2000:]}\n{proc.stderr[-4000:]}"
+            f"scripts/ensure_env.sh ttnn failed (rc={proc.returncode}):\n{proc.stdout[-2000:]}\n{proc.stderr[-4000:]}"
         )
     print(f"[ttnn] side env ready in {time.monotonic() - t0:.1f}s: {lines[-1]}", file=sys.stderr)
     return lines[-1]
@@ -280,9 +331,7 @@ def ttnn_dump(ttnn_python, tmp_path_factory) -> Path:
     (d / "cases.json").write_text(json.dumps({"cases": entries, "raw": raws}, indent=1))
     env = dict(os.environ, TT_METAL_MOCK_CLUSTER_DESC_PATH=str(CLUSTER_DESC))
     t0 = time.monotonic()
-    proc = subprocess.run(
-        [ttnn_python, str(DUMPER), str(d)], capture_output=True, text=True, timeout=900, env=env
-    )
+    proc = subprocess.run([ttnn_python, str(DUMPER), str(d)], capture_output=True, text=True, timeout=900, env=env)
     if proc.returncode != 0:
         pytest.fail(
             f"tests/ttnn/ttnn_dump.py failed (rc={proc.returncode}):\n{proc.stderr[-6000:]}",
@@ -325,8 +374,10 @@ def _face_row_values(x: np.ndarray, tile: int, face_row: int) -> str:
 def _describe_byte_mismatch(x: np.ndarray, dtype: str, ours: np.ndarray, ref: np.ndarray) -> str:
     diff = np.argwhere(ours != ref)
     t, b = (int(v) for v in diff[0])
-    msg = [f"{len(diff)} differing bytes in {len(np.unique(diff[:, 0]))} tiles of {ref.shape[0]}; "
-           f"first at tile {t} byte {b}: ours 0x{ours[t, b]:02x}, ttnn 0x{ref[t, b]:02x}"]
+    msg = [
+        f"{len(diff)} differing bytes in {len(np.unique(diff[:, 0]))} tiles of {ref.shape[0]}; "
+        f"first at tile {t} byte {b}: ours 0x{ours[t, b]:02x}, ttnn 0x{ref[t, b]:02x}"
+    ]
     if dtype in MANTISSA_BITS:
         if b < 64:
             msg.append(f"  shared exponent of face row {b} (face {b // 16}, row {b % 16})")
@@ -335,9 +386,11 @@ def _describe_byte_mismatch(x: np.ndarray, dtype: str, ours: np.ndarray, ref: np
             per_byte = 1 if dtype == "bfloat8_b" else 2
             elem = (b - 64) * per_byte
             face_row = elem // 16
-            msg.append(f"  element(s) {elem}..{elem + per_byte - 1} of the tile, at tensor index "
-                       f"{_tile_coords(x.shape, t, elem)}; shared exp ours {ours[t, face_row]} "
-                       f"ttnn {ref[t, face_row]}")
+            msg.append(
+                f"  element(s) {elem}..{elem + per_byte - 1} of the tile, at tensor index "
+                f"{_tile_coords(x.shape, t, elem)}; shared exp ours {ours[t, face_row]} "
+                f"ttnn {ref[t, face_row]}"
+            )
         row_nbytes = 16 if dtype == "bfloat8_b" else 8
         row_bytes = slice(64 + face_row * row_nbytes, 64 + (face_row + 1) * row_nbytes)
         msg.append(f"  input face row: {_face_row_values(x, t, face_row)}")
@@ -349,16 +402,20 @@ def _describe_byte_mismatch(x: np.ndarray, dtype: str, ours: np.ndarray, ref: np
         at = _tile_coords(x.shape, t, elem)
         word = slice(elem * width, (elem + 1) * width)
         inp = "padding" if at is None else f"{int(x[at].view(np.uint32)):08x}"
-        msg.append(f"  element {elem} at tensor index {at}: input {inp}, ours "
-                   f"{ours[t, word][::-1].tobytes().hex()}, ttnn {ref[t, word][::-1].tobytes().hex()}")
+        msg.append(
+            f"  element {elem} at tensor index {at}: input {inp}, ours "
+            f"{ours[t, word][::-1].tobytes().hex()}, ttnn {ref[t, word][::-1].tobytes().hex()}"
+        )
     return "\n".join(msg)
 
 
 def _describe_value_mismatch(ours: np.ndarray, ref: np.ndarray, inp: np.ndarray | None = None) -> str:
     bad = np.argwhere(ours.view(np.uint32) != ref.view(np.uint32))
     at = tuple(int(v) for v in bad[0])
-    msg = (f"{len(bad)} of {ref.size} values differ; first at {at}: ours {ours[at]!r} "
-           f"(0x{int(ours.view(np.uint32)[at]):08x}), ttnn {ref[at]!r} (0x{int(ref.view(np.uint32)[at]):08x})")
+    msg = (
+        f"{len(bad)} of {ref.size} values differ; first at {at}: ours {ours[at]!r} "
+        f"(0x{int(ours.view(np.uint32)[at]):08x}), ttnn {ref[at]!r} (0x{int(ref.view(np.uint32)[at]):08x})"
+    )
     if inp is not None:
         msg += f", input 0x{int(inp.view(np.uint32)[at]):08x}"
     return msg

@@ -47,6 +47,7 @@ def _bytes_of(t: torch.Tensor) -> torch.Tensor:
 
 # --------------------------------------------------------------------------- CPU_ATTN
 
+
 @pytest.mark.parametrize("isa", CPU_ATTN_ISAS)
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
 def test_cpu_roundtrip(isa, dtype):
@@ -120,9 +121,10 @@ def test_cpu_refuses_unknown_isa_and_fp8():
         CpuAttnKVLayout(H, N, D, torch.uint8, isa="vec")
 
 
-@pytest.mark.parametrize("isa,block,dim", [("vec", 32, 32), ("vec", 128, 64),
-                                           ("vec16", 32, 48), ("vec16", 16, 64),
-                                           ("amx", 32, 32), ("amx", 64, 128)])
+@pytest.mark.parametrize(
+    "isa,block,dim",
+    [("vec", 32, 32), ("vec", 128, 64), ("vec16", 32, 48), ("vec16", 16, 64), ("amx", 32, 32), ("amx", 64, 128)],
+)
 def test_cpu_layout_matches_vllm_kernel(isa, block, dim):
     """vLLM's C++ cpu_attn_reshape_and_cache writes; the adapter reads it back exactly.
 
@@ -136,8 +138,10 @@ def test_cpu_layout_matches_vllm_kernel(isa, block, dim):
 
         d = decide("auto")
         if not d.use_amx:
-            pytest.skip(f"vLLM's AMX kernel cannot run here ({d.reason}); the layout model "
-                        "derived from vLLM's source is tested instead")
+            pytest.skip(
+                f"vLLM's AMX kernel cannot run here ({d.reason}); the layout model "
+                "derived from vLLM's source is tested instead"
+            )
     from vllm.platforms import current_platform
 
     current_platform.import_kernels()
@@ -157,6 +161,7 @@ def test_cpu_layout_matches_vllm_kernel(isa, block, dim):
 
 
 # --------------------------------------------------------------------------- FLASH_ATTN
+
 
 @pytest.mark.parametrize("layout", sorted(KV_CACHE_LAYOUTS))
 def test_flash_roundtrip_random_block_tables(layout):
@@ -221,6 +226,7 @@ def test_cpu_byte_ranges_one_run_per_block():
 
 # --------------------------------------------------------------------------- factory
 
+
 def test_factory():
     lay = source_layout_for("FLASH_ATTN", num_kv_heads=H, block_size=N, head_dim=D)
     assert isinstance(lay, FlashAttnKVLayout) and isinstance(lay, SourceKVLayout)
@@ -267,8 +273,7 @@ def prefilled(request):
                 llm.generate({"prompt_token_ids": prompt}, SamplingParams(max_tokens=1, temperature=0))
                 ((block_ids,),) = captured.values()  # one request, one KV cache group
                 layers = attention_layers(llm)
-                yield dict(path=path, prompt=prompt, block_ids=block_ids, layers=layers,
-                           amx=decision)
+                yield dict(path=path, prompt=prompt, block_ids=block_ids, layers=layers, amx=decision)
     finally:
         reset_cpu_amx_policy()
 
@@ -375,8 +380,7 @@ def test_transform_of_amx_source_equals_vec_source(dst_dtype):
     assert not torch.equal(sources["amx"][1][0], sources["vec"][1][0])  # different bytes
     prof = load_profile("p150a")
     tb = tile_format(dst_dtype).tile_nbytes
-    spec = TTKVCacheSpec(num_layers=layers, num_blocks=8, num_kv_heads=H, block_size=block,
-                         head_dim=D, dtype=dst_dtype)
+    spec = TTKVCacheSpec(num_layers=layers, num_blocks=8, num_kv_heads=H, block_size=block, head_dim=D, dtype=dst_dtype)
     layout = TTKVCacheLayout(spec, prof.num_banks, prof.aligned_page(tb), ((0, 0),) * layers)
     plan = make_plan(layout, [1, 4, 6, 0], "staged")
     out = {}

@@ -57,8 +57,7 @@ def inprocess_llm(model: str | os.PathLike, **llm_kwargs) -> Iterator[object]:
             mp.setenv(k, v)
         from vllm import LLM
 
-        kwargs = dict(dtype="bfloat16", enforce_eager=True, max_model_len=512,
-                      max_num_seqs=4, seed=0)
+        kwargs = dict(dtype="bfloat16", enforce_eager=True, max_model_len=512, max_num_seqs=4, seed=0)
         kwargs.update(llm_kwargs)
         llm = LLM(model=str(model), **kwargs)
         try:

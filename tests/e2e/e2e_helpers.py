@@ -6,6 +6,7 @@ Tenstorrent decode received (from the ``HAWK_DEBUG_DIR`` dumps of both sides).
 Two setups: GG (GPU-to-GPU layout, the tiny Llama in float32; docs/vllm-cpu.md: bf16
 random models have exact top-2 ties) and GN (a decode on the emulated Tenstorrent
 platform plugin, the tiny Llama in bfloat16)."""
+
 from __future__ import annotations
 
 import glob
@@ -26,15 +27,16 @@ GG_MAX_TOKENS = 16
 #: GN (bf16 logits): the CPU reference's attention kernel and the plugin's tile-layout
 #: attention (float32 over unpacked tiles) round differently, which moves a logit by a bf16
 #: ulp or two (2**-8 .. 2**-7 for |logit| < 2); gaps below this count as ties.
-GN_TIE_MARGIN = 2.0 ** -6
+GN_TIE_MARGIN = 2.0**-6
 #: GN: tokens generated per completion
 GN_MAX_TOKENS = 10
 
 
 def gg_prompts() -> list[list[int]]:
     """Token-id prompts (BOS included) of lengths across block boundaries (GG setup)."""
-    return token_prompts(7, [1, 2, 5, 17, 31, 32, 33, 63, 64, 65, 96, 100, 127, 128, 129, 200, 255, 256,
-                             300, 417, 512, 700])
+    return token_prompts(
+        7, [1, 2, 5, 17, 31, 32, 33, 63, 64, 65, 96, 100, 127, 128, 129, 200, 255, 256, 300, 417, 512, 700]
+    )
 
 
 def gn_prompts() -> list[list[int]]:
@@ -46,8 +48,14 @@ def complete(url: str, prompt, *, max_tokens: int, logprobs: int | None = None) 
     """One greedy ``/v1/completions`` request (EOS ignored, token ids returned, with
     ``logprobs`` top logprobs per position if given); asserts HTTP 200 and returns the first
     choice with the response's ``kv_transfer_params`` added."""
-    body = {"model": "tiny", "prompt": prompt, "max_tokens": max_tokens, "temperature": 0,
-            "ignore_eos": True, "return_token_ids": True}
+    body = {
+        "model": "tiny",
+        "prompt": prompt,
+        "max_tokens": max_tokens,
+        "temperature": 0,
+        "ignore_eos": True,
+        "return_token_ids": True,
+    }
     if logprobs:
         body.update(logprobs=logprobs, return_tokens_as_token_ids=True)
     status, out = http_post_json(url + "/v1/completions", body)
@@ -67,7 +75,7 @@ def greedy_divergence(got: list[int], ref_choice: dict) -> tuple[int, float] | N
     want = ref_choice["token_ids"]
     if got == want:
         return None
-    i = next(k for k, (a, b) in enumerate(zip(got, want)) if a != b)
+    i = next(k for k, (a, b) in enumerate(zip(got, want, strict=False)) if a != b)
     return i, top2_gap(ref_choice, i)
 
 
@@ -91,7 +99,7 @@ def check_new_transfers(c) -> list[dict]:
         assert d["dtype"] == c.hawk_cfg["kv_dtype"] and d["device"] == c.hawk_cfg["device"]
         assert d["dst_blocks"] == p["dst_blocks"]
         assert len(d["bytes"]) == len(p["kv"])
-        for layer, ((k, v), (kb, vb)) in enumerate(zip(p["kv"], d["bytes"])):
+        for layer, ((k, v), (kb, vb)) in enumerate(zip(p["kv"], d["bytes"], strict=False)):
             for name, x, got in (("K", k, kb), ("V", v, vb)):
                 want = tilize_pack(x.to(torch.float32), d["dtype"]).reshape(got.shape)
                 assert torch.equal(want, got), f"{key}: layer {layer} {name} bytes differ"

@@ -1,5 +1,6 @@
 """``hawk bench serve --quick`` end to end, once (the CI smoke test of the serving benchmark:
 real clusters, vLLM's load generator; the numbers are the benchmark's, not asserted)."""
+
 import json
 import os
 import subprocess
@@ -12,9 +13,25 @@ REPO = Path(__file__).resolve().parents[2]
 def test_quick_sweep_runs_and_reports(tmp_path):
     out = tmp_path / "serve.json"
     env = dict(os.environ, PYTHONPATH=str(REPO))
-    r = subprocess.run([sys.executable, "-m", "vllm_hawk.cli", "bench", "serve", "--quick", "--workdir",
-                        str(tmp_path / "work"), "--out", str(out)], capture_output=True, text=True,
-                       timeout=600, env=env, cwd=REPO)
+    r = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "vllm_hawk.cli",
+            "bench",
+            "serve",
+            "--quick",
+            "--workdir",
+            str(tmp_path / "work"),
+            "--out",
+            str(out),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=600,
+        env=env,
+        cwd=REPO,
+    )
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
     res = json.loads(out.read_text())
     configs = {row["config"] for row in res["rows"]}

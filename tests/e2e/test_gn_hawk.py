@@ -30,6 +30,7 @@ Aborts: a client that disconnects mid-stream leaves both sides idle: no blocks i
 (``vllm:kv_cache_usage_perc``), no held request or ring range on the prefill, no receive
 buffer or landing pull on the decode, and the decode device's buffer count unchanged.
 """
+
 from __future__ import annotations
 
 import http.client
@@ -59,10 +60,12 @@ CONFIGS = {
     "n150-bfp8-direct": dict(device="n150", kv_dtype="bfloat8_b", mode="direct"),
 }
 if os.environ.get("HAWK_GN_E2E_FULL"):  # the other two corners (about 50 s each)
-    CONFIGS.update({
-        "n150-bf16-direct": dict(device="n150", kv_dtype="bfloat16", mode="direct"),
-        "p150a-bfp8-staged": dict(device="p150a", kv_dtype="bfloat8_b", mode="staged"),
-    })
+    CONFIGS.update(
+        {
+            "n150-bf16-direct": dict(device="n150", kv_dtype="bfloat16", mode="direct"),
+            "p150a-bfp8-staged": dict(device="p150a", kv_dtype="bfloat8_b", mode="staged"),
+        }
+    )
 
 
 @pytest.fixture(scope="module", params=list(CONFIGS))
@@ -78,15 +81,24 @@ def gn(request, tmp_path_factory):
     cfg = CONFIGS[request.param]
     work = tmp_path_factory.mktemp(request.param)
     dump = work / "dump"
-    c = LocalCluster(build_tiny_llama(dtype="bfloat16"), work, dtype="bfloat16", block_size=BLOCK,
-                     max_model_len=1024,
-                     decode_tt={"device": cfg["device"], "kv_dtype": cfg["kv_dtype"]},
-                     extra_config={"pull_timeout_s": 20.0, "handshake_timeout_s": 3.0,
-                                   "mode": cfg["mode"], "ring_nbytes": 16 << 20,
-                                   "layer_groups": cfg.get("layer_groups", 1)},
-                     prefill_config={"lease_s": 30.0},
-                     extra_args=["--no-enable-prefix-caching"],
-                     extra_env={"HAWK_DEBUG_DIR": str(dump)})
+    c = LocalCluster(
+        build_tiny_llama(dtype="bfloat16"),
+        work,
+        dtype="bfloat16",
+        block_size=BLOCK,
+        max_model_len=1024,
+        decode_tt={"device": cfg["device"], "kv_dtype": cfg["kv_dtype"]},
+        extra_config={
+            "pull_timeout_s": 20.0,
+            "handshake_timeout_s": 3.0,
+            "mode": cfg["mode"],
+            "ring_nbytes": 16 << 20,
+            "layer_groups": cfg.get("layer_groups", 1),
+        },
+        prefill_config={"lease_s": 30.0},
+        extra_args=["--no-enable-prefix-caching"],
+        extra_env={"HAWK_DEBUG_DIR": str(dump)},
+    )
     c.hawk_name, c.hawk_cfg, c.hawk_dump = request.param, cfg, dump
     c.hawk_checked = set()
     with running(c, request.param):
@@ -114,8 +126,9 @@ def test_outputs_and_kv_bytes(gn, record_property):
         if div is not None:
             (ties if div[1] < GN_TIE_MARGIN else mismatches).append((len(p), *div))
     print(f"[{gn.hawk_name}] transfers (prompt_len, bytes, READ entries, total ms): {stats}")
-    print(f"[{gn.hawk_name}] top-2 ties (prompt_len, position, gap): {ties} ({len(ties)} of "
-          f"{len(gn_prompts())} prompts)")
+    print(
+        f"[{gn.hawk_name}] top-2 ties (prompt_len, position, gap): {ties} ({len(ties)} of {len(gn_prompts())} prompts)"
+    )
     record_property(f"{gn.hawk_name}-ties", ties)
     assert not mismatches, f"outputs differ beyond ties (prompt_len, position, gap): {mismatches}"
 
@@ -125,8 +138,14 @@ def test_abort_leaks_nothing(gn):
     bufs = before["decode"]["device_buffers"]
     u = urllib.parse.urlsplit(gn.proxy_url)
     conn = http.client.HTTPConnection(u.hostname, u.port, timeout=60)
-    body = {"model": "tiny", "prompt": [0] + list(range(5, 200)), "max_tokens": 400,
-            "temperature": 0, "ignore_eos": True, "stream": True}
+    body = {
+        "model": "tiny",
+        "prompt": [0] + list(range(5, 200)),
+        "max_tokens": 400,
+        "temperature": 0,
+        "ignore_eos": True,
+        "stream": True,
+    }
     conn.request("POST", "/v1/completions", json.dumps(body), {"Content-Type": "application/json"})
     r = conn.getresponse()
     assert r.status == 200
@@ -141,12 +160,20 @@ def test_abort_leaks_nothing(gn):
     # a request whose prefill is unknown fails, and leaves nothing behind either
     from vllm_hawk.testing.local_cluster import free_port
 
-    params = {"do_remote_prefill": True, "do_remote_decode": False, "remote_engine_id": "gone",
-              "remote_request_id": "cmpl-gone-0", "remote_block_ids": [1, 2],
-              "remote_num_tokens": 40, "remote_host": "127.0.0.1", "remote_port": free_port()}
-    status, _ = http_post_json(gn.decode_url + "/v1/completions",
-                               {"model": "tiny", "prompt": [0] + list(range(10, 49)), "max_tokens": 4,
-                                "kv_transfer_params": params})
+    params = {
+        "do_remote_prefill": True,
+        "do_remote_decode": False,
+        "remote_engine_id": "gone",
+        "remote_request_id": "cmpl-gone-0",
+        "remote_block_ids": [1, 2],
+        "remote_num_tokens": 40,
+        "remote_host": "127.0.0.1",
+        "remote_port": free_port(),
+    }
+    status, _ = http_post_json(
+        gn.decode_url + "/v1/completions",
+        {"model": "tiny", "prompt": [0] + list(range(10, 49)), "max_tokens": 4, "kv_transfer_params": params},
+    )
     assert status == 500
     assert wait_idle(gn, gn.hawk_dump)["decode"]["device_buffers"] == bufs
     assert os.path.isdir(gn.hawk_dump)

@@ -9,6 +9,7 @@ every transfer's decode KV blocks hold exactly ``tilize_pack`` of the prefill's 
 (both sides dump them, ``HAWK_DEBUG_DIR``); the wire carries vLLM blocks (one segment per
 layer, vLLM bytes), and both sides are idle afterwards.
 """
+
 from __future__ import annotations
 
 import pytest
@@ -39,13 +40,20 @@ def gn(tmp_path_factory):
 
     work = tmp_path_factory.mktemp("gn-host")
     dump = work / "dump"
-    c = LocalCluster.configured("GN-Host", build_tiny_llama(dtype="bfloat16"), work, device="p150a",
-                                kv_dtype="bfloat16", dtype="bfloat16", block_size=BLOCK, max_model_len=1024,
-                                extra_config={"pull_timeout_s": 20.0, "handshake_timeout_s": 3.0,
-                                              "ring_nbytes": 16 << 20},
-                                prefill_config={"lease_s": 30.0},
-                                extra_args=["--no-enable-prefix-caching"],
-                                extra_env={"HAWK_DEBUG_DIR": str(dump)})
+    c = LocalCluster.configured(
+        "GN-Host",
+        build_tiny_llama(dtype="bfloat16"),
+        work,
+        device="p150a",
+        kv_dtype="bfloat16",
+        dtype="bfloat16",
+        block_size=BLOCK,
+        max_model_len=1024,
+        extra_config={"pull_timeout_s": 20.0, "handshake_timeout_s": 3.0, "ring_nbytes": 16 << 20},
+        prefill_config={"lease_s": 30.0},
+        extra_args=["--no-enable-prefix-caching"],
+        extra_env={"HAWK_DEBUG_DIR": str(dump)},
+    )
     c.hawk_name, c.hawk_dump, c.hawk_checked = "gn-host", dump, set()
     c.hawk_cfg = {"device": "p150a", "kv_dtype": "bfloat16", "mode": "staged"}
     with running(c, "gn-host"):

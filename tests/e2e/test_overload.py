@@ -13,6 +13,7 @@ module-scoped trio.
   request and no ring range, the decode has no pull in flight and renews nothing, and
   vLLM's KV usage is 0 on both sides.
 """
+
 from __future__ import annotations
 
 import concurrent.futures as cf
@@ -47,12 +48,24 @@ def cluster(tmp_path_factory):
 
     work = tmp_path_factory.mktemp("overload")
     dump = work / "hawk-debug"  # state-<role>-<pid>.json: the workers' snapshots
-    c = LocalCluster(build_tiny_llama(dtype="float32"), work, block_size=32, max_model_len=1024, max_num_seqs=8,
-                     decode_policy="recompute",
-                     extra_config={"mode": "staged", "ring_nbytes": 2 << 20, "claim_wait_s": 0.1,
-                                   "lease_s": LEASE_S, "renew_interval_s": 0.5, "pull_timeout_s": 30.0,
-                                   "handshake_timeout_s": 3.0},
-                     extra_env={"HAWK_DEBUG_DIR": str(dump)})
+    c = LocalCluster(
+        build_tiny_llama(dtype="float32"),
+        work,
+        block_size=32,
+        max_model_len=1024,
+        max_num_seqs=8,
+        decode_policy="recompute",
+        extra_config={
+            "mode": "staged",
+            "ring_nbytes": 2 << 20,
+            "claim_wait_s": 0.1,
+            "lease_s": LEASE_S,
+            "renew_interval_s": 0.5,
+            "pull_timeout_s": 30.0,
+            "handshake_timeout_s": 3.0,
+        },
+        extra_env={"HAWK_DEBUG_DIR": str(dump)},
+    )
     c.hawk_dump = dump
     with running(c):
         yield c
@@ -77,8 +90,13 @@ def _one(url: str, prompt: list[int]) -> dict:
         except RequestNotSent as e:
             status, out = 0, str(e)
     ok = status == 200 and out["usage"]["completion_tokens"] == MAX_TOKENS
-    return {"ok": ok, "status": status, "s": time.monotonic() - t0, "err": "" if ok else str(out)[:300],
-            "resent": resent}
+    return {
+        "ok": ok,
+        "status": status,
+        "s": time.monotonic() - t0,
+        "err": "" if ok else str(out)[:300],
+        "resent": resent,
+    }
 
 
 @pytest.fixture()
@@ -140,8 +158,9 @@ def test_three_times_capacity_fails_nothing_and_leaks_nothing(cluster, client_th
     # than this test's 2 s lease: those first pulls are recomputed and not counted below)
     with cf.ThreadPoolExecutor(8) as pool:
         t0 = time.monotonic()
-        futs = [pool.submit(lambda: [_one(url, _prompt(random.Random(i * 1000 + k))) for k in range(3)])
-                for i in range(8)]
+        futs = [
+            pool.submit(lambda: [_one(url, _prompt(random.Random(i * 1000 + k))) for k in range(3)]) for i in range(8)
+        ]
         warm = [r for f in futs for r in f.result()]
         capacity = len(warm) / (time.monotonic() - t0)  # requests / s
     assert all(r["ok"] for r in warm), [r for r in warm if not r["ok"]][:3]
@@ -172,11 +191,21 @@ def test_three_times_capacity_fails_nothing_and_leaks_nothing(cluster, client_th
     failed = [r for r in res if not r["ok"]]
     resent = sum(r["resent"] for r in res)
     evicted = scrape_metrics(url).get("hawk_proxy_clients_evicted_total", 0.0)
-    summary = {"capacity_rps": round(capacity, 2), "offered_rps": round(rate0, 2), "last_rps": round(rate, 2),
-               "requests": n, "seconds": round(took, 1), "failed": len(failed), "resent": resent,
-               "proxy_evicted": evicted, "p50_s": round(lat[len(lat) // 2], 2),
-               "max_s": round(lat[-1], 2), "renewed": s["prefill"]["renewed"],
-               "heartbeats": s["decode"].get("heartbeats"), "backpressured": s["decode"].get("backpressured")}
+    summary = {
+        "capacity_rps": round(capacity, 2),
+        "offered_rps": round(rate0, 2),
+        "last_rps": round(rate, 2),
+        "requests": n,
+        "seconds": round(took, 1),
+        "failed": len(failed),
+        "resent": resent,
+        "proxy_evicted": evicted,
+        "p50_s": round(lat[len(lat) // 2], 2),
+        "max_s": round(lat[-1], 2),
+        "renewed": s["prefill"]["renewed"],
+        "heartbeats": s["decode"].get("heartbeats"),
+        "backpressured": s["decode"].get("backpressured"),
+    }
     print(f"overload: {summary}")
     record_property("overload", summary)
     assert not failed, failed[:3]

@@ -7,6 +7,7 @@ without ``kv_transfer_params``. Where outputs differ, the reference's top-2 logp
 gap at the first differing position must be below ``GG_TIE_MARGIN`` (a tie), and ties
 are reported.
 """
+
 from __future__ import annotations
 
 import concurrent.futures as cf
@@ -28,8 +29,7 @@ def _stream(url: str, body: dict, timeout: float = 120.0) -> tuple[int, list[dic
     u = urllib.parse.urlsplit(url)
     conn = http.client.HTTPConnection(u.hostname, u.port, timeout=timeout)
     try:
-        conn.request("POST", u.path, json.dumps({**body, "stream": True}),
-                     {"Content-Type": "application/json"})
+        conn.request("POST", u.path, json.dumps({**body, "stream": True}), {"Content-Type": "application/json"})
         r = conn.getresponse()
         if r.status != 200:
             return r.status, [{"error": r.read().decode()}]
@@ -54,9 +54,13 @@ def cluster(tmp_path_factory):
     from vllm_hawk.testing.tiny_model import build_tiny_llama
 
     model = build_tiny_llama(dtype="float32")
-    c = LocalCluster(model, tmp_path_factory.mktemp("pd"), block_size=BLOCK,
-                     extra_config={"pull_timeout_s": 10.0, "handshake_timeout_s": 3.0},
-                     prefill_config={"lease_s": 30.0})
+    c = LocalCluster(
+        model,
+        tmp_path_factory.mktemp("pd"),
+        block_size=BLOCK,
+        extra_config={"pull_timeout_s": 10.0, "handshake_timeout_s": 3.0},
+        prefill_config={"lease_s": 30.0},
+    )
     with running(c):
         yield c
 
@@ -71,7 +75,7 @@ def test_greedy_outputs_match_single_engine(cluster, record_property):
     # pulls start after the local hit (first_block > 0).
     again = [complete(cluster.proxy_url, p, max_tokens=GG_MAX_TOKENS) for p in prompts[-4:]]
     ties, mismatches = [], []
-    for p, d, r in zip(prompts + prompts[-4:], disagg + again, ref + ref[-4:]):
+    for p, d, r in zip(prompts + prompts[-4:], disagg + again, ref + ref[-4:], strict=False):
         assert len(d["token_ids"]) == GG_MAX_TOKENS
         div = greedy_divergence(d["token_ids"], r)
         if div is not None:
@@ -84,16 +88,20 @@ def test_greedy_outputs_match_single_engine(cluster, record_property):
 
 def test_streaming_and_chat_through_proxy(cluster):
     prompt = "The decode engine reads the cache blocks of the prefill engine"
-    body = {"model": "tiny", "prompt": prompt, "max_tokens": 12, "temperature": 0,
-            "ignore_eos": True}
+    body = {"model": "tiny", "prompt": prompt, "max_tokens": 12, "temperature": 0, "ignore_eos": True}
     status, events = _stream(cluster.proxy_url + "/v1/completions", body)
     assert status == 200 and len(events) >= 2
     streamed = "".join(e["choices"][0]["text"] for e in events)
     status, whole = http_post_json(cluster.proxy_url + "/v1/completions", body)
     assert status == 200 and streamed == whole["choices"][0]["text"]
 
-    chat = {"model": "tiny", "messages": [{"role": "user", "content": prompt}],
-            "max_tokens": 8, "temperature": 0, "ignore_eos": True}
+    chat = {
+        "model": "tiny",
+        "messages": [{"role": "user", "content": prompt}],
+        "max_tokens": 8,
+        "temperature": 0,
+        "ignore_eos": True,
+    }
     status, out = http_post_json(cluster.proxy_url + "/v1/chat/completions", chat)
     assert status == 200, out
     status, events = _stream(cluster.proxy_url + "/v1/chat/completions", chat)
@@ -121,8 +129,14 @@ def test_client_disconnect_frees_blocks_on_both_sides(cluster):
     assert _wait_idle(cluster) == (0.0, 0.0)
     u = urllib.parse.urlsplit(cluster.proxy_url)
     conn = http.client.HTTPConnection(u.hostname, u.port, timeout=60)
-    body = {"model": "tiny", "prompt": [0] + list(range(5, 300)), "max_tokens": 600,
-            "temperature": 0, "ignore_eos": True, "stream": True}
+    body = {
+        "model": "tiny",
+        "prompt": [0] + list(range(5, 300)),
+        "max_tokens": 600,
+        "temperature": 0,
+        "ignore_eos": True,
+        "stream": True,
+    }
     conn.request("POST", "/v1/completions", json.dumps(body), {"Content-Type": "application/json"})
     r = conn.getresponse()
     assert r.status == 200
@@ -138,25 +152,34 @@ def test_dead_prefill_fails_the_request_and_decode_keeps_serving(cluster):
     from vllm_hawk.testing.local_cluster import free_port, scrape_metrics
 
     failed0 = scrape_metrics(cluster.decode_url).get("vllm:hawk_failed_transfers_total", 0.0)
-    params = {"do_remote_prefill": True, "do_remote_decode": False,
-              "remote_engine_id": "gone", "remote_request_id": "cmpl-gone-0",
-              "remote_block_ids": [1, 2], "remote_num_tokens": 40,
-              "remote_host": "127.0.0.1", "remote_port": free_port()}
+    params = {
+        "do_remote_prefill": True,
+        "do_remote_decode": False,
+        "remote_engine_id": "gone",
+        "remote_request_id": "cmpl-gone-0",
+        "remote_block_ids": [1, 2],
+        "remote_num_tokens": 40,
+        "remote_host": "127.0.0.1",
+        "remote_port": free_port(),
+    }
     t0 = time.monotonic()
-    status, out = http_post_json(cluster.decode_url + "/v1/completions",
-                                 {"model": "tiny", "prompt": [0] + list(range(10, 49)), "max_tokens": 4,
-                                  "kv_transfer_params": params})
+    status, out = http_post_json(
+        cluster.decode_url + "/v1/completions",
+        {"model": "tiny", "prompt": [0] + list(range(10, 49)), "max_tokens": 4, "kv_transfer_params": params},
+    )
     assert status == 500, out
     assert time.monotonic() - t0 < 15  # within handshake_timeout_s (3 s) + slack
     log = cluster.servers["decode"].log_tail(200_000)
     assert "handshake with prefill gone" in log
     assert scrape_metrics(cluster.decode_url)["vllm:hawk_failed_transfers_total"] >= failed0 + 1
     # a request the prefill does not know fails fast too (unknown_request)
-    params.update(remote_port=json.loads(cluster.servers["prefill"].argv[-1])
-                  ["kv_connector_extra_config"]["side_channel_port"])
-    status, _ = http_post_json(cluster.decode_url + "/v1/completions",
-                               {"model": "tiny", "prompt": [0] + list(range(10, 49)), "max_tokens": 4,
-                                "kv_transfer_params": params})
+    params.update(
+        remote_port=json.loads(cluster.servers["prefill"].argv[-1])["kv_connector_extra_config"]["side_channel_port"]
+    )
+    status, _ = http_post_json(
+        cluster.decode_url + "/v1/completions",
+        {"model": "tiny", "prompt": [0] + list(range(10, 49)), "max_tokens": 4, "kv_transfer_params": params},
+    )
     assert status == 500
     # ... and the decode keeps serving
     assert complete(cluster.proxy_url, [0] + list(range(7, 90)), max_tokens=GG_MAX_TOKENS)["token_ids"]
@@ -179,8 +202,9 @@ def test_metrics_in_prometheus(cluster):
 def test_proxy_propagates_upstream_errors_and_health(cluster):
     from vllm_hawk.testing.local_cluster import http_get
 
-    status, out = http_post_json(cluster.proxy_url + "/v1/completions",
-                                 {"model": "nope", "prompt": "x", "max_tokens": 2})
+    status, out = http_post_json(
+        cluster.proxy_url + "/v1/completions", {"model": "nope", "prompt": "x", "max_tokens": 2}
+    )
     assert status == 404 and "nope" in json.dumps(out)
     assert http_get(cluster.proxy_url + "/health?deep=1")[0] == 200
 
@@ -195,13 +219,39 @@ def test_vllm_bench_serve_targets_the_proxy(cluster):
 
     root = Path(__file__).resolve().parents[2]
     out = subprocess.run(
-        [sys.executable, "-m", "vllm_hawk.vllm_launcher", "bench", "serve", "--backend", "openai",
-         "--base-url", cluster.proxy_url, "--endpoint", "/v1/completions", "--model", "tiny",
-         "--tokenizer", str(build_tiny_llama(dtype="float32")), "--dataset-name", "random",
-         "--random-input-len", "80", "--random-output-len", "4", "--num-prompts", "8",
-         "--max-concurrency", "4", "--ignore-eos"],
-        capture_output=True, text=True, timeout=300,
-        env=dict(os.environ, HF_HUB_OFFLINE="1", PYTHONPATH=str(root)))
+        [
+            sys.executable,
+            "-m",
+            "vllm_hawk.vllm_launcher",
+            "bench",
+            "serve",
+            "--backend",
+            "openai",
+            "--base-url",
+            cluster.proxy_url,
+            "--endpoint",
+            "/v1/completions",
+            "--model",
+            "tiny",
+            "--tokenizer",
+            str(build_tiny_llama(dtype="float32")),
+            "--dataset-name",
+            "random",
+            "--random-input-len",
+            "80",
+            "--random-output-len",
+            "4",
+            "--num-prompts",
+            "8",
+            "--max-concurrency",
+            "4",
+            "--ignore-eos",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        env=dict(os.environ, HF_HUB_OFFLINE="1", PYTHONPATH=str(root)),
+    )
     assert out.returncode == 0, out.stderr[-3000:]
     assert "Successful requests:                     8" in out.stdout
     assert "Failed requests:                         0" in out.stdout

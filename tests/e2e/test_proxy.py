@@ -1,5 +1,6 @@
 """``hawk proxy`` against fake upstream servers (no vLLM): the request flow, round robin,
 streaming pass-through, error statuses, health."""
+
 from __future__ import annotations
 
 import asyncio
@@ -25,8 +26,7 @@ class Fake:
         body = await request.json()
         self.bodies.append(body)
         if self.status != 200:
-            return web.json_response({"error": {"message": f"{self.name} says no"}},
-                                     status=self.status)
+            return web.json_response({"error": {"message": f"{self.name} says no"}}, status=self.status)
         if body.get("stream"):
             resp = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
             await resp.prepare(request)
@@ -58,8 +58,7 @@ async def _start_fake(fake: Fake) -> web.AppRunner:
 
 async def _with_proxy(prefill: list[Fake], decode: list[Fake], fn, extra_prefill=(), extra_decode=()):
     runners = [await _start_fake(f) for f in prefill + decode]
-    proxy = Proxy([f.url for f in prefill] + list(extra_prefill),
-                  [f.url for f in decode] + list(extra_decode))
+    proxy = Proxy([f.url for f in prefill] + list(extra_prefill), [f.url for f in decode] + list(extra_decode))
     prunner = await serve(proxy, "127.0.0.1", 0)  # port 0: the kernel picks, we read it back
     port = prunner.addresses[0][1]
     try:
@@ -72,8 +71,7 @@ async def _with_proxy(prefill: list[Fake], decode: list[Fake], fn, extra_prefill
 
 
 def test_prefill_body_asks_for_one_token_and_keeps_kv():
-    body = {"prompt": "x", "max_tokens": 50, "stream": True, "stream_options": {"a": 1},
-            "max_completion_tokens": 50}
+    body = {"prompt": "x", "max_tokens": 50, "stream": True, "stream_options": {"a": 1}, "max_completion_tokens": 50}
     out = prefill_body(body, "/v1/completions")
     assert out["max_tokens"] == 1 and out["max_completion_tokens"] == 1
     assert out["stream"] is False and "stream_options" not in out
@@ -87,13 +85,11 @@ def test_flow_round_robin_and_streaming():
     async def fn(s, url):
         texts = []
         for _ in range(4):
-            async with s.post(url + "/v1/completions",
-                              json={"model": "m", "prompt": "hi", "max_tokens": 5}) as r:
+            async with s.post(url + "/v1/completions", json={"model": "m", "prompt": "hi", "max_tokens": 5}) as r:
                 assert r.status == 200
                 texts.append((await r.json())["choices"][0]["text"])
                 assert r.headers["x-hawk-prefill"] in (p1.url, p2.url)
-        async with s.post(url + "/v1/chat/completions",
-                          json={"model": "m", "messages": [], "stream": True}) as r:
+        async with s.post(url + "/v1/chat/completions", json={"model": "m", "messages": [], "stream": True}) as r:
             assert r.status == 200
             raw = (await r.read()).decode()
         return texts, raw
@@ -157,7 +153,8 @@ def test_unreachable_upstream_is_502_naming_it_and_deep_health_is_503():
         return first, shallow, deep, bad_json
 
     (status, text), shallow, (dstatus, dbody), bad_json = asyncio.run(
-        _with_proxy([], [Fake("d")], fn, extra_prefill=[dead]))
+        _with_proxy([], [Fake("d")], fn, extra_prefill=[dead])
+    )
     assert status == 502 and dead in text
     assert shallow == 200
     assert dstatus == 503 and dbody["unhealthy"] == [dead]
@@ -167,7 +164,8 @@ def test_unreachable_upstream_is_502_naming_it_and_deep_health_is_503():
 def test_cli_parses_several_urls():
     from vllm_hawk.proxy import parse_args
 
-    a = parse_args(["--prefill", "http://a", "http://b", "--decode", "http://c",
-                    "--decode", "http://d", "--port", "9000"])
+    a = parse_args(
+        ["--prefill", "http://a", "http://b", "--decode", "http://c", "--decode", "http://d", "--port", "9000"]
+    )
     assert a.prefill == ["http://a", "http://b"] and a.decode == ["http://c", "http://d"]
     assert a.port == 9000

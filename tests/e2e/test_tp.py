@@ -23,6 +23,7 @@ For every request:
 
 Slow (2-4 vLLM workers per cluster on 2 cores, about 50 s to start each): marked ``tp``.
 """
+
 from __future__ import annotations
 
 import time
@@ -44,8 +45,12 @@ CONFIGS = {
     "GG-P2-D2": dict(prefill_tp=2, decode_tp=2),
     "GG-P2-D1": dict(prefill_tp=2, decode_tp=1),
     "GG-P1-D2": dict(prefill_tp=1, decode_tp=2, decode_config={"prefill_tp": 1}),  # pairing checked at start-up
-    "GN-P2-n300": dict(prefill_tp=2, tt={"device": "n300", "kv_dtype": "bfloat8_b", "chips": 2}, mode="direct",
-                       decode_config={"prefill_tp": 2}),
+    "GN-P2-n300": dict(
+        prefill_tp=2,
+        tt={"device": "n300", "kv_dtype": "bfloat8_b", "chips": 2},
+        mode="direct",
+        decode_config={"prefill_tp": 2},
+    ),
     "GN-P1-p150ax2": dict(prefill_tp=1, tt={"device": "p150a", "kv_dtype": "bfloat16", "chips": 2}, mode="staged"),
 }
 TIE_MARGIN = {"GG": GG_TIE_MARGIN, "GN": GN_TIE_MARGIN}  # GN: bf16 logits, see e2e_helpers
@@ -69,12 +74,22 @@ def cluster(request, tmp_path_factory):
     extra = {"pull_timeout_s": 60.0, "handshake_timeout_s": 30.0}  # 4-6 vLLM processes on 2 cores
     if gn:
         extra.update(mode=cfg["mode"], ring_nbytes=16 << 20)
-    c = LocalCluster(build_tiny_llama(dtype=dtype, kv_heads=KV_HEADS), work, dtype=dtype, block_size=BLOCK,
-                     max_model_len=512, max_num_seqs=4, prefill_tp=cfg["prefill_tp"],
-                     decode_tp=cfg.get("decode_tp", 1), decode_tt=cfg.get("tt"), extra_config=extra,
-                     prefill_config={"lease_s": 120.0}, decode_config=cfg.get("decode_config", {}),
-                     extra_args=["--no-enable-prefix-caching"],
-                     extra_env={"HAWK_DEBUG_DIR": str(dump)})
+    c = LocalCluster(
+        build_tiny_llama(dtype=dtype, kv_heads=KV_HEADS),
+        work,
+        dtype=dtype,
+        block_size=BLOCK,
+        max_model_len=512,
+        max_num_seqs=4,
+        prefill_tp=cfg["prefill_tp"],
+        decode_tp=cfg.get("decode_tp", 1),
+        decode_tt=cfg.get("tt"),
+        extra_config=extra,
+        prefill_config={"lease_s": 120.0},
+        decode_config=cfg.get("decode_config", {}),
+        extra_args=["--no-enable-prefix-caching"],
+        extra_env={"HAWK_DEBUG_DIR": str(dump)},
+    )
     c.hawk_name, c.hawk_cfg, c.hawk_dump = request.param, cfg, dump
     with running(c, request.param):
         yield c
@@ -93,8 +108,10 @@ def _all_heads(parts: list[torch.Tensor], tp: int) -> torch.Tensor:
 def _prefill_kv(d: Path, rid: str, p_tp: int) -> tuple[list, int]:
     """Per layer (K, V) of all heads the prefill sent for ``rid`` and its token count."""
     ranks = [torch.load(d / (f"prefill-{rid}-r{r}.pt" if p_tp > 1 else f"prefill-{rid}.pt")) for r in range(p_tp)]
-    kv = [tuple(_all_heads([x["kv"][layer][i] for x in ranks], p_tp) for i in (0, 1))
-          for layer in range(len(ranks[0]["kv"]))]
+    kv = [
+        tuple(_all_heads([x["kv"][layer][i] for x in ranks], p_tp) for i in (0, 1))
+        for layer in range(len(ranks[0]["kv"]))
+    ]
     return kv, ranks[0]["num_tokens"]
 
 
@@ -105,7 +122,7 @@ def _check_gg(c, rid: str) -> None:
     dec = [torch.load(d / (f"decode-{rid}-r{r}.pt" if d_tp > 1 else f"decode-{rid}.pt")) for r in range(d_tp)]
     for layer, kv in enumerate(src):
         for i, name in enumerate("KV"):
-            want = kv[i][-len(dec[0]["dst_blocks"]):]
+            want = kv[i][-len(dec[0]["dst_blocks"]) :]
             got = _all_heads([x["kv"][layer][i] for x in dec], d_tp)
             assert want.shape == got.shape, (layer, name, want.shape, got.shape)
             # [n, H, N, D] -> tokens: only the prompt's tokens are the prefill's to send
@@ -121,7 +138,7 @@ def _check_gn(c, rid: str) -> None:
     src, _n = _prefill_kv(d, rid, c.hawk_cfg["prefill_tp"])
     dec = torch.load(d / f"decode-{rid}.pt")  # every chip's banks, as one chip holding all heads
     assert dec["dtype"] == c.hawk_cfg["tt"]["kv_dtype"]
-    for layer, (kv, got) in enumerate(zip(src, dec["bytes"])):
+    for layer, (kv, got) in enumerate(zip(src, dec["bytes"], strict=False)):
         for i, name in enumerate("KV"):
             want = tilize_pack(kv[i].to(torch.float32), dec["dtype"]).reshape(got[i].shape)
             assert torch.equal(want, got[i]), f"{rid}: layer {layer} {name} bank bytes differ"
@@ -150,7 +167,7 @@ def test_tp_pair_serves_exactly(cluster, record_property):
     assert not mismatches, f"{name}: greedy outputs differ beyond ties: {mismatches}"
     d = Path(cluster.hawk_dump)
     tag = "-r0" if not gn and d_tp > 1 else ""
-    landed = sorted(f.name[len("decode-"):-len(f"{tag}.pt")] for f in d.glob(f"decode-*{tag}.pt"))
+    landed = sorted(f.name[len("decode-") : -len(f"{tag}.pt")] for f in d.glob(f"decode-*{tag}.pt"))
     assert len(landed) == len(_prompts()), [f.name for f in d.iterdir()]
     for rid in landed:
         (_check_gn if gn else _check_gg)(cluster, rid)
@@ -163,14 +180,16 @@ def _mismatched_tp_fails_the_pull_with_both_values(cluster):
     """A prefill that claims a TP size its side channels do not have: the pull fails
     with an error naming both sides' values, and nothing stays held."""
     prompt = [0] + list(range(7, 60))
-    status, out = http_post_json(cluster.prefill_url + "/v1/completions",
-                                 {"model": "tiny", "prompt": prompt, "max_tokens": 1,
-                                  "kv_transfer_params": {"do_remote_decode": True}})
+    status, out = http_post_json(
+        cluster.prefill_url + "/v1/completions",
+        {"model": "tiny", "prompt": prompt, "max_tokens": 1, "kv_transfer_params": {"do_remote_decode": True}},
+    )
     assert status == 200, out
     params = dict(out["kv_transfer_params"], remote_tp_size=4)  # the prefill has 2 ranks
-    status, out = http_post_json(cluster.decode_url + "/v1/completions",
-                                 {"model": "tiny", "prompt": prompt, "max_tokens": 2,
-                                  "kv_transfer_params": params})
+    status, out = http_post_json(
+        cluster.decode_url + "/v1/completions",
+        {"model": "tiny", "prompt": prompt, "max_tokens": 2, "kv_transfer_params": params},
+    )
     assert status != 200
     log = (Path(cluster.workdir) / "decode.log").read_text()
     assert "TP rank" in log and "of 2" in log and "rank 0 of 4" in log, log[-3000:]

@@ -1,6 +1,7 @@
 """Shared by the in-process kvflow tests: the KV shape and compatibility record of the
 small test model, the reference bytes a TT decode's pool must hold, and a prefill/decode
 pair on the in-process transport that frees everything when the test ends."""
+
 from __future__ import annotations
 
 import contextlib
@@ -66,8 +67,16 @@ def endpoints(pool_blocks: int = 32, recv: int = 128 << 10, dec_kw: dict | None 
     dev = EmulatedDevice("p150a", 8 << 20)
     dec = None
     try:
-        dec = TTDecode(dev, TTKVCacheSpec(L, pool_blocks, H, BS, D, "bfloat16"), td, pre.endpoint, COMPAT,
-                       recv_nbytes_per_bank=recv, timeout_s=10, **(dec_kw or {}))
+        dec = TTDecode(
+            dev,
+            TTKVCacheSpec(L, pool_blocks, H, BS, D, "bfloat16"),
+            td,
+            pre.endpoint,
+            COMPAT,
+            recv_nbytes_per_bank=recv,
+            timeout_s=10,
+            **(dec_kw or {}),
+        )
         yield cache, pre, dec, dev, td, finished
     finally:
         if dec is not None:

@@ -8,6 +8,7 @@ serves commands: ``("add", req_id, src_blocks, num_tokens)``, ``("snapshot",)``,
 ``("exit",)``. A request id starting with ``die-in-transform`` makes the child exit
 abruptly while serving it (a prefill dying mid-flight).
 """
+
 from __future__ import annotations
 
 import multiprocessing as mp
@@ -34,9 +35,14 @@ def _child(cfg: dict, conn) -> None:
     t = make_transport(cfg.get("transport", "mooncake"), **cfg.get("transport_options", {}))
     compat = make_compat(*cfg["compat"])
     kind = cfg.get("kind", "hawk")
-    ep = DyingPrefill(make_source(cache, kind, compat.device_profile), t, compat,
-                      ring_nbytes=cfg.get("ring_nbytes", 2 << 20), secret=cfg.get("secret"),
-                      claim_wait_s=cfg.get("claim_wait_s", 10.0))
+    ep = DyingPrefill(
+        make_source(cache, kind, compat.device_profile),
+        t,
+        compat,
+        ring_nbytes=cfg.get("ring_nbytes", 2 << 20),
+        secret=cfg.get("secret"),
+        claim_wait_s=cfg.get("claim_wait_s", 10.0),
+    )
     conn.send((ep.endpoint, cache.base_addr))
     try:
         while True:

@@ -1,5 +1,6 @@
 """The prefill ring and the decode's per-bank receive pool: bounded, never overwrite,
 backpressure with a deadline, release in any order, back to fully free."""
+
 from __future__ import annotations
 
 import random
@@ -17,11 +18,12 @@ from vllm_hawk.transport import make_transport
 
 def _overlaps(ranges):
     s = sorted(ranges)
-    return any(a1 > b0 for (_a0, a1), (b0, _b1) in zip(s, s[1:]))
+    return any(a1 > b0 for (_a0, a1), (b0, _b1) in zip(s, s[1:], strict=False))
 
 
-@given(st.lists(st.tuples(st.integers(1, 3000), st.booleans()), min_size=1, max_size=80),
-       st.randoms(use_true_random=False))
+@given(
+    st.lists(st.tuples(st.integers(1, 3000), st.booleans()), min_size=1, max_size=80), st.randoms(use_true_random=False)
+)
 def test_ring_never_hands_out_overlapping_ranges(ops, rnd):
     ring = RingAllocator(16 * 1024, align=256)
     live: dict[str, tuple[int, int]] = {}

@@ -1,6 +1,7 @@
 """Failure paths of Algorithm 1 inside one process (in-process transport): cancels,
 leases, batches that fail or never drain, restarts, constructors that fail half way,
 hostile layouts. Every case ends with nothing held on either side."""
+
 from __future__ import annotations
 
 import threading
@@ -156,8 +157,14 @@ def test_decode_endpoint_frees_its_kv_pool_when_the_receive_pool_does_not_fit():
     td = make_transport("inprocess")
     try:
         with pytest.raises(OutOfDeviceMemory):
-            TTDecode(dev, TTKVCacheSpec(L, 8, H, BS, D, "bfloat16"), td, "tcp://127.0.0.1:1", COMPAT,
-                     recv_nbytes_per_bank=4 << 20)
+            TTDecode(
+                dev,
+                TTKVCacheSpec(L, 8, H, BS, D, "bfloat16"),
+                td,
+                "tcp://127.0.0.1:1",
+                COMPAT,
+                recv_nbytes_per_bank=4 << 20,
+            )
         assert dev.live_buffers() == [] and len(td._regions) == 0
     finally:
         td.close()
@@ -169,8 +176,15 @@ def test_fetch_after_the_prefill_restarts_uses_the_new_ring():
     tp1, td = make_transport("inprocess"), make_transport("inprocess")
     pre1 = prefill_endpoint(cache, tp1, COMPAT, ring_nbytes=1 << 20)
     dev = EmulatedDevice("p150a", 8 << 20)
-    dec = TTDecode(dev, TTKVCacheSpec(L, 16, H, BS, D, "bfloat16"), td, pre1.endpoint, COMPAT,
-                   recv_nbytes_per_bank=128 << 10, timeout_s=10)
+    dec = TTDecode(
+        dev,
+        TTKVCacheSpec(L, 16, H, BS, D, "bfloat16"),
+        td,
+        pre1.endpoint,
+        COMPAT,
+        recv_nbytes_per_bank=128 << 10,
+        timeout_s=10,
+    )
     tp2 = pre2 = None
     try:
         pre1.add_request("a", [1], BS)
@@ -214,8 +228,9 @@ def test_prefill_close_does_not_wait_out_a_blocked_reserve():
         pre.add_request("b", list(range(10, 20)), 10 * BS)
         dec.fetch("a", 10 * BS, list(range(10)), "direct", release=False)
         # No deadline: the worker waits up to claim_wait_s (60 s) for ring space.
-        fut = dec.client.call_async(KVRequest(req_id="b", dst_layout=dec.desc, num_tokens=10 * BS,
-                                              dst_block_ids=list(range(10, 20))))
+        fut = dec.client.call_async(
+            KVRequest(req_id="b", dst_layout=dec.desc, num_tokens=10 * BS, dst_block_ids=list(range(10, 20)))
+        )
         assert wait_until(lambda: pre.snapshot()["pending"] == 1, 5.0)
         time.sleep(0.2)
         t0 = time.monotonic()
@@ -243,12 +258,15 @@ def test_prefill_endpoint_that_cannot_bind_leaves_nothing_behind():
 
 
 # --------------------------------------------------------------------------- hostile layouts
-@pytest.mark.parametrize("field,value,match", [
-    ("block_size", 2**31, "block_size 2147483648 differs"),
-    ("block_size", 128, "block_size 128 differs"),
-    ("num_banks", 1024, "1024 banks"),
-    ("page_nbytes", 2**31, "page of 2147483648 bytes"),
-])
+@pytest.mark.parametrize(
+    "field,value,match",
+    [
+        ("block_size", 2**31, "block_size 2147483648 differs"),
+        ("block_size", 128, "block_size 128 differs"),
+        ("num_banks", 1024, "1024 banks"),
+        ("page_nbytes", 2**31, "page of 2147483648 bytes"),
+    ],
+)
 def test_prefill_bounds_the_peer_layout_before_planning(field, value, match):
     with endpoints() as (_cache, pre, dec, _dev, _td, _finished):
         pre.add_request("h", [1], BS)

@@ -1,5 +1,6 @@
 """The decode's per-fetch state (kvflow.decode._Fetch): where its read deadline and the
 claim wait come from. No transport or prefill involved."""
+
 from __future__ import annotations
 
 import time

@@ -3,6 +3,7 @@ plain vLLM blocks (ring gather, or in place), the decode lands them in its recei
 and fixes the layout into an emulated Tenstorrent KV pool. Exact bytes for the vLLM
 layouts the prefill may have (FlashAttention NHD, CPU_ATTN vec / amx), nothing held
 afterwards, and refusals that name what is wrong."""
+
 from __future__ import annotations
 
 import numpy as np
@@ -50,8 +51,11 @@ class VllmCache:
 
 def _adapters():
     kw = dict(num_kv_heads=H, block_size=BS, head_dim=D, dtype=torch.bfloat16)
-    return {"flash-nhd": (FlashAttnKVLayout(**kw), "LBNHC"), "cpu-vec": (CpuAttnKVLayout(isa="vec", **kw), "LBHNC"),
-            "cpu-amx": (CpuAttnKVLayout(isa="amx", **kw), "LBHNC")}
+    return {
+        "flash-nhd": (FlashAttnKVLayout(**kw), "LBNHC"),
+        "cpu-vec": (CpuAttnKVLayout(isa="vec", **kw), "LBHNC"),
+        "cpu-amx": (CpuAttnKVLayout(isa="amx", **kw), "LBHNC"),
+    }
 
 
 def _assert_pool_holds(dec, cache, src, dst, dtype):
@@ -75,8 +79,9 @@ def test_gn_host_fix_puts_exact_bytes_in_the_pool(layout, dtype, kind):
     dev = EmulatedDevice("p150a", 8 << 20)
     dec = None
     try:
-        dec = GNHostDecode(dev, TTKVCacheSpec(L, 16, H, BS, D, dtype), td, pre.endpoint, COMPAT, wire,
-                           recv_nbytes=1 << 20)
+        dec = GNHostDecode(
+            dev, TTKVCacheSpec(L, 16, H, BS, D, dtype), td, pre.endpoint, COMPAT, wire, recv_nbytes=1 << 20
+        )
         rng = np.random.default_rng(len(layout) + len(dtype) + len(kind))
         for i in range(3):
             n = int(rng.integers(1, 5 * BS))
@@ -106,8 +111,9 @@ def test_a_wrong_block_layout_is_refused_and_frees_both_sides():
     tp, td = make_transport("host_staged"), make_transport("host_staged")
     pre = PrefillEndpoint(cache.source("staged"), tp, COMPAT, ring_nbytes=1 << 20, claim_wait_s=0.2)
     dev = EmulatedDevice("p150a", 8 << 20)
-    dec = GNHostDecode(dev, TTKVCacheSpec(L, 16, H, BS, D, "bfloat16"), td, pre.endpoint, COMPAT, other,
-                       recv_nbytes=1 << 20)
+    dec = GNHostDecode(
+        dev, TTKVCacheSpec(L, 16, H, BS, D, "bfloat16"), td, pre.endpoint, COMPAT, other, recv_nbytes=1 << 20
+    )
     try:
         pre.add_request("w", [3, 4], 2 * BS)
         with pytest.raises(PeerFailed, match="dtype"):

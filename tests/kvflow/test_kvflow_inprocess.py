@@ -1,6 +1,7 @@
 """Algorithm 1 end to end inside one process (in-process transport): exact bytes in the
 KV pool for every mode and dtype, the baselines' paths, and refusals that leave nothing
 held on either side."""
+
 from __future__ import annotations
 
 import numpy as np
@@ -27,8 +28,15 @@ def pair():
     decs = {}
     try:
         for dtype in ("bfloat16", "bfloat8_b"):
-            decs[dtype] = TTDecode(dev, TTKVCacheSpec(L, 32, H, BS, D, dtype), td, pre.endpoint, COMPAT,
-                                         recv_nbytes_per_bank=128 << 10, timeout_s=10)
+            decs[dtype] = TTDecode(
+                dev,
+                TTKVCacheSpec(L, 32, H, BS, D, dtype),
+                td,
+                pre.endpoint,
+                COMPAT,
+                recv_nbytes_per_bank=128 << 10,
+                timeout_s=10,
+            )
         yield cache, pre, decs, dev, tp, td
     finally:
         for d in decs.values():
@@ -68,8 +76,15 @@ def test_gg_and_gn_host_baselines_move_the_same_kv():
         dst_cache = PagedKVCache(L, 40, H, BS, D)
         dec = VllmDecode(dst_cache, td, pre.endpoint, COMPAT)
         dev = EmulatedDevice("p150a", 8 << 20)
-        gn = GNHostDecode(dev, TTKVCacheSpec(L, 32, H, BS, D, "bfloat8_b"), td, pre.endpoint, COMPAT,
-                          wire_layout_of(cache.adapter, cache.layers[0]), recv_nbytes=1 << 20)
+        gn = GNHostDecode(
+            dev,
+            TTKVCacheSpec(L, 32, H, BS, D, "bfloat8_b"),
+            td,
+            pre.endpoint,
+            COMPAT,
+            wire_layout_of(cache.adapter, cache.layers[0]),
+            recv_nbytes=1 << 20,
+        )
         try:
             src, dst, tt_dst, n = [4, 5, 6, 20, 9], [1, 2, 30, 31, 7], [3, 4, 5, 9, 10], 300
             pre.add_request("g", src, n)
@@ -103,17 +118,21 @@ class ForgingPrefill(PrefillEndpoint):
             if isinstance(out, KVReady):
                 segs = list(out.segments)
                 if self.forge == "shift":  # a segment pointing at another bank's bytes
-                    segs[0], segs[1] = Segment(segs[0].bank, segs[1].offset_bytes, segs[0].nbytes), \
-                        Segment(segs[1].bank, segs[0].offset_bytes, segs[1].nbytes)
+                    segs[0], segs[1] = (
+                        Segment(segs[0].bank, segs[1].offset_bytes, segs[0].nbytes),
+                        Segment(segs[1].bank, segs[0].offset_bytes, segs[1].nbytes),
+                    )
                 elif self.forge == "outside":  # past the end of the ring
                     off = self.ring.capacity
                     segs = [Segment(s.bank, off + i * s.nbytes, s.nbytes) for i, s in enumerate(segs)]
                     out = KVReady(req_id=out.req_id, ring_offset=off, total_nbytes=out.total_nbytes, segments=segs)
                     reply(out)
                     return
-                out = KVReady(req_id=out.req_id, ring_offset=out.ring_offset, total_nbytes=out.total_nbytes,
-                              segments=segs)
+                out = KVReady(
+                    req_id=out.req_id, ring_offset=out.ring_offset, total_nbytes=out.total_nbytes, segments=segs
+                )
             reply(out)
+
         super()._serve(msg, forged)
 
 
@@ -124,8 +143,15 @@ def test_forged_kvready_is_refused_and_nothing_is_held(forge):
     pre = ForgingPrefill(make_source(cache, "hawk"), tp, COMPAT, ring_nbytes=1 << 20)
     pre.forge = forge
     dev = EmulatedDevice("p150a", 8 << 20)
-    dec = TTDecode(dev, TTKVCacheSpec(L, 16, H, BS, D, "bfloat16"), td, pre.endpoint, COMPAT,
-                   recv_nbytes_per_bank=64 << 10, timeout_s=5)
+    dec = TTDecode(
+        dev,
+        TTKVCacheSpec(L, 16, H, BS, D, "bfloat16"),
+        td,
+        pre.endpoint,
+        COMPAT,
+        recv_nbytes_per_bank=64 << 10,
+        timeout_s=5,
+    )
     try:
         before = torch.cat([dec.read_blocks(0, 0, [1, 2])])
         pre.add_request("f", [1, 2], 128)

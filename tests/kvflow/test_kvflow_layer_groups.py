@@ -1,6 +1,7 @@
 """Layer-group pipelining in the one engine: a fetch asked for as several layer groups
 lands exactly the bytes of a whole fetch (staged and direct), the prefill produces each
 group once into one ring range, and failures leave nothing held on either side."""
+
 from __future__ import annotations
 
 import threading
@@ -40,14 +41,22 @@ def pair():
     cache = PagedKVCache(L, 24, H, BS, D).fill_random(5)
     tp, td = make_transport("inprocess"), make_transport("inprocess")
     finished = []
-    pre = prefill_endpoint(cache, tp, COMPAT, ring_nbytes=2 << 20, claim_wait_s=0.2,
-                           on_finished=lambda r, ok: finished.append((r, ok)))
+    pre = prefill_endpoint(
+        cache, tp, COMPAT, ring_nbytes=2 << 20, claim_wait_s=0.2, on_finished=lambda r, ok: finished.append((r, ok))
+    )
     dev = EmulatedDevice("p150a", 8 << 20)
     decs = {}
     try:
         for dtype in ("bfloat16", "bfloat8_b"):
-            decs[dtype] = TTDecode(dev, TTKVCacheSpec(L, 16, H, BS, D, dtype), td, pre.endpoint, COMPAT,
-                                   recv_nbytes_per_bank=192 << 10, timeout_s=10)
+            decs[dtype] = TTDecode(
+                dev,
+                TTKVCacheSpec(L, 16, H, BS, D, dtype),
+                td,
+                pre.endpoint,
+                COMPAT,
+                recv_nbytes_per_bank=192 << 10,
+                timeout_s=10,
+            )
         yield cache, pre, decs, finished
     finally:
         for d in decs.values():
@@ -65,7 +74,7 @@ def assert_pool_holds(dec, cache, src, n, dst):
             tok = torch.cat([x[b] for b in src], dim=1)
             nb = -(-n // BS)
             out = torch.zeros(H, nb * BS, D, dtype=tok.dtype)
-            out[:, :min(tok.shape[1], nb * BS)] = tok[:, :nb * BS]
+            out[:, : min(tok.shape[1], nb * BS)] = tok[:, : nb * BS]
             want = tilize_pack(out.reshape(H, nb, BS, D).transpose(0, 1), dec.layout.spec.dtype)
             assert torch.equal(dec.read_blocks(layer, kv, dst), want), (layer, kv)
 
@@ -160,6 +169,7 @@ def _fetch_with_bad_group(dec, rid, mode):
     """A layer-group fetch whose second group the prefill refuses (its KVRequest names
     layers outside the model)."""
     from vllm_hawk.kvflow import decode as decode_mod
+
     real = decode_mod.split_layers
     decode_mod.split_layers = lambda n, g: [(0, 2), (2, n + 3)]
     try:
@@ -174,8 +184,9 @@ def test_early_layer_groups_all_wait_for_the_hand_over(pair):
     cache, pre, decs, finished = pair
     dec = decs["bfloat16"]
     out = {}
-    t = threading.Thread(target=lambda: out.setdefault("res", dec.fetch("early", 2 * BS, [8, 9], "staged",
-                                                                        layer_groups=3, timeout_s=10)))
+    t = threading.Thread(
+        target=lambda: out.setdefault("res", dec.fetch("early", 2 * BS, [8, 9], "staged", layer_groups=3, timeout_s=10))
+    )
     t.start()
     assert wait_until(lambda: pre.snapshot()["early"] == 1, 5.0), pre.snapshot()
     time.sleep(0.2)  # the other groups' KVRequests arrive too
@@ -193,15 +204,14 @@ def test_second_request_for_a_served_group_is_refused(pair):
     dec = decs["bfloat16"]
     pre.add_request("g", [1], BS)
     sink = dec.sink("staged")
-    msg = KVRequest(req_id="g", dst_layout=sink.layout, num_tokens=BS, dst_block_ids=[2], first_layer=0,
-                    num_layers=2)
+    msg = KVRequest(req_id="g", dst_layout=sink.layout, num_tokens=BS, dst_block_ids=[2], first_layer=0, num_layers=2)
     ready = dec.client.request_kv(msg, timeout_s=5)
     assert ready.total_nbytes == 2 * 2 * 8 * 2048  # layers 0-1, K and V, 8 bf16 tiles each
     from vllm_hawk.protocol import RemoteError
+
     with pytest.raises(RemoteError, match="already in flight"):
         dec.client.request_kv(msg, timeout_s=5)
-    bad = KVRequest(req_id="g", dst_layout=sink.layout, num_tokens=BS, dst_block_ids=[2], first_layer=4,
-                    num_layers=3)
+    bad = KVRequest(req_id="g", dst_layout=sink.layout, num_tokens=BS, dst_block_ids=[2], first_layer=4, num_layers=3)
     with pytest.raises(RemoteError, match="not inside"):
         dec.client.request_kv(bad, timeout_s=5)
     dec.ep.release("g")
@@ -239,12 +249,14 @@ def test_sources_without_layer_groups_refuse_them():
     pre = prefill_endpoint(cache, tp, COMPAT, kind="staged")
     try:
         dev = EmulatedDevice("p150a", 4 << 20)
-        dec = TTDecode(dev, TTKVCacheSpec(2, 8, H, BS, D, "bfloat16"), td, pre.endpoint, COMPAT,
-                       recv_nbytes_per_bank=64 << 10)
+        dec = TTDecode(
+            dev, TTKVCacheSpec(2, 8, H, BS, D, "bfloat16"), td, pre.endpoint, COMPAT, recv_nbytes_per_bank=64 << 10
+        )
         try:
             pre.add_request("x", [1], BS)
             msg = KVRequest(req_id="x", dst_layout=dec.desc, num_tokens=BS, dst_block_ids=[1], num_layers=1)
             from vllm_hawk.protocol import RemoteError
+
             with pytest.raises(RemoteError, match="layer groups"):
                 dec.client.request_kv(msg, timeout_s=5)
         finally:

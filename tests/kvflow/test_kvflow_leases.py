@@ -3,6 +3,7 @@ Renew) keeps a queued request's KV past ``lease_s``, bounded by ``max_hold_s``; 
 per prefill and interval; only the owner may renew or release a claimed request; a
 control peer (the proxy) may release an unclaimed one but never request KV, and renews
 one through the hand-over until a decode claims it. Every case ends with nothing held."""
+
 from __future__ import annotations
 
 import json
@@ -141,8 +142,9 @@ def test_full_ring_is_backpressure_not_failure():
         pre.add_request("b", list(range(10, 20)), 10 * BS)
         dec.fetch("a", 10 * BS, list(range(10)), "direct", release=False)
         done = {}
-        t = threading.Thread(target=lambda: done.update(r=dec.fetch("b", 10 * BS, list(range(10, 20)), "direct",
-                                                                      timeout_s=30.0)))
+        t = threading.Thread(
+            target=lambda: done.update(r=dec.fetch("b", 10 * BS, list(range(10, 20)), "direct", timeout_s=30.0))
+        )
         t.start()
         assert wait_until(lambda: dec.ep.backpressured >= 2, 10.0)
         dec.client.release("a")
@@ -157,15 +159,21 @@ def test_proxy_releaser_frees_an_unclaimed_request():
     from vllm_hawk.proxy.release import PrefillReleaser, side_channels_of
 
     assert side_channels_of({"remote_host": "::1", "remote_port": 5, "remote_request_id": "x"}) == (
-        ["tcp://[::1]:5"], "x")
-    assert side_channels_of({"remote_host": "h", "remote_port": 5, "remote_request_id": "x", "remote_tp_size": 3,
-                             "remote_port_stride": 2}) == (["tcp://h:5", "tcp://h:7", "tcp://h:9"], "x")
+        ["tcp://[::1]:5"],
+        "x",
+    )
+    assert side_channels_of(
+        {"remote_host": "h", "remote_port": 5, "remote_request_id": "x", "remote_tp_size": 3, "remote_port_stride": 2}
+    ) == (["tcp://h:5", "tcp://h:7", "tcp://h:9"], "x")
     assert side_channels_of({"remote_host": "h", "remote_port": True, "remote_request_id": "x"}) is None
     assert side_channels_of({"remote_host": "h", "remote_port": 5}) is None
-    assert side_channels_of({"remote_host": "h", "remote_port": 65535, "remote_request_id": "x",
-                             "remote_tp_size": 2}) is None  # rank 1 leaves the port range
-    assert side_channels_of({"remote_host": "h", "remote_port": 5, "remote_request_id": "x",
-                             "remote_tp_size": 65}) is None
+    assert (
+        side_channels_of({"remote_host": "h", "remote_port": 65535, "remote_request_id": "x", "remote_tp_size": 2})
+        is None
+    )  # rank 1 leaves the port range
+    assert (
+        side_channels_of({"remote_host": "h", "remote_port": 5, "remote_request_id": "x", "remote_tp_size": 65}) is None
+    )
     with endpoints(lease_s=60.0) as (_cache, pre, _dec, _dev, _td, finished):
         pre.add_request("refused", [1], BS)
         port = int(pre.endpoint.rsplit(":", 1)[1])
@@ -229,8 +237,16 @@ def test_proxy_holds_from_the_prefill_answer_until_the_decode_answers():
 
         async def prefill(request):
             body = await request.json()
-            return web.json_response({"choices": [{"text": "p"}], "kv_transfer_params": {
-                "remote_host": "127.0.0.1", "remote_port": port, "remote_request_id": body["prompt"]}})
+            return web.json_response(
+                {
+                    "choices": [{"text": "p"}],
+                    "kv_transfer_params": {
+                        "remote_host": "127.0.0.1",
+                        "remote_port": port,
+                        "remote_request_id": body["prompt"],
+                    },
+                }
+            )
 
         async def decode(_request):
             await asyncio.sleep(2.5)
@@ -248,11 +264,14 @@ def test_proxy_holds_from_the_prefill_answer_until_the_decode_answers():
             runner = await serve(proxy, "127.0.0.1", 0)
             pport = runner.addresses[0][1]
             try:
+
                 async def send(prompt: str):
                     r, w = await asyncio.open_connection("127.0.0.1", pport)
                     body = json.dumps({"prompt": prompt}).encode()
-                    w.write(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
-                            b"Content-Length: %d\r\nConnection: close\r\n\r\n%s" % (len(body), body))
+                    w.write(
+                        b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                        b"Content-Length: %d\r\nConnection: close\r\n\r\n%s" % (len(body), body)
+                    )
                     return r, w
 
                 async def complete(prompt: str) -> bytes:

@@ -4,6 +4,7 @@ prefill that frees a request only after all its shares are released, and refusal
 
 Prefill rank caches hold ``H_P`` KV heads each, decode caches ``H_D``; the model has
 ``H`` = 4 heads. The head slices are views (:func:`vllm_hawk.kvflow.streams.head_maps`)."""
+
 from __future__ import annotations
 
 import threading
@@ -46,8 +47,9 @@ class _Prefill:
             self.finished.append((rid, ok))
             self.done.set()
 
-        self.ep = PrefillEndpoint(src, transport, compat, ring_nbytes=4 << 20, claim_wait_s=0.5,
-                                  on_finished=on_finished)
+        self.ep = PrefillEndpoint(
+            src, transport, compat, ring_nbytes=4 << 20, claim_wait_s=0.5, on_finished=on_finished
+        )
 
 
 class _Decode:
@@ -126,8 +128,9 @@ def test_transform_share_lands_the_tilized_heads_of_one_chip():
     compat = make_compat("tiny", "bfloat16", BS, "vllm-any", "tt-paged", "p150a")
     pre = _Prefill(0, H, tp, "hawk", compat)
     dev = EmulatedDevice("p150a", 8 << 20)
-    dec = TTDecode(dev, TTKVCacheSpec(L, 16, 2, BS, D, "bfloat16"), td, pre.ep.endpoint, compat,
-                   recv_nbytes_per_bank=256 << 10)
+    dec = TTDecode(
+        dev, TTKVCacheSpec(L, 16, 2, BS, D, "bfloat16"), td, pre.ep.endpoint, compat, recv_nbytes_per_bank=256 << 10
+    )
     try:
         pre.ep.add_request("r", [4, 5], 2 * BS)
         (ps,) = plan_shares(H, 1, 2, 1, 2)
@@ -205,8 +208,13 @@ def test_a_share_needing_too_many_segments_is_refused_at_once():
     tp, td = make_transport("inprocess"), make_transport("inprocess")
     cache = PagedKVCache(L, 70, 2, BS, D).fill_random(1)
     done = threading.Event()
-    pre = PrefillEndpoint(VllmBlockSource(cache.region_map, cache.desc, cache.storages, head_maps(cache.layers)),
-                          tp, COMPAT, ring_nbytes=1 << 20, on_finished=lambda rid, ok: done.set())
+    pre = PrefillEndpoint(
+        VllmBlockSource(cache.region_map, cache.desc, cache.storages, head_maps(cache.layers)),
+        tp,
+        COMPAT,
+        ring_nbytes=1 << 20,
+        on_finished=lambda rid, ok: done.set(),
+    )
     dcache = PagedKVCache(L, 70, 1, BS, D)
     sink = vllm_sink(dcache.region_map, dcache.desc, td, "direct", dcache.storages, 1 << 20)
     ep = DecodeEndpoint(td, pre.endpoint, COMPAT, pull_timeout_s=10)

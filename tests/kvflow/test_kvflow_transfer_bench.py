@@ -1,4 +1,5 @@
 """``hawk bench transfer`` runs end to end on a small size and writes its JSON and plot."""
+
 from __future__ import annotations
 
 import json
@@ -15,17 +16,36 @@ except Exception:  # noqa: BLE001
 
 def test_transfer_bench_smoke(tmp_path, capsys):
     out, png = tmp_path / "t.json", tmp_path / "plots" / "t.png"  # --plot in a folder not made yet
-    rc = transfer_bench.main(["--model", "llama-3.1-8b", "--prefill-tp", "1", "--sizes-mb", "2", "--repeats", "1",
-                              "--per-tile-cap-s", "0.05", "--out", str(out), "--plot", str(png)])
+    rc = transfer_bench.main(
+        [
+            "--model",
+            "llama-3.1-8b",
+            "--prefill-tp",
+            "1",
+            "--sizes-mb",
+            "2",
+            "--repeats",
+            "1",
+            "--per-tile-cap-s",
+            "0.05",
+            "--out",
+            str(out),
+            "--plot",
+            str(png),
+        ]
+    )
     assert rc == 0 and png.stat().st_size > 0
     res = json.loads(out.read_text())
     rows = {(r["row"], r["dtype"]) for r in res["rows"]}
-    assert rows == ({(r, "bfloat16") for r in transfer_bench.ROWS}
-                    | {(r, "bfloat8_b") for r in transfer_bench.HAWK_BFP8_ROWS})
+    assert rows == (
+        {(r, "bfloat16") for r in transfer_bench.ROWS} | {(r, "bfloat8_b") for r in transfer_bench.HAWK_BFP8_ROWS}
+    )
     by = {(r["row"], r["dtype"]): r for r in res["rows"]}
     assert by[("GN-HAWK staged", "bfloat16")]["bytes_moved"] == by[("GG-Direct", "bfloat16")]["bytes_moved"]
-    assert by[("GN-HAWK staged", "bfloat8_b")]["bytes_moved"] * 2048 == \
-        by[("GN-HAWK staged", "bfloat16")]["bytes_moved"] * 1088  # bfp8 moves 1088/2048 of the bytes
+    assert (
+        by[("GN-HAWK staged", "bfloat8_b")]["bytes_moved"] * 2048
+        == by[("GN-HAWK staged", "bfloat16")]["bytes_moved"] * 1088
+    )  # bfp8 moves 1088/2048 of the bytes
     assert by[("GG-Host", "bfloat16")]["norm_gg_host"] == 1.0
     assert by[("GG-Direct", "bfloat16")]["norm_gg_direct"] == 1.0
     assert all(r["cpu_ms"] > 0 for r in res["rows"])
@@ -38,8 +58,23 @@ def test_transfer_bench_smoke(tmp_path, capsys):
 def test_outputs_follow_out_and_folders_are_created(tmp_path):
     """A fresh clone has no results/: the JSON and the plot go where --out says."""
     out = tmp_path / "new" / "x.json"
-    rc = transfer_bench.main(["--model", "llama-3.1-8b", "--prefill-tp", "1", "--sizes-mb", "1", "--repeats", "1",
-                              "--rows", "GG-Direct", "GN-HAWK pipelined", "--out", str(out)])
+    rc = transfer_bench.main(
+        [
+            "--model",
+            "llama-3.1-8b",
+            "--prefill-tp",
+            "1",
+            "--sizes-mb",
+            "1",
+            "--repeats",
+            "1",
+            "--rows",
+            "GG-Direct",
+            "GN-HAWK pipelined",
+            "--out",
+            str(out),
+        ]
+    )
     assert rc == 0 and out.exists() and (tmp_path / "new" / "x.png").exists()
 
 
@@ -50,19 +85,39 @@ def test_two_chips_pull_one_shard_each(tmp_path, capsys):
     from vllm_hawk.layout_report import layout_report
 
     out = tmp_path / "t.json"
-    rc = transfer_bench.main(["--model", "llama-3.1-8b", "--prefill-tp", "2", "--chips", "2", "--sizes-mb", "1",
-                              "--repeats", "1", "--rows", "GG-Direct", "GN-HAWK staged", "--out", str(out),
-                              "--plot", ""])
+    rc = transfer_bench.main(
+        [
+            "--model",
+            "llama-3.1-8b",
+            "--prefill-tp",
+            "2",
+            "--chips",
+            "2",
+            "--sizes-mb",
+            "1",
+            "--repeats",
+            "1",
+            "--rows",
+            "GG-Direct",
+            "GN-HAWK staged",
+            "--out",
+            str(out),
+            "--plot",
+            "",
+        ]
+    )
     assert rc == 0
     res = json.loads(out.read_text())
-    assert [(p["chip"], p["prefill_ranks"], p["heads"]) for p in res["config"]["pulls"]] == \
-        [(0, [0], [0, 4]), (1, [1], [4, 8])]
+    assert [(p["chip"], p["prefill_ranks"], p["heads"]) for p in res["config"]["pulls"]] == [
+        (0, [0], [0, 4]),
+        (1, [1], [4, 8]),
+    ]
     by = {(r["row"], r["dtype"]): r for r in res["rows"]}
     for dtype in ("bfloat16", "bfloat8_b"):
         r = by[("GN-HAWK staged", dtype)]
         lay = layout_report("llama-3.1-8b", 2, 2, "p150a", dtype, 64, r["blocks"] * 64)
         assert len(r["chips"]) == 2
-        for c, want in zip(r["chips"], lay["chips"]):
+        for c, want in zip(r["chips"], lay["chips"], strict=False):
             assert c["bytes_moved"] == want["target_bytes"] and c["bytes_per_bank"] == want["max_bytes_per_bank"]
             assert c["segments"] == want["segments"] == 8 and c["entries"] == want["reads_staged"]
         assert r["bytes_moved"] == lay["totals"]["target_bytes"] and r["entries"] == lay["totals"]["reads_staged"]
@@ -86,26 +141,52 @@ def test_one_prefill_rank_serves_two_chips(tmp_path, capsys):
     from vllm_hawk.layout_report import layout_report
 
     out = tmp_path / "t.json"
-    rc = transfer_bench.main(["--model", "llama-3.1-8b", "--prefill-tp", "1", "--chips", "2", "--sizes-mb", "1",
-                              "--repeats", "1", "--rows", "GG-Direct", "GG-Staged", "GN-Host", "GN-HAWK staged",
-                              "--out", str(out), "--plot", ""])
+    rc = transfer_bench.main(
+        [
+            "--model",
+            "llama-3.1-8b",
+            "--prefill-tp",
+            "1",
+            "--chips",
+            "2",
+            "--sizes-mb",
+            "1",
+            "--repeats",
+            "1",
+            "--rows",
+            "GG-Direct",
+            "GG-Staged",
+            "GN-Host",
+            "GN-HAWK staged",
+            "--out",
+            str(out),
+            "--plot",
+            "",
+        ]
+    )
     assert rc == 0
     res = json.loads(out.read_text())
     assert res["failed"] == []
-    assert [(p["chip"], p["prefill_ranks"], p["heads"]) for p in res["config"]["pulls"]] == \
-        [(0, [0], [0, 4]), (1, [0], [4, 8])]
+    assert [(p["chip"], p["prefill_ranks"], p["heads"]) for p in res["config"]["pulls"]] == [
+        (0, [0], [0, 4]),
+        (1, [0], [4, 8]),
+    ]
     assert [p["shares"][0]["src_heads"] for p in res["config"]["pulls"]] == [[0, 4], [4, 8]]
     by = {(r["row"], r["dtype"]): r for r in res["rows"]}
     whole = _request_bytes("llama-3.1-8b", by[("GG-Direct", "bfloat16")]["blocks"])
-    for key in (("GG-Direct", "bfloat16"), ("GG-Staged", "bfloat16"), ("GN-Host", "bfloat16"),
-                ("GN-HAWK staged", "bfloat16")):
+    for key in (
+        ("GG-Direct", "bfloat16"),
+        ("GG-Staged", "bfloat16"),
+        ("GN-Host", "bfloat16"),
+        ("GN-HAWK staged", "bfloat16"),
+    ):
         assert [c["prefill_ranks"] for c in by[key]["chips"]] == [[0], [0]]
         assert sum(c["bytes_moved"] for c in by[key]["chips"]) == by[key]["bytes_moved"] == whole, key
     assert [c["segments"] for c in by[("GG-Staged", "bfloat16")]["chips"]] == [32, 32]  # a layer each (ring)
     for dtype in ("bfloat16", "bfloat8_b"):
         r = by[("GN-HAWK staged", dtype)]
         lay = layout_report("llama-3.1-8b", 1, 2, "p150a", dtype, 64, r["blocks"] * 64)
-        for c, want in zip(r["chips"], lay["chips"]):
+        for c, want in zip(r["chips"], lay["chips"], strict=False):
             assert c["segments"] == lay["num_banks"] == 8 and c["entries"] == want["reads_staged"]
             assert c["bytes_moved"] == want["target_bytes"] and c["bytes_per_bank"] == want["max_bytes_per_bank"]
     assert all(s["requests"] == 0 for s in res["prefill_snapshot"].values())
@@ -117,9 +198,28 @@ def test_two_prefill_ranks_fill_one_decode_gg_rows(tmp_path, capsys):
     """Prefill TP=2 -> 1 decode, GG rows: the decode pulls a share from each rank into its
     vLLM-layout cache restricted to those heads; the shares add up to the whole request."""
     out = tmp_path / "t.json"
-    rc = transfer_bench.main(["--model", "llama-3.1-8b", "--prefill-tp", "2", "--decode-tp", "1", "--sizes-mb", "1",
-                              "--repeats", "1", "--rows", "GG-Host", "GG-Direct", "GG-Staged", "--out", str(out),
-                              "--plot", ""])
+    rc = transfer_bench.main(
+        [
+            "--model",
+            "llama-3.1-8b",
+            "--prefill-tp",
+            "2",
+            "--decode-tp",
+            "1",
+            "--sizes-mb",
+            "1",
+            "--repeats",
+            "1",
+            "--rows",
+            "GG-Host",
+            "GG-Direct",
+            "GG-Staged",
+            "--out",
+            str(out),
+            "--plot",
+            "",
+        ]
+    )
     assert rc == 0
     res = json.loads(out.read_text())
     assert res["failed"] == []

@@ -7,6 +7,7 @@ concurrent, both modes, bf16 and bfloat8_b pools) must leave exactly the referen
 bytes in the pool and both buffers fully free; a prefill dying mid-flight gives an error
 within a bounded time and leaks nothing; bad handshakes and hostile frames are refused.
 """
+
 from __future__ import annotations
 
 import concurrent.futures as cf
@@ -43,8 +44,14 @@ COMPAT = make_compat(*COMPAT_ARGS)
 SECRET = b"kvflow-test-secret-0123456789abcdef"
 #: Mooncake options for both sides, as JSON (tests/guest sets protocol rdma on rxe0).
 MOONCAKE_OPTIONS = json.loads(os.environ.get("HAWK_TEST_MOONCAKE_OPTIONS") or "{}")
-CFG = {"shape": (L, SRC_BLOCKS, H, BS, D), "seed": SEED, "compat": COMPAT_ARGS, "secret": SECRET,
-       "ring_nbytes": 2 << 20, "transport_options": MOONCAKE_OPTIONS}
+CFG = {
+    "shape": (L, SRC_BLOCKS, H, BS, D),
+    "seed": SEED,
+    "compat": COMPAT_ARGS,
+    "secret": SECRET,
+    "ring_nbytes": 2 << 20,
+    "transport_options": MOONCAKE_OPTIONS,
+}
 
 
 @pytest.fixture(scope="module")
@@ -66,8 +73,16 @@ def decode(prefill):
     decs = {}
     try:
         for dtype in ("bfloat16", "bfloat8_b"):
-            decs[dtype] = TTDecode(dev, TTKVCacheSpec(L, POOL_BLOCKS, H, BS, D, dtype), t, prefill.endpoint,
-                                         COMPAT, secret=SECRET, recv_nbytes_per_bank=192 << 10, timeout_s=30)
+            decs[dtype] = TTDecode(
+                dev,
+                TTKVCacheSpec(L, POOL_BLOCKS, H, BS, D, dtype),
+                t,
+                prefill.endpoint,
+                COMPAT,
+                secret=SECRET,
+                recv_nbytes_per_bank=192 << 10,
+                timeout_s=30,
+            )
         yield decs, dev, t
     finally:
         for d in decs.values():
@@ -112,9 +127,8 @@ def test_100_requests_exact_bytes_and_buffers_back_to_free(prefill, decode, sour
                 try:
                     f.result(timeout=60)
                 except Exception as e:  # say what both sides held
-                    raise AssertionError(f"{jobs}: prefill {prefill.snapshot()}, decode pool "
-                                         f"{dec.pool.live()}") from e
-            for rid, n, src, dst, _m in jobs:
+                    raise AssertionError(f"{jobs}: prefill {prefill.snapshot()}, decode pool {dec.pool.live()}") from e
+            for _rid, n, src, dst, _m in jobs:
                 _check(dec, source_cache, src, n, dst)
             snap = prefill.snapshot()
             assert snap["ring_used"] == 0 and snap["ring_live"] == 0 and snap["requests"] == 0, snap
@@ -179,8 +193,16 @@ def test_mismatched_handshake_is_refused(prefill, decode):
     live = len(dev.live_buffers())
     bad = make_compat("tiny", "bfloat16", 128, "vllm-flash-nhd", "tt-paged", "p150a")
     with pytest.raises(IncompatiblePeer, match="block_size differs"):
-        TTDecode(dev, TTKVCacheSpec(L, 8, H, BS, D, "bfloat16"), t, prefill.endpoint, bad,
-                 secret=SECRET, recv_nbytes_per_bank=0, timeout_s=5)
+        TTDecode(
+            dev,
+            TTKVCacheSpec(L, 8, H, BS, D, "bfloat16"),
+            t,
+            prefill.endpoint,
+            bad,
+            secret=SECRET,
+            recv_nbytes_per_bank=0,
+            timeout_s=5,
+        )
     assert len(dev.live_buffers()) == live  # the failed endpoint freed its pool
 
 
@@ -195,17 +217,20 @@ def test_malformed_and_forged_messages_are_rejected_without_crashing(prefill, de
     unsigned = Envelope("eve")  # no MAC at all
     req = KVRequest(req_id="steal", dst_layout=desc, num_tokens=64, dst_block_ids=[0])
     frames = [
-        [b"garbage"], [MAGIC, b"\xc1", b"\xc1", b""], [MAGIC, b"\x93", b"x" * 100, b"y" * 32],
-        forged.pack(req)[1], unsigned.pack(req)[1], [b"x" * (2 << 20)],
+        [b"garbage"],
+        [MAGIC, b"\xc1", b"\xc1", b""],
+        [MAGIC, b"\x93", b"x" * 100, b"y" * 32],
+        forged.pack(req)[1],
+        unsigned.pack(req)[1],
+        [b"x" * (2 << 20)],
     ]
     for f in frames:
         s.send_multipart(f)
     assert s.poll(500) == 0  # with a shared secret, unauthenticated input gets no reply
     s.close()
     # A client without the secret cannot even handshake.
-    with ProtocolClient(prefill.endpoint, COMPAT, timeout_s=1.0) as c:
-        with pytest.raises(Exception):
-            c.handshake()
+    with ProtocolClient(prefill.endpoint, COMPAT, timeout_s=1.0) as c, pytest.raises(Exception):  # noqa: B017 - refused or timed out: either way no session
+        c.handshake()
     # The endpoint still serves.
     prefill.add("after-junk", [3, 4], 100)
     decs["bfloat8_b"].fetch("after-junk", 100, [5, 6], "staged")
@@ -219,8 +244,16 @@ def test_prefill_dying_mid_flight_errors_in_bounded_time_and_leaks_nothing(when)
     t = make_transport("mooncake", **MOONCAKE_OPTIONS)
     dec = None
     try:
-        dec = TTDecode(dev, TTKVCacheSpec(L, POOL_BLOCKS, H, BS, D, "bfloat16"), t, p.endpoint, COMPAT,
-                       secret=SECRET, recv_nbytes_per_bank=192 << 10, timeout_s=30)
+        dec = TTDecode(
+            dev,
+            TTKVCacheSpec(L, POOL_BLOCKS, H, BS, D, "bfloat16"),
+            t,
+            p.endpoint,
+            COMPAT,
+            secret=SECRET,
+            recv_nbytes_per_bank=192 << 10,
+            timeout_s=30,
+        )
         regions = len(t._regions)
         rid = "die-in-transform" if when == "in_transform" else "r-dies"
         p.add(rid, [1, 2, 3], 3 * BS)

@@ -1,4 +1,5 @@
 """Block-run planning of HawkConnector (pure): streams, segments, pairing, coalescing."""
+
 from __future__ import annotations
 
 import ctypes
@@ -46,7 +47,7 @@ def test_direct_pull_copies_exactly_the_requested_blocks(layout):
     segs = source_segments(smap, src_blocks, base)
     entries = pair_stream(segs, base, dmap, dst_blocks, first)
     _copy(entries)
-    for s, d in zip(src, dst):
+    for s, d in zip(src, dst, strict=False):
         torch.testing.assert_close(d[dst_blocks], s[src_blocks[first:]], rtol=0, atol=0)
         untouched = sorted(set(range(20)) - set(dst_blocks))
         assert torch.count_nonzero(d[untouched]) == 0
@@ -76,7 +77,7 @@ def test_staged_gather_then_pull_through_receive_buffer():
     assert [s.bank for s in segs] == [0, 1, 2]
     entries = pair_stream(segs, ring.data_ptr(), dmap, [3, 4, 5], 1)
     _copy(entries)
-    for s, d in zip(src, dst):
+    for s, d in zip(src, dst, strict=False):
         torch.testing.assert_close(d[[3, 4, 5]], s[[1, 2, 9]], rtol=0, atol=0)
 
 

@@ -12,6 +12,7 @@ prints one JSON line (its endpoints), then answers JSON commands on stdin:
 Commands: ``{"op": "add", ...}`` (prefill: hand over a request), ``{"op": "stats"}`` (CPU
 seconds, RSS, open fds, refusal counters, snapshot), ``{"op": "exit"}``.
 """
+
 from __future__ import annotations
 
 import json
@@ -60,10 +61,22 @@ def _main(cfg: dict) -> None:
         opts = {"secret": secret} if cfg["transport"] == "host_staged" else {}
         t = make_transport(cfg["transport"], **opts)
         compat = make_compat(*cfg["compat"])
-        ep = prefill_endpoint(cache, t, compat, cfg.get("kind", "staged"), ring_nbytes=cfg.get("ring_nbytes", 4 << 20),
-                              secret=secret, auth=cfg.get("auth"), lease_s=cfg.get("lease_s", 60.0))
-        out = {"endpoint": ep.endpoint, "transfer": t.endpoint, "cache_addr": cache.base_addr,
-               "cache_nbytes": cache.nbytes}
+        ep = prefill_endpoint(
+            cache,
+            t,
+            compat,
+            cfg.get("kind", "staged"),
+            ring_nbytes=cfg.get("ring_nbytes", 4 << 20),
+            secret=secret,
+            auth=cfg.get("auth"),
+            lease_s=cfg.get("lease_s", 60.0),
+        )
+        out = {
+            "endpoint": ep.endpoint,
+            "transfer": t.endpoint,
+            "cache_addr": cache.base_addr,
+            "cache_nbytes": cache.nbytes,
+        }
     elif cfg["what"] == "host_staged":
         import numpy as np
 
@@ -99,10 +112,14 @@ def _main(cfg: dict) -> None:
 
 class Target:
     def __init__(self, cfg: dict, python: str = sys.executable) -> None:
-        env = dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")])),
-                   MC_FORCE_TCP="1")
-        self.proc = subprocess.Popen([python, __file__, json.dumps(cfg)], stdin=subprocess.PIPE,
-                                     stdout=subprocess.PIPE, text=True, env=env)
+        env = dict(
+            os.environ,
+            PYTHONPATH=os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")])),
+            MC_FORCE_TCP="1",
+        )
+        self.proc = subprocess.Popen(
+            [python, __file__, json.dumps(cfg)], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, env=env
+        )
         line = self.proc.stdout.readline()
         if not line:
             self.proc.kill()
@@ -127,7 +144,7 @@ class Target:
                 self.proc.kill()
                 self.proc.wait(5)
 
-    def __enter__(self) -> "Target":
+    def __enter__(self) -> Target:
         return self
 
     def __exit__(self, *exc) -> None:

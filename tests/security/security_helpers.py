@@ -1,7 +1,9 @@
 """Shared by the security tests: an attacker that floods a TCP endpoint with idle
 connections and keeps the flood up as the target drops them."""
+
 from __future__ import annotations
 
+import contextlib
 import selectors
 import socket
 import threading
@@ -27,10 +29,8 @@ class RawFlood:
         s.connect_ex(self.addr)
         if self.zmtp_null:  # ZMTP 3.0 greeting, NULL mechanism: what a ZMQ socket without keys sends
             greeting = b"\xff" + b"\x00" * 8 + b"\x7f" + b"\x03\x00" + b"NULL".ljust(20, b"\x00") + b"\x00" * 32
-            try:
+            with contextlib.suppress(OSError):
                 s.send(greeting)
-            except OSError:
-                pass
         self.sel.register(s, selectors.EVENT_READ)
 
     def _run(self) -> None:

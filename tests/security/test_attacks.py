@@ -7,6 +7,7 @@ What remains exposed is stated where it is measured: while a request's transfer 
 flight its ring range (prefill) and receive slice or pages (decode) are registered with
 Mooncake, which authenticates nobody (docs/security.md).
 """
+
 from __future__ import annotations
 
 import os
@@ -68,8 +69,19 @@ class Attacker:
 
 
 def _prefill(kind: str, **kw) -> Target:
-    return Target({"what": "prefill", "transport": "mooncake", "kind": kind, "shape": (L, BLOCKS, H, BS, D),
-                   "seed": 3, "compat": COMPAT_ARGS, "secret": SECRET, "ring_nbytes": 4 << 20, **kw})
+    return Target(
+        {
+            "what": "prefill",
+            "transport": "mooncake",
+            "kind": kind,
+            "shape": (L, BLOCKS, H, BS, D),
+            "seed": 3,
+            "compat": COMPAT_ARGS,
+            "secret": SECRET,
+            "ring_nbytes": 4 << 20,
+            **kw,
+        }
+    )
 
 
 @needs_mooncake
@@ -85,8 +97,16 @@ def test_mooncake_attacker_reads_and_writes_nothing_of_an_idle_prefill(kind):
     t = make_transport("mooncake")
     with _prefill(kind) as p:
         peer = p.info["transfer"]
-        dec = TTDecode(dev, TTKVCacheSpec(L, BLOCKS, H, BS, D, "bfloat16"), t, p.info["endpoint"], COMPAT,
-                       secret=KEY, recv_nbytes_per_bank=256 << 10, timeout_s=20)
+        dec = TTDecode(
+            dev,
+            TTKVCacheSpec(L, BLOCKS, H, BS, D, "bfloat16"),
+            t,
+            p.info["endpoint"],
+            COMPAT,
+            secret=KEY,
+            recv_nbytes_per_bank=256 << 10,
+            timeout_s=20,
+        )
         try:
             if kind == "hawk":
                 p.call(op="add", rid="r1", blocks=[1, 2], tokens=2 * BS)
@@ -95,8 +115,12 @@ def test_mooncake_attacker_reads_and_writes_nothing_of_an_idle_prefill(kind):
                 took = time.monotonic() - t0
             else:  # GG-Direct: the decode fetch would need a vLLM sink; the prefill is the target here
                 took = 0.0
-            targets = [p.info["cache_addr"], p.info["cache_addr"] + p.info["cache_nbytes"] // 2,
-                       dec.export_base, dec.export_base + 8192]
+            targets = [
+                p.info["cache_addr"],
+                p.info["cache_addr"] + p.info["cache_nbytes"] // 2,
+                dec.export_base,
+                dec.export_base + 8192,
+            ]
             assert att.first_buffer(peer) in (0, 2**64 - 1, -1)  # nothing registered to learn from
             for remote in targets:
                 assert not att.read(peer, remote), hex(remote)
@@ -138,7 +162,7 @@ def test_host_staged_raw_socket_attacks_get_no_bytes():
                     if not chunk:
                         return out
                     out += chunk
-            except (socket.timeout, ConnectionError):
+            except (TimeoutError, ConnectionError):
                 return out
             finally:
                 s.close()
@@ -156,6 +180,7 @@ def test_host_staged_raw_socket_attacks_get_no_bytes():
         import hmac
 
         from vllm_hawk.security import derive_key
+
         k = derive_key(KEY, "host-staged")
         ts, nonce = int(time.time() * 1000), os.urandom(32)
         hello = _hs_hello(1, ts, nonce, hmac.new(k, b"c" + ts.to_bytes(8, "little") + nonce, hashlib.sha256).digest())
@@ -187,9 +212,8 @@ def test_side_channel_attacks_are_refused_and_releases_are_bound_to_their_reques
         ep = p.info["endpoint"]
         # no secret / wrong secret / NULL mechanism: refused at the handshake
         for secret, auth in ((None, None), (b"w" * 32, "curve"), (b"w" * 32, "hmac")):
-            with ProtocolClient(ep, COMPAT, secret=secret, auth=auth, timeout_s=3) as c:
-                with pytest.raises(AuthRefused):
-                    c.handshake()
+            with ProtocolClient(ep, COMPAT, secret=secret, auth=auth, timeout_s=3) as c, pytest.raises(AuthRefused):
+                c.handshake()
         raw = zmq.Context.instance().socket(zmq.DEALER)
         raw.setsockopt(zmq.LINGER, 0)
         raw.connect(ep)
@@ -199,13 +223,22 @@ def test_side_channel_attacks_are_refused_and_releases_are_bound_to_their_reques
         # two decodes with the secret: B may not release what A requested
         p.call(op="add", rid="owned", blocks=[1], tokens=BS)
         dev = EmulatedDevice("p150a", 8 << 20)
-        layout_src = TTDecode(dev, TTKVCacheSpec(L, BLOCKS, H, BS, D, "bfloat16"), None, ep, COMPAT, secret=KEY,
-                              recv_nbytes_per_bank=0, timeout_s=5)
+        layout_src = TTDecode(
+            dev,
+            TTKVCacheSpec(L, BLOCKS, H, BS, D, "bfloat16"),
+            None,
+            ep,
+            COMPAT,
+            secret=KEY,
+            recv_nbytes_per_bank=0,
+            timeout_s=5,
+        )
         try:
             a, b = ProtocolClient(ep, COMPAT, secret=KEY), ProtocolClient(ep, COMPAT, secret=KEY)
             a.handshake(), b.handshake()
-            ready = a.request_kv(KVRequest(req_id="owned", dst_layout=layout_src.desc, num_tokens=BS,
-                                           dst_block_ids=[2]))
+            ready = a.request_kv(
+                KVRequest(req_id="owned", dst_layout=layout_src.desc, num_tokens=BS, dst_block_ids=[2])
+            )
             assert ready.req_id == "owned"
             with pytest.raises(Exception, match="only the decode that requested"):
                 b.release("owned")
@@ -226,19 +259,40 @@ def _frames(rng: random.Random, env: Envelope, server_id: str, desc) -> list[byt
     if k < 0.15:
         return [bytes(rng.getrandbits(8) for _ in range(rng.randint(0, 64))) for _ in range(rng.randint(0, 6))]
     if k < 0.3:
-        hdr = msgspec.msgpack.encode(["eve", rng.choice(["", server_id, "x" * 200]), rng.getrandbits(63),
-                                      rng.getrandbits(40), rng.getrandbits(10)])
+        hdr = msgspec.msgpack.encode(
+            [
+                "eve",
+                rng.choice(["", server_id, "x" * 200]),
+                rng.getrandbits(63),
+                rng.getrandbits(40),
+                rng.getrandbits(10),
+            ]
+        )
         return [MAGIC, hdr, bytes(rng.getrandbits(8) for _ in range(rng.randint(0, 200))), b""]
     if k < 0.5:
-        body = msgspec.msgpack.encode({"type": rng.choice(["hello", "kv_request", "release", "ack", "error", "x"]),
-                                       "req_id": rng.choice(["", "a" * 300, "r"]), "num_tokens": rng.getrandbits(40),
-                                       "dst_block_ids": [rng.getrandbits(33) for _ in range(rng.randint(0, 8))]})
-        return [MAGIC, env.pack(Hello(compat=COMPAT, compat_hash=compat_hash(COMPAT)), recipient=server_id)[1][1],
-                body, b""]
+        body = msgspec.msgpack.encode(
+            {
+                "type": rng.choice(["hello", "kv_request", "release", "ack", "error", "x"]),
+                "req_id": rng.choice(["", "a" * 300, "r"]),
+                "num_tokens": rng.getrandbits(40),
+                "dst_block_ids": [rng.getrandbits(33) for _ in range(rng.randint(0, 8))],
+            }
+        )
+        return [
+            MAGIC,
+            env.pack(Hello(compat=COMPAT, compat_hash=compat_hash(COMPAT)), recipient=server_id)[1][1],
+            body,
+            b"",
+        ]
     if k < 0.8:
         ids = [rng.getrandbits(16) for _ in range(rng.randint(1, 64))]
-        msg = KVRequest(req_id=f"f{rng.getrandbits(20)}", dst_layout=desc, num_tokens=rng.randint(0, 1 << 20),
-                        dst_block_ids=ids, first_block=rng.randint(0, 100))
+        msg = KVRequest(
+            req_id=f"f{rng.getrandbits(20)}",
+            dst_layout=desc,
+            num_tokens=rng.randint(0, 1 << 20),
+            dst_block_ids=ids,
+            first_block=rng.randint(0, 100),
+        )
         return env.pack(msg, recipient=server_id)[1]
     f = env.pack(Hello(compat=COMPAT, compat_hash=compat_hash(COMPAT)))[1]
     i = rng.randrange(4)
@@ -252,11 +306,29 @@ def test_fuzz_100k_frames_against_the_live_side_channel(auth):
     channel: no crash, the target's RSS grows < 96 MiB, and it still serves."""
     n = 50_000
     secret = SECRET if auth == "hmac" else None
-    with Target({"what": "prefill", "transport": "inprocess", "kind": "hawk", "shape": (L, BLOCKS, H, BS, D),
-                 "compat": COMPAT_ARGS, "secret": secret, "auth": auth}) as p:
+    with Target(
+        {
+            "what": "prefill",
+            "transport": "inprocess",
+            "kind": "hawk",
+            "shape": (L, BLOCKS, H, BS, D),
+            "compat": COMPAT_ARGS,
+            "secret": secret,
+            "auth": auth,
+        }
+    ) as p:
         dev = EmulatedDevice("p150a", 8 << 20)
-        dec = TTDecode(dev, TTKVCacheSpec(L, BLOCKS, H, BS, D, "bfloat16"), None, p.info["endpoint"], COMPAT,
-                       secret=secret.encode() if secret else None, auth=auth, recv_nbytes_per_bank=0, timeout_s=5)
+        dec = TTDecode(
+            dev,
+            TTKVCacheSpec(L, BLOCKS, H, BS, D, "bfloat16"),
+            None,
+            p.info["endpoint"],
+            COMPAT,
+            secret=secret.encode() if secret else None,
+            auth=auth,
+            recv_nbytes_per_bank=0,
+            timeout_s=5,
+        )
         server_id = dec.ep.hello.server_id
         base = p.stats()
         rng = random.Random(7)
@@ -267,7 +339,7 @@ def test_fuzz_100k_frames_against_the_live_side_channel(auth):
         raw.connect(p.info["endpoint"])
         t0 = time.monotonic()
         try:
-            for i in range(n):
+            for _ in range(n):
                 frames = _frames(rng, env, server_id, dec.desc) or [b""]
                 raw.send_multipart(frames)
                 while raw.poll(0):
@@ -279,8 +351,10 @@ def test_fuzz_100k_frames_against_the_live_side_channel(auth):
             took = time.monotonic() - t0
             after = p.stats()
             got = after["server"]["received"] - base["server"]["received"]
-            print(f"side-channel fuzz ({auth}): {n} messages sent, {got} received by the server in {took:.1f} s; "
-                  f"RSS {base['rss_mib']:.0f} -> {after['rss_mib']:.0f} MiB; refusals {after['refusals']}")
+            print(
+                f"side-channel fuzz ({auth}): {n} messages sent, {got} received by the server in {took:.1f} s; "
+                f"RSS {base['rss_mib']:.0f} -> {after['rss_mib']:.0f} MiB; refusals {after['refusals']}"
+            )
             assert p.proc.poll() is None
             assert got >= n * 0.95  # (a frame list zmq cannot route is not delivered)
             assert after["rss_mib"] - base["rss_mib"] < 96

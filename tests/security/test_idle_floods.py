@@ -7,6 +7,7 @@ the target drops (a sustained flood), sending nothing (raw TCP) or, against the 
 channel, speaking ZMTP with the NULL mechanism (what any ZMQ socket without the secret
 does).
 """
+
 from __future__ import annotations
 
 import time
@@ -38,8 +39,16 @@ def _serve_time(fn) -> float:
 def test_side_channel_serves_new_decodes_under_an_idle_flood(zmtp_null):
     """auth 'curve' (the default): a connection that does not finish the CURVE handshake
     is dropped after 1 s, so the flood never holds the fds for long."""
-    cfg = {"what": "prefill", "transport": "inprocess", "kind": "staged", "shape": SHAPE, "compat": COMPAT_ARGS,
-           "secret": SECRET, "auth": "curve", "nofile": NOFILE}
+    cfg = {
+        "what": "prefill",
+        "transport": "inprocess",
+        "kind": "staged",
+        "shape": SHAPE,
+        "compat": COMPAT_ARGS,
+        "secret": SECRET,
+        "auth": "curve",
+        "nofile": NOFILE,
+    }
     with Target(cfg) as t:
         base = t.stats()
         flood = RawFlood(t.info["endpoint"], FLOOD, zmtp_null)
@@ -53,10 +62,12 @@ def test_side_channel_serves_new_decodes_under_an_idle_flood(zmtp_null):
             under = t.stats()
         finally:
             flood.close()
-        print(f"side channel under a {FLOOD}-connection flood ({'ZMTP NULL' if zmtp_null else 'silent'}), "
-              f"fd limit {NOFILE}: new decode served in {max(times):.2f} s (max of 3); attacker connections "
-              f"dropped and reopened {flood.reopened}; target CPU {under['cpu_s'] - base['cpu_s']:.2f} s; RSS "
-              f"{base['rss_mib']:.0f} -> {under['rss_mib']:.0f} MiB; refusals {under['refusals']}")
+        print(
+            f"side channel under a {FLOOD}-connection flood ({'ZMTP NULL' if zmtp_null else 'silent'}), "
+            f"fd limit {NOFILE}: new decode served in {max(times):.2f} s (max of 3); attacker connections "
+            f"dropped and reopened {flood.reopened}; target CPU {under['cpu_s'] - base['cpu_s']:.2f} s; RSS "
+            f"{base['rss_mib']:.0f} -> {under['rss_mib']:.0f} MiB; refusals {under['refusals']}"
+        )
         assert max(times) < SERVE_WITHIN_S, times
         assert flood.reopened > 0  # the target drops what does not authenticate
         assert under["rss_mib"] - base["rss_mib"] < RSS_BOUND_MIB
@@ -82,11 +93,13 @@ def test_host_staged_serves_new_peers_under_an_idle_flood():
         finally:
             flood.close()
             tr.close()
-        want = np.random.default_rng(1).integers(0, 256, 1 << 20, dtype=np.uint8)[:dst.nbytes]
+        want = np.random.default_rng(1).integers(0, 256, 1 << 20, dtype=np.uint8)[: dst.nbytes]
         assert np.array_equal(dst, want)
-        print(f"host-staged under a {FLOOD}-connection flood, fd limit {NOFILE}: first read in {times[0]:.2f} s; "
-              f"reopened {flood.reopened}; CPU {under['cpu_s'] - base['cpu_s']:.2f} s; RSS {base['rss_mib']:.0f} -> "
-              f"{under['rss_mib']:.0f} MiB; refusals {under['refusals']}")
+        print(
+            f"host-staged under a {FLOOD}-connection flood, fd limit {NOFILE}: first read in {times[0]:.2f} s; "
+            f"reopened {flood.reopened}; CPU {under['cpu_s'] - base['cpu_s']:.2f} s; RSS {base['rss_mib']:.0f} -> "
+            f"{under['rss_mib']:.0f} MiB; refusals {under['refusals']}"
+        )
         assert times[0] < SERVE_WITHIN_S, times
         assert under["rss_mib"] - base["rss_mib"] < RSS_BOUND_MIB
 
@@ -96,8 +109,16 @@ def test_hmac_only_side_channel_is_locked_out_by_null_peers():
     (NULL ZMTP mechanism), peers without the secret complete the ZMTP handshake and keep
     their connections; once they hold every fd, a new decode is not served. This test
     documents the measurement (it asserts the lockout, so a libzmq that fixes it shows up)."""
-    cfg = {"what": "prefill", "transport": "inprocess", "kind": "staged", "shape": SHAPE, "compat": COMPAT_ARGS,
-           "secret": SECRET, "auth": "hmac", "nofile": NOFILE}
+    cfg = {
+        "what": "prefill",
+        "transport": "inprocess",
+        "kind": "staged",
+        "shape": SHAPE,
+        "compat": COMPAT_ARGS,
+        "secret": SECRET,
+        "auth": "hmac",
+        "nofile": NOFILE,
+    }
     ctx = zmq.Context()
     with Target(cfg) as t:
         base = t.stats()
@@ -109,8 +130,13 @@ def test_hmac_only_side_channel_is_locked_out_by_null_peers():
                 s.connect(t.info["endpoint"])
                 socks.append(s)
             time.sleep(2.0)
-            with ProtocolClient(t.info["endpoint"], make_compat(*COMPAT_ARGS), secret=SECRET.encode(),
-                                auth="hmac", timeout_s=SERVE_WITHIN_S) as c:
+            with ProtocolClient(
+                t.info["endpoint"],
+                make_compat(*COMPAT_ARGS),
+                secret=SECRET.encode(),
+                auth="hmac",
+                timeout_s=SERVE_WITHIN_S,
+            ) as c:
                 t0 = time.monotonic()
                 try:
                     c.handshake()
@@ -122,7 +148,9 @@ def test_hmac_only_side_channel_is_locked_out_by_null_peers():
             for s in socks:
                 s.close()
             ctx.term()
-        print(f"hmac-only side channel, {FLOOD} idle ZMQ peers, fd limit {NOFILE}: new decode "
-              f"{'served in %.2f s' % served if served is not None else 'NOT served within 2 s'}; target CPU "
-              f"{under['cpu_s'] - base['cpu_s']:.2f} s over ~3 s; fds {under['fds']}")
+        print(
+            f"hmac-only side channel, {FLOOD} idle ZMQ peers, fd limit {NOFILE}: new decode "
+            f"{f'served in {served:.2f} s' if served is not None else 'NOT served within 2 s'}; target CPU "
+            f"{under['cpu_s'] - base['cpu_s']:.2f} s over ~3 s; fds {under['fds']}"
+        )
         assert served is None

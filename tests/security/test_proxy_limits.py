@@ -3,9 +3,11 @@ body and JSON-amplification limits, separate upstream timeouts, SSE error events
 broken streams, release of the upstream when a client disconnects or stops reading, a
 partial-header flood at a lowered fd limit, and a bounded HTTP fuzz. Memory bounds are
 stated per test."""
+
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import os
 import random
@@ -68,13 +70,13 @@ class Upstream:
                     await resp.write(f"data: {json.dumps({'choices': [{'text': t}]})}\n\n".encode())
                 await resp.write(b"data: [DONE]\n\n")
             elif self.mode == "abort":  # connection dies mid-stream
-                await resp.write(b"data: {\"choices\": [{\"text\": \"a\"}]}\n\n")
+                await resp.write(b'data: {"choices": [{"text": "a"}]}\n\n')
                 await asyncio.sleep(0.05)
                 request.transport.abort()
             elif self.mode == "no_done":  # clean end without [DONE]
-                await resp.write(b"data: {\"choices\": [{\"text\": \"a\"}]}\n\n")
+                await resp.write(b'data: {"choices": [{"text": "a"}]}\n\n')
             elif self.mode == "stall":
-                await resp.write(b"data: {\"choices\": [{\"text\": \"a\"}]}\n\n")
+                await resp.write(b'data: {"choices": [{"text": "a"}]}\n\n')
                 await asyncio.sleep(30)
             elif self.mode == "endless":  # streams until the proxy lets go
                 chunk = b"data: " + b"x" * 65536 + b"\n\n"
@@ -98,8 +100,15 @@ def upstream():
     u.close()
 
 
-LIMITS = Limits(connect_s=2, first_byte_s=1.0, idle_s=0.5, header_s=1.0, write_s=0.5, max_body_nbytes=4 << 20,
-                max_json_tokens=100_000)
+LIMITS = Limits(
+    connect_s=2,
+    first_byte_s=1.0,
+    idle_s=0.5,
+    header_s=1.0,
+    write_s=0.5,
+    max_body_nbytes=4 << 20,
+    max_json_tokens=100_000,
+)
 
 
 async def _proxy(u: Upstream, fn, limits: Limits = LIMITS):
@@ -122,15 +131,17 @@ async def _http(port: int, raw: bytes, read_s: float = 5.0) -> bytes:
             if not chunk:
                 break
             out += chunk
-    except asyncio.TimeoutError:
+    except TimeoutError:
         pass
     w.close()
     return out
 
 
 def _post(path: str, body: bytes, extra: str = "") -> bytes:
-    return (f"POST {path} HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\nConnection: close\r\n"
-            f"Content-Length: {len(body)}\r\n{extra}\r\n").encode() + body
+    return (
+        f"POST {path} HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\nConnection: close\r\n"
+        f"Content-Length: {len(body)}\r\n{extra}\r\n"
+    ).encode() + body
 
 
 def _rss_mib() -> float:
@@ -139,6 +150,7 @@ def _rss_mib() -> float:
 
 def test_body_limits_and_json_amplification(upstream):
     """Bound: the proxy's peak RSS grows < 64 MiB over all of these."""
+
     async def fn(proxy, port):
         before = _rss_mib()
         big = await _http(port, _post("/v1/completions", b"x" * (6 << 20)))
@@ -156,8 +168,9 @@ def test_body_limits_and_json_amplification(upstream):
     assert _rss_mib() - before < 64
 
 
-@pytest.mark.parametrize("mode,needle", [("abort", b"broke the stream"), ("no_done", b"without [DONE]"),
-                                         ("stall", b"sent nothing for")])
+@pytest.mark.parametrize(
+    "mode,needle", [("abort", b"broke the stream"), ("no_done", b"without [DONE]"), ("stall", b"sent nothing for")]
+)
 def test_broken_upstream_stream_ends_with_an_sse_error_event(upstream, mode, needle):
     upstream.mode = mode
 
@@ -256,10 +269,26 @@ def _proxy_process(upstream_url: str, nofile: int) -> tuple[subprocess.Popen, in
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
     env = dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")])))
-    p = subprocess.Popen([sys.executable, "-m", "vllm_hawk.proxy", "--prefill", upstream_url + "/p", "--decode",
-                          upstream_url + "/d", "--port", str(port), "--header-timeout-s", "1"],
-                         env=env, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True,
-                         preexec_fn=lambda: resource.setrlimit(resource.RLIMIT_NOFILE, (nofile, nofile)))
+    p = subprocess.Popen(
+        [
+            sys.executable,
+            "-m",
+            "vllm_hawk.proxy",
+            "--prefill",
+            upstream_url + "/p",
+            "--decode",
+            upstream_url + "/d",
+            "--port",
+            str(port),
+            "--header-timeout-s",
+            "1",
+        ],
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.DEVNULL,
+        text=True,
+        preexec_fn=lambda: resource.setrlimit(resource.RLIMIT_NOFILE, (nofile, nofile)),
+    )
     assert "hawk proxy on" in p.stdout.readline()
     return p, port
 
@@ -288,8 +317,10 @@ def test_partial_header_flood_at_the_fd_limit(upstream):
         finally:
             flood.close()
         rss = _proc_rss_mib(p.pid)
-        print(f"proxy, 400 partial-header clients, fd limit 256: legit request served in {took:.2f} s; dropped and "
-              f"reopened {flood.reopened}; RSS {base:.0f} -> {rss:.0f} MiB")
+        print(
+            f"proxy, 400 partial-header clients, fd limit 256: legit request served in {took:.2f} s; dropped and "
+            f"reopened {flood.reopened}; RSS {base:.0f} -> {rss:.0f} MiB"
+        )
         assert out.startswith(b"HTTP/1.1 200") and took < 2.0, (took, out[:80])
         assert rss - base < 64
         assert evicted > 0  # 400 clients against a bound of 16: the drops are counted in /metrics
@@ -304,10 +335,8 @@ class _PartialHeaderFlood:
             def _open(self):
                 super()._open()
                 s = list(self.sel.get_map().values())[-1].fileobj
-                try:
+                with contextlib.suppress(OSError):
                     s.send(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\n")
-                except OSError:
-                    pass
 
         self._f = Partial(endpoint, n)
 
@@ -325,8 +354,17 @@ def test_http_fuzz_against_the_proxy(upstream):
     rng = random.Random(0)
     methods = [b"GET", b"POST", b"PUT", b"\x00\xff", b"POST" * 100]
     paths = [b"/v1/completions", b"/v1/chat/completions", b"/health", b"/v1/models", b"/" + b"a" * 9000, b"*"]
-    bodies = [b"", b"{}", b"[]", b"null", b'{"prompt": "x"}', b'{"stream": true, "prompt": 1}', b"{" * 1000,
-              b'{"prompt": "' + b"\\ud800" * 100 + b'"}', bytes(rng.getrandbits(8) for _ in range(300))]
+    bodies = [
+        b"",
+        b"{}",
+        b"[]",
+        b"null",
+        b'{"prompt": "x"}',
+        b'{"stream": true, "prompt": 1}',
+        b"{" * 1000,
+        b'{"prompt": "' + b"\\ud800" * 100 + b'"}',
+        bytes(rng.getrandbits(8) for _ in range(300)),
+    ]
 
     def gen() -> bytes:
         body = rng.choice(bodies)
@@ -336,10 +374,11 @@ def test_http_fuzz_against_the_proxy(upstream):
             hdrs.append(b"Transfer-Encoding: " + rng.choice([b"chunked", b"gzip, chunked", b"x"]))
         if rng.random() < 0.2:
             hdrs.append(b"X-" + bytes(rng.getrandbits(8) for _ in range(rng.randint(1, 40))) + b": v")
-        raw = (rng.choice(methods) + b" " + rng.choice(paths) + b" HTTP/1.1\r\n" + b"\r\n".join(hdrs) + b"\r\n\r\n"
-               + body)
+        raw = (
+            rng.choice(methods) + b" " + rng.choice(paths) + b" HTTP/1.1\r\n" + b"\r\n".join(hdrs) + b"\r\n\r\n" + body
+        )
         if rng.random() < 0.2:
-            raw = raw[:rng.randint(0, len(raw))]
+            raw = raw[: rng.randint(0, len(raw))]
         return raw
 
     p, port = _proxy_process(upstream.url, 1024)
@@ -351,10 +390,8 @@ def test_http_fuzz_against_the_proxy(upstream):
 
             async def one(raw):
                 async with sem:
-                    try:
+                    with contextlib.suppress(OSError):
                         await _http(port, raw, read_s=1.5)
-                    except OSError:
-                        pass
 
             await asyncio.gather(*(one(gen()) for _ in range(2000)))
             return await _http(port, _post("/v1/completions", b'{"prompt":"x"}'))

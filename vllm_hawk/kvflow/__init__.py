@@ -16,6 +16,7 @@ buffers: :class:`RingBuffer` (prefill ring, decode receive ring), :class:`BankBu
 (per-bank receive buffers); :mod:`~vllm_hawk.kvflow.streams`: vLLM caches as
 :class:`KVRegionMap` and the stream pairing of their block runs.
 """
+
 from vllm_hawk.kvflow.bank_pool import BankBufferPool, RecvSlice
 from vllm_hawk.kvflow.base import Capabilities, Prepared
 from vllm_hawk.kvflow.decode import WHOLE, DecodeEndpoint, FetchResult, Share
@@ -24,24 +25,54 @@ from vllm_hawk.kvflow.gn_host import GNHostSink, WireLayout
 from vllm_hawk.kvflow.prefill import PrefillEndpoint
 from vllm_hawk.kvflow.ring import RingAllocator, RingBuffer
 from vllm_hawk.kvflow.sinks import (
-                                    SINK_MODES,
-                                    KVPageAddresses,
-                                    KVSink,
-                                    Landing,
-                                    TTSink,
-                                    VllmPagedSink,
-                                    VllmStagedSink,
-                                    layout_desc,
-                                    vllm_sink,
+    SINK_MODES,
+    KVPageAddresses,
+    KVSink,
+    Landing,
+    TTSink,
+    VllmPagedSink,
+    VllmStagedSink,
+    layout_desc,
+    vllm_sink,
 )
 from vllm_hawk.kvflow.sources import KVSource, RingGatherSource, TileTransformSource, VllmBlockSource, vllm_layout_desc
 from vllm_hawk.kvflow.streams import KVRegionMap, LayerRegion
 from vllm_hawk.protocol import LeaseKeeper
 
-__all__ = ["BankBufferPool", "BufferFull", "Capabilities", "Prepared", "DecodeEndpoint",
-           "FetchResult", "GNHostSink", "KVFlowError",
-           "KVPageAddresses", "KVRegionMap", "KVSink", "KVSource", "Landing", "LayerRegion", "LeaseKeeper",
-           "PeerFailed", "PrefillEndpoint", "RecvSlice", "RingAllocator", "RingBuffer", "RingClosed",
-           "RingGatherSource", "SINK_MODES", "Share", "TTSink", "TileTransformSource", "TransferUnsettled",
-           "VllmBlockSource", "WHOLE",
-           "VllmPagedSink", "VllmStagedSink", "WireLayout", "layout_desc", "vllm_layout_desc", "vllm_sink"]
+__all__ = [
+    "BankBufferPool",
+    "BufferFull",
+    "Capabilities",
+    "Prepared",
+    "DecodeEndpoint",
+    "FetchResult",
+    "GNHostSink",
+    "KVFlowError",
+    "KVPageAddresses",
+    "KVRegionMap",
+    "KVSink",
+    "KVSource",
+    "Landing",
+    "LayerRegion",
+    "LeaseKeeper",
+    "PeerFailed",
+    "PrefillEndpoint",
+    "RecvSlice",
+    "RingAllocator",
+    "RingBuffer",
+    "RingClosed",
+    "RingGatherSource",
+    "SINK_MODES",
+    "Share",
+    "TTSink",
+    "TileTransformSource",
+    "TransferUnsettled",
+    "VllmBlockSource",
+    "WHOLE",
+    "VllmPagedSink",
+    "VllmStagedSink",
+    "WireLayout",
+    "layout_desc",
+    "vllm_layout_desc",
+    "vllm_sink",
+]

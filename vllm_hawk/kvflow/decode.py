@@ -35,6 +35,7 @@ holds just those heads of this decode rank or chip (see :mod:`vllm_hawk.layout.t
 Its KVRequest and Release name the share; the sink's receive memory and registrations
 are keyed by ``Share.key`` so that shares of one request never collide.
 """
+
 from __future__ import annotations
 
 import logging
@@ -117,11 +118,13 @@ def _read_deadline(ready: KVReady, t_ready: float, deadline: float) -> tuple[flo
     end = t_ready + lease - margin
     if end >= deadline:
         return deadline, ""
-    return end, (f" (read deadline capped by the prefill's lease of {ready.lease_ms} ms less {margin:.2f} s: "
-                 "after the lease the prefill frees the range and may reuse it)")
+    return end, (
+        f" (read deadline capped by the prefill's lease of {ready.lease_ms} ms less {margin:.2f} s: "
+        "after the lease the prefill frees the range and may reuse it)"
+    )
 
 
-def _chip_error(ready: KVReady, share: "Share") -> str:
+def _chip_error(ready: KVReady, share: Share) -> str:
     if ready.chip != share.chip:
         return f"KVReady names chip {ready.chip}, this share lands on chip {share.chip}"
     return ""
@@ -225,9 +228,18 @@ class DecodeEndpoint:
     claim_wait_s: longest wait for receive memory; handshake_timeout_s: the first Hello.
     """
 
-    def __init__(self, transport, endpoint: str, compat: CompatFields, *, secret: bytes | None = None,
-                 auth: str | None = None, pull_timeout_s: float = 10.0, claim_wait_s: float = 5.0,
-                 handshake_timeout_s: float | None = None) -> None:
+    def __init__(
+        self,
+        transport,
+        endpoint: str,
+        compat: CompatFields,
+        *,
+        secret: bytes | None = None,
+        auth: str | None = None,
+        pull_timeout_s: float = 10.0,
+        claim_wait_s: float = 5.0,
+        handshake_timeout_s: float | None = None,
+    ) -> None:
         self.transport, self.pull_timeout_s, self.claim_wait_s = transport, pull_timeout_s, claim_wait_s
         self._lock = threading.Lock()
         self._pending_frees = 0
@@ -249,9 +261,20 @@ class DecodeEndpoint:
         return self.client.hello.transfer_endpoint
 
     # ------------------------------------------------------------------ D1-D8
-    def fetch(self, req_id: str, num_tokens: int, sink: KVSink, dst_blocks, *, first_block: int = 0,
-              timeout_s: float | None = None, release: bool = True, time_cap_s: float | None = None,
-              layer_groups: int = 1, share: Share = WHOLE) -> FetchResult:
+    def fetch(
+        self,
+        req_id: str,
+        num_tokens: int,
+        sink: KVSink,
+        dst_blocks,
+        *,
+        first_block: int = 0,
+        timeout_s: float | None = None,
+        release: bool = True,
+        time_cap_s: float | None = None,
+        layer_groups: int = 1,
+        share: Share = WHOLE,
+    ) -> FetchResult:
         """Move source blocks ``first_block ..`` of request ``req_id`` (``num_tokens``
         prefilled tokens) into ``sink``'s blocks ``dst_blocks``.
 
@@ -267,8 +290,7 @@ class DecodeEndpoint:
         timeout = self.pull_timeout_s if timeout_s is None else timeout_s
         t0 = time.monotonic()
         dst = self._check_dst(req_id, num_tokens, sink, dst_blocks, first_block)
-        fs = _Fetch(req_id, num_tokens, sink, dst, first_block, share, timeout, t0, t0 + timeout, release,
-                    time_cap_s)
+        fs = _Fetch(req_id, num_tokens, sink, dst, first_block, share, timeout, t0, t0 + timeout, release, time_cap_s)
         if layer_groups == AUTO_LAYER_GROUPS:
             layer_groups = auto_layer_groups(sink, len(dst))
         groups = split_layers(sink.layout.num_layers, layer_groups)
@@ -307,7 +329,7 @@ class DecodeEndpoint:
         step = 4096 if fs.time_cap_s is not None else max(1, len(landing.entries))
         done = 0
         while done < len(landing.entries):  # ONE batch unless a per-tile run is time-capped
-            h = self._submit(peer, landing.entries[done:done + step], fs)
+            h = self._submit(peer, landing.entries[done : done + step], fs)
             self._wait(fs, h)
             done += min(step, len(landing.entries) - done)
             if fs.time_cap_s is not None and time.monotonic() - t2 > fs.time_cap_s:
@@ -364,17 +386,20 @@ class DecodeEndpoint:
         except Exception as e:  # noqa: BLE001 - timeout, refusal: nothing asked for yet
             self._release_quietly(fs.req_id, ok=False, share=fs.share)  # the same Release a failed whole request sends
             raise PeerFailed(f"request {fs.req_id}: handshake with the prefill again failed: {e}", fs.req_id) from e
-        return [self.client.call_async(msgspec.structs.replace(base, first_layer=lo, num_layers=hi - lo))
-                for lo, hi in groups]
+        return [
+            self.client.call_async(msgspec.structs.replace(base, first_layer=lo, num_layers=hi - lo))
+            for lo, hi in groups
+        ]
 
     def _read_groups(self, fs: _Fetch, groups: list[tuple[int, int]]) -> None:
         """Each group's KVReady in turn, checked, then its READ batch (appended to
         ``fs.handles``); then wait for every batch until the read deadline."""
-        for (lo, hi), fut in zip(groups, fs.futs):
+        for (lo, hi), fut in zip(groups, fs.futs, strict=False):
             ready = self._group_ready(fs, fut, (lo, hi))
             if fs.landing is None:
-                fs.landing = fs.sink.land_groups(fs.share.key(fs.req_id), fs.plan,
-                                                 fs.claim_wait(self.claim_wait_s))  # D2
+                fs.landing = fs.sink.land_groups(
+                    fs.share.key(fs.req_id), fs.plan, fs.claim_wait(self.claim_wait_s)
+                )  # D2
             entries = fs.landing.entries(ready, fs.hello.export_base_addr, lo, hi)
             fs.handles.append(self.transport.submit("read", fs.hello.transfer_endpoint, entries))
             fs.res.entries += len(entries)
@@ -390,15 +415,17 @@ class DecodeEndpoint:
         try:
             ready = fut.result(max(1e-3, fs.deadline - time.monotonic()))
         except Exception as e:  # noqa: BLE001 - timeout or cancelled
-            raise PeerFailed(f"request {req_id}: no KVReady for layers {lo}..{hi - 1} in time "
-                             f"({type(e).__name__})", req_id) from e
+            raise PeerFailed(
+                f"request {req_id}: no KVReady for layers {lo}..{hi - 1} in time ({type(e).__name__})", req_id
+            ) from e
         if not isinstance(ready, KVReady) or ready.req_id != req_id:
             raise PeerFailed(f"request {req_id}: prefill answered {ready!r:.300}", req_id)
         fs.hello = self.client.hello
         if fs.ready is None:
             fs.first_ready(ready)  # request_s: the first group's KVReady
-        err = _chip_error(ready, fs.share) or fs.sink.check_group(ready, fs.plan, fs.hello.export_nbytes, lo, hi,
-                                                                  fs.ready.ring_offset)
+        err = _chip_error(ready, fs.share) or fs.sink.check_group(
+            ready, fs.plan, fs.hello.export_nbytes, lo, hi, fs.ready.ring_offset
+        )
         if err:
             raise PeerFailed(f"request {req_id}: {err}", req_id)
         return ready
@@ -415,9 +442,13 @@ class DecodeEndpoint:
             unsafe = self._abandon(fs, _AllSettled(fs.handles), time.monotonic() + SETTLE_WAIT_S)
         self._release_quietly(req_id, ok=False, share=fs.share)  # also cancels groups still being served
         if unsafe:
-            return TransferUnsettled(f"request {req_id}: {e}; READs did not drain within {SETTLE_WAIT_S} s and "
-                                     f"may still write destination blocks {unsafe}: do not use them", req_id,
-                                     tuple(unsafe), _AllSettled(fs.handles))
+            return TransferUnsettled(
+                f"request {req_id}: {e}; READs did not drain within {SETTLE_WAIT_S} s and "
+                f"may still write destination blocks {unsafe}: do not use them",
+                req_id,
+                tuple(unsafe),
+                _AllSettled(fs.handles),
+            )
         if isinstance(e, KVFlowError):
             return None
         if isinstance(e, (TransferFailed, TransferTimeout)):
@@ -453,8 +484,9 @@ class DecodeEndpoint:
         """D8 without a fetch: the decode will not read ``req_id`` (or ``share`` of it;
         e.g. it had the prefix locally, or the request was aborted). Raises
         RemoteError/ProtocolTimeout."""
-        self.client.release(req_id, ok=ok, timeout_s=self.pull_timeout_s if timeout_s is None else timeout_s,
-                            share=share.index)
+        self.client.release(
+            req_id, ok=ok, timeout_s=self.pull_timeout_s if timeout_s is None else timeout_s, share=share.index
+        )
 
     # ------------------------------------------------------------------ pieces
     @staticmethod
@@ -463,18 +495,28 @@ class DecodeEndpoint:
         bs = sink.layout.block_size
         n_req = -(-num_tokens // bs)
         if num_tokens <= 0 or first_block < 0 or dst.size == 0 or first_block + dst.size != n_req:
-            raise ValueError(f"fetch {req_id}: {dst.size} destination blocks from block {first_block} do not "
-                             f"end a {num_tokens}-token request ({n_req} blocks of {bs})")
+            raise ValueError(
+                f"fetch {req_id}: {dst.size} destination blocks from block {first_block} do not "
+                f"end a {num_tokens}-token request ({n_req} blocks of {bs})"
+            )
         return dst
 
     @staticmethod
     def _kv_request(fs: _Fetch) -> KVRequest:
         share = fs.share
-        return KVRequest(req_id=fs.req_id, dst_layout=fs.sink.layout, num_tokens=fs.num_tokens,
-                         dst_block_ids=[int(b) for b in fs.dst], first_block=fs.first_block,
-                         deadline_ms=int((time.time() + fs.timeout) * 1000), head_start=share.head_start,
-                         num_heads=share.num_heads, consumers=share.consumers, share=share.index,
-                         dst_chip=share.chip)
+        return KVRequest(
+            req_id=fs.req_id,
+            dst_layout=fs.sink.layout,
+            num_tokens=fs.num_tokens,
+            dst_block_ids=[int(b) for b in fs.dst],
+            first_block=fs.first_block,
+            deadline_ms=int((time.time() + fs.timeout) * 1000),
+            head_start=share.head_start,
+            num_heads=share.num_heads,
+            consumers=share.consumers,
+            share=share.index,
+            dst_chip=share.chip,
+        )
 
     def _land(self, fs: _Fetch) -> Landing:
         """Check KVReady against the sink's plan, then D2-D5 (claim and pair); a failure
@@ -485,8 +527,9 @@ class DecodeEndpoint:
             if err:
                 raise PeerFailed(f"request {req_id}: {err}", req_id)
             try:
-                return fs.sink.land(fs.share.key(req_id), ready, fs.plan, fs.hello.export_base_addr,
-                                    fs.claim_wait(self.claim_wait_s))
+                return fs.sink.land(
+                    fs.share.key(req_id), ready, fs.plan, fs.hello.export_base_addr, fs.claim_wait(self.claim_wait_s)
+                )
             except ValueError as e:
                 raise PeerFailed(f"request {req_id}: KVReady does not fit this sink: {e}", req_id) from e
         except KVFlowError as e:
@@ -515,9 +558,13 @@ class DecodeEndpoint:
             self._release_quietly(fs.req_id, ok=False, share=fs.share)
             msg = f"request {fs.req_id}: transfer from {self.peer} failed: {e}{fs.note}"
             if unsafe:
-                raise TransferUnsettled(f"{msg}; its READs did not drain within {SETTLE_WAIT_S} s and may still "
-                                        f"write destination blocks {list(unsafe)}: do not use them", fs.req_id,
-                                        tuple(unsafe), handle.settled) from e
+                raise TransferUnsettled(
+                    f"{msg}; its READs did not drain within {SETTLE_WAIT_S} s and may still "
+                    f"write destination blocks {list(unsafe)}: do not use them",
+                    fs.req_id,
+                    tuple(unsafe),
+                    handle.settled,
+                ) from e
             raise PeerFailed(msg, fs.req_id) from e
 
     def _abandon(self, fs: _Fetch, handle, settle_end: float) -> list[int]:
@@ -547,8 +594,12 @@ class DecodeEndpoint:
                 if h.settled.wait(SETTLE_LIMIT_S):
                     free()
                 else:
-                    logger.error("request %s: its READ batch did not settle within %.1f s; its receive "
-                                 "memory stays held (quarantined)", req_id, SETTLE_LIMIT_S)
+                    logger.error(
+                        "request %s: its READ batch did not settle within %.1f s; its receive "
+                        "memory stays held (quarantined)",
+                        req_id,
+                        SETTLE_LIMIT_S,
+                    )
                     with self._lock:
                         self.quarantined.append(req_id)
             finally:
@@ -573,18 +624,26 @@ class DecodeEndpoint:
         (``unknown_request``: its lease ran out) may have reused the range mid-read."""
         req_id, ready = fs.req_id, fs.ready
         try:
-            self.client.release(req_id, ok=True, timeout_s=max(RELEASE_TIMEOUT_S, fs.deadline - time.monotonic()),
-                                share=fs.share.index)
+            self.client.release(
+                req_id, ok=True, timeout_s=max(RELEASE_TIMEOUT_S, fs.deadline - time.monotonic()), share=fs.share.index
+            )
         except RemoteError as e:
             if e.code == "unknown_request":
                 age = time.monotonic() - fs.t_ready
-                lease = (f"its lease of {ready.lease_ms} ms ran out ({age:.2f} s since KVReady)"
-                         if ready.lease_ms else "it dropped the request")
-                raise PeerFailed(f"request {req_id}: Release refused ({e}): {lease}, so it may have freed and "
-                                 f"reused the range while it was being read; the KV in destination blocks "
-                                 f"{[int(b) for b in fs.dst]} may be corrupt", req_id) from e
+                lease = (
+                    f"its lease of {ready.lease_ms} ms ran out ({age:.2f} s since KVReady)"
+                    if ready.lease_ms
+                    else "it dropped the request"
+                )
+                raise PeerFailed(
+                    f"request {req_id}: Release refused ({e}): {lease}, so it may have freed and "
+                    f"reused the range while it was being read; the KV in destination blocks "
+                    f"{[int(b) for b in fs.dst]} may be corrupt",
+                    req_id,
+                ) from e
             raise PeerFailed(f"request {req_id}: KV is in place but Release failed: {e}", req_id) from e
         except ProtocolTimeout as e:
             raise PeerFailed(f"request {req_id}: KV is in place but Release failed: {e}", req_id) from e
+
     def close(self) -> None:
         self.client.close()
