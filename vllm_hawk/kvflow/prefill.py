@@ -8,6 +8,12 @@ requested blocks; when it produces them into a ring range (staged gather, GN-HAW
 transform) the endpoint reserves the range first (P5). ``Release`` (D8) frees the range
 (P8) and tells the engine the blocks are free (P9, ``on_finished(req_id, ok)``).
 
+Each share of a request (see tensor parallelism below) has one record whose state moves
+only along the table of :mod:`~vllm_hawk.kvflow.lifecycle` (parked, held, serving,
+served, cancelled, released, expired); messages that beat the hand-over wait in
+:class:`~vllm_hawk.kvflow.early.EarlyArrivals`. A whole request is served as the layer
+group of all its layers: one path reserves, produces and announces either.
+
 Failure semantics, all here:
 
 * a KVRequest that beats the engine's hand-over waits up to :data:`EARLY_REQUEST_WAIT_S`
