@@ -26,8 +26,9 @@ Failure semantics, all here:
   range as soon as it sees the flag (after reserving, after producing) and sends no
   KVReady;
 * a held request nobody asks for is freed at its lease expiry; a served range without
-  Release ``lease_s`` after its KVReady (``KVReady.lease_ms``); the engine hears
-  ``on_finished(req_id, False)``;
+  Release ``lease_s`` after its KVReady (``KVReady.lease_ms``), with every other share
+  of its request (one still being produced is then answered ``unknown_request``); the
+  engine hears ``on_finished(req_id, False)``;
 * ``Renew`` (the decode's heartbeat, one per interval for every id it still wants, e.g.
   requests waiting in its queue) moves a held, not yet requested request's expiry to
   ``lease_s`` from now, but never past ``max_hold_s`` after the hand-over: a request
