@@ -8,6 +8,12 @@ requested blocks; when it produces them into a ring range (staged gather, GN-HAW
 transform) the endpoint reserves the range first (P5). ``Release`` (D8) frees the range
 (P8) and tells the engine the blocks are free (P9, ``on_finished(req_id, ok)``).
 
+Each share of a request (see tensor parallelism below) has one record whose state moves
+only along the table of :mod:`~vllm_hawk.kvflow.lifecycle` (parked, held, serving,
+served, cancelled, released, expired); messages that beat the hand-over wait in
+:class:`~vllm_hawk.kvflow.early.EarlyArrivals`. A whole request is served as the layer
+group of all its layers: one path reserves, produces and announces either.
+
 Failure semantics, all here:
 
 * a KVRequest that beats the engine's hand-over waits up to :data:`EARLY_REQUEST_WAIT_S`
@@ -20,8 +26,9 @@ Failure semantics, all here:
   range as soon as it sees the flag (after reserving, after producing) and sends no
   KVReady;
 * a held request nobody asks for is freed at its lease expiry; a served range without
-  Release ``lease_s`` after its KVReady (``KVReady.lease_ms``); the engine hears
-  ``on_finished(req_id, False)``;
+  Release ``lease_s`` after its KVReady (``KVReady.lease_ms``), with every other share
+  of its request (one still being produced is then answered ``unknown_request``); the
+  engine hears ``on_finished(req_id, False)``;
 * ``Renew`` (the decode's heartbeat, one per interval for every id it still wants, e.g.
   requests waiting in its queue) moves a held, not yet requested request's expiry to
   ``lease_s`` from now, but never past ``max_hold_s`` after the hand-over: a request
@@ -38,7 +45,7 @@ Only live requests' memory is registered with the transport (``registration=
 source served in place (GG-Direct) the request's block runs from KVReady to Release or
 lease expiry (a request served by layer groups: one ring range for all its groups). A
 peer's READ of anything else is refused by the transport.
-``registration="whole"`` registers the ring (or the source's exports) once, as before.
+``registration="whole"`` registers the ring (or the source's exports) once.
 
 Tensor parallelism (:mod:`vllm_hawk.layout.tp`): a decode rank or chip that holds only
 some of this rank's KV heads asks for a *share* (``KVRequest.head_start`` /
@@ -68,7 +75,6 @@ Ownership and bounds (peers are the side channel's authenticated sender ids):
 """
 from __future__ import annotations
 
-import collections
 import concurrent.futures as cf
 import logging
 import threading
@@ -77,8 +83,25 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
+from vllm_hawk.kvflow.early import (
+    EARLY_RELEASE_S,
+    EARLY_REQUEST_WAIT_S,
+    MAX_EARLY,
+    MAX_EARLY_BLOCK_IDS,
+    EarlyArrivals,
+    Refusal,
+)
 from vllm_hawk.kvflow.errors import BufferFull, RingClosed
 from vllm_hawk.kvflow.exposure import Exposure, check_registration
+from vllm_hawk.kvflow.lifecycle import (
+    MAX_GONE,
+    RequestRecord,
+    RequestTable,
+    ShareRecord,
+    ShareState,
+    Stream,
+    share_key,
+)
 from vllm_hawk.kvflow.ring import RingBuffer
 from vllm_hawk.kvflow.sources import KVSource
 from vllm_hawk.protocol import (
@@ -95,48 +118,13 @@ from vllm_hawk.protocol import (
 from vllm_hawk.protocol.messages import MAX_SEGMENTS
 from vllm_hawk.security import RateLimitedLog, Refusals
 
+__all__ = ["EARLY_RELEASE_S", "EARLY_REQUEST_WAIT_S", "MAX_DST_BLOCK_ID", "MAX_EARLY", "MAX_EARLY_BLOCK_IDS",
+           "MAX_GONE", "PrefillEndpoint", "PrefillStats", "share_key"]
+
 logger = logging.getLogger("vllm.hawk.kvflow.prefill")
 
-EARLY_REQUEST_WAIT_S = 3.0  # a KVRequest may beat the engine's hand-over by this much
-EARLY_RELEASE_S = 10.0  # a Release may beat the hand-over by this much
-MAX_EARLY = 1024  # early KVRequests / Releases remembered at once
-MAX_EARLY_BLOCK_IDS = 1 << 18  # destination block ids of all parked early KVRequests together
-MAX_GONE = 4096  # finished ids remembered to answer late messages precisely
 MAX_DST_BLOCK_ID = 1 << 24
-
-
-def share_key(req_id: str, share: int = 0) -> str:
-    """The key of share ``share`` of a request (share 0, also the whole request: the id)."""
-    return req_id if not share else f"{req_id}\x00s{share}"
-
-
-@dataclass
-class _Req:
-    src_blocks: np.ndarray
-    num_tokens: int
-    expiry: float  # unix s; 0 = never (until Release)
-    hold_end: float = 0.0  # unix s: renewals never move expiry past this; 0 = unbounded
-    owners: set = field(default_factory=set)  # peers whose KVRequests were accepted; empty = nobody yet
-    consumers: int = 1  # shares to release before the blocks are free (the most any KVRequest said)
-    shares: set = field(default_factory=set)  # share keys pending or served (hold ring / exposure state)
-    done: set = field(default_factory=set)  # share keys released
-    ok: bool = True  # every released share reported success
-
-    def may_claim(self, peer: str, consumers: int) -> bool:
-        return peer in self.owners or len(self.owners) < max(self.consumers, consumers)
-
-
-@dataclass
-class _Stream:
-    """A request served by layer groups: its bytes are planned and reserved once (by the
-    first group served), each group is produced and announced on its own."""
-
-    requested: set = field(default_factory=set)  # first_layer of every group asked for
-    inflight: int = 0  # groups queued or being served
-    served: int = 0  # groups whose KVReady went out
-    prep: object = None
-    offset: int = -1  # ring offset once reserved
-    lock: threading.Lock = field(default_factory=threading.Lock)
+_PENDING = frozenset({ShareState.SERVING, ShareState.CANCELLED})  # KVReady not sent yet (``pending``)
 
 
 @dataclass
@@ -149,6 +137,24 @@ class PrefillStats:
     cancelled: int = 0  # Release arrived before KVReady; the range was freed, no KVReady sent
     produce_s: dict = field(default_factory=dict)  # req_id -> seconds producing its bytes (last 1024)
     refusals: Refusals = field(default_factory=Refusals)  # refused input by reason
+
+
+def _grouped(msg: KVRequest) -> bool:
+    """``msg`` asks for one layer group (else for all layers, the whole request)."""
+    return bool(msg.num_layers or msg.first_layer)
+
+
+def _layers(msg: KVRequest) -> tuple[int, int]:
+    """The layers ``lo..hi-1`` that ``msg`` asks for (a whole request: all of them)."""
+    if _grouped(msg):
+        return msg.first_layer, msg.first_layer + msg.num_layers
+    return 0, msg.dst_layout.num_layers
+
+
+def _from_control(reply) -> bool:
+    """The message came over a control session (the proxy): the server's reply object says
+    so in ``reply.control``; a plain callable (tests, replays) is a decode's."""
+    return bool(getattr(reply, "control", False))
 
 
 class PrefillEndpoint:
@@ -175,18 +181,10 @@ class PrefillEndpoint:
         self.claim_wait_s, self.lease_s, self.max_hold_s = claim_wait_s, lease_s, max_hold_s
         self.on_finished, self.observer = on_finished, observer
         self.stats = PrefillStats()
-        self._lock = threading.Lock()
-        self._requests: dict[str, _Req] = {}
-        self._served: dict[str, tuple[float, str]] = {}  # share key -> (monotonic time of its KVReady, req_id)
-        self._pending: set[str] = set()
-        self._cancelled: set[str] = set()  # pending requests whose decode already sent Release
-        # rid -> ([(msg, reply, peer)], until): parked KVRequests (several: layer groups, shares)
-        self._early: collections.OrderedDict[str, tuple] = collections.OrderedDict()
-        self._early_ids = 0  # destination block ids held by _early
-        self._early_release: collections.OrderedDict[str, float] = collections.OrderedDict()  # rid -> until
+        self._lock = threading.Lock()  # guards the table, the early arrivals and the stats counters
+        self._table = RequestTable()  # handed-over requests, their shares' states, finished ids
+        self._early = EarlyArrivals()  # KVRequests and Releases that beat the hand-over
         self._rlog = RateLimitedLog(logger)
-        self._gone: collections.OrderedDict[str, str] = collections.OrderedDict()  # rid -> "released"|"expired"
-        self._streams: dict[str, _Stream] = {}  # share key -> its layer-group stream
         self.ring: RingBuffer | None = None
         self._exported: list[int] = []
         self.registration = check_registration(registration)
@@ -222,7 +220,8 @@ class PrefillEndpoint:
     def add_request(self, req_id: str, src_blocks, num_tokens: int, lease_expiry: float | None = None) -> None:
         """The engine finished prefill of ``req_id``: its KV is in ``src_blocks`` (cache block
         ids, in token order), held until Release or ``lease_expiry`` (unix s; default now +
-        ``lease_s``)."""
+        ``lease_s``). KVRequests parked for it are served now, in arrival order (layer
+        groups: the first one opens the stream); a Release that came first frees it at once."""
         src = np.asarray(src_blocks, dtype=np.int64).reshape(-1)
         bs = self.compat.block_size
         if num_tokens <= 0 or num_tokens > src.size * bs:
@@ -233,37 +232,43 @@ class PrefillEndpoint:
         if lease_expiry is None:
             lease_expiry = now + self.lease_s if self.lease_s else 0.0
         hold_end = now + self.max_hold_s if self.max_hold_s and lease_expiry else 0.0
-        serve = None
+        parked = None
         with self._lock:
-            if self._early_release.pop(req_id, None) is not None:
-                self._remember_gone_locked(req_id, "released")
+            released_early = self._early.take_release(req_id)
+            if released_early:
+                self._table.forget(req_id, "released")
                 self.stats.released += 1
-                early_release = True
             else:
-                early_release = False
-                self._requests[req_id] = _Req(src, num_tokens, lease_expiry, hold_end)
-                serve = self._early.pop(req_id, None)
-        if early_release:  # the decode released it before the hand-over: free at once
+                req = self._table.requests[req_id] = RequestRecord(src, num_tokens, lease_expiry, hold_end)
+                parked = self._early.take(req_id)
+                for rec in parked.shares.values() if parked is not None else ():
+                    rec.move(ShareState.HELD)
+                    req.shares[rec.key] = rec
+        if released_early:  # the decode released it before the hand-over: free at once
             self._notify(req_id, True)
-        elif serve is not None:
-            pairs, _until = serve
-            with self._lock:
-                self._early_ids -= sum(max(1, len(m.dst_block_ids)) for m, _r, _p in pairs)
-            for msg, reply, peer in pairs:  # in arrival order (layer groups: the first one opens the stream)
-                out = self.on_kv_request(peer, msg, reply)
-                if out is not None:
-                    reply(out)
+            return
+        for msg, reply, peer in parked.arrivals if parked is not None else ():
+            out = self.on_kv_request(peer, msg, reply)
+            if out is not None:
+                reply(out)
 
     def drop_request(self, req_id: str) -> None:
+        """Forget ``req_id`` (the engine freed it itself): every share still held or in
+        flight expires; ranges of served shares are freed now, a share being served frees
+        its own when its worker sees it (no KVReady). ``on_finished`` is not called."""
         with self._lock:
-            self._requests.pop(req_id, None)
+            req = self._table.requests.pop(req_id, None)
+            served = self._expire_shares_locked(req) if req is not None else []
+        for key in served:
+            self._free(key)
 
     def snapshot(self) -> dict:
-        """Counters for tests and the idle check: held requests, ring occupancy (bytes)."""
+        """Counters for tests and the idle check: held requests, shares with a KVReady out
+        (``served_live``) or not yet (``pending``), early arrivals, ring occupancy (bytes)."""
         with self._lock:
-            out = {"requests": len(self._requests), "served_live": len(self._served),
-                   "pending": len(self._pending), "early": len(self._early),
-                   "early_release": len(self._early_release), "early_block_ids": self._early_ids,
+            out = {"requests": len(self._table.requests), "served_live": self._table.kvready_out(),
+                   "pending": self._table.count(_PENDING), "early": len(self._early),
+                   "early_release": self._early.releases(), "early_block_ids": self._early.block_ids,
                    "served": self.stats.served,
                    "released": self.stats.released, "refused": self.stats.refused,
                    "expired": self.stats.expired, "renewed": self.stats.renewed,
@@ -295,91 +300,91 @@ class PrefillEndpoint:
         return ErrorMsg(code=code, detail=detail, req_id=rid)
 
     def on_kv_request(self, peer: str, msg: KVRequest, reply):
+        """D1: accept ``msg`` and queue it for a worker (None: the worker replies), park it
+        until the hand-over, or answer why not."""
         rid = msg.req_id
-        key = share_key(rid, msg.share)
-        grouped = bool(msg.num_layers or msg.first_layer)
         if "\x00" in rid:
             return ErrorMsg(code="bad_message", detail="request id contains a NUL byte", req_id=rid[:256])
         with self._lock:
-            req = self._requests.get(rid)
-            if req is not None and not req.may_claim(peer, msg.consumers):
-                return self._refuse("not_owner", rid, "unknown_request", "another decode requested this id")
-            if req is not None and key in req.done:
-                return ErrorMsg(code="unknown_request", detail="this share was already released", req_id=rid)
-            st = self._streams.get(key)
-            if key in self._pending or key in self._served:
-                if not grouped or st is None or msg.first_layer in st.requested or key in self._cancelled:
-                    return ErrorMsg(code="bad_message", detail="request already in flight", req_id=rid)
-                err = self._check_layers(msg)
-                if err:
-                    self.stats.refused += 1
-                    return ErrorMsg(code="layout_mismatch", detail=err[:1000], req_id=rid)
-                st.requested.add(msg.first_layer)  # a further layer group of a request being served
-                st.inflight += 1
-                self._pending.add(key)
-                return self._submit_serve(msg, reply)
-            early = self._early.get(rid)
-            if early is not None:  # parked before the hand-over: further groups or shares join
-                pairs, _until = early
-                same = [(m, p) for m, _r, p in pairs if share_key(rid, m.share) == key]
-                if same and (not grouped or same[0][1] != peer or not same[0][0].num_layers
-                             or any(m.first_layer == msg.first_layer for m, _p in same)):
-                    return ErrorMsg(code="bad_message", detail="request already in flight", req_id=rid)
-                if not same and len({p for _m, _r, p in pairs} | {peer}) > max(m.consumers for m, _r, _p in pairs):
-                    return self._refuse("not_owner", rid, "unknown_request", "another decode requested this id")
-                n_ids = max(1, len(msg.dst_block_ids))
-                if self._early_ids + n_ids > MAX_EARLY_BLOCK_IDS:
-                    return self._refuse("early_full", rid, "unknown_request",
-                                        f"no finished prefill with this id, and early requests already hold "
-                                        f"{self._early_ids} block ids")
-                pairs.append((msg, reply, peer))
-                self._early_ids += n_ids
-                return None
+            req = self._table.get(rid)
             if req is None:
-                gone = self._gone.get(rid)
-                if gone is not None:
-                    self.stats.refused += 1
-                    return ErrorMsg(code="expired" if gone == "expired" else "unknown_request",
-                                    detail=f"the request's blocks were {gone}", req_id=rid)
-                if self._stop.is_set():
-                    return ErrorMsg(code="internal", detail="prefill endpoint is closing", req_id=rid)
-                n_ids = max(1, len(msg.dst_block_ids))
-                if len(self._early) >= MAX_EARLY or self._early_ids + n_ids > MAX_EARLY_BLOCK_IDS:
-                    return self._refuse("early_full", rid, "unknown_request",
-                                        f"no finished prefill with this id, and {len(self._early)} early requests "
-                                        f"({self._early_ids} block ids) already wait for theirs")
-                # (KVRequest, reply, peer) triples (several: layer groups, shares), until
-                self._early[rid] = ([(msg, reply, peer)], time.monotonic() + EARLY_REQUEST_WAIT_S)
-                self._early_ids += n_ids
-                logger.debug("prefill: KVRequest for %s came before the engine's hand-over; waiting", rid)
-            else:
-                err = self._check(msg, req) or (self._check_layers(msg) if grouped else "") or self.source.check(msg)
-                if err:
-                    self.stats.refused += 1
-                    return ErrorMsg(code="layout_mismatch", detail=err[:1000], req_id=rid)
-                req.owners.add(peer)
-                req.consumers = max(req.consumers, msg.consumers)
-                req.shares.add(key)
-                self._pending.add(key)
-                if grouped:
-                    self._streams[key] = _Stream(requested={msg.first_layer}, inflight=1)
-        if req is None:
+                return self._park_locked(peer, msg, reply)
+            out = self._accept_locked(peer, msg, req)
+            return out if out is not None else self._submit_serve(msg, reply)
+
+    def _park_locked(self, peer: str, msg: KVRequest, reply):
+        """A KVRequest for an id not held: join those parked for it, answer a finished id,
+        or park it until the hand-over (lock held)."""
+        rid = msg.req_id
+        if self._early.waiting(rid):  # parked before the hand-over: further groups or shares join
+            return self._refusal(rid, self._early.join(peer, msg, reply))
+        gone = self._table.gone.get(rid)
+        if gone is not None:
+            self.stats.refused += 1
+            return ErrorMsg(code="expired" if gone == "expired" else "unknown_request",
+                            detail=f"the request's blocks were {gone}", req_id=rid)
+        if self._stop.is_set():
+            return ErrorMsg(code="internal", detail="prefill endpoint is closing", req_id=rid)
+        out = self._refusal(rid, self._early.park(peer, msg, reply))
+        if out is None:
+            logger.debug("prefill: KVRequest for %s came before the engine's hand-over; waiting", rid)
+        return out
+
+    def _refusal(self, rid: str, r: Refusal | None) -> ErrorMsg | None:
+        """The ErrorMsg of an early arrival's refusal (counted when it has a reason)."""
+        if r is None:
             return None
-        with self._lock:
-            return self._submit_serve(msg, reply)
+        if r.reason:
+            return self._refuse(r.reason, rid, r.code, r.detail)
+        return ErrorMsg(code=r.code, detail=r.detail, req_id=rid)
+
+    def _accept_locked(self, peer: str, msg: KVRequest, req: RequestRecord) -> ErrorMsg | None:
+        """Take ``msg`` for a held request (lock held): None when it is to be served."""
+        rid = msg.req_id
+        if not req.may_claim(peer, msg.consumers):
+            return self._refuse("not_owner", rid, "unknown_request", "another decode requested this id")
+        rec = req.shares.get(share_key(rid, msg.share))
+        if rec is not None and rec.state is ShareState.RELEASED:
+            return ErrorMsg(code="unknown_request", detail="this share was already released", req_id=rid)
+        if rec is not None and rec.in_flight:
+            return self._join_locked(msg, rec)
+        err = self._check(msg, req) or (self._check_layers(msg) if _grouped(msg) else "") or self.source.check(msg)
+        if err:
+            self.stats.refused += 1
+            return ErrorMsg(code="layout_mismatch", detail=err[:1000], req_id=rid)
+        req.owners.add(peer)
+        req.consumers = max(req.consumers, msg.consumers)
+        rec = req.share(share_key(rid, msg.share))
+        rec.move(ShareState.SERVING)
+        rec.stream = Stream(whole=not _grouped(msg), requested={msg.first_layer}, inflight=1)
+        return None
+
+    def _join_locked(self, msg: KVRequest, rec: ShareRecord) -> ErrorMsg | None:
+        """A further layer group of a share in flight (lock held): None when it is to be
+        served; a repeated group, or any other KVRequest of the share, is refused."""
+        st = rec.stream
+        if (not _grouped(msg) or st.whole or msg.first_layer in st.requested
+                or rec.state is ShareState.CANCELLED):
+            return ErrorMsg(code="bad_message", detail="request already in flight", req_id=msg.req_id)
+        err = self._check_layers(msg)
+        if err:
+            self.stats.refused += 1
+            return ErrorMsg(code="layout_mismatch", detail=err[:1000], req_id=msg.req_id)
+        st.requested.add(msg.first_layer)
+        st.inflight += 1
+        if rec.state is ShareState.SERVED:
+            rec.move(ShareState.SERVING)
+        return None
 
     def _submit_serve(self, msg: KVRequest, reply):
-        """Queue ``msg`` for a worker (lock held); undo the pending mark if the pool is closed."""
-        key = share_key(msg.req_id, msg.share)
+        """Queue ``msg`` for a worker (lock held); undo its accept if the pool is closed."""
         try:
             self._pool.submit(self._serve, msg, reply)
         except RuntimeError:  # pool shut down
-            st = self._streams.get(key)
-            if st is not None:
-                st.inflight -= 1
-            if st is None or (st.inflight == 0 and st.served == 0):
-                self._pending.discard(key)
-                self._streams.pop(key, None)
+            rec = self._table.get(msg.req_id).shares[share_key(msg.req_id, msg.share)]
+            rec.stream.inflight -= 1
+            if rec.stream.inflight == 0:
+                self._settle_locked(rec)
             return ErrorMsg(code="internal", detail="prefill endpoint is closing", req_id=msg.req_id)
         return None
 
@@ -393,54 +398,59 @@ class PrefillEndpoint:
         return ""
 
     def on_release(self, peer: str, msg: Release, reply):
+        """D8: share ``msg.share`` is done (P8: its range is freed; P9 once every share is).
+        While it is still being served the worker cancels it instead."""
         rid = msg.req_id
         key = share_key(rid, msg.share)
         with self._lock:
-            req = self._requests.get(rid)
-            if req is not None and req.owners and peer not in req.owners:
+            req = self._table.get(rid)
+            if req is None:
+                return self._release_unheld_locked(rid)
+            if req.owners and peer not in req.owners:
                 # a further consumer that had nothing to pull may end its own, unclaimed share
                 if not (msg.share < req.consumers and len(req.owners) < req.consumers
-                        and key not in req.shares and key not in req.done):
+                        and req.state(key) in (None, ShareState.HELD)):
                     return self._refuse("not_owner", rid, "unknown_request",
                                         "only the decode that requested this id may release it")
                 req.owners.add(peer)
-            if key in self._pending:  # KVReady not sent yet: the worker cancels it
-                self._cancelled.add(key)
+            rec = req.share(key)
+            if rec.state in _PENDING:  # KVReady not sent yet: the worker cancels it
+                if rec.state is ShareState.SERVING:
+                    rec.move(ShareState.CANCELLED)
                 return Ack(req_id=rid)
-            if req is None:
-                gone = self._gone.get(rid)
-                if gone is not None:
-                    return ErrorMsg(code="unknown_request", detail=f"nothing to release: already {gone}",
-                                    req_id=rid)
-                self._early_release[rid] = time.monotonic() + EARLY_RELEASE_S
-                self._early_release.move_to_end(rid)
-                if len(self._early_release) > MAX_EARLY:
-                    self._early_release.popitem(last=False)
-                    self.stats.refusals.count("early_release_evicted")
-                return Ack(req_id=rid)  # it beat the hand-over
-            served = self._served.pop(key, None) is not None
-            finished, ok = self._share_done_locked(rid, req, key, msg.ok)
-        if served and self.ring is not None:
-            self.ring.release(key)  # P8
-        self.exposure.release(key)
+            served = rec.state is ShareState.SERVED
+            finished, ok = self._share_done_locked(rid, req, rec, msg.ok)
+        if served:
+            self._free(key)  # P8
+        else:
+            self.exposure.release(key)
         if not msg.ok:
             logger.warning("prefill: decode reported a failed transfer of %s", rid)
         if finished:
             self._notify(rid, ok)  # P9: the blocks are free for the engine
         return Ack(req_id=rid)
 
-    def _share_done_locked(self, rid: str, req: _Req, key: str, ok: bool, count: bool = True) -> tuple[bool, bool]:
-        """Share ``key`` of ``rid`` is released (lock held; ``count``: a Release, not a
+    def _release_unheld_locked(self, rid: str) -> Ack | ErrorMsg:
+        """A Release for an id not held: finished already, or it beat the hand-over."""
+        gone = self._table.gone.get(rid)
+        if gone is not None:
+            return ErrorMsg(code="unknown_request", detail=f"nothing to release: already {gone}", req_id=rid)
+        if self._early.remember_release(rid):
+            self.stats.refusals.count("early_release_evicted")
+        return Ack(req_id=rid)
+
+    def _share_done_locked(self, rid: str, req: RequestRecord, rec: ShareRecord, ok: bool,
+                           count: bool = True) -> tuple[bool, bool]:
+        """Share ``rec`` of ``rid`` is released (lock held; ``count``: a Release, not a
         cancel). Returns (the whole request is finished and forgotten, all its shares
         succeeded)."""
-        req.shares.discard(key)
-        self._streams.pop(key, None)
-        req.done.add(key)
+        if rec.state is not ShareState.RELEASED:
+            rec.move(ShareState.RELEASED)
+        rec.stream = None
         req.ok = req.ok and ok
-        if len(req.done) < req.consumers:
+        if req.released() < req.consumers:
             return False, req.ok
-        self._requests.pop(rid, None)
-        self._remember_gone_locked(rid, "released")
+        self._table.forget(rid, "released")
         self.stats.released += count
         return True, req.ok
 
@@ -451,13 +461,13 @@ class PrefillEndpoint:
         and not finished (the hand-over may still come) are ignored. A control peer's
         (the proxy's) Renew of a claimed id answers it ``gone``: the proxy's part is over."""
         now = time.time()
-        control = bool(getattr(reply, "control", False))
+        control = _from_control(reply)
         gone, renewed, strangers = [], 0, 0
         with self._lock:
             for rid in msg.req_ids:
-                req = self._requests.get(rid)
+                req = self._table.get(rid)
                 if req is None:
-                    if rid in self._gone:
+                    if rid in self._table.gone:
                         gone.append(rid)
                     continue
                 if req.owners and peer not in req.owners:
@@ -466,86 +476,144 @@ class PrefillEndpoint:
                     else:
                         strangers += 1
                     continue
-                if not req.expiry or req.shares:  # in flight: its lease runs from KVReady
-                    continue
-                new = now + self.lease_s
-                if req.hold_end:
-                    new = min(new, req.hold_end)
-                if new > req.expiry:
-                    req.expiry = new
-                    renewed += 1
+                renewed += self._renew_locked(req, now)
             self.stats.renewed += renewed
         if strangers:
             self._refuse("not_owner", msg.req_ids[0], "unknown_request",
                          f"{strangers} renewed id(s) were claimed by another decode")
         return Renewed(renewed=renewed, gone=gone)
 
+    def _renew_locked(self, req: RequestRecord, now: float) -> int:
+        """Move a held, not yet requested request's expiry to ``lease_s`` from ``now``
+        (never past its ``hold_end``); 1 when it moved."""
+        if not req.expiry or req.in_flight():  # in flight: its lease runs from KVReady
+            return 0
+        new = now + self.lease_s
+        if req.hold_end:
+            new = min(new, req.hold_end)
+        if new <= req.expiry:
+            return 0
+        req.expiry = new
+        return 1
+
     # ------------------------------------------------------------------ P4-P7
     def _serve(self, msg: KVRequest, reply) -> None:
-        rid = msg.req_id
-        key = share_key(rid, msg.share)
+        """Worker: produce and announce one layer group of a share (a whole request is the
+        group of all its layers). The first group served plans and reserves the whole
+        share's range (P5); each group fills its own bytes (P4 + P6) and sends its own
+        KVReady (P7). On failure see :meth:`_serve_failed`."""
+        key = share_key(msg.req_id, msg.share)
         with self._lock:
-            st = self._streams.get(key)
-        if st is not None:
-            self._serve_group(msg, reply, st, key)
-            return
-        reserved = False
+            req = self._table.get(msg.req_id)
+            rec = req.shares.get(key) if req is not None else None
         try:
-            with self._lock:
-                req = self._requests.get(rid)
-            if req is None:
-                raise _Refuse("unknown_request", "request dropped by the engine")
-            if self._is_cancelled(key):
-                raise _Cancelled()
-            src = req.src_blocks[msg.first_block:msg.first_block + len(msg.dst_block_ids)]
-            prep = self.source.prepare(msg, src, self.export_base)
-            off = 0
-            if prep.nbytes:
-                off = self._reserve(key, msg, prep.nbytes)  # P5
-                reserved = True
-                if self._is_cancelled(key):
-                    raise _Cancelled()
-                if self.observer is not None:
-                    self.observer(rid, msg, src)
-                t0 = time.perf_counter()
-                prep.fill(self.ring.base_addr + off, self.ring.view(off, prep.nbytes))  # P4 + P6
-                self._note_produce(rid, time.perf_counter() - t0, add=key != rid)
-            elif self.observer is not None:
-                self.observer(rid, msg, src)
-            segs = prep.segments(off)
-            if len(segs) > MAX_SEGMENTS:  # a KVReady the decode would drop: refuse now, naming why
-                raise _Refuse("layout_mismatch", _too_many_segments(len(segs), self.source, msg))
-            if not prep.nbytes and self.registration == "per_request":  # served in place: expose its runs
-                self.exposure.acquire(key, [(self.export_base + s.offset_bytes, s.nbytes) for s in segs],
-                                      domains=self._export_regions)
-            out = KVReady(req_id=rid, ring_offset=off, total_nbytes=sum(s.nbytes for s in segs), segments=segs,
-                          lease_ms=int(self.lease_s * 1000), chip=msg.dst_chip)
-            with self._lock:  # the cancel check and the move to _served are one step
-                if key in self._cancelled:
-                    raise _Cancelled()
-                self._pending.discard(key)
-                self._served[key] = (time.monotonic(), rid)
-                self.stats.served += 1
-            reply(out)  # P7
+            out = self._produce(msg, req, rec)
         except Exception as e:  # noqa: BLE001 - every failure becomes a typed reply
-            if reserved:
-                self.ring.release(key)  # P8
-            self.exposure.release(key)
-            finished = False
-            with self._lock:
-                self._pending.discard(key)
-                cancelled = key in self._cancelled
-                self._cancelled.discard(key)
-                req = self._requests.get(rid)
-                if cancelled:  # the decode gave up and sent Release: this share is done (P9 when all are)
+            self._serve_failed(msg, req, rec, e, reply)
+            return
+        reply(out)  # P7
+
+    def _produce(self, msg: KVRequest, req: RequestRecord | None, rec: ShareRecord | None) -> KVReady:
+        """Produce ``msg``'s layer group into the share's range and mark it served; raises
+        :class:`_Refuse` or :class:`_Cancelled` (or whatever the source raises)."""
+        if rec is None or rec.state is ShareState.EXPIRED:
+            raise _Refuse("unknown_request", "request dropped by the engine")
+        self._raise_if_cancelled(rec)
+        src = req.src_blocks[msg.first_block:msg.first_block + len(msg.dst_block_ids)]
+        st = rec.stream
+        prep, off, planned = self._plan(msg, st, src, rec.key)
+        if prep.nbytes:
+            self._raise_if_cancelled(rec)
+        if planned and self.observer is not None:
+            self.observer(msg.req_id, msg, src)
+        lo, hi = _layers(msg)
+        if prep.nbytes:
+            t0 = time.perf_counter()
+            view = self.ring.view(off, prep.nbytes)
+            if st.whole:
+                prep.fill(self.ring.base_addr + off, view)  # P4 + P6
+            else:
+                prep.fill_layers(self.ring.base_addr + off, view, lo, hi)
+            self._note_produce(msg.req_id, time.perf_counter() - t0, add=not st.whole or rec.key != msg.req_id)
+        segs = prep.segments(off) if st.whole else prep.segments_layers(off, lo, hi)
+        if len(segs) > MAX_SEGMENTS:  # a KVReady the decode would drop: refuse now, naming why
+            raise _Refuse("layout_mismatch", _too_many_segments(len(segs), self.source, msg))
+        if not prep.nbytes and self.registration == "per_request":  # served in place: expose its runs
+            self.exposure.acquire(rec.key, [(self.export_base + s.offset_bytes, s.nbytes) for s in segs],
+                                  domains=self._export_regions)
+        out = KVReady(req_id=msg.req_id, ring_offset=off, total_nbytes=sum(s.nbytes for s in segs),
+                      segments=segs, lease_ms=int(self.lease_s * 1000), chip=msg.dst_chip)
+        with self._lock:  # the cancel check and the move to served are one step
+            self._mark_served_locked(rec)
+        return out
+
+    def _plan(self, msg: KVRequest, st: Stream, src: np.ndarray, key: str):
+        """The share's plan and ring offset: made (and the range reserved, P5) by the first
+        group served, shared by the others. Returns (prep, offset, made now)."""
+        with st.lock:
+            if st.prep is not None:
+                return st.prep, max(st.offset, 0), False
+            prep = self.source.prepare(msg, src, self.export_base)
+            if not st.whole and (not prep.nbytes or prep.fill_layers is None):
+                raise _Refuse("layout_mismatch", "this source does not serve layer groups")
+            if prep.nbytes:
+                st.offset = self._reserve(key, msg, prep.nbytes)  # P5
+            st.prep = prep
+            return prep, max(st.offset, 0), True
+
+    def _mark_served_locked(self, rec: ShareRecord) -> None:
+        """A group's KVReady goes out (lock held): the share is served once no group of it
+        is in flight; ``stats.served`` counts each share once."""
+        self._raise_if_cancelled_locked(rec)
+        if rec.state is not ShareState.SERVING:  # expired while it was produced
+            raise _Refuse("unknown_request", "request dropped by the engine")
+        st = rec.stream
+        st.inflight -= 1
+        st.served += 1
+        if st.inflight == 0:
+            rec.move(ShareState.SERVED)
+        rec.served_at = time.monotonic()
+        if st.served == 1:
+            self.stats.served += 1
+
+    def _serve_failed(self, msg: KVRequest, req: RequestRecord | None, rec: ShareRecord | None,
+                      e: Exception, reply) -> None:
+        """A group could not be served. Not cancelled: it is refused (``stats.refused``) and
+        answered ErrorMsg; once no group is in flight the share is served (some KVReady
+        out) or held again, its range freed if no KVReady is out. Cancelled (Release came):
+        no reply; the last group in flight frees the range and ends the share."""
+        rid = msg.req_id
+        finished, drop, cancelled = False, True, False
+        with self._lock:
+            if rec is None or rec.state is ShareState.EXPIRED:  # its request was freed meanwhile
+                self.stats.refused += 1
+            else:
+                st = rec.stream
+                st.inflight -= 1
+                last = st.inflight == 0
+                cancelled = rec.state is ShareState.CANCELLED
+                drop = last and (cancelled or st.served == 0)
+                if cancelled and last:  # the decode gave up and sent Release: this share is done
                     self.stats.cancelled += 1
-                    if req is not None:
-                        finished, _ok = self._share_done_locked(rid, req, key, False, count=False)
-                else:
+                    finished, _ok = self._share_done_locked(rid, req, rec, False, count=False)
+                elif not cancelled:
                     self.stats.refused += 1
-                    if req is not None:
-                        req.shares.discard(key)
-            self._fail_reply(rid, e, cancelled, reply, finished)
+                    if last:
+                        self._settle_locked(rec)
+        if drop and rec is not None:
+            self._free(rec.key)  # P8
+        if cancelled and not drop:
+            return  # the last group still in flight finishes the cancel
+        self._fail_reply(rid, e, cancelled, reply, finished)
+
+    def _settle_locked(self, rec: ShareRecord) -> None:
+        """No group of ``rec`` is in flight any more and it was not cancelled: served if a
+        KVReady of it is out, else held again (a new KVRequest starts afresh)."""
+        if rec.stream.served:
+            rec.move(ShareState.SERVED)
+        else:
+            rec.move(ShareState.HELD)
+            rec.stream = None
 
     def _reserve(self, key: str, msg: KVRequest, nbytes: int) -> int:
         timeout = self.claim_wait_s  # a far-future deadline must not hold the worker
@@ -557,6 +625,15 @@ class PrefillEndpoint:
             raise _Refuse("internal", f"prefill endpoint is closing: {e}") from None
         except BufferFull as e:
             raise _Refuse("no_space", str(e)) from None
+
+    def _free(self, key: str) -> None:
+        """Let go of share ``key``'s ring range (if it holds one) and registrations (P8)."""
+        if self.ring is not None and key in self.ring.alloc.live():
+            try:
+                self.ring.release(key)
+            except KeyError:  # freed by another thread meanwhile
+                pass
+        self.exposure.release(key)
 
     def _fail_reply(self, rid: str, e: Exception, cancelled: bool, reply, finished: bool = False) -> None:
         if cancelled:  # no reply: nobody waits for it
@@ -571,81 +648,7 @@ class PrefillEndpoint:
             logger.exception("prefill: serving %s failed", rid)
             reply(ErrorMsg(code="internal", detail=f"{type(e).__name__}: {str(e)[:900]}", req_id=rid))
 
-    def _serve_group(self, msg: KVRequest, reply, st: _Stream, key: str) -> None:
-        """One layer group of a request's share (P4-P7 for layers first_layer..+num_layers).
-        The first group served plans and reserves the whole share's range; each group
-        fills its own bytes and sends its own KVReady. The range is freed by Release
-        (P8), or here when the last group in flight fails or is cancelled while no
-        KVReady of the share is out."""
-        rid = msg.req_id
-        lo, hi = msg.first_layer, msg.first_layer + msg.num_layers
-        try:
-            with self._lock:
-                req = self._requests.get(rid)
-            if req is None:
-                raise _Refuse("unknown_request", "request dropped by the engine")
-            if self._is_cancelled(key):
-                raise _Cancelled()
-            src = req.src_blocks[msg.first_block:msg.first_block + len(msg.dst_block_ids)]
-            with st.lock:  # the first group plans and reserves for all
-                if st.prep is None:
-                    prep = self.source.prepare(msg, src, self.export_base)
-                    if not prep.nbytes or prep.fill_layers is None:
-                        raise _Refuse("layout_mismatch", "this source does not serve layer groups")
-                    st.offset = self._reserve(key, msg, prep.nbytes)  # P5
-                    st.prep = prep
-                    if self.observer is not None:
-                        self.observer(rid, msg, src)
-            prep, off = st.prep, st.offset
-            if self._is_cancelled(key):
-                raise _Cancelled()
-            t0 = time.perf_counter()
-            prep.fill_layers(self.ring.base_addr + off, self.ring.view(off, prep.nbytes), lo, hi)  # P4 + P6
-            self._note_produce(rid, time.perf_counter() - t0, add=True)
-            segs = prep.segments_layers(off, lo, hi)
-            out = KVReady(req_id=rid, ring_offset=off, total_nbytes=sum(s.nbytes for s in segs), segments=segs,
-                          lease_ms=int(self.lease_s * 1000), chip=msg.dst_chip)
-            with self._lock:
-                if key in self._cancelled:
-                    raise _Cancelled()
-                st.inflight -= 1
-                st.served += 1
-                if st.inflight == 0:
-                    self._pending.discard(key)
-                self._served[key] = (time.monotonic(), rid)
-                if st.served == 1:
-                    self.stats.served += 1
-            reply(out)  # P7 for this group
-        except Exception as e:  # noqa: BLE001 - every failure becomes a typed reply
-            finished = False
-            with self._lock:
-                st.inflight -= 1
-                last = st.inflight == 0
-                cancelled = key in self._cancelled
-                free = last and st.offset >= 0 and (cancelled or st.served == 0)
-                if last:
-                    self._pending.discard(key)
-                req = self._requests.get(rid)
-                if cancelled and last:  # the decode gave up and sent Release: this share is done
-                    self._cancelled.discard(key)
-                    self._served.pop(key, None)
-                    self.stats.cancelled += 1
-                    if req is not None:
-                        finished, _ok = self._share_done_locked(rid, req, key, False, count=False)
-                elif not cancelled:
-                    self.stats.refused += 1
-                    if last and st.served == 0 and req is not None:
-                        req.shares.discard(key)
-                        self._streams.pop(key, None)
-                if free:
-                    st.offset = -1
-            if free:
-                self.ring.release(key)  # P8
-            if cancelled and not last:
-                return  # the last group still in flight finishes the cancel
-            self._fail_reply(rid, e, cancelled, reply, finished)
-
-    def _check(self, msg: KVRequest, req: _Req) -> str:
+    def _check(self, msg: KVRequest, req: RequestRecord) -> str:
         """'' when the request's token and block counts can be served, else why not."""
         if msg.num_tokens <= 0 or msg.num_tokens > req.num_tokens:
             return f"num_tokens {msg.num_tokens} not in [1, {req.num_tokens}] (the prefill's length)"
@@ -664,6 +667,8 @@ class PrefillEndpoint:
         return ""
 
     def _note_produce(self, rid: str, seconds: float, add: bool = False) -> None:
+        """Record the seconds producing ``rid``'s bytes took (``add``: to those of its
+        other groups or shares)."""
         with self._lock:
             t = self.stats.produce_s
             t[rid] = seconds + (t.get(rid, 0.0) if add else 0.0)
@@ -675,16 +680,14 @@ class PrefillEndpoint:
         with self._lock:
             return self.stats.produce_s.get(req_id)
 
-    def _is_cancelled(self, key: str) -> bool:
+    def _raise_if_cancelled(self, rec: ShareRecord) -> None:
         with self._lock:
-            return key in self._cancelled
+            self._raise_if_cancelled_locked(rec)
 
-    def _remember_gone_locked(self, rid: str, why: str) -> None:
-        self._streams.pop(rid, None)
-        self._gone[rid] = why
-        self._gone.move_to_end(rid)
-        if len(self._gone) > MAX_GONE:
-            self._gone.popitem(last=False)
+    @staticmethod
+    def _raise_if_cancelled_locked(rec: ShareRecord) -> None:
+        if rec.state is ShareState.CANCELLED:
+            raise _Cancelled()
 
     def _notify(self, rid: str, ok: bool) -> None:
         if self.on_finished is None:
@@ -704,37 +707,47 @@ class PrefillEndpoint:
         served without Release: then all its shares), and answer early KVRequests whose
         hand-over never came. The engine hears ``on_finished(req_id, False)`` for each
         freed one. Returns their ids."""
-        now, mono = time.time(), time.monotonic()
-        late, keys = [], []
         with self._lock:
-            dead = list(dict.fromkeys(r for t, r in self._served.values() if self.lease_s and mono - t > self.lease_s))
-            dead += [r for r, q in self._requests.items()
-                     if q.expiry and now > q.expiry and not q.shares and r not in dead]
-            for r in dead:
-                q = self._requests.pop(r, None)
-                shares = (q.shares if q is not None else set()) | {r}
-                for k in shares:
-                    self._served.pop(k, None)
-                    self._streams.pop(k, None)
-                keys.append((r, shares))
-                self._remember_gone_locked(r, "expired")
+            dead = self._lapsed_locked(time.time(), time.monotonic())
+            freed = []
+            for rid in dead:
+                req = self._table.requests[rid]
+                freed.append((rid, {rid, *req.shares}))
+                self._expire_shares_locked(req)
+                self._table.forget(rid, "expired")
                 self.stats.expired += 1
-            while self._early and next(iter(self._early.values()))[1] < mono:
-                late.append(self._early.popitem(last=False))
-                self._early_ids -= sum(max(1, len(m.dst_block_ids)) for m, _r, _p in late[-1][1][0])
-            while self._early_release and next(iter(self._early_release.values())) < mono:
-                self._early_release.popitem(last=False)
-        for rid, (pairs, _u) in late:
-            for _m, reply, _p in pairs:
+            late = self._early.expire(time.monotonic())
+        for rid, parked in late:
+            for _m, reply, _p in parked.arrivals:
                 reply(ErrorMsg(code="unknown_request", detail="no finished prefill with this id", req_id=rid))
-        for r, shares in keys:
-            logger.warning("prefill: lease of %s expired without Release; freeing it", r)
-            for k in shares:
-                if self.ring is not None and k in self.ring.alloc.live():
-                    self.ring.release(k)
-                self.exposure.release(k)
-            self._notify(r, False)  # P9: the blocks are free for the engine
+        for rid, keys in freed:
+            logger.warning("prefill: lease of %s expired without Release; freeing it", rid)
+            for key in keys:
+                self._free(key)
+            self._notify(rid, False)  # P9: the blocks are free for the engine
         return dead
+
+    def _lapsed_locked(self, now: float, mono: float) -> list[str]:
+        """Ids whose lease ran out (lock held): a KVReady older than ``lease_s`` without
+        Release, or held past its expiry with nothing in flight."""
+        served = [rid for rid, req in self._table.requests.items()
+                  if self.lease_s and any(s.kvready_out and mono - s.served_at > self.lease_s
+                                          for s in req.shares.values())]
+        held = [rid for rid, req in self._table.requests.items()
+                if req.expiry and now > req.expiry and not req.in_flight() and rid not in served]
+        return served + held
+
+    @staticmethod
+    def _expire_shares_locked(req: RequestRecord) -> list[str]:
+        """Every share of ``req`` not done yet expires (lock held); returns the keys of
+        those that were served (their ranges are the caller's to free)."""
+        served = []
+        for rec in req.shares.values():
+            if rec.state not in (ShareState.RELEASED, ShareState.EXPIRED):
+                if rec.state is ShareState.SERVED:
+                    served.append(rec.key)
+                rec.move(ShareState.EXPIRED)
+        return served
 
     def close(self) -> None:
         """Stop serving; waiting reservations fail at once (ring abort), then workers drain.
