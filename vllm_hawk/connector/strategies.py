@@ -1,5 +1,8 @@
 """What the connector's worker side builds from its configuration, once, at ``register_kv_caches``.
 
+Both sides: :func:`describe_local` (what this engine's KV cache is), :func:`check_tp_size`,
+:func:`make_transport_for`.
+
 Prefill: :func:`make_prefill` — a :class:`~vllm_hawk.kvflow.PrefillEndpoint` on this TP
 rank's side channel, serving from :func:`make_source`'s source:
 :class:`~vllm_hawk.kvflow.TileTransformSource` (``device_profile`` names a Tenstorrent
@@ -7,14 +10,13 @@ device and ``layout_fix: prefill``: GN-HAWK), :class:`~vllm_hawk.kvflow.RingGath
 (``mode: staged``; also GN-Host, ``layout_fix: decode``, whose decode fixes the layout)
 or :class:`~vllm_hawk.kvflow.VllmBlockSource` (``mode: direct``).
 
-Both: :func:`describe_local` (what this engine's KV cache is), :func:`check_tp_size`,
-:func:`make_transport_for`.
 Decode: :func:`make_sinks` — :class:`~vllm_hawk.kvflow.TTSink` per chip on the
 Tenstorrent platform plugin (:class:`~vllm_hawk.kvflow.gn_host.GNHostSink` with
 ``layout_fix: decode``), else :class:`~vllm_hawk.kvflow.VllmPagedSink` /
-:class:`~vllm_hawk.kvflow.VllmStagedSink`; :func:`decode_endpoint` opens a side channel
-to a prefill; :func:`check_pairing` refuses at start-up a ``prefill_tp`` this decode
-cannot pull from. Both: :func:`make_transport_for`.
+:class:`~vllm_hawk.kvflow.VllmStagedSink`; :func:`make_planner` (its pulls, see
+:mod:`vllm_hawk.kvflow.pull_plan`), which refuses at start-up a ``prefill_tp`` this
+decode cannot pull from (:func:`check_pairing`); :func:`decode_endpoint` opens a side
+channel to a prefill.
 """
 from __future__ import annotations
 
@@ -35,15 +37,15 @@ from vllm_hawk.kvflow import (
     vllm_sink,
 )
 from vllm_hawk.kvflow.gn_host import GNHostSink
-from vllm_hawk.kvflow.pull_plan import check_targets
+from vllm_hawk.kvflow.pull_plan import PullPlanner, check_targets
 from vllm_hawk.layout.tp import TPMismatch, shard_heads
 from vllm_hawk.transport import make_transport
 
 # The worker side's log: under "vllm." so that vLLM's log handlers and level apply.
 logger = logging.getLogger("vllm.hawk.worker")
 
-__all__ = ["check_pairing", "check_tp_size", "decode_endpoint", "describe_local", "make_prefill", "make_sinks",
-           "make_source", "make_transport_for", "prefill_transforms", "tp_rank_and_size"]
+__all__ = ["check_pairing", "check_tp_size", "decode_endpoint", "describe_local", "make_planner", "make_prefill",
+           "make_sinks", "make_source", "make_transport_for", "prefill_transforms", "tp_rank_and_size"]
 
 
 def _in_background(warm, what: str) -> None:
@@ -152,11 +154,16 @@ def make_prefill(cfg: HawkConfig, kv: LocalKV, transport, vllm_config, *, tp_ran
     return prefill
 
 
+def _tt_chips(kv: LocalKV) -> list:
+    """The chips of the plugin's cache: a mesh cache lists them, a single-chip cache is its one chip."""
+    return getattr(kv.tt_cache, "chips", [kv.tt_cache])
+
+
 def _tt_sinks(cfg: HawkConfig, kv: LocalKV, transport) -> list:
     """One TTSink per chip of the plugin's cache (each chip: its own banks, buffers, allocator)."""
     sinks = []
     try:
-        for c in getattr(kv.tt_cache, "chips", [kv.tt_cache]):  # a mesh has chips, a single-chip cache is one
+        for c in _tt_chips(kv):
             align = c.device.profile.dram_alignment_bytes
             per_bank = max(align, cfg.ring_nbytes // c.layout.num_banks // align * align)
             sinks.append(TTSink(c.device, c.layout, c.buffers, transport, cfg.mode, recv_nbytes_per_bank=per_bank))
@@ -171,7 +178,7 @@ def make_sinks(cfg: HawkConfig, kv: LocalKV, transport) -> list:
     """The decode's sinks for this configuration (see module doc): one per chip of a
     Tenstorrent mesh (each chip's banks, its heads), else one."""
     if kv.tt_cache is not None and cfg.layout_fix == "decode":
-        chips = getattr(kv.tt_cache, "chips", [kv.tt_cache])
+        chips = _tt_chips(kv)
         if len(chips) != 1:
             raise HawkConfigError(f"layout_fix 'decode' (GN-Host) with {len(chips)} chips: GN-Host lands on one "
                                   "chip; use layout_fix 'prefill' (GN-HAWK) for a mesh, or HAWK_TT_CHIPS=1")
@@ -185,6 +192,17 @@ def make_sinks(cfg: HawkConfig, kv: LocalKV, transport) -> list:
         raise NotImplementedError(f"HawkConnector: device_profile {cfg.device_profile!r} on the decode needs "
                                   "the Tenstorrent platform plugin (HAWK_TT_PLATFORM)")
     return [vllm_sink(kv.region_map, kv.layout, transport, cfg.mode, kv.storages, cfg.ring_nbytes)]
+
+
+def make_planner(cfg: HawkConfig, kv: LocalKV, sinks: list, peer, *, tp_rank: int, tp_size: int) -> PullPlanner:
+    """The decode's pull planner over ``sinks`` (``peer``: side channel, engine id ->
+    DecodeEndpoint); with ``prefill_tp`` set, checks at start-up that this decode's
+    targets can pull from such a prefill."""
+    p = PullPlanner(kv.num_kv_heads, kv.layout, sinks, chips=kv.tt_cache is not None, rank=tp_rank, ranks=tp_size,
+                    prefill_tp=cfg.prefill_tp, head_maps=kv.heads, peer=peer, log=logger)
+    if cfg.prefill_tp:
+        check_pairing(p.heads, cfg.prefill_tp, p.total, p.targets, p.local, chips=p.chips)
+    return p
 
 
 def decode_endpoint(cfg: HawkConfig, transport, kv: LocalKV, side_channel: str) -> DecodeEndpoint:

@@ -1,21 +1,16 @@
-"""Worker side of HawkConnector: an adapter from vLLM's worker hooks to Algorithm 1.
+"""Worker side of HawkConnector: an adapter from vLLM's worker hooks to Algorithm 1
+(:mod:`vllm_hawk.kvflow`: leases, the ring, cancels, deadlines, settle/quarantine, Release).
 
 ``register_kv_caches`` describes this engine's KV cache and builds the strategies once
-(:mod:`~vllm_hawk.connector.strategies`); each step the adapter hands the scheduler's
-metadata to them and reports results and stats back to vLLM. Leases, the ring, cancels,
-deadlines, settle/quarantine and Release are :mod:`vllm_hawk.kvflow`.
-
-Prefill (``kv_producer``): a :class:`~vllm_hawk.kvflow.PrefillEndpoint` on this TP rank's
-side channel holds ``reqs_to_send``; one the decode released (or whose lease expired) is
-reported in ``finished_sending`` and vLLM frees its blocks.
-
-Decode (``kv_consumer``): a :class:`~vllm_hawk.kvflow.LeaseKeeper` renews the leases of
-``reqs_to_want`` until their pull or Release. A pull runs on a pull thread: the
+(:mod:`~vllm_hawk.connector.strategies`). Prefill: a :class:`~vllm_hawk.kvflow.PrefillEndpoint`
+holds each step's ``reqs_to_send``; one the decode released (or whose lease expired) is
+reported in ``finished_sending``. Decode: a :class:`~vllm_hawk.kvflow.LeaseKeeper` renews
+the leases of ``reqs_to_want``; each pull runs on a pull thread, where the
 :class:`~vllm_hawk.kvflow.pull_plan.PullPlanner` gives its shares (per prefill rank: the
 endpoint from the :class:`~vllm_hawk.connector.peers.PeerPool`, the share, the sink) and
-the idle ranks to release; :func:`~vllm_hawk.kvflow.shares.fetch_shares` moves them; the
-outcome waits in :class:`~vllm_hawk.connector.pulls.PullResults` for
-``get_transfer_results`` (a failed pull whose READs have not drained only once they have).
+the idle ranks to release, :func:`~vllm_hawk.kvflow.shares.fetch_shares` moves them, and
+:class:`~vllm_hawk.connector.pulls.PullResults` keeps the outcome for
+``get_transfer_results`` (a failed pull whose READs have not drained: once they have).
 """
 from __future__ import annotations
 
@@ -38,6 +33,7 @@ from vllm_hawk.connector.strategies import (
     check_tp_size,
     decode_endpoint,
     describe_local,
+    make_planner,
     make_prefill,
     make_sinks,
     make_source,
@@ -46,14 +42,14 @@ from vllm_hawk.connector.strategies import (
 )
 from vllm_hawk.kvflow import LeaseKeeper, TransferUnsettled
 from vllm_hawk.kvflow.decode import WHOLE, Share
-from vllm_hawk.kvflow.pull_plan import PullPlanner, check_whole_chip
+from vllm_hawk.kvflow.pull_plan import check_whole_chip
 from vllm_hawk.kvflow.shares import fetch_shares
 from vllm_hawk.layout.tp import TPMismatch
 
 # Under "vllm." so that vLLM's log handlers and level apply.
 logger = logging.getLogger("vllm.hawk.worker")
 
-# Importable from here as before they moved to their own modules.
+# Names other modules and tests import from the worker side (defined in its modules).
 __all__ = ["HawkConnectorWorker", "MAX_PEERS", "check_pairing", "check_whole_chip", "make_sinks", "make_source",
            "make_transport_for", "tp_rank_and_size", "unpin_current_thread", "unpinned_threads"]
 
@@ -103,11 +99,7 @@ class HawkConnectorWorker:
         cfg, kv = self.cfg, self.kv
         self.sinks = make_sinks(cfg, kv, self.transport)
         self.sink = self.sinks[0]
-        p = self.planner = PullPlanner(kv.num_kv_heads, kv.layout, self.sinks, chips=kv.tt_cache is not None,
-                                       rank=self.tp_rank, ranks=self.tp_size, prefill_tp=cfg.prefill_tp,
-                                       head_maps=kv.heads, peer=self.peers.get, log=logger)
-        if cfg.prefill_tp:  # start-up: this decode's targets can pull from such a prefill
-            check_pairing(p.heads, cfg.prefill_tp, p.total, p.targets, p.local, chips=p.chips)
+        self.planner = make_planner(cfg, kv, self.sinks, self.peers.get, tp_rank=self.tp_rank, tp_size=self.tp_size)
         self._pool = cf.ThreadPoolExecutor(cfg.max_pulls, thread_name_prefix="hawk-pull",
                                            initializer=unpin_current_thread)
         self.keeper = LeaseKeeper(self.peers.for_keeper, cfg.renew_interval_s, max_hold_s=cfg.max_hold_s)
