@@ -1,65 +1,26 @@
-"""One request's KV from several prefill ranks: the shares of a tensor-parallel pull.
+"""One request's KV from several prefill ranks at once: the fetches of a tensor-parallel pull.
 
-:func:`plan_shares` turns :func:`vllm_hawk.layout.tp.plan_pulls` into what Algorithm 1
-runs: for each pull, the prefill rank to ask and the :class:`~vllm_hawk.kvflow.decode.Share`
-(the rank's local heads, how many shares that rank serves, a tag that keeps the shares'
-receive memory apart). :func:`fetch_shares` runs one fetch per share at once, each on
-its own :class:`~vllm_hawk.kvflow.decode.DecodeEndpoint` (one per prefill rank), and
-sums what moved. Every share lands as its own segments per destination bank (or layer),
-into a sink that holds just the destination heads of that share.
+:func:`fetch_shares` runs one fetch per planned share (:mod:`vllm_hawk.kvflow.pull_plan`)
+at once, each on its own :class:`~vllm_hawk.kvflow.decode.DecodeEndpoint` (one per
+prefill rank), and sums what moved. Every share lands as its own segments per
+destination bank (or layer), into a sink that holds just the destination heads of that
+share.
 
 A share that fails does not stop the others; once all have ended, the first failure
 is raised (a :class:`~vllm_hawk.kvflow.errors.TransferUnsettled` first: its blocks must
 not be reused). Each share released itself, so nothing stays held on any prefill rank.
+The planning names stay importable from here (the benchmarks and tests use them).
 """
 from __future__ import annotations
 
 import threading
-from dataclasses import dataclass
 from typing import Callable
 
-from vllm_hawk.kvflow.decode import FetchResult, Share
+from vllm_hawk.kvflow.decode import FetchResult
 from vllm_hawk.kvflow.errors import TransferUnsettled
-from vllm_hawk.layout.tp import consumers, plan_pulls, share_index
+from vllm_hawk.kvflow.pull_plan import PlannedShare, idle_ranks, plan_shares
 
 __all__ = ["PlannedShare", "plan_shares", "idle_ranks", "fetch_shares"]
-
-
-@dataclass(frozen=True)
-class PlannedShare:
-    """A decode target's pull from one prefill rank: ``share`` of that rank's heads,
-    landing at the target's local heads ``[dst_start, dst_start + count)``."""
-
-    target: int
-    prefill_rank: int
-    share: Share
-    dst_start: int
-    count: int
-
-
-def plan_shares(num_kv_heads: int, prefill_tp: int, decode_targets: int, target: int,
-                local_heads: int) -> list[PlannedShare]:
-    """The shares decode target ``target`` (of ``decode_targets`` ranks or chips, holding
-    ``local_heads`` heads) pulls. A pull of a prefill rank's whole shard into the whole
-    target, with no other consumer, is a plain whole request (as without TP); every share
-    names its target as ``chip`` (KVRequest ``dst_chip``, echoed in KVReady).
-    Raises :class:`~vllm_hawk.layout.tp.TPMismatch` naming both sides' values."""
-    src_heads = max(1, num_kv_heads // prefill_tp)
-    out = []
-    for p in plan_pulls(num_kv_heads, prefill_tp, decode_targets, target):
-        n = consumers(num_kv_heads, prefill_tp, decode_targets, p.prefill_rank)
-        whole = p.count == src_heads == local_heads and n == 1
-        idx = share_index(num_kv_heads, prefill_tp, decode_targets, target, p.prefill_rank)
-        share = Share(chip=target) if whole else Share(p.src_start, p.count, n, idx, tag=f"t{target}d{p.dst_start}",
-                                                       chip=target)
-        out.append(PlannedShare(target, p.prefill_rank, share, p.dst_start, p.count))
-    return out
-
-
-def idle_ranks(num_kv_heads: int, prefill_tp: int, decode_targets: int) -> list[int]:
-    """Prefill ranks no decode target pulls from (their heads are replicas served by a
-    lower rank): the decode's target 0 releases them at once."""
-    return [r for r in range(prefill_tp) if not consumers(num_kv_heads, prefill_tp, decode_targets, r)]
 
 
 def fetch_shares(req_id: str, num_tokens: int, shares: list[tuple[object, object, PlannedShare]],

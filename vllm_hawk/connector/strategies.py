@@ -1,0 +1,218 @@
+"""What the connector's worker side builds from its configuration, once, at ``register_kv_caches``.
+
+Both sides: :func:`describe_local` (what this engine's KV cache is), :func:`check_tp_size`,
+:func:`make_transport_for`.
+
+Prefill: :func:`make_prefill` — a :class:`~vllm_hawk.kvflow.PrefillEndpoint` on this TP
+rank's side channel, serving from :func:`make_source`'s source:
+:class:`~vllm_hawk.kvflow.TileTransformSource` (``device_profile`` names a Tenstorrent
+device and ``layout_fix: prefill``: GN-HAWK), :class:`~vllm_hawk.kvflow.RingGatherSource`
+(``mode: staged``; also GN-Host, ``layout_fix: decode``, whose decode fixes the layout)
+or :class:`~vllm_hawk.kvflow.VllmBlockSource` (``mode: direct``).
+
+Decode: :func:`make_sinks` — :class:`~vllm_hawk.kvflow.TTSink` per chip on the
+Tenstorrent platform plugin (:class:`~vllm_hawk.kvflow.gn_host.GNHostSink` with
+``layout_fix: decode``), else :class:`~vllm_hawk.kvflow.VllmPagedSink` /
+:class:`~vllm_hawk.kvflow.VllmStagedSink`; :func:`make_planner` (its pulls, see
+:mod:`vllm_hawk.kvflow.pull_plan`), which refuses at start-up a ``prefill_tp`` this
+decode cannot pull from (:func:`check_pairing`); :func:`decode_endpoint` opens a side
+channel to a prefill.
+"""
+from __future__ import annotations
+
+import logging
+import threading
+import time
+
+from vllm_hawk.connector import debug
+from vllm_hawk.connector.config import VLLM_PROFILE, HawkConfig, HawkConfigError, port_stride
+from vllm_hawk.connector.describe import LocalKV, describe_tt_cache, describe_vllm_caches, tt_cache_of
+from vllm_hawk.kvflow import (
+    DecodeEndpoint,
+    PrefillEndpoint,
+    RingGatherSource,
+    TileTransformSource,
+    TTSink,
+    VllmBlockSource,
+    vllm_sink,
+)
+from vllm_hawk.kvflow.gn_host import GNHostSink
+from vllm_hawk.kvflow.pull_plan import PullPlanner, check_targets
+from vllm_hawk.layout.tp import TPMismatch, shard_heads
+from vllm_hawk.transport import make_transport
+
+# The worker side's log: under "vllm." so that vLLM's log handlers and level apply.
+logger = logging.getLogger("vllm.hawk.worker")
+
+__all__ = ["check_pairing", "check_tp_size", "decode_endpoint", "describe_local", "make_planner", "make_prefill",
+           "make_sinks", "make_source", "make_transport_for", "prefill_transforms", "tp_rank_and_size"]
+
+
+def _in_background(warm, what: str) -> None:
+    """Run ``warm`` (compile or load the transform kernels) while the engine starts."""
+    def run() -> None:
+        t0 = time.monotonic()
+        try:
+            warm()
+        except Exception as e:  # noqa: BLE001 - the first request compiles instead
+            logger.warning("HawkConnector: %s warm-up failed: %s", what, e)
+            return
+        logger.info("HawkConnector: %s kernels ready in %.1f s", what, time.monotonic() - t0)
+
+    threading.Thread(target=run, daemon=True, name="hawk-transform-warm").start()
+
+
+def tp_rank_and_size() -> tuple[int, int]:
+    """This worker's tensor-parallel rank and size (0, 1 outside a TP group)."""
+    try:
+        from vllm.distributed import get_tensor_model_parallel_rank, get_tensor_model_parallel_world_size
+
+        return int(get_tensor_model_parallel_rank()), int(get_tensor_model_parallel_world_size())
+    except Exception:  # noqa: BLE001 - no distributed state (a bare engine in a test)
+        return 0, 1
+
+
+def describe_local(kv_caches, vllm_config, cfg: HawkConfig, *, is_producer: bool) -> LocalKV:
+    """This engine's KV cache: the Tenstorrent platform plugin's device cache when the
+    plugin runs (a decode naming its device), else vLLM's ``kv_caches``."""
+    tt_cache = tt_cache_of(vllm_config)
+    if tt_cache is None:
+        return describe_vllm_caches(kv_caches, vllm_config, cfg)
+    if is_producer:
+        raise NotImplementedError("HawkConnector: an engine on the Tenstorrent platform is a decode "
+                                  "(kv_consumer) only")
+    if cfg.device_profile == VLLM_PROFILE:
+        raise HawkConfigError("kv_connector_extra_config.device_profile must name the Tenstorrent device "
+                              "(e.g. 'p150a') on an engine that runs the Tenstorrent platform plugin")
+    return describe_tt_cache(tt_cache, vllm_config, cfg)
+
+
+def check_tp_size(cfg: HawkConfig, tp_size: int) -> None:
+    """Raise HawkConfigError unless this configuration serves ``tp_size`` TP ranks."""
+    if tp_size > 1 and cfg.layout_fix == "decode":
+        raise HawkConfigError(f"kv_connector_extra_config.layout_fix='decode' (GN-Host) with "
+                              f"tensor_parallel_size={tp_size}: GN-Host serves TP=1 only (GN-HAWK and GG "
+                              "pairs take any TP on both sides)")
+
+
+def check_pairing(num_kv_heads: int, prefill_tp: int, total: int, targets, local: int, *, chips: bool) -> None:
+    """Raise HawkConfigError (naming both sides' values) unless decode targets ``targets``
+    of ``total`` (TP ranks, or ``chips`` of a Tenstorrent mesh: those take their heads
+    whole from one prefill rank), each holding ``local`` heads, can pull from a prefill
+    with ``prefill_tp`` ranks."""
+    what = "chips" if chips else "TP ranks"
+    try:
+        check_targets(num_kv_heads, prefill_tp, total, targets, local, chips=chips)
+    except TPMismatch as e:
+        raise HawkConfigError(f"kv_connector_extra_config.prefill_tp={prefill_tp} cannot feed this decode ({total} "
+                              f"{what}, {num_kv_heads} KV heads): {e}") from None
+
+
+def prefill_transforms(cfg: HawkConfig) -> bool:
+    """True when the prefill converts the blocks to the Tenstorrent layout (GN-HAWK)."""
+    return cfg.device_profile != VLLM_PROFILE and cfg.layout_fix == "prefill"
+
+
+def make_source(cfg: HawkConfig, kv: LocalKV):
+    """The prefill's source for this configuration (see module doc)."""
+    if prefill_transforms(cfg):
+        from vllm_hawk.layout.device_profiles import load_profile
+
+        src = TileTransformSource(kv.views, kv.layout, load_profile(cfg.device_profile))
+        _in_background(lambda: src.warm(src.profile), "prefill transform")
+        return src
+    if cfg.mode == "staged":  # also GN-Host (layout_fix 'decode'): plain vLLM blocks, the decode fixes them
+        return RingGatherSource(kv.region_map, kv.layout, kv.storages, kv.heads)
+    return VllmBlockSource(kv.region_map, kv.layout, kv.storages, kv.heads)
+
+
+def make_prefill(cfg: HawkConfig, kv: LocalKV, transport, vllm_config, *, tp_rank: int, tp_size: int,
+                 on_finished, debug_dir=None) -> PrefillEndpoint:
+    """The prefill endpoint of TP rank ``tp_rank`` (its side channel: the configured port
+    plus ``tp_rank`` port strides); ``debug_dir``: dump what it serves there."""
+    source = make_source(cfg, kv)
+    observer = None
+    if debug_dir is not None:
+        every = prefill_transforms(cfg) or cfg.layout_fix == "decode" or tp_size > 1
+        observer = debug.prefill_dumper(debug_dir, kv.views, f"-r{tp_rank}" if tp_size > 1 else "",
+                                        when=None if every else (lambda msg: msg.num_heads > 0))
+    port = cfg.side_channel_port + tp_rank * port_stride(vllm_config)
+    tp_info = dict(tp_size=tp_size, tp_rank=tp_rank, num_kv_heads=kv.num_kv_heads,
+                   head_start=shard_heads(kv.num_kv_heads, tp_size, tp_rank).start,
+                   num_heads=kv.layout.num_kv_heads) if kv.num_kv_heads else None
+    prefill = PrefillEndpoint(
+        source, transport, kv.compat, ring_nbytes=cfg.ring_nbytes, tp_info=tp_info,
+        bind=f"tcp://{cfg.side_channel_host}:{port}", secret=cfg.secret_bytes,
+        auth=cfg.auth, claim_wait_s=cfg.claim_wait_s, lease_s=cfg.lease_s, max_hold_s=cfg.max_hold_s,
+        on_finished=on_finished,
+        observer=observer)  # server_id: random per start, so signed requests name this instance
+    logger.info("HawkConnector prefill: side channel %s (auth %s), transfer endpoint %s, source %s, "
+                "transport %s", prefill.endpoint, cfg.auth, transport.endpoint, source.name, cfg.transport)
+    if cfg.auth == "none":
+        logger.warning("HawkConnector prefill: side-channel authentication is OFF (auth 'none'): anyone who "
+                       "reaches %s can request and release KV", prefill.endpoint)
+    return prefill
+
+
+def _tt_chips(kv: LocalKV) -> list:
+    """The chips of the plugin's cache: a mesh cache lists them, a single-chip cache is its one chip."""
+    return getattr(kv.tt_cache, "chips", [kv.tt_cache])
+
+
+def _tt_sinks(cfg: HawkConfig, kv: LocalKV, transport) -> list:
+    """One TTSink per chip of the plugin's cache (each chip: its own banks, buffers, allocator)."""
+    sinks = []
+    try:
+        for c in _tt_chips(kv):
+            align = c.device.profile.dram_alignment_bytes
+            per_bank = max(align, cfg.ring_nbytes // c.layout.num_banks // align * align)
+            sinks.append(TTSink(c.device, c.layout, c.buffers, transport, cfg.mode, recv_nbytes_per_bank=per_bank))
+    except BaseException:
+        for x in sinks:
+            x.close()
+        raise
+    return sinks
+
+
+def make_sinks(cfg: HawkConfig, kv: LocalKV, transport) -> list:
+    """The decode's sinks for this configuration (see module doc): one per chip of a
+    Tenstorrent mesh (each chip's banks, its heads), else one."""
+    if kv.tt_cache is not None and cfg.layout_fix == "decode":
+        chips = _tt_chips(kv)
+        if len(chips) != 1:
+            raise HawkConfigError(f"layout_fix 'decode' (GN-Host) with {len(chips)} chips: GN-Host lands on one "
+                                  "chip; use layout_fix 'prefill' (GN-HAWK) for a mesh, or HAWK_TT_CHIPS=1")
+        c = chips[0]
+        sink = GNHostSink(c.device, c.layout, c.buffers, transport, kv.wire, cfg.ring_nbytes)
+        _in_background(sink.warm, "GN-Host layout fix")
+        return [sink]
+    if kv.tt_cache is not None:
+        return _tt_sinks(cfg, kv, transport)
+    if cfg.device_profile != VLLM_PROFILE:
+        raise NotImplementedError(f"HawkConnector: device_profile {cfg.device_profile!r} on the decode needs "
+                                  "the Tenstorrent platform plugin (HAWK_TT_PLATFORM)")
+    return [vllm_sink(kv.region_map, kv.layout, transport, cfg.mode, kv.storages, cfg.ring_nbytes)]
+
+
+def make_planner(cfg: HawkConfig, kv: LocalKV, sinks: list, peer, *, tp_rank: int, tp_size: int) -> PullPlanner:
+    """The decode's pull planner over ``sinks`` (``peer``: side channel, engine id ->
+    DecodeEndpoint); with ``prefill_tp`` set, checks at start-up that this decode's
+    targets can pull from such a prefill."""
+    p = PullPlanner(kv.num_kv_heads, kv.layout, sinks, chips=kv.tt_cache is not None, rank=tp_rank, ranks=tp_size,
+                    prefill_tp=cfg.prefill_tp, head_maps=kv.heads, peer=peer, log=logger)
+    if cfg.prefill_tp:
+        check_pairing(p.heads, cfg.prefill_tp, p.total, p.targets, p.local, chips=p.chips)
+    return p
+
+
+def decode_endpoint(cfg: HawkConfig, transport, kv: LocalKV, side_channel: str) -> DecodeEndpoint:
+    """A decode's endpoint to the prefill side channel ``side_channel`` (its handshake)."""
+    return DecodeEndpoint(transport, side_channel, kv.compat, secret=cfg.secret_bytes, auth=cfg.auth,
+                          pull_timeout_s=cfg.pull_timeout_s, claim_wait_s=cfg.claim_wait_s,
+                          handshake_timeout_s=cfg.handshake_timeout_s)
+
+
+def make_transport_for(cfg: HawkConfig):
+    """The transport this configuration names (``transport`` and its options)."""
+    kind, options = cfg.transport_kind_and_options()
+    return make_transport(kind, **options)
