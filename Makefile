@@ -51,8 +51,8 @@ compose-demo: env
 layout: env  ## how a Llama-3.1-70B request maps onto a p150a's DRAM banks
 	$(PY) -m vllm_hawk.cli layout
 
-lint: env  ## ruff, configured in pyproject.toml
-	@$(STAGE) lint $(dir $(PY))ruff check .
+lint: env  ## ruff format --check and ruff check, configured in pyproject.toml
+	@$(STAGE) lint bash -c '$(dir $(PY))ruff format --check . && $(dir $(PY))ruff check .'
 
 # Two pytest stages, each with its own time: the docker-compose two-node run (tests/twohost,
 # marker `compose`), then everything else; the last closing line counts the main suite.

@@ -1,6 +1,7 @@
 """The decode's side-channel pool (:class:`vllm_hawk.connector.peers.PeerPool`), with a
 fake handshake: one endpoint per side channel, shared by concurrent pulls; a bounded
 pool that counts its refusals; the lease keeper's handshake off its heartbeat thread."""
+
 from __future__ import annotations
 
 import logging
@@ -61,8 +62,11 @@ def test_a_full_pool_refuses_and_counts_each_refusal():
     pool = PeerPool(_Handshakes(), on_refused=lambda: refused.append(1), max_peers=2)
     pool.get("tcp://p:1", "e1")
     pool.get("tcp://p:2", "e2")
-    with pytest.raises(PeerFailed, match="pull from prefill e3 at tcp://p:3 refused: this decode already talks "
-                                         r"to 2 prefills \(kv_transfer_params name too many side channels\)"):
+    with pytest.raises(
+        PeerFailed,
+        match="pull from prefill e3 at tcp://p:3 refused: this decode already talks "
+        r"to 2 prefills \(kv_transfer_params name too many side channels\)",
+    ):
         pool.get("tcp://p:3", "e3")
     assert refused == [1]
     pool.get("tcp://p:1", "e1")  # an open side channel is no new peer

@@ -1,6 +1,7 @@
 """The decode's pull plan (:class:`vllm_hawk.kvflow.pull_plan.PullPlanner`), pure: a
 request's ``RecvSpec`` and both sides' heads and TP sizes in, per prefill rank its side
 channel's endpoint, share and sink out, with the idle ranks to release."""
+
 from __future__ import annotations
 
 import logging
@@ -43,18 +44,37 @@ class _Endpoint:
 
 
 def _layout(heads: int) -> LayoutDesc:
-    return LayoutDesc(name="test", dtype="bfloat16", block_size=16, num_layers=2, num_kv_heads=heads, head_dim=64,
-                      num_banks=1, tile_nbytes=1024, page_nbytes=4096)
+    return LayoutDesc(
+        name="test",
+        dtype="bfloat16",
+        block_size=16,
+        num_layers=2,
+        num_kv_heads=heads,
+        head_dim=64,
+        num_banks=1,
+        tile_nbytes=1024,
+        page_nbytes=4096,
+    )
 
 
 def _head_maps(start: int, count: int):
-    return SimpleNamespace(heads=(start, count),
-                           layers=[SimpleNamespace(block_nbytes=1024 * count, block_stride_nbytes=4096)])
+    return SimpleNamespace(
+        heads=(start, count), layers=[SimpleNamespace(block_nbytes=1024 * count, block_stride_nbytes=4096)]
+    )
 
 
 def _spec(prefill_tp: int) -> RecvSpec:
-    return RecvSpec("prefill-0", "req-1", "10.0.0.1", PORT, remote_num_tokens=40, num_remote_blocks=3,
-                    local_block_ids=[4, 5, 6], remote_tp_size=prefill_tp, remote_port_stride=STRIDE)
+    return RecvSpec(
+        "prefill-0",
+        "req-1",
+        "10.0.0.1",
+        PORT,
+        remote_num_tokens=40,
+        num_remote_blocks=3,
+        local_block_ids=[4, 5, 6],
+        remote_tp_size=prefill_tp,
+        remote_port_stride=STRIDE,
+    )
 
 
 def _planner(heads: int, local: int, sinks=None, *, lie: dict | None = None, **kw):
@@ -69,8 +89,9 @@ def _planner(heads: int, local: int, sinks=None, *, lie: dict | None = None, **k
         return _Endpoint(side_channel, tp_size, tp_rank, heads)
 
     peer.tp = kw.pop("spec_tp", 1)
-    p = PullPlanner(heads, _layout(local), sinks or [_Sink()], head_maps=_head_maps, peer=peer,
-                    chips=kw.pop("chips", False), **kw)
+    p = PullPlanner(
+        heads, _layout(local), sinks or [_Sink()], head_maps=_head_maps, peer=peer, chips=kw.pop("chips", False), **kw
+    )
     return p, calls
 
 
@@ -93,8 +114,10 @@ def test_two_prefill_ranks_into_one_decode_each_into_a_view_of_its_heads():
     plan = p.plan(_spec(2))
     assert [ep.side_channel for ep, _, _ in plan.shares] == [_side(0), _side(1)]
     assert [sink for _, sink, _ in plan.shares] == [("sink", (0, 2), 2), ("sink", (2, 2), 2)]
-    assert [ps.share for _, _, ps in plan.shares] == [Share(0, 2, 1, 0, tag="t0d0", chip=0),
-                                                      Share(0, 2, 1, 0, tag="t0d2", chip=0)]
+    assert [ps.share for _, _, ps in plan.shares] == [
+        Share(0, 2, 1, 0, tag="t0d0", chip=0),
+        Share(0, 2, 1, 0, tag="t0d2", chip=0),
+    ]
     assert plan.idle == []
     p.plan(_spec(2))  # a second pull reuses the head views
     assert len(p.sinks[0].views) == 2
@@ -104,8 +127,10 @@ def test_decode_ranks_each_pull_their_heads_from_one_prefill_rank():
     for rank in (0, 1):
         p, _ = _planner(8, 4, rank=rank, ranks=2, spec_tp=4)
         plan = p.plan(_spec(4))
-        assert [(ps.prefill_rank, ps.dst_start, ps.count) for _, _, ps in plan.shares] == \
-            [(2 * rank, 0, 2), (2 * rank + 1, 2, 2)]
+        assert [(ps.prefill_rank, ps.dst_start, ps.count) for _, _, ps in plan.shares] == [
+            (2 * rank, 0, 2),
+            (2 * rank + 1, 2, 2),
+        ]
         assert all(ps.target == rank for _, _, ps in plan.shares)
 
 
@@ -137,8 +162,10 @@ def test_replicated_heads_leave_idle_ranks_that_rank_0_releases(caplog):
 def test_a_release_plan_opens_no_side_channel():
     p, calls = _planner(4, 4, spec_tp=2)
     plan = p.plan(_spec(2), connect=False)
-    assert calls == [] and [(ep, sink, ps.prefill_rank) for ep, sink, ps in plan.shares] == \
-        [(None, None, 0), (None, None, 1)]
+    assert calls == [] and [(ep, sink, ps.prefill_rank) for ep, sink, ps in plan.shares] == [
+        (None, None, 0),
+        (None, None, 1),
+    ]
 
 
 def test_mesh_chips_each_take_a_whole_shard_into_their_own_sink():
@@ -146,8 +173,7 @@ def test_mesh_chips_each_take_a_whole_shard_into_their_own_sink():
     p, _ = _planner(8, 4, sinks, chips=True, spec_tp=2)
     assert (p.total, p.targets) == (2, [0, 1])
     plan = p.plan(_spec(2))
-    assert [(sink, ps.prefill_rank, ps.target) for _, sink, ps in plan.shares] == \
-        [(sinks[0], 0, 0), (sinks[1], 1, 1)]
+    assert [(sink, ps.prefill_rank, ps.target) for _, sink, ps in plan.shares] == [(sinks[0], 0, 0), (sinks[1], 1, 1)]
     p.check_pairing(2)
     with pytest.raises(TPMismatch, match="whole head shards"):
         p.check_pairing(4)
@@ -158,8 +184,11 @@ def test_mesh_chips_each_take_a_whole_shard_into_their_own_sink():
 
 def test_a_side_channel_that_is_another_rank_is_refused_with_its_hello():
     p, _ = _planner(4, 4, spec_tp=2, lie={_side(1): (4, 3)})
-    with pytest.raises(TPMismatch, match=r"says it is TP rank 3 of 4 with 4 KV heads; kv_transfer_params name "
-                                         r"rank 1 of 2") as e:
+    with pytest.raises(
+        TPMismatch,
+        match=r"says it is TP rank 3 of 4 with 4 KV heads; kv_transfer_params name "
+        r"rank 1 of 2",
+    ) as e:
         p.plan(_spec(2))
     assert e.value.hello.tp_size == 4
     assert p.after_mismatch(e.value) == [0, 1, 2, 3]  # every rank the prefill says it has
@@ -176,8 +205,11 @@ def test_the_configured_prefill_tp_must_match_the_request():
 
 def test_a_whole_shard_sink_refuses_a_share_of_its_heads():
     p, _ = _planner(4, 4, [_WholeSink()], spec_tp=2)
-    with pytest.raises(TPMismatch, match=r"sink \(_WholeSink\) takes whole shards only; heads 0..1 of its 4 would "
-                                         r"come from prefill rank 0 alone"):
+    with pytest.raises(
+        TPMismatch,
+        match=r"sink \(_WholeSink\) takes whole shards only; heads 0..1 of its 4 would "
+        r"come from prefill rank 0 alone",
+    ):
         p.plan(_spec(2))
     p, _ = _planner(4, 4, [_WholeSink()])
     assert len(p.plan(_spec(1)).shares) == 1  # a whole shard lands as before

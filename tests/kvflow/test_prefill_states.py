@@ -1,5 +1,6 @@
 """The prefill's share life cycle (:mod:`vllm_hawk.kvflow.lifecycle`) and its early
 arrivals (:mod:`vllm_hawk.kvflow.early`): the transition table, the records, the bounds."""
+
 from __future__ import annotations
 
 import itertools
@@ -22,8 +23,17 @@ from vllm_hawk.kvflow.lifecycle import (
 from vllm_hawk.protocol import KVRequest, LayoutDesc
 
 S = ShareState
-LAYOUT = LayoutDesc(name="t", dtype="bfloat16", block_size=32, num_layers=4, num_kv_heads=2, head_dim=64,
-                    num_banks=2, tile_nbytes=2048, page_nbytes=2048)
+LAYOUT = LayoutDesc(
+    name="t",
+    dtype="bfloat16",
+    block_size=32,
+    num_layers=4,
+    num_kv_heads=2,
+    head_dim=64,
+    num_banks=2,
+    tile_nbytes=2048,
+    page_nbytes=2048,
+)
 
 
 def _walk(*states: ShareState, start: ShareState = S.HELD) -> ShareRecord:
@@ -34,17 +44,20 @@ def _walk(*states: ShareState, start: ShareState = S.HELD) -> ShareRecord:
     return rec
 
 
-@pytest.mark.parametrize("path", [
-    (S.HELD, S.SERVING, S.SERVED, S.RELEASED),  # parked: the hand-over came, served, released
-    (S.HELD, S.SERVING, S.CANCELLED, S.RELEASED),  # Release before KVReady; the worker freed it
-    (S.HELD, S.EXPIRED),  # a parked share whose request's lease ran out unasked
-    (S.EXPIRED,),  # the hand-over never came
-    (S.HELD, S.SERVING, S.SERVED, S.SERVING, S.SERVED, S.EXPIRED),  # layer groups, then lease
-    (S.HELD, S.SERVING, S.HELD, S.SERVING, S.SERVED, S.RELEASED),  # a failed serve, then a retry
-    (S.HELD, S.SERVING, S.EXPIRED),
-    (S.HELD, S.SERVING, S.CANCELLED, S.EXPIRED),
-    (S.HELD, S.RELEASED),  # released unasked (the decode had the prefix)
-])
+@pytest.mark.parametrize(
+    "path",
+    [
+        (S.HELD, S.SERVING, S.SERVED, S.RELEASED),  # parked: the hand-over came, served, released
+        (S.HELD, S.SERVING, S.CANCELLED, S.RELEASED),  # Release before KVReady; the worker freed it
+        (S.HELD, S.EXPIRED),  # a parked share whose request's lease ran out unasked
+        (S.EXPIRED,),  # the hand-over never came
+        (S.HELD, S.SERVING, S.SERVED, S.SERVING, S.SERVED, S.EXPIRED),  # layer groups, then lease
+        (S.HELD, S.SERVING, S.HELD, S.SERVING, S.SERVED, S.RELEASED),  # a failed serve, then a retry
+        (S.HELD, S.SERVING, S.EXPIRED),
+        (S.HELD, S.SERVING, S.CANCELLED, S.EXPIRED),
+        (S.HELD, S.RELEASED),  # released unasked (the decode had the prefix)
+    ],
+)
 def test_every_legal_path_from_parked(path):
     assert _walk(*path, start=S.PARKED).state is path[-1]
 
@@ -102,10 +115,19 @@ def test_records_and_table():
     assert table.get("r") is None and table.gone["r"] == "released"
 
 
-def _kvreq(rid: str, *, share: int = 0, consumers: int = 1, first_layer: int = 0, num_layers: int = 0,
-           ids=(1,)) -> KVRequest:
-    return KVRequest(req_id=rid, dst_layout=LAYOUT, num_tokens=32 * len(ids), dst_block_ids=list(ids),
-                     share=share, consumers=consumers, first_layer=first_layer, num_layers=num_layers)
+def _kvreq(
+    rid: str, *, share: int = 0, consumers: int = 1, first_layer: int = 0, num_layers: int = 0, ids=(1,)
+) -> KVRequest:
+    return KVRequest(
+        req_id=rid,
+        dst_layout=LAYOUT,
+        num_tokens=32 * len(ids),
+        dst_block_ids=list(ids),
+        share=share,
+        consumers=consumers,
+        first_layer=first_layer,
+        num_layers=num_layers,
+    )
 
 
 def test_early_arrivals_park_join_take():

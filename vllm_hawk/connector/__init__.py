@@ -16,6 +16,7 @@ Algorithm 1 itself is :mod:`vllm_hawk.kvflow`.
 Importing this package imports vLLM only through :mod:`vllm_hawk.connector.connector`,
 loaded lazily, so ``register`` stays cheap in every vLLM process.
 """
+
 from __future__ import annotations
 
 CONNECTOR_NAME = "HawkConnector"
@@ -34,13 +35,13 @@ def register() -> None:
     from vllm.distributed.kv_transfer.kv_connector.factory import KVConnectorFactory
 
     if CONNECTOR_NAME not in KVConnectorFactory._registry:
-        KVConnectorFactory.register_connector(CONNECTOR_NAME, "vllm_hawk.connector.connector",
-                                              CONNECTOR_NAME)
+        KVConnectorFactory.register_connector(CONNECTOR_NAME, "vllm_hawk.connector.connector", CONNECTOR_NAME)
 
 
 def __getattr__(name: str):
     if name == CONNECTOR_NAME:  # kv_connector_module_path="vllm_hawk.connector"
         from vllm_hawk.connector.connector import HawkConnector
+
         return HawkConnector
     raise AttributeError(name)
 

@@ -5,6 +5,7 @@ small machines), and threads inherit that mask. The connector's threads (side ch
 pulls, transport polling) must not queue behind the model's busy loop on that core: on
 a 2-core machine that starved them for tens of seconds.
 """
+
 from __future__ import annotations
 
 import contextlib

@@ -185,8 +185,9 @@ from __future__ import annotations
 
 import os
 import stat
+from collections.abc import Mapping
 from dataclasses import dataclass, field, fields
-from typing import Any, Mapping
+from typing import Any
 
 from vllm_hawk import envs
 from vllm_hawk.kvflow.decode import AUTO_LAYER_GROUPS
@@ -233,8 +234,7 @@ class HawkConfig:
         if self.transport == "host-staged":
             return "host_staged", {"bind_host": self.side_channel_host, "secret": self.secret_bytes}
         protocol = "rdma" if self.transport == "mooncake-rdma" else "tcp"
-        return "mooncake", {"local_host": self.side_channel_host, "protocol": protocol,
-                            "device_name": self.rdma_device}
+        return "mooncake", {"local_host": self.side_channel_host, "protocol": protocol, "device_name": self.rdma_device}
 
 
 _KNOWN = {f.name: f for f in fields(HawkConfig) if f.name != "secret_bytes"}
@@ -246,8 +246,7 @@ def _err(name: str, value: Any, want: str) -> HawkConfigError:
 
 
 def _number(name: str, value: Any, *, integer: bool, low: float, high: float | None = None):
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or (
-            integer and not isinstance(value, int)):
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or (integer and not isinstance(value, int)):
         raise _err(name, value, "expected an integer" if integer else "expected a number")
     if value < low or (high is not None and value > high):
         rng = f">= {low}" if high is None else f"in [{low}, {high}]"
@@ -285,8 +284,9 @@ def _check_names(extra: dict) -> None:
         if old in extra:
             raise HawkConfigError(f"kv_connector_extra_config.{old} was renamed to {new!r}")
     if unknown:
-        raise HawkConfigError(f"kv_connector_extra_config has unknown field(s) {unknown}; "
-                              f"known fields: {sorted(_KNOWN)}")
+        raise HawkConfigError(
+            f"kv_connector_extra_config has unknown field(s) {unknown}; known fields: {sorted(_KNOWN)}"
+        )
 
 
 def _check_strategy(out: dict) -> None:
@@ -301,20 +301,21 @@ def _check_strategy(out: dict) -> None:
     if not out["side_channel_host"]:
         raise _err("side_channel_host", "", "must not be empty")
     if out["rdma_device"] and out["transport"] != "mooncake-rdma":
-        raise _err("rdma_device", out["rdma_device"], "only meaningful with "
-                   "transport='mooncake-rdma'")
+        raise _err("rdma_device", out["rdma_device"], "only meaningful with transport='mooncake-rdma'")
 
 
 def _check_numbers(out: dict, extra: dict, dp_rank: int) -> None:
     """Ports, times (s), sizes (bytes) and counts, in place; defaults derived from lease_s."""
-    out["side_channel_port"] = _number("side_channel_port", out["side_channel_port"],
-                                       integer=True, low=1, high=65535 - dp_rank) + dp_rank
+    out["side_channel_port"] = (
+        _number("side_channel_port", out["side_channel_port"], integer=True, low=1, high=65535 - dp_rank) + dp_rank
+    )
     for name in ("lease_s", "pull_timeout_s", "claim_wait_s", "handshake_timeout_s"):
         out[name] = float(_number(name, out[name], integer=False, low=0.1))
     if "renew_interval_s" not in extra:
         out["renew_interval_s"] = min(1.0, out["lease_s"] / 4)
-    out["renew_interval_s"] = float(_number("renew_interval_s", out["renew_interval_s"], integer=False, low=0.01,
-                                            high=out["lease_s"] / 2))
+    out["renew_interval_s"] = float(
+        _number("renew_interval_s", out["renew_interval_s"], integer=False, low=0.01, high=out["lease_s"] / 2)
+    )
     if "max_hold_s" not in extra:
         out["max_hold_s"] = max(600.0, out["lease_s"])
     out["max_hold_s"] = float(_number("max_hold_s", out["max_hold_s"], integer=False, low=out["lease_s"]))
@@ -334,6 +335,7 @@ def _check_layout_fix(out: dict) -> None:
     profile = out["device_profile"]
     if profile != VLLM_PROFILE:
         from vllm_hawk.layout.device_profiles import available_profiles
+
         known = available_profiles()
         if profile not in known:
             raise _err("device_profile", profile, f"choose {VLLM_PROFILE!r} or one of {known}")
@@ -343,11 +345,18 @@ def _check_layout_fix(out: dict) -> None:
     if fix != "decode":
         return
     if profile == VLLM_PROFILE:
-        raise _err("layout_fix", fix, "the decode-side layout fix (GN-Host) is for a Tenstorrent decode: set "
-                   "device_profile to its device (e.g. 'p150a'); a vLLM decode needs no fix")
+        raise _err(
+            "layout_fix",
+            fix,
+            "the decode-side layout fix (GN-Host) is for a Tenstorrent decode: set "
+            "device_profile to its device (e.g. 'p150a'); a vLLM decode needs no fix",
+        )
     if out["layer_groups"] not in (1, AUTO_LAYER_GROUPS):
-        raise _err("layer_groups", out["layer_groups"], "layout_fix='decode' (GN-Host) pulls whole requests: "
-                   "set layer_groups 1 (or leave it auto)")
+        raise _err(
+            "layer_groups",
+            out["layer_groups"],
+            "layout_fix='decode' (GN-Host) pulls whole requests: set layer_groups 1 (or leave it auto)",
+        )
 
 
 def _read_secret_file(name: str, path: Any) -> bytes:
@@ -363,8 +372,10 @@ def _read_secret_file(name: str, path: Any) -> bytes:
         raise _err(name, path, f"cannot be read: {e.strerror}") from None
     if st.st_mode & stat.S_IROTH:
         import logging
+
         logging.getLogger("vllm.hawk.config").warning(
-            "%s %s is readable by every user on this host: chmod o-r it", name, path)
+            "%s %s is readable by every user on this host: chmod o-r it", name, path
+        )
     return data
 
 
@@ -390,16 +401,21 @@ def _resolve_secret(out: dict) -> bytes | None:
             secret, name = None, ""
     if out["auth"] == "none":
         if secret is not None:
-            raise _err("auth", "none", f"a shared secret is configured ({name}): remove it, or choose "
-                       "auth 'curve' (default) or 'hmac'")
+            raise _err(
+                "auth",
+                "none",
+                f"a shared secret is configured ({name}): remove it, or choose auth 'curve' (default) or 'hmac'",
+            )
         return None
     if secret is None:
         raise HawkConfigError(
             f"kv_connector_extra_config.auth={out['auth']!r} needs a shared secret and none is set: side-channel "
             "authentication is on by default. Set shared_secret or shared_secret_file (or HAWK_SHARED_SECRET / "
             "HAWK_SHARED_SECRET_FILE) to the same >= 16-byte secret on the prefill and the decode, or set "
-            "\"auth\": \"none\" on both to turn authentication off on a private, trusted network")
+            '"auth": "none" on both to turn authentication off on a private, trusted network'
+        )
     if len(secret) < MIN_SECRET_NBYTES:
-        raise _err(name.split(" ")[0], "<hidden>", f"the secret must be at least {MIN_SECRET_NBYTES} bytes, "
-                   f"got {len(secret)}")
+        raise _err(
+            name.split(" ")[0], "<hidden>", f"the secret must be at least {MIN_SECRET_NBYTES} bytes, got {len(secret)}"
+        )
     return secret

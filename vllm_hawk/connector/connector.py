@@ -11,6 +11,7 @@ queue; ``build_connector_meta`` once per scheduler step;
 ``start_load_kv`` once per worker step (also in steps without a forward pass);
 ``get_transfer_results`` once per worker step; ``request_finished`` once per request.
 """
+
 from __future__ import annotations
 
 import logging
@@ -46,8 +47,9 @@ class HawkConnector(KVConnectorBase_V1):
         super().__init__(vllm_config, role, kv_cache_config)
         ktc = vllm_config.kv_transfer_config
         if vllm_config.parallel_config.pipeline_parallel_size != 1:
-            raise NotImplementedError("HawkConnector supports pipeline_parallel_size 1 only (tensor parallelism "
-                                      "of any size on both sides)")
+            raise NotImplementedError(
+                "HawkConnector supports pipeline_parallel_size 1 only (tensor parallelism of any size on both sides)"
+            )
         dp_rank = getattr(vllm_config.parallel_config, "data_parallel_index", 0) or 0
         self.cfg = parse_config(ktc.kv_connector_extra_config, dp_rank=dp_rank)
         self.engine_id = ktc.engine_id or "hawk"
@@ -56,19 +58,16 @@ class HawkConnector(KVConnectorBase_V1):
         if role == KVConnectorRole.SCHEDULER:
             self.connector_scheduler = HawkConnectorScheduler(vllm_config, self.engine_id, self.cfg)
         else:
-            self.connector_worker = HawkConnectorWorker(vllm_config, self.cfg,
-                                                        ktc.is_kv_producer, ktc.is_kv_consumer)
+            self.connector_worker = HawkConnectorWorker(vllm_config, self.cfg, ktc.is_kv_producer, ktc.is_kv_consumer)
 
     # ================================================================ scheduler side
-    def on_new_request(self, request: "Request") -> None:
+    def on_new_request(self, request: Request) -> None:
         self.connector_scheduler.on_new_request(request)
 
-    def get_num_new_matched_tokens(self, request: "Request",
-                                   num_computed_tokens: int) -> tuple[int | None, bool]:
+    def get_num_new_matched_tokens(self, request: Request, num_computed_tokens: int) -> tuple[int | None, bool]:
         return self.connector_scheduler.get_num_new_matched_tokens(request, num_computed_tokens)
 
-    def update_state_after_alloc(self, request: "Request", blocks: "KVCacheBlocks",
-                                 num_external_tokens: int) -> None:
+    def update_state_after_alloc(self, request: Request, blocks: KVCacheBlocks, num_external_tokens: int) -> None:
         self.connector_scheduler.update_state_after_alloc(request, blocks, num_external_tokens)
 
     def build_connector_meta(self, scheduler_output) -> KVConnectorMetadata:
@@ -77,11 +76,10 @@ class HawkConnector(KVConnectorBase_V1):
     def update_connector_output(self, connector_output) -> None:
         self.connector_scheduler.update_connector_output(connector_output)
 
-    def request_finished(self, request: "Request",
-                         block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
+    def request_finished(self, request: Request, block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
         return self.connector_scheduler.request_finished(request, block_ids)
 
-    def get_loaded_kv_cache_group_ids(self, request: "Request") -> tuple[int, ...]:
+    def get_loaded_kv_cache_group_ids(self, request: Request) -> tuple[int, ...]:
         return self._kv_cache_config.transfer_group_ids
 
     # ================================================================ worker side
@@ -96,8 +94,7 @@ class HawkConnector(KVConnectorBase_V1):
     def wait_for_layer_load(self, layer_name: str) -> None:
         """Pulls complete before the request is scheduled: nothing to wait for."""
 
-    def save_kv_layer(self, layer_name: str, kv_layer: torch.Tensor, attn_metadata,
-                      **kwargs: Any) -> None:
+    def save_kv_layer(self, layer_name: str, kv_layer: torch.Tensor, attn_metadata, **kwargs: Any) -> None:
         """Pull design: the prefill never pushes."""
 
     def wait_for_save(self) -> None:

@@ -9,6 +9,7 @@
 * tensor parallelism (GG): ``prefill-<req>-r<rank>.pt`` as above per prefill rank, and
   ``decode-<req>[-r<rank>].pt`` with the logical K/V of the destination blocks filled.
 """
+
 from __future__ import annotations
 
 import json
@@ -45,10 +46,17 @@ def prefill_dumper(d: Path, source, tag: str = "", when=None):
             return
         views, sel = source.select(src_blocks)
         ids = torch.as_tensor(sel)
-        _save(d, f"prefill-{_safe(rid)}{tag}.pt", {
-            "src_blocks": src_blocks.tolist(), "dst_blocks": list(msg.dst_block_ids),
-            "num_tokens": msg.num_tokens, "dtype": msg.dst_layout.dtype,
-            "kv": [(k.index_select(0, ids).clone(), v.index_select(0, ids).clone()) for k, v in views]})
+        _save(
+            d,
+            f"prefill-{_safe(rid)}{tag}.pt",
+            {
+                "src_blocks": src_blocks.tolist(),
+                "dst_blocks": list(msg.dst_block_ids),
+                "num_tokens": msg.num_tokens,
+                "dtype": msg.dst_layout.dtype,
+                "kv": [(k.index_select(0, ids).clone(), v.index_select(0, ids).clone()) for k, v in views],
+            },
+        )
 
     return observe
 
@@ -57,11 +65,19 @@ def dump_landed(d: Path, key: str, cache, dst_blocks) -> None:
     """Save the bank bytes of ``dst_blocks`` of a Tenstorrent cache after a pull (a mesh:
     the bytes of all heads, as one chip holding them all would have them)."""
     blocks = [int(b) for b in dst_blocks]
-    _save(d, f"decode-{_safe(key)}.pt", {
-        "dst_blocks": blocks, "dtype": cache.spec.dtype,
-        "device": getattr(cache, "chips", [cache])[0].device.profile.name,
-        "bytes": [(cache.read_block_bytes(i, 0, blocks).clone(), cache.read_block_bytes(i, 1, blocks).clone())
-                  for i in range(cache.spec.num_layers)]})
+    _save(
+        d,
+        f"decode-{_safe(key)}.pt",
+        {
+            "dst_blocks": blocks,
+            "dtype": cache.spec.dtype,
+            "device": cache.chips[0].device.profile.name,
+            "bytes": [
+                (cache.read_block_bytes(i, 0, blocks).clone(), cache.read_block_bytes(i, 1, blocks).clone())
+                for i in range(cache.spec.num_layers)
+            ],
+        },
+    )
 
 
 def dump_landed_kv(d: Path, key: str, source, dst_blocks) -> None:
@@ -72,9 +88,14 @@ def dump_landed_kv(d: Path, key: str, source, dst_blocks) -> None:
     blocks = [int(b) for b in dst_blocks]
     views, sel = source.select(blocks)
     ids = torch.as_tensor(sel)
-    _save(d, f"decode-{_safe(key)}.pt", {
-        "dst_blocks": blocks,
-        "kv": [(k.index_select(0, ids).clone(), v.index_select(0, ids).clone()) for k, v in views]})
+    _save(
+        d,
+        f"decode-{_safe(key)}.pt",
+        {
+            "dst_blocks": blocks,
+            "kv": [(k.index_select(0, ids).clone(), v.index_select(0, ids).clone()) for k, v in views],
+        },
+    )
 
 
 def start_state_writer(d: Path, role: str, snapshot, alive) -> None:

@@ -17,10 +17,11 @@ template of ONE head, so that pairs with different tensor-parallel sizes agree;
 ``LocalKV.heads`` gives the region map of any range of this rank's heads (the shares
 of :mod:`vllm_hawk.layout.tp`).
 """
+
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Callable
 
 from vllm_hawk.connector.config import VLLM_PROFILE, HawkConfig, HawkConfigError
 from vllm_hawk.kvflow.sources import vllm_layout_desc
@@ -56,17 +57,25 @@ def _layer_key(name: str) -> tuple:
 
 def model_id(vllm_config, num_layers: int, num_kv_heads: int, head_dim: int) -> str:
     hf = vllm_config.model_config.hf_config
-    return (f"{getattr(hf, 'model_type', '?')}:L{num_layers}:KV{num_kv_heads}:D{head_dim}"
-            f":V{getattr(hf, 'vocab_size', 0)}")
+    return (
+        f"{getattr(hf, 'model_type', '?')}:L{num_layers}:KV{num_kv_heads}:D{head_dim}:V{getattr(hf, 'vocab_size', 0)}"
+    )
 
 
-def tt_compat(model: str, dtype: str, block_size: int, profile: str, layout_fix: str = "prefill",
-              src_layout: str = SRC_ANY) -> CompatFields:
+def tt_compat(
+    model: str, dtype: str, block_size: int, profile: str, layout_fix: str = "prefill", src_layout: str = SRC_ANY
+) -> CompatFields:
     """Compatibility fields of both sides of a pair with a Tenstorrent decode (device
     profile ``profile``): GN-HAWK (``layout_fix`` 'prefill', any vLLM source layout) or
     GN-Host ('decode': ``src_layout`` names the blocks' wire layout, which the decode reads)."""
-    return make_compat(model=model[:256], dtype=dtype, block_size=block_size, src_layout=src_layout[:256],
-                       dst_layout=f"tt-paged/{profile}/layout_fix={layout_fix}"[:256], device_profile=profile)
+    return make_compat(
+        model=model[:256],
+        dtype=dtype,
+        block_size=block_size,
+        src_layout=src_layout[:256],
+        dst_layout=f"tt-paged/{profile}/layout_fix={layout_fix}"[:256],
+        device_profile=profile,
+    )
 
 
 def describe_vllm_caches(kv_caches: dict, vllm_config, cfg: HawkConfig) -> LocalKV:
@@ -104,21 +113,26 @@ def describe_vllm_caches(kv_caches: dict, vllm_config, cfg: HawkConfig) -> Local
     if cfg.device_profile != VLLM_PROFILE and cfg.layout_fix == "decode":  # GN-Host: blocks as they are
         from vllm_hawk.kvflow.gn_host import wire_layout_of
 
-        wires = [wire_layout_of(a, c) for a, c in zip(adapters, caches)]
+        wires = [wire_layout_of(a, c) for a, c in zip(adapters, caches, strict=False)]
         if len({w.name for w in wires}) != 1:
-            raise NotImplementedError("HawkConnector: GN-Host needs one KV layout in every layer, got "
-                                      f"{sorted({w.name for w in wires})}")
+            raise NotImplementedError(
+                f"HawkConnector: GN-Host needs one KV layout in every layer, got {sorted({w.name for w in wires})}"
+            )
         wire = wires[0]
         compat = tt_compat(mid, dtype, a0.block_size, cfg.device_profile, "decode", wire.name)
     elif cfg.device_profile != VLLM_PROFILE:  # GN-HAWK: the prefill transforms for the decode
         compat = tt_compat(mid, dtype, a0.block_size, cfg.device_profile)
     else:
-        compat = make_compat(model=mid[:256], dtype=dtype, block_size=a0.block_size, src_layout=src_layout[:256],
-                             dst_layout=f"vllm-paged/{src_layout}"[:256], device_profile=cfg.device_profile)
-    layout = vllm_layout_desc(region_map, f"vllm-paged/{a0.name}", dtype, a0.block_size, a0.num_kv_heads,
-                              a0.head_dim)
-    return LocalKV(compat, layout, region_map, sorted(seen.items()), views, wire=wire, heads=heads,
-                   num_kv_heads=total)
+        compat = make_compat(
+            model=mid[:256],
+            dtype=dtype,
+            block_size=a0.block_size,
+            src_layout=src_layout[:256],
+            dst_layout=f"vllm-paged/{src_layout}"[:256],
+            device_profile=cfg.device_profile,
+        )
+    layout = vllm_layout_desc(region_map, f"vllm-paged/{a0.name}", dtype, a0.block_size, a0.num_kv_heads, a0.head_dim)
+    return LocalKV(compat, layout, region_map, sorted(seen.items()), views, wire=wire, heads=heads, num_kv_heads=total)
 
 
 def describe_tt_cache(cache, vllm_config, cfg: HawkConfig) -> LocalKV:
@@ -127,11 +141,13 @@ def describe_tt_cache(cache, vllm_config, cfg: HawkConfig) -> LocalKV:
     from vllm_hawk.kvflow.sinks import layout_desc
 
     s = cache.spec  # all heads; each chip of a mesh holds its share of them (cache.chips)
-    chip = getattr(cache, "chips", [cache])[0]
+    chip = cache.chips[0]
     dev = chip.device.profile.name
     if dev != cfg.device_profile:
-        raise HawkConfigError(f"kv_connector_extra_config.device_profile={cfg.device_profile!r} but "
-                              f"this engine's Tenstorrent device is {dev!r}")
+        raise HawkConfigError(
+            f"kv_connector_extra_config.device_profile={cfg.device_profile!r} but "
+            f"this engine's Tenstorrent device is {dev!r}"
+        )
     dtype = str(vllm_config.model_config.dtype).removeprefix("torch.")
     mid = model_id(vllm_config, s.num_layers, total_kv_heads(vllm_config), s.head_dim)
     if cfg.layout_fix == "decode":  # GN-Host: this side reads the prefill's vLLM blocks
@@ -139,8 +155,9 @@ def describe_tt_cache(cache, vllm_config, cfg: HawkConfig) -> LocalKV:
 
         wire = host_wire_layout(s.num_kv_heads, s.block_size, s.head_dim, vllm_config.model_config.dtype)
         compat = tt_compat(mid, dtype, s.block_size, cfg.device_profile, "decode", wire.name)
-        return LocalKV(compat, wire.layout_desc(s.num_layers), tt_cache=cache, wire=wire,
-                       num_kv_heads=total_kv_heads(vllm_config))
+        return LocalKV(
+            compat, wire.layout_desc(s.num_layers), tt_cache=cache, wire=wire, num_kv_heads=total_kv_heads(vllm_config)
+        )
     compat = tt_compat(mid, dtype, s.block_size, cfg.device_profile)
     return LocalKV(compat, layout_desc(chip.layout), tt_cache=cache, num_kv_heads=total_kv_heads(vllm_config))
 

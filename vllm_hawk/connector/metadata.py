@@ -16,6 +16,7 @@ the decode's ``kv_transfer_params`` under ``hawk_transfer``.
 ``remote_port`` (side channel), ``remote_lease_expiry`` (unix seconds),
 ``transfer_mode`` (``"pull"``), ``hawk_mode`` (``direct`` | ``staged``).
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass, field
@@ -25,8 +26,14 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorMetadat
 
 from vllm_hawk.protocol import MAX_TP_RANKS, side_channel_endpoint
 
-REQUIRED_REMOTE_KEYS = ("remote_engine_id", "remote_request_id", "remote_block_ids",
-                        "remote_num_tokens", "remote_host", "remote_port")
+REQUIRED_REMOTE_KEYS = (
+    "remote_engine_id",
+    "remote_request_id",
+    "remote_block_ids",
+    "remote_num_tokens",
+    "remote_host",
+    "remote_port",
+)
 
 
 @dataclass
@@ -66,7 +73,7 @@ class RecvSpec:
         return side_channel_endpoint(self.remote_host, self.remote_port, rank, self.remote_port_stride)
 
     @classmethod
-    def from_params(cls, params: dict[str, Any]) -> "RecvSpec":
+    def from_params(cls, params: dict[str, Any]) -> RecvSpec:
         """Raise ValueError naming the first missing or malformed key."""
         missing = [k for k in REQUIRED_REMOTE_KEYS if params.get(k) is None]
         if missing:
@@ -77,22 +84,28 @@ class RecvSpec:
                 raise ValueError("remote_block_ids has several KV cache groups")
             blocks = blocks[0]
         try:
-            out = cls(remote_engine_id=str(params["remote_engine_id"]),
-                      remote_request_id=str(params["remote_request_id"]),
-                      remote_host=str(params["remote_host"]),
-                      remote_port=int(params["remote_port"]),
-                      remote_num_tokens=int(params["remote_num_tokens"]),
-                      num_remote_blocks=len(blocks),
-                      remote_tp_size=int(params.get("remote_tp_size") or 1),
-                      remote_port_stride=int(params.get("remote_port_stride") or 1))
+            out = cls(
+                remote_engine_id=str(params["remote_engine_id"]),
+                remote_request_id=str(params["remote_request_id"]),
+                remote_host=str(params["remote_host"]),
+                remote_port=int(params["remote_port"]),
+                remote_num_tokens=int(params["remote_num_tokens"]),
+                num_remote_blocks=len(blocks),
+                remote_tp_size=int(params.get("remote_tp_size") or 1),
+                remote_port_stride=int(params.get("remote_port_stride") or 1),
+            )
         except (TypeError, ValueError) as e:
             raise ValueError(f"malformed kv_transfer_params: {e}") from None
         if not 1 <= out.remote_tp_size <= MAX_REMOTE_TP or not 1 <= out.remote_port_stride <= MAX_REMOTE_TP:
-            raise ValueError(f"kv_transfer_params remote_tp_size={out.remote_tp_size} / remote_port_stride="
-                             f"{out.remote_port_stride}: each must be in [1, {MAX_REMOTE_TP}]")
+            raise ValueError(
+                f"kv_transfer_params remote_tp_size={out.remote_tp_size} / remote_port_stride="
+                f"{out.remote_port_stride}: each must be in [1, {MAX_REMOTE_TP}]"
+            )
         if not 0 < out.remote_port + (out.remote_tp_size - 1) * out.remote_port_stride <= 65535:
-            raise ValueError(f"kv_transfer_params remote_port={out.remote_port} with {out.remote_tp_size} ranks "
-                             "leaves the port range")
+            raise ValueError(
+                f"kv_transfer_params remote_port={out.remote_port} with {out.remote_tp_size} ranks "
+                "leaves the port range"
+            )
         return out
 
 

@@ -12,11 +12,12 @@ run one at a time (its own gate, taken without ``_lock`` held): pulls that want 
 prefill at once wait for the first handshake and share its endpoint, while handshakes
 with other prefills go on in parallel.
 """
+
 from __future__ import annotations
 
 import logging
 import threading
-from typing import Callable
+from collections.abc import Callable
 
 from vllm_hawk.kvflow import DecodeEndpoint, PeerFailed
 
@@ -35,8 +36,13 @@ class PeerPool:
     on_refused: called once per pull refused at ``max_peers``.
     """
 
-    def __init__(self, connect: Callable[[str], DecodeEndpoint], *, on_refused: Callable[[], None] = lambda: None,
-                 max_peers: int = MAX_PEERS) -> None:
+    def __init__(
+        self,
+        connect: Callable[[str], DecodeEndpoint],
+        *,
+        on_refused: Callable[[], None] = lambda: None,
+        max_peers: int = MAX_PEERS,
+    ) -> None:
         self._connect, self._on_refused, self.max_peers = connect, on_refused, max_peers
         self._lock = threading.Lock()
         self._peers: dict[str, DecodeEndpoint] = {}
@@ -61,8 +67,10 @@ class PeerPool:
                 return got
             if full:
                 self._on_refused()
-                raise PeerFailed(f"pull from prefill {engine_id} at {ep} refused: this decode already "
-                                 f"talks to {self.max_peers} prefills (kv_transfer_params name too many side channels)")
+                raise PeerFailed(
+                    f"pull from prefill {engine_id} at {ep} refused: this decode already "
+                    f"talks to {self.max_peers} prefills (kv_transfer_params name too many side channels)"
+                )
             try:
                 got = self._connect(ep)
             except Exception as e:
@@ -91,8 +99,9 @@ class PeerPool:
             self._connecting.add(ep)
             engine_id = self._engines.get(ep, "?")
         if not busy:
-            threading.Thread(target=self._connect_for_keeper, args=(ep, engine_id), daemon=True,
-                             name="hawk-keeper-connect").start()
+            threading.Thread(
+                target=self._connect_for_keeper, args=(ep, engine_id), daemon=True, name="hawk-keeper-connect"
+            ).start()
         raise PeerFailed(f"no side channel to prefill {engine_id} at {ep} yet (connecting)")
 
     def _connect_for_keeper(self, ep: str, engine_id: str) -> None:
@@ -111,8 +120,13 @@ class PeerPool:
         try:
             self.get(ep, engine_id).release(req_id, ok=True, timeout_s=timeout_s, share=share)
         except Exception as e:  # noqa: BLE001 - the prefill's lease frees it
-            logger.warning("HawkConnector decode: release of %s on prefill rank %d not delivered (%s); the "
-                           "prefill frees it when its lease expires", req_id, rank, e)
+            logger.warning(
+                "HawkConnector decode: release of %s on prefill rank %d not delivered (%s); the "
+                "prefill frees it when its lease expires",
+                req_id,
+                rank,
+                e,
+            )
 
     def endpoints(self) -> list[DecodeEndpoint]:
         """The endpoints open now."""

@@ -11,6 +11,7 @@ Locking: every method but :meth:`~PullResults.take` (whose caller holds it) take
 ``lock``, the worker's lock, which also guards the stats (vLLM reads them on the engine
 thread).
 """
+
 from __future__ import annotations
 
 import logging
@@ -28,9 +29,16 @@ __all__ = ["PullResults", "figures_of"]
 
 def figures_of(res: FetchResult) -> dict:
     """A successful pull's figures (``hawk_transfer``) from its FetchResult."""
-    return dict(ok=True, nbytes=res.nbytes, entries=res.entries, segments=res.segments,
-                request_ms=round(1e3 * res.request_s, 3), transfer_ms=round(1e3 * res.transfer_s, 3),
-                copy_ms=round(1e3 * res.copy_s, 3), **{k: v for k, v in res.extra.items() if not k.endswith("_s")})
+    return dict(
+        ok=True,
+        nbytes=res.nbytes,
+        entries=res.entries,
+        segments=res.segments,
+        request_ms=round(1e3 * res.request_s, 3),
+        transfer_ms=round(1e3 * res.transfer_s, 3),
+        copy_ms=round(1e3 * res.copy_s, 3),
+        **{k: v for k, v in res.extra.items() if not k.endswith("_s")},
+    )
 
 
 class PullResults:
@@ -52,8 +60,14 @@ class PullResults:
         """Pull ``rid`` ended with figures ``fig`` (``ok``, and on success the sizes and times)."""
         with self._lock:
             if fig["ok"]:
-                self._stats.record_transfer(fig["total_ms"] / 1e3, fig["nbytes"], fig["segments"], fig["entries"],
-                                            fig["request_ms"] / 1e3, (fig["transfer_ms"] + fig["copy_ms"]) / 1e3)
+                self._stats.record_transfer(
+                    fig["total_ms"] / 1e3,
+                    fig["nbytes"],
+                    fig["segments"],
+                    fig["entries"],
+                    fig["request_ms"] / 1e3,
+                    (fig["transfer_ms"] + fig["copy_ms"]) / 1e3,
+                )
             else:
                 self._stats.count("failed")
                 self.failed.add(rid)
@@ -70,8 +84,11 @@ class PullResults:
         """Hold a failed pull's blocks until its READs drained (True), or for good (False)."""
         if e.settled is not None and e.settled.wait(SETTLE_LIMIT_S):
             return True
-        logger.error("HawkConnector decode: READs of %s never drained; its blocks %s stay held (quarantined)",
-                     rid, list(e.unsafe_blocks))
+        logger.error(
+            "HawkConnector decode: READs of %s never drained; its blocks %s stay held (quarantined)",
+            rid,
+            list(e.unsafe_blocks),
+        )
         with self._lock:
             self.quarantined.add(rid)
             self.inflight.discard(rid)

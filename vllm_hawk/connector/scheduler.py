@@ -29,8 +29,10 @@ Who frees the prefill's blocks of a request the decode will not finish:
   (:mod:`vllm_hawk.proxy.release`);
 * the decode dies: its heartbeats stop, the prefill frees them ``lease_s`` after the last.
 """
+
 from __future__ import annotations
 
+import contextlib
 import logging
 import time
 from typing import TYPE_CHECKING, Any
@@ -63,17 +65,14 @@ class HawkConnectorScheduler:
         self._transfers: dict[str, dict[str, Any]] = {}  # decode: per-request figures
 
     # ------------------------------------------------------------------ decode side
-    def on_new_request(self, request: "Request") -> None:
+    def on_new_request(self, request: Request) -> None:
         params = request.kv_transfer_params
         if not params or not params.get("do_remote_prefill"):
             return
-        try:
+        with contextlib.suppress(ValueError):  # update_state_after_alloc says why, and pulls nothing
             self._reqs_to_want[request.request_id] = RecvSpec.from_params(params)
-        except ValueError:
-            pass  # update_state_after_alloc says why, and pulls nothing
 
-    def get_num_new_matched_tokens(self, request: "Request",
-                                   num_computed_tokens: int) -> tuple[int, bool]:
+    def get_num_new_matched_tokens(self, request: Request, num_computed_tokens: int) -> tuple[int, bool]:
         params = request.kv_transfer_params
         if not params or not params.get("do_remote_prefill"):
             return 0, False
@@ -81,8 +80,7 @@ class HawkConnectorScheduler:
         count = remote - num_computed_tokens
         return (count, True) if count > 0 else (0, False)
 
-    def update_state_after_alloc(self, request: "Request", blocks: "KVCacheBlocks",
-                                 num_external_tokens: int) -> None:
+    def update_state_after_alloc(self, request: Request, blocks: KVCacheBlocks, num_external_tokens: int) -> None:
         params = request.kv_transfer_params
         if not params or not params.get("do_remote_prefill"):
             return
@@ -90,8 +88,7 @@ class HawkConnectorScheduler:
         try:
             spec = RecvSpec.from_params(params)
         except ValueError as e:
-            logger.warning("HawkConnector: request %s: %s; it will not use a KV transfer",
-                           request.request_id, e)
+            logger.warning("HawkConnector: request %s: %s; it will not use a KV transfer", request.request_id, e)
             return
         if num_external_tokens <= 0:  # everything local: only free the remote blocks
             self._reqs_to_release[request.request_id] = spec
@@ -107,10 +104,12 @@ class HawkConnectorScheduler:
 
     # ------------------------------------------------------------------ both
     def build_connector_meta(self, scheduler_output) -> HawkConnectorMetadata:
-        meta = HawkConnectorMetadata(reqs_to_send=self._reqs_to_send,
-                                     reqs_to_recv=self._reqs_to_recv,
-                                     reqs_to_release=self._reqs_to_release,
-                                     reqs_to_want=self._reqs_to_want)
+        meta = HawkConnectorMetadata(
+            reqs_to_send=self._reqs_to_send,
+            reqs_to_recv=self._reqs_to_recv,
+            reqs_to_release=self._reqs_to_release,
+            reqs_to_want=self._reqs_to_want,
+        )
         self._reqs_to_send, self._reqs_to_recv, self._reqs_to_release, self._reqs_to_want = {}, {}, {}, {}
         return meta
 
@@ -119,8 +118,7 @@ class HawkConnectorScheduler:
         if isinstance(wm, HawkWorkerMeta):
             self._transfers.update(wm.transfers)
 
-    def request_finished(self, request: "Request",
-                         block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
+    def request_finished(self, request: Request, block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
         from vllm.v1.request import RequestStatus
 
         params = request.kv_transfer_params
@@ -131,21 +129,20 @@ class HawkConnectorScheduler:
             # Decode side, finished before update_state_after_alloc (aborted while
             # queued): the remote blocks would wait for their lease; release them now.
             params["do_remote_prefill"] = False
-            try:
+            with contextlib.suppress(ValueError):
                 self._reqs_to_release[rid] = RecvSpec.from_params(params)
-            except ValueError:
-                pass
             return False, None
         if not params.get("do_remote_decode"):
             stats = self._transfers.pop(rid, None)  # decode side: report the pull
             return False, ({"hawk_transfer": stats} if stats else None)
         # Prefill side.
-        if request.status not in (RequestStatus.FINISHED_LENGTH_CAPPED,
-                                  RequestStatus.FINISHED_STOPPED) or not block_ids:
+        if (
+            request.status not in (RequestStatus.FINISHED_LENGTH_CAPPED, RequestStatus.FINISHED_STOPPED)
+            or not block_ids
+        ):
             return False, None
         lease_expiry = time.time() + self.cfg.lease_s
-        self._reqs_to_send[rid] = SendSpec(list(block_ids), request.num_computed_tokens,
-                                           lease_expiry)
+        self._reqs_to_send[rid] = SendSpec(list(block_ids), request.num_computed_tokens, lease_expiry)
         return True, dict(
             do_remote_prefill=True,
             do_remote_decode=False,

@@ -28,6 +28,7 @@ metric                                          type       meaning
                                                            that did not request the id, ...)
 ==============================================  =========  ==================================
 """
+
 from __future__ import annotations
 
 import copy
@@ -54,8 +55,9 @@ class HawkKVConnectorStats(KVConnectorStats):
     def reset(self) -> None:
         self.data = {k: [] for k in _SERIES} | {k: 0 for k in _COUNTS}
 
-    def record_transfer(self, seconds: float, nbytes: int, segments: int, operations: int,
-                        kv_ready_s: float = 0.0, read_s: float = 0.0) -> None:
+    def record_transfer(
+        self, seconds: float, nbytes: int, segments: int, operations: int, kv_ready_s: float = 0.0, read_s: float = 0.0
+    ) -> None:
         """One pull: ``seconds`` in all, of which ``kv_ready_s`` until KVReady and
         ``read_s`` reading (the stages of the TTFT breakdown, ``hawk bench serve``)."""
         self.data["transfer_s"].append(seconds)
@@ -68,7 +70,7 @@ class HawkKVConnectorStats(KVConnectorStats):
     def count(self, what: str, n: int = 1) -> None:
         self.data[what] += n
 
-    def clone_and_reset(self) -> "HawkKVConnectorStats":
+    def clone_and_reset(self) -> HawkKVConnectorStats:
         old = copy.copy(self)
         self.reset()
         return old
@@ -100,14 +102,18 @@ class HawkKVConnectorStats(KVConnectorStats):
 
 
 class HawkPromMetrics(KVConnectorPromMetrics):
-    def __init__(self, vllm_config, metric_types: dict[type[PromMetric], type[PromMetricT]],
-                 labelnames: list[str], per_engine_labelvalues: dict[int, list[object]]) -> None:
+    def __init__(
+        self,
+        vllm_config,
+        metric_types: dict[type[PromMetric], type[PromMetricT]],
+        labelnames: list[str],
+        per_engine_labelvalues: dict[int, list[object]],
+    ) -> None:
         super().__init__(vllm_config, metric_types, labelnames, per_engine_labelvalues)
         from vllm.v1.metrics.utils import create_metric_per_engine
 
         def hist(name, doc, buckets):
-            m = self._histogram_cls(name=name, documentation=doc, buckets=buckets,
-                                    labelnames=labelnames)
+            m = self._histogram_cls(name=name, documentation=doc, buckets=buckets, labelnames=labelnames)
             return create_metric_per_engine(m, per_engine_labelvalues)
 
         def counter(name, doc):
@@ -115,40 +121,58 @@ class HawkPromMetrics(KVConnectorPromMetrics):
             return create_metric_per_engine(m, per_engine_labelvalues)
 
         seconds = [0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10]
-        self.time = hist("vllm:hawk_transfer_time_seconds",
-                         "HawkConnector: time of one KV pull (request to KV in place).", seconds)
-        self.kv_ready = hist("vllm:hawk_kv_ready_seconds",
-                             "HawkConnector: KVRequest sent -> KVReady received (the prefill's produce step).",
-                             seconds)
-        self.read = hist("vllm:hawk_kv_read_seconds",
-                         "HawkConnector: READs submitted -> KV in place (transport and staged copies).",
-                         seconds)
-        self.bytes = hist("vllm:hawk_transfer_bytes", "HawkConnector: bytes per KV pull.",
-                          [2 ** (10 + 2 * i) for i in range(12)])
-        self.segments = hist("vllm:hawk_transfer_segments",
-                             "HawkConnector: segments described per KV pull.",
-                             [1, 2, 4, 8, 16, 32, 64, 128, 256, 1024, 4096])
-        self.operations = hist("vllm:hawk_transfer_operations",
-                               "HawkConnector: transport operations (READs) per KV pull.",
-                               [1, 2, 4, 8, 16, 32, 64, 128, 256, 1024, 4096])
-        self.failed = counter("vllm:hawk_failed_transfers",
-                              "HawkConnector: KV pulls that failed.")
-        self.expired = counter("vllm:hawk_expired_leases",
-                               "HawkConnector: held prefill requests freed on lease expiry.")
-        self.released = counter("vllm:hawk_released",
-                                "HawkConnector: held prefill requests released by their decode.")
-        self.refused = counter("vllm:hawk_refused_input",
-                               "HawkConnector: side-channel input refused (authentication, bounds, "
-                               "ownership).")
+        self.time = hist(
+            "vllm:hawk_transfer_time_seconds", "HawkConnector: time of one KV pull (request to KV in place).", seconds
+        )
+        self.kv_ready = hist(
+            "vllm:hawk_kv_ready_seconds",
+            "HawkConnector: KVRequest sent -> KVReady received (the prefill's produce step).",
+            seconds,
+        )
+        self.read = hist(
+            "vllm:hawk_kv_read_seconds",
+            "HawkConnector: READs submitted -> KV in place (transport and staged copies).",
+            seconds,
+        )
+        self.bytes = hist(
+            "vllm:hawk_transfer_bytes", "HawkConnector: bytes per KV pull.", [2 ** (10 + 2 * i) for i in range(12)]
+        )
+        self.segments = hist(
+            "vllm:hawk_transfer_segments",
+            "HawkConnector: segments described per KV pull.",
+            [1, 2, 4, 8, 16, 32, 64, 128, 256, 1024, 4096],
+        )
+        self.operations = hist(
+            "vllm:hawk_transfer_operations",
+            "HawkConnector: transport operations (READs) per KV pull.",
+            [1, 2, 4, 8, 16, 32, 64, 128, 256, 1024, 4096],
+        )
+        self.failed = counter("vllm:hawk_failed_transfers", "HawkConnector: KV pulls that failed.")
+        self.expired = counter(
+            "vllm:hawk_expired_leases", "HawkConnector: held prefill requests freed on lease expiry."
+        )
+        self.released = counter("vllm:hawk_released", "HawkConnector: held prefill requests released by their decode.")
+        self.refused = counter(
+            "vllm:hawk_refused_input", "HawkConnector: side-channel input refused (authentication, bounds, ownership)."
+        )
 
     def observe(self, transfer_stats_data: dict[str, Any], engine_idx: int = 0) -> None:
         d = transfer_stats_data
-        for series, metric in (("transfer_s", self.time), ("kv_ready_s", self.kv_ready),
-                               ("read_s", self.read), ("nbytes", self.bytes),
-                               ("segments", self.segments), ("operations", self.operations)):
+        for series, metric in (
+            ("transfer_s", self.time),
+            ("kv_ready_s", self.kv_ready),
+            ("read_s", self.read),
+            ("nbytes", self.bytes),
+            ("segments", self.segments),
+            ("operations", self.operations),
+        ):
             for v in d.get(series, ()):
                 metric[engine_idx].observe(v)
-        for key, metric in (("failed", self.failed), ("expired", self.expired),
-                            ("released", self.released), ("refused", self.refused)):
+        for key, metric in (
+            ("failed", self.failed),
+            ("expired", self.expired),
+            ("released", self.released),
+            ("refused", self.refused),
+        ):
             if d.get(key):
                 metric[engine_idx].inc(d[key])

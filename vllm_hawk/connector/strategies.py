@@ -18,6 +18,7 @@ Tenstorrent platform plugin (:class:`~vllm_hawk.kvflow.gn_host.GNHostSink` with
 decode cannot pull from (:func:`check_pairing`); :func:`decode_endpoint` opens a side
 channel to a prefill.
 """
+
 from __future__ import annotations
 
 import logging
@@ -44,12 +45,24 @@ from vllm_hawk.transport import make_transport
 # The worker side's log: under "vllm." so that vLLM's log handlers and level apply.
 logger = logging.getLogger("vllm.hawk.worker")
 
-__all__ = ["check_pairing", "check_tp_size", "decode_endpoint", "describe_local", "make_planner", "make_prefill",
-           "make_sinks", "make_source", "make_transport_for", "prefill_transforms", "tp_rank_and_size"]
+__all__ = [
+    "check_pairing",
+    "check_tp_size",
+    "decode_endpoint",
+    "describe_local",
+    "make_planner",
+    "make_prefill",
+    "make_sinks",
+    "make_source",
+    "make_transport_for",
+    "prefill_transforms",
+    "tp_rank_and_size",
+]
 
 
 def _in_background(warm, what: str) -> None:
     """Run ``warm`` (compile or load the transform kernels) while the engine starts."""
+
     def run() -> None:
         t0 = time.monotonic()
         try:
@@ -79,20 +92,23 @@ def describe_local(kv_caches, vllm_config, cfg: HawkConfig, *, is_producer: bool
     if tt_cache is None:
         return describe_vllm_caches(kv_caches, vllm_config, cfg)
     if is_producer:
-        raise NotImplementedError("HawkConnector: an engine on the Tenstorrent platform is a decode "
-                                  "(kv_consumer) only")
+        raise NotImplementedError("HawkConnector: an engine on the Tenstorrent platform is a decode (kv_consumer) only")
     if cfg.device_profile == VLLM_PROFILE:
-        raise HawkConfigError("kv_connector_extra_config.device_profile must name the Tenstorrent device "
-                              "(e.g. 'p150a') on an engine that runs the Tenstorrent platform plugin")
+        raise HawkConfigError(
+            "kv_connector_extra_config.device_profile must name the Tenstorrent device "
+            "(e.g. 'p150a') on an engine that runs the Tenstorrent platform plugin"
+        )
     return describe_tt_cache(tt_cache, vllm_config, cfg)
 
 
 def check_tp_size(cfg: HawkConfig, tp_size: int) -> None:
     """Raise HawkConfigError unless this configuration serves ``tp_size`` TP ranks."""
     if tp_size > 1 and cfg.layout_fix == "decode":
-        raise HawkConfigError(f"kv_connector_extra_config.layout_fix='decode' (GN-Host) with "
-                              f"tensor_parallel_size={tp_size}: GN-Host serves TP=1 only (GN-HAWK and GG "
-                              "pairs take any TP on both sides)")
+        raise HawkConfigError(
+            f"kv_connector_extra_config.layout_fix='decode' (GN-Host) with "
+            f"tensor_parallel_size={tp_size}: GN-Host serves TP=1 only (GN-HAWK and GG "
+            "pairs take any TP on both sides)"
+        )
 
 
 def check_pairing(num_kv_heads: int, prefill_tp: int, total: int, targets, local: int, *, chips: bool) -> None:
@@ -104,8 +120,10 @@ def check_pairing(num_kv_heads: int, prefill_tp: int, total: int, targets, local
     try:
         check_targets(num_kv_heads, prefill_tp, total, targets, local, chips=chips)
     except TPMismatch as e:
-        raise HawkConfigError(f"kv_connector_extra_config.prefill_tp={prefill_tp} cannot feed this decode ({total} "
-                              f"{what}, {num_kv_heads} KV heads): {e}") from None
+        raise HawkConfigError(
+            f"kv_connector_extra_config.prefill_tp={prefill_tp} cannot feed this decode ({total} "
+            f"{what}, {num_kv_heads} KV heads): {e}"
+        ) from None
 
 
 def prefill_transforms(cfg: HawkConfig) -> bool:
@@ -126,37 +144,68 @@ def make_source(cfg: HawkConfig, kv: LocalKV):
     return VllmBlockSource(kv.region_map, kv.layout, kv.storages, kv.heads)
 
 
-def make_prefill(cfg: HawkConfig, kv: LocalKV, transport, vllm_config, *, tp_rank: int, tp_size: int,
-                 on_finished, debug_dir=None) -> PrefillEndpoint:
+def make_prefill(
+    cfg: HawkConfig, kv: LocalKV, transport, vllm_config, *, tp_rank: int, tp_size: int, on_finished, debug_dir=None
+) -> PrefillEndpoint:
     """The prefill endpoint of TP rank ``tp_rank`` (its side channel: the configured port
     plus ``tp_rank`` port strides); ``debug_dir``: dump what it serves there."""
     source = make_source(cfg, kv)
     observer = None
     if debug_dir is not None:
         every = prefill_transforms(cfg) or cfg.layout_fix == "decode" or tp_size > 1
-        observer = debug.prefill_dumper(debug_dir, kv.views, f"-r{tp_rank}" if tp_size > 1 else "",
-                                        when=None if every else (lambda msg: msg.num_heads > 0))
+        observer = debug.prefill_dumper(
+            debug_dir,
+            kv.views,
+            f"-r{tp_rank}" if tp_size > 1 else "",
+            when=None if every else (lambda msg: msg.num_heads > 0),
+        )
     port = cfg.side_channel_port + tp_rank * port_stride(vllm_config)
-    tp_info = dict(tp_size=tp_size, tp_rank=tp_rank, num_kv_heads=kv.num_kv_heads,
-                   head_start=shard_heads(kv.num_kv_heads, tp_size, tp_rank).start,
-                   num_heads=kv.layout.num_kv_heads) if kv.num_kv_heads else None
+    tp_info = (
+        dict(
+            tp_size=tp_size,
+            tp_rank=tp_rank,
+            num_kv_heads=kv.num_kv_heads,
+            head_start=shard_heads(kv.num_kv_heads, tp_size, tp_rank).start,
+            num_heads=kv.layout.num_kv_heads,
+        )
+        if kv.num_kv_heads
+        else None
+    )
     prefill = PrefillEndpoint(
-        source, transport, kv.compat, ring_nbytes=cfg.ring_nbytes, tp_info=tp_info,
-        bind=f"tcp://{cfg.side_channel_host}:{port}", secret=cfg.secret_bytes,
-        auth=cfg.auth, claim_wait_s=cfg.claim_wait_s, lease_s=cfg.lease_s, max_hold_s=cfg.max_hold_s,
+        source,
+        transport,
+        kv.compat,
+        ring_nbytes=cfg.ring_nbytes,
+        tp_info=tp_info,
+        bind=f"tcp://{cfg.side_channel_host}:{port}",
+        secret=cfg.secret_bytes,
+        auth=cfg.auth,
+        claim_wait_s=cfg.claim_wait_s,
+        lease_s=cfg.lease_s,
+        max_hold_s=cfg.max_hold_s,
         on_finished=on_finished,
-        observer=observer)  # server_id: random per start, so signed requests name this instance
-    logger.info("HawkConnector prefill: side channel %s (auth %s), transfer endpoint %s, source %s, "
-                "transport %s", prefill.endpoint, cfg.auth, transport.endpoint, source.name, cfg.transport)
+        observer=observer,
+    )  # server_id: random per start, so signed requests name this instance
+    logger.info(
+        "HawkConnector prefill: side channel %s (auth %s), transfer endpoint %s, source %s, transport %s",
+        prefill.endpoint,
+        cfg.auth,
+        transport.endpoint,
+        source.name,
+        cfg.transport,
+    )
     if cfg.auth == "none":
-        logger.warning("HawkConnector prefill: side-channel authentication is OFF (auth 'none'): anyone who "
-                       "reaches %s can request and release KV", prefill.endpoint)
+        logger.warning(
+            "HawkConnector prefill: side-channel authentication is OFF (auth 'none'): anyone who "
+            "reaches %s can request and release KV",
+            prefill.endpoint,
+        )
     return prefill
 
 
 def _tt_chips(kv: LocalKV) -> list:
-    """The chips of the plugin's cache: a mesh cache lists them, a single-chip cache is its one chip."""
-    return getattr(kv.tt_cache, "chips", [kv.tt_cache])
+    """The chips of the plugin's cache (one cache per chip; a single-chip cache is its own)."""
+    return kv.tt_cache.chips
 
 
 def _tt_sinks(cfg: HawkConfig, kv: LocalKV, transport) -> list:
@@ -180,8 +229,10 @@ def make_sinks(cfg: HawkConfig, kv: LocalKV, transport) -> list:
     if kv.tt_cache is not None and cfg.layout_fix == "decode":
         chips = _tt_chips(kv)
         if len(chips) != 1:
-            raise HawkConfigError(f"layout_fix 'decode' (GN-Host) with {len(chips)} chips: GN-Host lands on one "
-                                  "chip; use layout_fix 'prefill' (GN-HAWK) for a mesh, or HAWK_TT_CHIPS=1")
+            raise HawkConfigError(
+                f"layout_fix 'decode' (GN-Host) with {len(chips)} chips: GN-Host lands on one "
+                "chip; use layout_fix 'prefill' (GN-HAWK) for a mesh, or HAWK_TT_CHIPS=1"
+            )
         c = chips[0]
         sink = GNHostSink(c.device, c.layout, c.buffers, transport, kv.wire, cfg.ring_nbytes)
         _in_background(sink.warm, "GN-Host layout fix")
@@ -189,8 +240,10 @@ def make_sinks(cfg: HawkConfig, kv: LocalKV, transport) -> list:
     if kv.tt_cache is not None:
         return _tt_sinks(cfg, kv, transport)
     if cfg.device_profile != VLLM_PROFILE:
-        raise NotImplementedError(f"HawkConnector: device_profile {cfg.device_profile!r} on the decode needs "
-                                  "the Tenstorrent platform plugin (HAWK_TT_PLATFORM)")
+        raise NotImplementedError(
+            f"HawkConnector: device_profile {cfg.device_profile!r} on the decode needs "
+            "the Tenstorrent platform plugin (HAWK_TT_PLATFORM)"
+        )
     return [vllm_sink(kv.region_map, kv.layout, transport, cfg.mode, kv.storages, cfg.ring_nbytes)]
 
 
@@ -198,8 +251,18 @@ def make_planner(cfg: HawkConfig, kv: LocalKV, sinks: list, peer, *, tp_rank: in
     """The decode's pull planner over ``sinks`` (``peer``: side channel, engine id ->
     DecodeEndpoint); with ``prefill_tp`` set, checks at start-up that this decode's
     targets can pull from such a prefill."""
-    p = PullPlanner(kv.num_kv_heads, kv.layout, sinks, chips=kv.tt_cache is not None, rank=tp_rank, ranks=tp_size,
-                    prefill_tp=cfg.prefill_tp, head_maps=kv.heads, peer=peer, log=logger)
+    p = PullPlanner(
+        kv.num_kv_heads,
+        kv.layout,
+        sinks,
+        chips=kv.tt_cache is not None,
+        rank=tp_rank,
+        ranks=tp_size,
+        prefill_tp=cfg.prefill_tp,
+        head_maps=kv.heads,
+        peer=peer,
+        log=logger,
+    )
     if cfg.prefill_tp:
         check_pairing(p.heads, cfg.prefill_tp, p.total, p.targets, p.local, chips=p.chips)
     return p
@@ -207,9 +270,16 @@ def make_planner(cfg: HawkConfig, kv: LocalKV, sinks: list, peer, *, tp_rank: in
 
 def decode_endpoint(cfg: HawkConfig, transport, kv: LocalKV, side_channel: str) -> DecodeEndpoint:
     """A decode's endpoint to the prefill side channel ``side_channel`` (its handshake)."""
-    return DecodeEndpoint(transport, side_channel, kv.compat, secret=cfg.secret_bytes, auth=cfg.auth,
-                          pull_timeout_s=cfg.pull_timeout_s, claim_wait_s=cfg.claim_wait_s,
-                          handshake_timeout_s=cfg.handshake_timeout_s)
+    return DecodeEndpoint(
+        transport,
+        side_channel,
+        kv.compat,
+        secret=cfg.secret_bytes,
+        auth=cfg.auth,
+        pull_timeout_s=cfg.pull_timeout_s,
+        claim_wait_s=cfg.claim_wait_s,
+        handshake_timeout_s=cfg.handshake_timeout_s,
+    )
 
 
 def make_transport_for(cfg: HawkConfig):

@@ -12,6 +12,7 @@ the idle ranks to release, :func:`~vllm_hawk.kvflow.shares.fetch_shares` moves t
 :class:`~vllm_hawk.connector.pulls.PullResults` keeps the outcome for
 ``get_transfer_results`` (a failed pull whose READs have not drained: once they have).
 """
+
 from __future__ import annotations
 
 import concurrent.futures as cf
@@ -50,8 +51,18 @@ from vllm_hawk.layout.tp import TPMismatch
 logger = logging.getLogger("vllm.hawk.worker")
 
 # Names other modules and tests import from the worker side (defined in its modules).
-__all__ = ["HawkConnectorWorker", "MAX_PEERS", "check_pairing", "check_whole_chip", "make_sinks", "make_source",
-           "make_transport_for", "tp_rank_and_size", "unpin_current_thread", "unpinned_threads"]
+__all__ = [
+    "HawkConnectorWorker",
+    "MAX_PEERS",
+    "check_pairing",
+    "check_whole_chip",
+    "make_sinks",
+    "make_source",
+    "make_transport_for",
+    "tp_rank_and_size",
+    "unpin_current_thread",
+    "unpinned_threads",
+]
 
 
 class HawkConnectorWorker:
@@ -67,8 +78,10 @@ class HawkConnectorWorker:
         self._figures: dict[str, dict] = {}
         self._counted = {"expired": 0, "released": 0, "refused": 0}
         self.kv: LocalKV | None = None
-        self.peers = PeerPool(lambda ep: decode_endpoint(self.cfg, self.transport, self.kv, ep),
-                              on_refused=lambda: self._pulls.count("refused"))
+        self.peers = PeerPool(
+            lambda ep: decode_endpoint(self.cfg, self.transport, self.kv, ep),
+            on_refused=lambda: self._pulls.count("refused"),
+        )
         self.transport = self.prefill = self.sink = self._pool = self.keeper = self.planner = None
         self.sinks: list = []  # decode: one per target this worker lands (chips of a mesh), sinks[0] is self.sink
         self._debug = envs.debug_dir()
@@ -83,25 +96,37 @@ class HawkConnectorWorker:
             self.transport = make_transport_for(self.cfg)
             try:
                 if self.is_producer:
-                    self.prefill = make_prefill(self.cfg, self.kv, self.transport, self.vllm_config,
-                                                tp_rank=self.tp_rank, tp_size=self.tp_size,
-                                                on_finished=self._on_finished, debug_dir=self._debug)
+                    self.prefill = make_prefill(
+                        self.cfg,
+                        self.kv,
+                        self.transport,
+                        self.vllm_config,
+                        tp_rank=self.tp_rank,
+                        tp_size=self.tp_size,
+                        on_finished=self._on_finished,
+                        debug_dir=self._debug,
+                    )
                 if self.is_consumer:
                     self._start_decode()
             except BaseException:
                 self.shutdown()
                 raise
         if self._debug is not None:
-            debug.start_state_writer(self._debug, "prefill" if self.is_producer else "decode", self.snapshot,
-                                     lambda: self.transport is not None)
+            debug.start_state_writer(
+                self._debug,
+                "prefill" if self.is_producer else "decode",
+                self.snapshot,
+                lambda: self.transport is not None,
+            )
 
     def _start_decode(self) -> None:
         cfg, kv = self.cfg, self.kv
         self.sinks = make_sinks(cfg, kv, self.transport)
         self.sink = self.sinks[0]
         self.planner = make_planner(cfg, kv, self.sinks, self.peers.get, tp_rank=self.tp_rank, tp_size=self.tp_size)
-        self._pool = cf.ThreadPoolExecutor(cfg.max_pulls, thread_name_prefix="hawk-pull",
-                                           initializer=unpin_current_thread)
+        self._pool = cf.ThreadPoolExecutor(
+            cfg.max_pulls, thread_name_prefix="hawk-pull", initializer=unpin_current_thread
+        )
         self.keeper = LeaseKeeper(self.peers.for_keeper, cfg.renew_interval_s, max_hold_s=cfg.max_hold_s)
 
     # ---------------------------------------------------------------- engine thread, each step
@@ -169,16 +194,27 @@ class HawkConnectorWorker:
                 self._release_ranks(spec, self.planner.after_mismatch(e))
                 raise
             self._release_ranks(spec, plan.idle)
-            res = fetch_shares(spec.remote_request_id, num_tokens, plan.shares, spec.local_block_ids,
-                               first_block=spec.first_block, layer_groups=self.cfg.layer_groups)
+            res = fetch_shares(
+                spec.remote_request_id,
+                num_tokens,
+                plan.shares,
+                spec.local_block_ids,
+                first_block=spec.first_block,
+                layer_groups=self.cfg.layer_groups,
+            )
             self._drop_wants(spec)  # released: nothing left to renew
             fig = figures_of(res)
             self._dump_landed(spec)
         except Exception as e:  # noqa: BLE001 - every failure becomes a failed receive
             self._drop_wants(spec)
             fig["error"] = str(e)[:500]
-            logger.error("HawkConnector decode: KV pull of %s (remote %s at %s) failed: %s",
-                         rid, spec.remote_request_id, spec.side_channel, e)
+            logger.error(
+                "HawkConnector decode: KV pull of %s (remote %s at %s) failed: %s",
+                rid,
+                spec.remote_request_id,
+                spec.side_channel,
+                e,
+            )
             if isinstance(e, TransferUnsettled) and not self._pulls.settle(rid, e):
                 return  # quarantined: the blocks stay with this request, never reused
         fig["total_ms"] = round(1e3 * (time.monotonic() - t0), 3)
@@ -214,8 +250,14 @@ class HawkConnectorWorker:
 
     def _release_rank(self, spec: RecvSpec, rank: int, share: Share = WHOLE) -> None:
         """Release (D8 without a fetch) ``share`` of the request on prefill rank ``rank``."""
-        self.peers.release(spec.side_channel_of(rank), spec.remote_engine_id, spec.remote_request_id, rank=rank,
-                           share=share, timeout_s=self.cfg.handshake_timeout_s)
+        self.peers.release(
+            spec.side_channel_of(rank),
+            spec.remote_engine_id,
+            spec.remote_request_id,
+            rank=rank,
+            share=share,
+            timeout_s=self.cfg.handshake_timeout_s,
+        )
 
     # ---------------------------------------------------------------- idle check, shutdown
     def snapshot(self) -> dict:
@@ -224,9 +266,14 @@ class HawkConnectorWorker:
         out: dict = {}
         if self.prefill is not None:
             s = self.prefill.snapshot()
-            out["prefill"] = {"held": s["requests"], "ring_live": s.get("ring_live", 0),
-                              "ring_used": s.get("ring_used", 0), "expired": s["expired"],
-                              "released": s["released"], "renewed": s["renewed"]}
+            out["prefill"] = {
+                "held": s["requests"],
+                "ring_live": s.get("ring_live", 0),
+                "ring_used": s.get("ring_used", 0),
+                "expired": s["expired"],
+                "released": s["released"],
+                "renewed": s["renewed"],
+            }
         if self.sink is not None:
             d = self._pulls.held()
             if self.sink.caps.snapshot:  # a mesh: the sum over its chips' sinks

@@ -11,6 +11,7 @@ destination block ids in all (each parked KVRequest counts at least one); a KVRe
 beyond that is refused (``early_full``). At most :data:`MAX_EARLY` early Releases: a
 further one makes the oldest forgotten. Not thread-safe: the endpoint's lock guards it.
 """
+
 from __future__ import annotations
 
 import collections
@@ -75,9 +76,12 @@ class EarlyArrivals:
         """Park the first KVRequest of an id not handed over yet; a Refusal when full."""
         n = _n_ids(msg)
         if len(self._parked) >= MAX_EARLY or self.block_ids + n > MAX_EARLY_BLOCK_IDS:
-            return Refusal("early_full", "unknown_request",
-                           f"no finished prefill with this id, and {len(self._parked)} early requests "
-                           f"({self.block_ids} block ids) already wait for theirs")
+            return Refusal(
+                "early_full",
+                "unknown_request",
+                f"no finished prefill with this id, and {len(self._parked)} early requests "
+                f"({self.block_ids} block ids) already wait for theirs",
+            )
         key = share_key(msg.req_id, msg.share)
         self._parked[msg.req_id] = Parked([], {}, time.monotonic() + EARLY_REQUEST_WAIT_S)
         self._add(self._parked[msg.req_id], key, (msg, reply, peer), n)
@@ -97,9 +101,11 @@ class EarlyArrivals:
                 return NOT_OWNER
         n = _n_ids(msg)
         if self.block_ids + n > MAX_EARLY_BLOCK_IDS:
-            return Refusal("early_full", "unknown_request",
-                           f"no finished prefill with this id, and early requests already hold "
-                           f"{self.block_ids} block ids")
+            return Refusal(
+                "early_full",
+                "unknown_request",
+                f"no finished prefill with this id, and early requests already hold {self.block_ids} block ids",
+            )
         self._add(entry, key, (msg, reply, peer), n)
         return None
 
@@ -152,5 +158,9 @@ def _joins_groups(same: list, peer: str, msg: KVRequest) -> bool:
     from the same peer, for a first layer not asked for yet."""
     first, _reply, first_peer = same[0]
     grouped = bool(msg.num_layers or msg.first_layer)
-    return (grouped and first_peer == peer and bool(first.num_layers)
-            and all(m.first_layer != msg.first_layer for m, _r, _p in same))
+    return (
+        grouped
+        and first_peer == peer
+        and bool(first.num_layers)
+        and all(m.first_layer != msg.first_layer for m, _r, _p in same)
+    )

@@ -21,6 +21,7 @@ and the records of its shares; :class:`RequestTable` holds the live requests and
 finished ones (bounded, to answer late messages precisely). The records carry no lock:
 :class:`~vllm_hawk.kvflow.prefill.PrefillEndpoint` guards them with its own.
 """
+
 from __future__ import annotations
 
 import collections

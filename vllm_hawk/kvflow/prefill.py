@@ -73,9 +73,11 @@ Ownership and bounds (peers are the side channel's authenticated sender ids):
 * every refusal is counted in ``stats.refusals`` (with the side channel's, see
   :meth:`PrefillEndpoint.refused_input`) and logged rate-limited.
 """
+
 from __future__ import annotations
 
 import concurrent.futures as cf
+import contextlib
 import logging
 import threading
 import time
@@ -118,8 +120,17 @@ from vllm_hawk.protocol import (
 from vllm_hawk.protocol.messages import MAX_SEGMENTS
 from vllm_hawk.security import RateLimitedLog, Refusals
 
-__all__ = ["EARLY_RELEASE_S", "EARLY_REQUEST_WAIT_S", "MAX_DST_BLOCK_ID", "MAX_EARLY", "MAX_EARLY_BLOCK_IDS",
-           "MAX_GONE", "PrefillEndpoint", "PrefillStats", "share_key"]
+__all__ = [
+    "EARLY_RELEASE_S",
+    "EARLY_REQUEST_WAIT_S",
+    "MAX_DST_BLOCK_ID",
+    "MAX_EARLY",
+    "MAX_EARLY_BLOCK_IDS",
+    "MAX_GONE",
+    "PrefillEndpoint",
+    "PrefillStats",
+    "share_key",
+]
 
 logger = logging.getLogger("vllm.hawk.kvflow.prefill")
 
@@ -151,12 +162,6 @@ def _layers(msg: KVRequest) -> tuple[int, int]:
     return 0, msg.dst_layout.num_layers
 
 
-def _from_control(reply) -> bool:
-    """The message came over a control session (the proxy): the server's reply object says
-    so in ``reply.control``; a plain callable (tests, replays) is a decode's."""
-    return bool(getattr(reply, "control", False))
-
-
 class PrefillEndpoint:
     """One prefill instance's side of Algorithm 1 (see module doc). Thread-safe.
 
@@ -171,11 +176,26 @@ class PrefillEndpoint:
     :meth:`tp_info`). A failing ``__init__`` leaves nothing registered or running.
     """
 
-    def __init__(self, source: KVSource, transport, compat: CompatFields, *, ring_nbytes: int = 64 << 20,
-                 bind: str = "tcp://127.0.0.1:0", secret: bytes | None = None, auth: str | None = None,
-                 claim_wait_s: float = 5.0,
-                 lease_s: float = 60.0, max_hold_s: float = 600.0, workers: int = 1, on_finished=None, observer=None,
-                 server_id: str = "", registration: str = "per_request", tp_info: dict | None = None) -> None:
+    def __init__(
+        self,
+        source: KVSource,
+        transport,
+        compat: CompatFields,
+        *,
+        ring_nbytes: int = 64 << 20,
+        bind: str = "tcp://127.0.0.1:0",
+        secret: bytes | None = None,
+        auth: str | None = None,
+        claim_wait_s: float = 5.0,
+        lease_s: float = 60.0,
+        max_hold_s: float = 600.0,
+        workers: int = 1,
+        on_finished=None,
+        observer=None,
+        server_id: str = "",
+        registration: str = "per_request",
+        tp_info: dict | None = None,
+    ) -> None:
         self.source, self.transport, self.compat = source, transport, compat
         self._tp_info = dict(tp_info or {})
         self.claim_wait_s, self.lease_s, self.max_hold_s = claim_wait_s, lease_s, max_hold_s
@@ -209,8 +229,7 @@ class PrefillEndpoint:
             self._pool = cf.ThreadPoolExecutor(max_workers=workers, thread_name_prefix="hawk-prefill")
             self._reaper = threading.Thread(target=self._reap_loop, daemon=True, name="hawk-prefill-lease")
             self._reaper.start()
-            self.server = ProtocolServer(self, compat, bind=bind, secret=secret, auth=auth,
-                                         server_id=server_id or None)
+            self.server = ProtocolServer(self, compat, bind=bind, secret=secret, auth=auth, server_id=server_id or None)
         except BaseException:
             self.close()
             raise
@@ -266,16 +285,26 @@ class PrefillEndpoint:
         """Counters for tests and the idle check: held requests, shares with a KVReady out
         (``served_live``) or not yet (``pending``), early arrivals, ring occupancy (bytes)."""
         with self._lock:
-            out = {"requests": len(self._table.requests), "served_live": self._table.kvready_out(),
-                   "pending": self._table.count(_PENDING), "early": len(self._early),
-                   "early_release": self._early.releases(), "early_block_ids": self._early.block_ids,
-                   "served": self.stats.served,
-                   "released": self.stats.released, "refused": self.stats.refused,
-                   "expired": self.stats.expired, "renewed": self.stats.renewed,
-                   "cancelled": self.stats.cancelled}
+            out = {
+                "requests": len(self._table.requests),
+                "served_live": self._table.kvready_out(),
+                "pending": self._table.count(_PENDING),
+                "early": len(self._early),
+                "early_release": self._early.releases(),
+                "early_block_ids": self._early.block_ids,
+                "served": self.stats.served,
+                "released": self.stats.released,
+                "refused": self.stats.refused,
+                "expired": self.stats.expired,
+                "renewed": self.stats.renewed,
+                "cancelled": self.stats.cancelled,
+            }
         if self.ring is not None:
-            out.update(ring_capacity=self.ring.capacity, ring_used=self.ring.alloc.used_bytes(),
-                       ring_live=len(self.ring.alloc.live()))
+            out.update(
+                ring_capacity=self.ring.capacity,
+                ring_used=self.ring.alloc.used_bytes(),
+                ring_live=len(self.ring.alloc.live()),
+            )
         return out
 
     # ------------------------------------------------------------------ ProtocolHandler
@@ -321,8 +350,11 @@ class PrefillEndpoint:
         gone = self._table.gone.get(rid)
         if gone is not None:
             self.stats.refused += 1
-            return ErrorMsg(code="expired" if gone == "expired" else "unknown_request",
-                            detail=f"the request's blocks were {gone}", req_id=rid)
+            return ErrorMsg(
+                code="expired" if gone == "expired" else "unknown_request",
+                detail=f"the request's blocks were {gone}",
+                req_id=rid,
+            )
         if self._stop.is_set():
             return ErrorMsg(code="internal", detail="prefill endpoint is closing", req_id=rid)
         out = self._refusal(rid, self._early.park(peer, msg, reply))
@@ -363,8 +395,7 @@ class PrefillEndpoint:
         """A further layer group of a share in flight (lock held): None when it is to be
         served; a repeated group, or any other KVRequest of the share, is refused."""
         st = rec.stream
-        if (not _grouped(msg) or st.whole or msg.first_layer in st.requested
-                or rec.state is ShareState.CANCELLED):
+        if not _grouped(msg) or st.whole or msg.first_layer in st.requested or rec.state is ShareState.CANCELLED:
             return ErrorMsg(code="bad_message", detail="request already in flight", req_id=msg.req_id)
         err = self._check_layers(msg)
         if err:
@@ -408,10 +439,14 @@ class PrefillEndpoint:
                 return self._release_unheld_locked(rid)
             if req.owners and peer not in req.owners:
                 # a further consumer that had nothing to pull may end its own, unclaimed share
-                if not (msg.share < req.consumers and len(req.owners) < req.consumers
-                        and req.state(key) in (None, ShareState.HELD)):
-                    return self._refuse("not_owner", rid, "unknown_request",
-                                        "only the decode that requested this id may release it")
+                if not (
+                    msg.share < req.consumers
+                    and len(req.owners) < req.consumers
+                    and req.state(key) in (None, ShareState.HELD)
+                ):
+                    return self._refuse(
+                        "not_owner", rid, "unknown_request", "only the decode that requested this id may release it"
+                    )
                 req.owners.add(peer)
             rec = req.share(key)
             if rec.state in _PENDING:  # KVReady not sent yet: the worker cancels it
@@ -439,8 +474,9 @@ class PrefillEndpoint:
             self.stats.refusals.count("early_release_evicted")
         return Ack(req_id=rid)
 
-    def _share_done_locked(self, rid: str, req: RequestRecord, rec: ShareRecord, ok: bool,
-                           count: bool = True) -> tuple[bool, bool]:
+    def _share_done_locked(
+        self, rid: str, req: RequestRecord, rec: ShareRecord, ok: bool, count: bool = True
+    ) -> tuple[bool, bool]:
         """Share ``rec`` of ``rid`` is released (lock held; ``count``: a Release, not a
         cancel). Returns (the whole request is finished and forgotten, all its shares
         succeeded)."""
@@ -461,7 +497,7 @@ class PrefillEndpoint:
         and not finished (the hand-over may still come) are ignored. A control peer's
         (the proxy's) Renew of a claimed id answers it ``gone``: the proxy's part is over."""
         now = time.time()
-        control = _from_control(reply)
+        control = reply.control  # the server's reply: True over a control session (the proxy)
         gone, renewed, strangers = [], 0, 0
         with self._lock:
             for rid in msg.req_ids:
@@ -479,8 +515,12 @@ class PrefillEndpoint:
                 renewed += self._renew_locked(req, now)
             self.stats.renewed += renewed
         if strangers:
-            self._refuse("not_owner", msg.req_ids[0], "unknown_request",
-                         f"{strangers} renewed id(s) were claimed by another decode")
+            self._refuse(
+                "not_owner",
+                msg.req_ids[0],
+                "unknown_request",
+                f"{strangers} renewed id(s) were claimed by another decode",
+            )
         return Renewed(renewed=renewed, gone=gone)
 
     def _renew_locked(self, req: RequestRecord, now: float) -> int:
@@ -519,7 +559,7 @@ class PrefillEndpoint:
         if rec is None or rec.state is ShareState.EXPIRED:
             raise _Refuse("unknown_request", "request dropped by the engine")
         self._raise_if_cancelled(rec)
-        src = req.src_blocks[msg.first_block:msg.first_block + len(msg.dst_block_ids)]
+        src = req.src_blocks[msg.first_block : msg.first_block + len(msg.dst_block_ids)]
         st = rec.stream
         prep, off, planned = self._plan(msg, st, src, rec.key)
         if prep.nbytes:
@@ -539,10 +579,17 @@ class PrefillEndpoint:
         if len(segs) > MAX_SEGMENTS:  # a KVReady the decode would drop: refuse now, naming why
             raise _Refuse("layout_mismatch", _too_many_segments(len(segs), self.source, msg))
         if not prep.nbytes and self.registration == "per_request":  # served in place: expose its runs
-            self.exposure.acquire(rec.key, [(self.export_base + s.offset_bytes, s.nbytes) for s in segs],
-                                  domains=self._export_regions)
-        out = KVReady(req_id=msg.req_id, ring_offset=off, total_nbytes=sum(s.nbytes for s in segs),
-                      segments=segs, lease_ms=int(self.lease_s * 1000), chip=msg.dst_chip)
+            self.exposure.acquire(
+                rec.key, [(self.export_base + s.offset_bytes, s.nbytes) for s in segs], domains=self._export_regions
+            )
+        out = KVReady(
+            req_id=msg.req_id,
+            ring_offset=off,
+            total_nbytes=sum(s.nbytes for s in segs),
+            segments=segs,
+            lease_ms=int(self.lease_s * 1000),
+            chip=msg.dst_chip,
+        )
         with self._lock:  # the cancel check and the move to served are one step
             self._mark_served_locked(rec)
         return out
@@ -576,8 +623,9 @@ class PrefillEndpoint:
         if st.served == 1:
             self.stats.served += 1
 
-    def _serve_failed(self, msg: KVRequest, req: RequestRecord | None, rec: ShareRecord | None,
-                      e: Exception, reply) -> None:
+    def _serve_failed(
+        self, msg: KVRequest, req: RequestRecord | None, rec: ShareRecord | None, e: Exception, reply
+    ) -> None:
         """A group could not be served. Not cancelled: it is refused (``stats.refused``) and
         answered ErrorMsg; once no group is in flight the share is served (some KVReady
         out) or held again, its range freed if no KVReady is out. Cancelled (Release came):
@@ -629,16 +677,17 @@ class PrefillEndpoint:
     def _free(self, key: str) -> None:
         """Let go of share ``key``'s ring range (if it holds one) and registrations (P8)."""
         if self.ring is not None and key in self.ring.alloc.live():
-            try:
+            with contextlib.suppress(KeyError):  # freed by another thread meanwhile
                 self.ring.release(key)
-            except KeyError:  # freed by another thread meanwhile
-                pass
         self.exposure.release(key)
 
     def _fail_reply(self, rid: str, e: Exception, cancelled: bool, reply, finished: bool = False) -> None:
         if cancelled:  # no reply: nobody waits for it
-            logger.warning("prefill: %s released by the decode before its KVReady (%s); range freed",
-                           rid, "cancelled" if isinstance(e, _Cancelled) else f"{type(e).__name__}: {e}")
+            logger.warning(
+                "prefill: %s released by the decode before its KVReady (%s); range freed",
+                rid,
+                "cancelled" if isinstance(e, _Cancelled) else f"{type(e).__name__}: {e}",
+            )
             if finished:
                 self._notify(rid, False)
             return
@@ -653,13 +702,17 @@ class PrefillEndpoint:
         if msg.num_tokens <= 0 or msg.num_tokens > req.num_tokens:
             return f"num_tokens {msg.num_tokens} not in [1, {req.num_tokens}] (the prefill's length)"
         if msg.dst_layout.block_size != self.compat.block_size:
-            return (f"destination block_size {msg.dst_layout.block_size} differs from the handshake's "
-                    f"{self.compat.block_size}")
+            return (
+                f"destination block_size {msg.dst_layout.block_size} differs from the handshake's "
+                f"{self.compat.block_size}"
+            )
         n_req = -(-msg.num_tokens // self.compat.block_size)
         ids = msg.dst_block_ids
         if not ids or msg.first_block + len(ids) != n_req:
-            return (f"first_block {msg.first_block} + {len(ids)} destination block ids do not end the "
-                    f"{n_req} blocks of {msg.num_tokens} tokens (need at least one)")
+            return (
+                f"first_block {msg.first_block} + {len(ids)} destination block ids do not end the "
+                f"{n_req} blocks of {msg.num_tokens} tokens (need at least one)"
+            )
         if len(set(ids)) != len(ids):
             return "destination block ids must be distinct"
         if max(ids) >= MAX_DST_BLOCK_ID:
@@ -730,11 +783,16 @@ class PrefillEndpoint:
     def _lapsed_locked(self, now: float, mono: float) -> list[str]:
         """Ids whose lease ran out (lock held): a KVReady older than ``lease_s`` without
         Release, or held past its expiry with nothing in flight."""
-        served = [rid for rid, req in self._table.requests.items()
-                  if self.lease_s and any(s.kvready_out and mono - s.served_at > self.lease_s
-                                          for s in req.shares.values())]
-        held = [rid for rid, req in self._table.requests.items()
-                if req.expiry and now > req.expiry and not req.in_flight() and rid not in served]
+        served = [
+            rid
+            for rid, req in self._table.requests.items()
+            if self.lease_s and any(s.kvready_out and mono - s.served_at > self.lease_s for s in req.shares.values())
+        ]
+        held = [
+            rid
+            for rid, req in self._table.requests.items()
+            if req.expiry and now > req.expiry and not req.in_flight() and rid not in served
+        ]
         return served + held
 
     @staticmethod
@@ -766,10 +824,8 @@ class PrefillEndpoint:
         if self.ring is not None:
             self.ring.close()
         for a in self._exported:
-            try:
+            with contextlib.suppress(Exception):  # transport closed already
                 self.transport.unregister(a)
-            except Exception:  # noqa: BLE001 - transport closed already
-                pass
         self._exported = []
         self.exposure.close()
 
@@ -780,10 +836,12 @@ class _Cancelled(Exception):
 
 def _too_many_segments(n: int, source, msg: KVRequest) -> str:
     share = f"heads {msg.head_start}..{msg.head_start + msg.num_heads - 1} of " if msg.num_heads else ""
-    return (f"KVReady would carry {n} segments ({share}{len(msg.dst_block_ids)} blocks served in place by "
-            f"{source.name}: one per byte run per layer), the protocol allows "
-            f"{MAX_SEGMENTS}; use mode staged (the ring gathers each layer into one segment), contiguous blocks, "
-            "or a head-outer cache layout for shares")
+    return (
+        f"KVReady would carry {n} segments ({share}{len(msg.dst_block_ids)} blocks served in place by "
+        f"{source.name}: one per byte run per layer), the protocol allows "
+        f"{MAX_SEGMENTS}; use mode staged (the ring gathers each layer into one segment), contiguous blocks, "
+        "or a head-outer cache layout for shares"
+    )
 
 
 class _Refuse(Exception):

@@ -16,20 +16,30 @@ worker releases at once. :func:`vllm_hawk.kvflow.shares.fetch_shares` runs the p
 Every way the two sides' TP sizes cannot pair raises
 :class:`~vllm_hawk.layout.tp.TPMismatch`, naming both sides' values.
 """
+
 from __future__ import annotations
 
 import logging
 import threading
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Callable, Protocol
+from typing import Protocol
 
 from vllm_hawk.kvflow.decode import Share
 from vllm_hawk.kvflow.sources import vllm_layout_desc
 from vllm_hawk.kvflow.streams import PerHeadRange
 from vllm_hawk.layout.tp import TPMismatch, consumers, plan_pulls, replicas, share_index
 
-__all__ = ["PlannedShare", "PullPlan", "PullPlanner", "RemoteKV", "check_targets", "check_whole_chip",
-           "idle_ranks", "plan_shares"]
+__all__ = [
+    "PlannedShare",
+    "PullPlan",
+    "PullPlanner",
+    "RemoteKV",
+    "check_targets",
+    "check_whole_chip",
+    "idle_ranks",
+    "plan_shares",
+]
 
 
 @dataclass(frozen=True)
@@ -44,8 +54,9 @@ class PlannedShare:
     count: int
 
 
-def plan_shares(num_kv_heads: int, prefill_tp: int, decode_targets: int, target: int,
-                local_heads: int) -> list[PlannedShare]:
+def plan_shares(
+    num_kv_heads: int, prefill_tp: int, decode_targets: int, target: int, local_heads: int
+) -> list[PlannedShare]:
     """The shares decode target ``target`` (of ``decode_targets`` ranks or chips, holding
     ``local_heads`` heads) pulls. A pull of a prefill rank's whole shard into the whole
     target, with no other consumer, is a plain whole request (as without TP); every share
@@ -57,8 +68,11 @@ def plan_shares(num_kv_heads: int, prefill_tp: int, decode_targets: int, target:
         n = consumers(num_kv_heads, prefill_tp, decode_targets, p.prefill_rank)
         whole = p.count == src_heads == local_heads and n == 1
         idx = share_index(num_kv_heads, prefill_tp, decode_targets, target, p.prefill_rank)
-        share = Share(chip=target) if whole else Share(p.src_start, p.count, n, idx, tag=f"t{target}d{p.dst_start}",
-                                                       chip=target)
+        share = (
+            Share(chip=target)
+            if whole
+            else Share(p.src_start, p.count, n, idx, tag=f"t{target}d{p.dst_start}", chip=target)
+        )
         out.append(PlannedShare(target, p.prefill_rank, share, p.dst_start, p.count))
     return out
 
@@ -74,9 +88,11 @@ def check_whole_chip(ps: PlannedShare, local: int) -> None:
     brings all ``local`` heads of its chip."""
     if (ps.dst_start, ps.count) != (0, local):
         last = ps.dst_start + ps.count - 1
-        raise TPMismatch(f"chip {ps.target} holds {local} KV heads; heads {ps.dst_start}..{last} "
-                         f"of them would come from prefill rank {ps.prefill_rank} alone, and a Tenstorrent chip lands "
-                         "whole head shards: use a prefill tensor_parallel_size <= the decode's chips")
+        raise TPMismatch(
+            f"chip {ps.target} holds {local} KV heads; heads {ps.dst_start}..{last} "
+            f"of them would come from prefill rank {ps.prefill_rank} alone, and a Tenstorrent chip lands "
+            "whole head shards: use a prefill tensor_parallel_size <= the decode's chips"
+        )
 
 
 def check_targets(num_kv_heads: int, prefill_tp: int, total: int, targets, local: int, *, chips: bool) -> None:
@@ -124,9 +140,20 @@ class PullPlanner:
     logged, once per prefill TP size.
     """
 
-    def __init__(self, num_kv_heads: int, layout, sinks: list, *, chips: bool, rank: int = 0, ranks: int = 1,
-                 prefill_tp: int = 0, head_maps: Callable | None = None, peer: Callable | None = None,
-                 log: logging.Logger | None = None) -> None:
+    def __init__(
+        self,
+        num_kv_heads: int,
+        layout,
+        sinks: list,
+        *,
+        chips: bool,
+        rank: int = 0,
+        ranks: int = 1,
+        prefill_tp: int = 0,
+        head_maps: Callable | None = None,
+        peer: Callable | None = None,
+        log: logging.Logger | None = None,
+    ) -> None:
         self.num_kv_heads, self.layout, self.sinks, self.chips = num_kv_heads, layout, sinks, chips
         self.local = layout.num_kv_heads  # KV heads each target holds
         self.heads = num_kv_heads or self.local  # the model's, as planned
@@ -145,17 +172,22 @@ class PullPlanner:
         """``spec``'s shares with their endpoints and sinks (``connect`` False: without,
         for a Release only) and the idle ranks to release."""
         planned = self.shares(spec)
-        shares = [(self._endpoint(spec, ps.prefill_rank), self._sink_for(ps), ps) if connect else (None, None, ps)
-                  for ps in planned]
+        shares = [
+            (self._endpoint(spec, ps.prefill_rank), self._sink_for(ps), ps) if connect else (None, None, ps)
+            for ps in planned
+        ]
         return PullPlan(shares, self._idle_logged(spec))
 
     def shares(self, spec: RemoteKV) -> list[PlannedShare]:
         """The shares this worker pulls for ``spec`` (one WHOLE share without TP)."""
         if self.prefill_tp and spec.remote_tp_size != self.prefill_tp:
-            raise TPMismatch(f"kv_transfer_params name a prefill with tensor_parallel_size {spec.remote_tp_size}; "
-                             f"this decode is configured for prefill_tp={self.prefill_tp}")
-        return [ps for t in self.targets
-                for ps in plan_shares(self.heads, spec.remote_tp_size, self.total, t, self.local)]
+            raise TPMismatch(
+                f"kv_transfer_params name a prefill with tensor_parallel_size {spec.remote_tp_size}; "
+                f"this decode is configured for prefill_tp={self.prefill_tp}"
+            )
+        return [
+            ps for t in self.targets for ps in plan_shares(self.heads, spec.remote_tp_size, self.total, t, self.local)
+        ]
 
     def idle(self, spec: RemoteKV) -> list[int]:
         """The prefill ranks nobody pulls from, which this worker releases (target 0 only)."""
@@ -184,8 +216,12 @@ class PullPlanner:
         if self.rank == 0 and self.num_kv_heads and self._first_plan_for(spec.remote_tp_size):
             note = replicas(self.num_kv_heads, spec.remote_tp_size)
             if note:
-                self.log.info("HawkConnector decode: prefill TP %d replicates KV heads: %s; idle ranks %s are "
-                              "released at once", spec.remote_tp_size, note, idle)
+                self.log.info(
+                    "HawkConnector decode: prefill TP %d replicates KV heads: %s; idle ranks %s are released at once",
+                    spec.remote_tp_size,
+                    note,
+                    idle,
+                )
         return idle
 
     def _first_plan_for(self, prefill_tp: int) -> bool:
@@ -198,11 +234,14 @@ class PullPlanner:
         """The endpoint of prefill TP rank ``rank``; its HelloAck must say it is that rank."""
         ep = self.peer(spec.side_channel_of(rank), spec.remote_engine_id)
         h = ep.hello
-        if h.num_kv_heads and ((h.tp_size, h.tp_rank) != (spec.remote_tp_size, rank)
-                               or h.num_kv_heads != self.num_kv_heads):
-            err = TPMismatch(f"prefill side channel {spec.side_channel_of(rank)} says it is TP rank {h.tp_rank} of "
-                             f"{h.tp_size} with {h.num_kv_heads} KV heads; kv_transfer_params name rank {rank} of "
-                             f"{spec.remote_tp_size}, and this decode's model has {self.num_kv_heads}")
+        if h.num_kv_heads and (
+            (h.tp_size, h.tp_rank) != (spec.remote_tp_size, rank) or h.num_kv_heads != self.num_kv_heads
+        ):
+            err = TPMismatch(
+                f"prefill side channel {spec.side_channel_of(rank)} says it is TP rank {h.tp_rank} of "
+                f"{h.tp_size} with {h.num_kv_heads} KV heads; kv_transfer_params name rank {rank} of "
+                f"{spec.remote_tp_size}, and this decode's model has {self.num_kv_heads}"
+            )
             err.hello = h
             raise err
         return ep
@@ -217,9 +256,11 @@ class PullPlanner:
         if ps.dst_start == 0 and ps.count == self.local:
             return sink
         if self.head_maps is None or not sink.caps.head_shares:
-            raise TPMismatch(f"this decode's sink ({type(sink).__name__}) takes whole shards only; "
-                             f"heads {ps.dst_start}..{ps.dst_start + ps.count - 1} of its {self.local} would come "
-                             f"from prefill rank {ps.prefill_rank} alone")
+            raise TPMismatch(
+                f"this decode's sink ({type(sink).__name__}) takes whole shards only; "
+                f"heads {ps.dst_start}..{ps.dst_start + ps.count - 1} of its {self.local} would come "
+                f"from prefill rank {ps.prefill_rank} alone"
+            )
         return self._share_sinks(ps.dst_start, ps.count)
 
     def _share_sink(self, start: int, count: int):

@@ -11,10 +11,11 @@ is raised (a :class:`~vllm_hawk.kvflow.errors.TransferUnsettled` first: its bloc
 not be reused). Each share released itself, so nothing stays held on any prefill rank.
 The planning names stay importable from here (the benchmarks and tests use them).
 """
+
 from __future__ import annotations
 
 import threading
-from typing import Callable
+from collections.abc import Callable
 
 from vllm_hawk.kvflow.decode import FetchResult
 from vllm_hawk.kvflow.errors import TransferUnsettled
@@ -23,9 +24,17 @@ from vllm_hawk.kvflow.pull_plan import PlannedShare, idle_ranks, plan_shares
 __all__ = ["PlannedShare", "plan_shares", "idle_ranks", "fetch_shares"]
 
 
-def fetch_shares(req_id: str, num_tokens: int, shares: list[tuple[object, object, PlannedShare]],
-                 dst_blocks, *, first_block: int = 0, layer_groups: int = 1, time_cap_s: float | None = None,
-                 on_result: Callable[[PlannedShare, FetchResult], None] | None = None) -> FetchResult:
+def fetch_shares(
+    req_id: str,
+    num_tokens: int,
+    shares: list[tuple[object, object, PlannedShare]],
+    dst_blocks,
+    *,
+    first_block: int = 0,
+    layer_groups: int = 1,
+    time_cap_s: float | None = None,
+    on_result: Callable[[PlannedShare, FetchResult], None] | None = None,
+) -> FetchResult:
     """Fetch every ``(endpoint, sink, planned)`` share of ``req_id`` at once (see module
     doc); returns the sum (``extra["shares"]``: per share, prefill rank, target, heads,
     bytes, segments, entries and, for Tenstorrent sinks, bytes per bank; one share: its own
@@ -33,20 +42,35 @@ def fetch_shares(req_id: str, num_tokens: int, shares: list[tuple[object, object
     (per-tile benchmark rows)."""
     if len(shares) == 1:
         ep, sink, ps = shares[0]
-        return ep.fetch(req_id, num_tokens, sink, dst_blocks, first_block=first_block, layer_groups=layer_groups,
-                        time_cap_s=time_cap_s, share=ps.share)
+        return ep.fetch(
+            req_id,
+            num_tokens,
+            sink,
+            dst_blocks,
+            first_block=first_block,
+            layer_groups=layer_groups,
+            time_cap_s=time_cap_s,
+            share=ps.share,
+        )
     results: list = [None] * len(shares)
 
     def one(i: int) -> None:
         ep, sink, ps = shares[i]
         try:
-            results[i] = ep.fetch(req_id, num_tokens, sink, dst_blocks, first_block=first_block,
-                                  layer_groups=layer_groups, time_cap_s=time_cap_s, share=ps.share)
+            results[i] = ep.fetch(
+                req_id,
+                num_tokens,
+                sink,
+                dst_blocks,
+                first_block=first_block,
+                layer_groups=layer_groups,
+                time_cap_s=time_cap_s,
+                share=ps.share,
+            )
         except BaseException as e:  # noqa: BLE001 - raised below, after every share ended
             results[i] = e
 
-    threads = [threading.Thread(target=one, args=(i,), daemon=True, name=f"hawk-share-{i}")
-               for i in range(len(shares))]
+    threads = [threading.Thread(target=one, args=(i,), daemon=True, name=f"hawk-share-{i}") for i in range(len(shares))]
     for t in threads:
         t.start()
     for t in threads:
@@ -56,7 +80,7 @@ def fetch_shares(req_id: str, num_tokens: int, shares: list[tuple[object, object
         raise next((e for e in errors if isinstance(e, TransferUnsettled)), errors[0])
     total = FetchResult(req_id, results[0].mode)
     per = []
-    for (_ep, _sink, ps), r in zip(shares, results):
+    for (_ep, _sink, ps), r in zip(shares, results, strict=False):
         total.nbytes += r.nbytes
         total.entries += r.entries
         total.segments += r.segments
@@ -66,9 +90,17 @@ def fetch_shares(req_id: str, num_tokens: int, shares: list[tuple[object, object
         total.total_s = max(total.total_s, r.total_s)
         total.release_s = max(total.release_s, r.release_s)
         total.fraction = min(total.fraction, r.fraction)
-        per.append({"prefill_rank": ps.prefill_rank, "target": ps.target, "heads": [ps.dst_start, ps.count],
-                    "nbytes": r.nbytes, "segments": r.segments, "entries": r.entries,
-                    **{k: v for k, v in r.extra.items() if k in ("bytes_per_bank", "banks", "intra_bank_ops")}})
+        per.append(
+            {
+                "prefill_rank": ps.prefill_rank,
+                "target": ps.target,
+                "heads": [ps.dst_start, ps.count],
+                "nbytes": r.nbytes,
+                "segments": r.segments,
+                "entries": r.entries,
+                **{k: v for k, v in r.extra.items() if k in ("bytes_per_bank", "banks", "intra_bank_ops")},
+            }
+        )
         for k in ("intra_bank_ops",):
             if k in r.extra:
                 total.extra[k] = total.extra.get(k, 0) + r.extra[k]

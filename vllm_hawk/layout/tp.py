@@ -17,12 +17,22 @@ request's blocks until every pull aimed at it has been released (:func:`consumer
 
 All head counts and offsets are in heads (not bytes).
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass
 
-__all__ = ["HeadShard", "Pull", "TPMismatch", "shard_heads", "plan_pulls", "consumers", "share_index",
-           "serving_rank", "replicas"]
+__all__ = [
+    "HeadShard",
+    "Pull",
+    "TPMismatch",
+    "shard_heads",
+    "plan_pulls",
+    "consumers",
+    "share_index",
+    "serving_rank",
+    "replicas",
+]
 
 
 class TPMismatch(ValueError):
@@ -66,8 +76,10 @@ def check_split(num_kv_heads: int, tp: int, who: str = "tensor_parallel_size") -
     if num_kv_heads >= tp and num_kv_heads % tp:
         raise TPMismatch(f"{who}={tp} does not divide the model's {num_kv_heads} KV heads")
     if num_kv_heads < tp and tp % num_kv_heads:
-        raise TPMismatch(f"{who}={tp} is not a multiple of the model's {num_kv_heads} KV heads "
-                         "(fewer heads than ranks: each head is replicated on tp/heads ranks)")
+        raise TPMismatch(
+            f"{who}={tp} is not a multiple of the model's {num_kv_heads} KV heads "
+            "(fewer heads than ranks: each head is replicated on tp/heads ranks)"
+        )
 
 
 def shard_heads(num_kv_heads: int, tp: int, rank: int, who: str = "tensor_parallel_size") -> HeadShard:
@@ -96,8 +108,10 @@ def replicas(num_kv_heads: int, prefill_tp: int) -> str:
     if num_kv_heads >= prefill_tp:
         return ""
     per = prefill_tp // num_kv_heads
-    return "; ".join(f"head {h} on ranks {h * per}-{h * per + per - 1} "
-                     f"(served by {serving_rank(num_kv_heads, prefill_tp, h)})" for h in range(num_kv_heads))
+    return "; ".join(
+        f"head {h} on ranks {h * per}-{h * per + per - 1} (served by {serving_rank(num_kv_heads, prefill_tp, h)})"
+        for h in range(num_kv_heads)
+    )
 
 
 def plan_pulls(num_kv_heads: int, prefill_tp: int, decode_tp: int, decode_rank: int) -> list[Pull]:
@@ -107,8 +121,9 @@ def plan_pulls(num_kv_heads: int, prefill_tp: int, decode_tp: int, decode_rank: 
         check_split(num_kv_heads, prefill_tp, "prefill tensor_parallel_size")
         check_split(num_kv_heads, decode_tp, "decode tensor_parallel_size (or chips)")
     except TPMismatch as e:
-        raise TPMismatch(f"prefill TP {prefill_tp} -> decode TP {decode_tp} with {num_kv_heads} KV heads: "
-                         f"{e}") from None
+        raise TPMismatch(
+            f"prefill TP {prefill_tp} -> decode TP {decode_tp} with {num_kv_heads} KV heads: {e}"
+        ) from None
     dst = shard_heads(num_kv_heads, decode_tp, decode_rank, "decode tensor_parallel_size (or chips)")
     out: list[Pull] = []
     h = dst.start
@@ -124,8 +139,11 @@ def plan_pulls(num_kv_heads: int, prefill_tp: int, decode_tp: int, decode_rank: 
 def consumers(num_kv_heads: int, prefill_tp: int, decode_tp: int, prefill_rank: int) -> int:
     """How many pulls (over all decode targets) prefill rank ``prefill_rank`` serves per
     request: it frees the request's blocks after that many Releases."""
-    return sum(p.prefill_rank == prefill_rank
-               for d in range(decode_tp) for p in plan_pulls(num_kv_heads, prefill_tp, decode_tp, d))
+    return sum(
+        p.prefill_rank == prefill_rank
+        for d in range(decode_tp)
+        for p in plan_pulls(num_kv_heads, prefill_tp, decode_tp, d)
+    )
 
 
 def share_index(num_kv_heads: int, prefill_tp: int, decode_tp: int, decode_rank: int, prefill_rank: int) -> int:

@@ -87,6 +87,11 @@ class TTPagedKVCache:
 
     # ---- identity -----------------------------------------------------------------
     @property
+    def chips(self) -> list[TTPagedKVCache]:
+        """The chips this cache spans: itself (a mesh cache lists one cache per chip)."""
+        return [self]
+
+    @property
     def num_banks(self) -> int:
         return self.layout.num_banks
 

@@ -11,6 +11,7 @@ out the same way (``<dir>/devices/*.yaml``, ``<dir>/models/*.yaml``). They are s
 first, in order, so a user file adds a profile or replaces a shipped one of the same name.
 A path to a YAML file is always accepted instead of a name.
 """
+
 from __future__ import annotations
 
 import os
@@ -44,8 +45,7 @@ def search_path(kind: str) -> list[Traversable]:
 def _yaml_files(folder: Traversable) -> dict[str, Traversable]:
     if not folder.is_dir():
         return {}
-    return {Path(f.name).stem: f for f in folder.iterdir()
-            if f.is_file() and f.name.endswith((".yaml", ".yml"))}
+    return {Path(f.name).stem: f for f in folder.iterdir() if f.is_file() and f.name.endswith((".yaml", ".yml"))}
 
 
 def available(kind: str) -> list[str]:
