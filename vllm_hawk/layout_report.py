@@ -101,6 +101,20 @@ def chip_plans(model: str, prefill_tp: int, decode_tp: int, layout: TTKVCacheLay
     return chips
 
 
+def _plan_row(layout, placement: str, blocks: np.ndarray, mode: str) -> dict:
+    """READs (count, mean bytes) and intra-bank copies of one placement of the request's blocks in ``mode``."""
+    plan = make_plan(layout, blocks, mode)
+    return {
+        "placement": placement,
+        "mode": mode,
+        "rdma_ops_per_tile": len(plan.per_tile_ops()),
+        "rdma_ops": len(plan.rdma),
+        "intra_bank_copies": len(plan.intra_bank) if plan.intra_bank is not None else 0,
+        "mean_rdma_op_bytes": plan.total_nbytes / max(1, len(plan.rdma)),
+        "recv_buffer_bytes_per_bank": plan.recv_nbytes_per_bank if mode == "staged" else 0,
+    }
+
+
 def layout_report(
     model="llama-3.1-70b",
     prefill_tp=4,
@@ -126,21 +140,9 @@ def layout_report(
         "contiguous blocks": np.arange(1, n_blocks + 1),
         "fragmented blocks": np.arange(1, 2 * n_blocks + 1, 2),
     }
-    rows = []
-    for pname, blocks in placements.items():
-        for mode in ("staged", "direct"):
-            plan = make_plan(layout, blocks, mode)
-            rows.append(
-                {
-                    "placement": pname,
-                    "mode": mode,
-                    "rdma_ops_per_tile": len(plan.per_tile_ops()),
-                    "rdma_ops": len(plan.rdma),
-                    "intra_bank_copies": len(plan.intra_bank) if plan.intra_bank is not None else 0,
-                    "mean_rdma_op_bytes": plan.total_nbytes / max(1, len(plan.rdma)),
-                    "recv_buffer_bytes_per_bank": plan.recv_nbytes_per_bank if mode == "staged" else 0,
-                }
-            )
+    rows = [
+        _plan_row(layout, pname, blocks, mode) for pname, blocks in placements.items() for mode in ("staged", "direct")
+    ]
     plan = make_plan(layout, placements["contiguous blocks"], "staged")
     chips = chip_plans(model, prefill_tp, decode_tp, layout, placements["contiguous blocks"], block_size)
     return {

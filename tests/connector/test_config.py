@@ -149,7 +149,7 @@ def test_heartbeat_and_hold_follow_the_lease_when_unset():
 
 
 def test_prefill_tp_pairing_is_checked_at_start_up():
-    from vllm_hawk.connector.worker import check_pairing
+    from vllm_hawk.connector.strategies import check_pairing
 
     check_pairing(4, 2, 2, [0], 2, chips=False)  # GG 2 -> 2
     check_pairing(4, 2, 1, [0], 4, chips=False)  # GG 2 -> 1: two prefill ranks into one cache

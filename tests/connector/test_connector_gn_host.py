@@ -11,7 +11,7 @@ import torch
 
 from vllm_hawk.connector.config import HawkConfig
 from vllm_hawk.connector.describe import LocalKV, tt_compat
-from vllm_hawk.connector.worker import make_sinks, make_source
+from vllm_hawk.connector.strategies import make_sinks, make_source
 from vllm_hawk.kvflow import DecodeEndpoint, GNHostSink, PrefillEndpoint, RingGatherSource, VllmBlockSource
 from vllm_hawk.kvflow.gn_host import wire_layout_of
 from vllm_hawk.layout.formats import tilize_pack

@@ -24,7 +24,7 @@ import torch
 
 from vllm_hawk.connector.config import HawkConfig
 from vllm_hawk.connector.describe import LocalKV, tt_compat
-from vllm_hawk.connector.worker import make_sinks, make_source
+from vllm_hawk.connector.strategies import make_sinks, make_source
 from vllm_hawk.kvflow import (
     DecodeEndpoint,
     PeerFailed,

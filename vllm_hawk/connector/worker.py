@@ -26,43 +26,26 @@ from vllm_hawk.connector.affinity import unpin_current_thread, unpinned_threads
 from vllm_hawk.connector.config import HawkConfig
 from vllm_hawk.connector.describe import LocalKV
 from vllm_hawk.connector.metadata import HawkConnectorMetadata, HawkWorkerMeta, RecvSpec
-from vllm_hawk.connector.peers import MAX_PEERS, PeerPool
+from vllm_hawk.connector.peers import PeerPool
 from vllm_hawk.connector.pulls import PullResults, figures_of
 from vllm_hawk.connector.stats import HawkKVConnectorStats
 from vllm_hawk.connector.strategies import (
-    check_pairing,
     check_tp_size,
     decode_endpoint,
     describe_local,
     make_planner,
     make_prefill,
     make_sinks,
-    make_source,
     make_transport_for,
     tp_rank_and_size,
 )
 from vllm_hawk.kvflow import LeaseKeeper, TransferUnsettled
 from vllm_hawk.kvflow.decode import WHOLE, Share
-from vllm_hawk.kvflow.pull_plan import check_whole_chip
 from vllm_hawk.kvflow.shares import fetch_shares
 from vllm_hawk.layout.tp import TPMismatch
 
 # Under "vllm." so that vLLM's log handlers and level apply.
 logger = logging.getLogger("vllm.hawk.worker")
-
-# Names other modules and tests import from the worker side (defined in its modules).
-__all__ = [
-    "HawkConnectorWorker",
-    "MAX_PEERS",
-    "check_pairing",
-    "check_whole_chip",
-    "make_sinks",
-    "make_source",
-    "make_transport_for",
-    "tp_rank_and_size",
-    "unpin_current_thread",
-    "unpinned_threads",
-]
 
 
 class HawkConnectorWorker:

@@ -40,8 +40,9 @@ def fetch_shares(
     bytes, segments, entries and, for Tenstorrent sinks, bytes per bank; one share: its own
     result). ``time_cap_s``: as :meth:`~vllm_hawk.kvflow.decode.DecodeEndpoint.fetch`
     (per-tile benchmark rows)."""
-    if len(shares) == 1:
-        ep, sink, ps = shares[0]
+
+    def fetch(share) -> FetchResult:
+        ep, sink, ps = share
         return ep.fetch(
             req_id,
             num_tokens,
@@ -52,21 +53,14 @@ def fetch_shares(
             time_cap_s=time_cap_s,
             share=ps.share,
         )
+
+    if len(shares) == 1:
+        return fetch(shares[0])
     results: list = [None] * len(shares)
 
     def one(i: int) -> None:
-        ep, sink, ps = shares[i]
         try:
-            results[i] = ep.fetch(
-                req_id,
-                num_tokens,
-                sink,
-                dst_blocks,
-                first_block=first_block,
-                layer_groups=layer_groups,
-                time_cap_s=time_cap_s,
-                share=ps.share,
-            )
+            results[i] = fetch(shares[i])
         except BaseException as e:  # noqa: BLE001 - raised below, after every share ended
             results[i] = e
 
@@ -78,9 +72,15 @@ def fetch_shares(
     errors = [r for r in results if isinstance(r, BaseException)]
     if errors:
         raise next((e for e in errors if isinstance(e, TransferUnsettled)), errors[0])
+    return _summed(req_id, [ps for _ep, _sink, ps in shares], results, on_result)
+
+
+def _summed(req_id: str, planned: list[PlannedShare], results: list[FetchResult], on_result) -> FetchResult:
+    """One FetchResult for the shares: bytes, entries and segments added, times the
+    slowest share's, ``extra["shares"]`` one entry per share."""
     total = FetchResult(req_id, results[0].mode)
     per = []
-    for (_ep, _sink, ps), r in zip(shares, results, strict=False):
+    for ps, r in zip(planned, results, strict=True):
         total.nbytes += r.nbytes
         total.entries += r.entries
         total.segments += r.segments
@@ -101,9 +101,8 @@ def fetch_shares(
                 **{k: v for k, v in r.extra.items() if k in ("bytes_per_bank", "banks", "intra_bank_ops")},
             }
         )
-        for k in ("intra_bank_ops",):
-            if k in r.extra:
-                total.extra[k] = total.extra.get(k, 0) + r.extra[k]
+        if "intra_bank_ops" in r.extra:
+            total.extra["intra_bank_ops"] = total.extra.get("intra_bank_ops", 0) + r.extra["intra_bank_ops"]
         if on_result is not None:
             on_result(ps, r)
     total.extra["shares"] = per
