@@ -17,6 +17,8 @@ from pathlib import Path
 
 import pytest
 
+from vllm_hawk.testing.local_cluster import http_post_json
+
 #: Environment for an in-process engine on these 2-core CPU machines (docs/vllm-cpu.md).
 INPROC_ENV = {
     "VLLM_ENABLE_V1_MULTIPROCESSING": "0",  # engine core in this process
@@ -133,6 +135,31 @@ def wait_http_ok(url: str, timeout: float, proc=None) -> None:
             pass
         time.sleep(1.0)
     raise TimeoutError(f"{url} not ready after {timeout:.0f} s")
+
+
+def complete(url: str, prompt, *, max_tokens: int, logprobs: int | None = None) -> dict:
+    """One greedy ``/v1/completions`` request (EOS ignored, token ids returned, with
+    ``logprobs`` top logprobs per position if given); asserts HTTP 200 and returns the first
+    choice with the response's ``kv_transfer_params`` added."""
+    body = {
+        "model": "tiny",
+        "prompt": prompt,
+        "max_tokens": max_tokens,
+        "temperature": 0,
+        "ignore_eos": True,
+        "return_token_ids": True,
+    }
+    if logprobs:
+        body.update(logprobs=logprobs, return_tokens_as_token_ids=True)
+    status, out = http_post_json(url + "/v1/completions", body)
+    assert status == 200, out
+    return {**out["choices"][0], "kv_transfer_params": out.get("kv_transfer_params")}
+
+
+def top2_gap(choice: dict, pos: int) -> float:
+    """The gap between the two highest logprobs of ``choice`` at position ``pos``."""
+    top = sorted(choice["logprobs"]["top_logprobs"][pos].values(), reverse=True)
+    return top[0] - top[1] if len(top) > 1 else float("inf")
 
 
 def token_prompts(seed: int, lengths) -> list[list[int]]:

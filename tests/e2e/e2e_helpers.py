@@ -12,9 +12,7 @@ from __future__ import annotations
 import glob
 from pathlib import Path
 
-from vllm_fixtures import token_prompts
-
-from vllm_hawk.testing.local_cluster import http_post_json
+from vllm_fixtures import complete, token_prompts, top2_gap  # noqa: F401 - the e2e tests import them from here
 
 #: vLLM block size (tokens) of every e2e cluster
 BLOCK = 32
@@ -42,31 +40,6 @@ def gg_prompts() -> list[list[int]]:
 def gn_prompts() -> list[list[int]]:
     """Token-id prompts (BOS included) across block boundaries (block 32, GN setup)."""
     return token_prompts(11, (5, 32, 33, 100, 257))
-
-
-def complete(url: str, prompt, *, max_tokens: int, logprobs: int | None = None) -> dict:
-    """One greedy ``/v1/completions`` request (EOS ignored, token ids returned, with
-    ``logprobs`` top logprobs per position if given); asserts HTTP 200 and returns the first
-    choice with the response's ``kv_transfer_params`` added."""
-    body = {
-        "model": "tiny",
-        "prompt": prompt,
-        "max_tokens": max_tokens,
-        "temperature": 0,
-        "ignore_eos": True,
-        "return_token_ids": True,
-    }
-    if logprobs:
-        body.update(logprobs=logprobs, return_tokens_as_token_ids=True)
-    status, out = http_post_json(url + "/v1/completions", body)
-    assert status == 200, out
-    return {**out["choices"][0], "kv_transfer_params": out.get("kv_transfer_params")}
-
-
-def top2_gap(choice: dict, pos: int) -> float:
-    """The gap between the two highest logprobs of ``choice`` at position ``pos``."""
-    top = sorted(choice["logprobs"]["top_logprobs"][pos].values(), reverse=True)
-    return top[0] - top[1] if len(top) > 1 else float("inf")
 
 
 def greedy_divergence(got: list[int], ref_choice: dict) -> tuple[int, float] | None:

@@ -22,6 +22,7 @@ import time
 from pathlib import Path
 
 import pytest
+from vllm_fixtures import complete, top2_gap
 
 from vllm_hawk.testing.local_cluster import http_post_json as _post
 from vllm_hawk.testing.local_cluster import wait_idle
@@ -91,27 +92,6 @@ def two(tmp_path_factory):
         assert net.leftovers() == [], f"left behind: {net.leftovers()}"
 
 
-def _complete(url: str, prompt, logprobs: int | None = None, max_tokens: int = 8) -> dict:
-    body = {
-        "model": "tiny",
-        "prompt": prompt,
-        "max_tokens": max_tokens,
-        "temperature": 0,
-        "ignore_eos": True,
-        "return_token_ids": True,
-    }
-    if logprobs:
-        body.update(logprobs=logprobs, return_tokens_as_token_ids=True)
-    status, out = _post(url + "/v1/completions", body)
-    assert status == 200, out
-    return {**out["choices"][0], "kv_transfer_params": out.get("kv_transfer_params")}
-
-
-def _gap(choice: dict, pos: int) -> float:
-    top = sorted(choice["logprobs"]["top_logprobs"][pos].values(), reverse=True)
-    return top[0] - top[1] if len(top) > 1 else float("inf")
-
-
 def test_requests_cross_the_veth_pair(two):
     from vllm_hawk.testing.local_cluster import scrape_metrics
 
@@ -129,13 +109,13 @@ def test_requests_cross_the_veth_pair(two):
     before = scrape_metrics(two.decode_url).get("vllm:hawk_transfer_bytes_sum", 0.0)
     for n in (5, 33, 100, 257):
         p = [0] + [rng.randrange(2, 1024) for _ in range(n - 1)]
-        d = _complete(two.proxy_url, p)
+        d = complete(two.proxy_url, p, max_tokens=8)
         fig = (d["kv_transfer_params"] or {}).get("hawk_transfer") or {}
         assert fig.get("ok") and fig.get("banks") == 8, fig
-        r = _complete(two.prefill_url, p, logprobs=2)
+        r = complete(two.prefill_url, p, max_tokens=8, logprobs=2)
         if d["token_ids"] != r["token_ids"]:
             i = next(k for k, (a, b) in enumerate(zip(d["token_ids"], r["token_ids"], strict=False)) if a != b)
-            (ties if _gap(r, i) < TIE_MARGIN else mismatches).append((n, i, _gap(r, i)))
+            (ties if top2_gap(r, i) < TIE_MARGIN else mismatches).append((n, i, top2_gap(r, i)))
     moved = scrape_metrics(two.decode_url).get("vllm:hawk_transfer_bytes_sum", 0.0) - before
     print(
         f"[netns] 4 requests in {time.monotonic() - t0:.1f} s, {moved / 1024:.0f} KiB over the veth pair; "
@@ -149,7 +129,7 @@ def test_link_cut_fails_cleanly_within_the_timeout(two):
     from vllm_hawk.testing.local_cluster import scrape_metrics
 
     net = two.net
-    _complete(two.proxy_url, [0] + list(range(40, 90)))  # the side-channel session is up
+    complete(two.proxy_url, [0] + list(range(40, 90)), max_tokens=8)  # the side-channel session is up
     before = wait_idle(two, two.hawk_dump, 30)
     bufs = before["decode"].get("device_buffers")
     failed0 = scrape_metrics(two.decode_url).get("vllm:hawk_failed_transfers_total", 0.0)
@@ -192,6 +172,6 @@ def test_link_cut_fails_cleanly_within_the_timeout(two):
     after = wait_idle(two, two.hawk_dump, LEASE_S + 30)
     assert after["decode"].get("device_buffers") == bufs
     # the link is back: requests go through again
-    d = _complete(two.proxy_url, [0] + list(range(500, 560)))
+    d = complete(two.proxy_url, [0] + list(range(500, 560)), max_tokens=8)
     assert (d["kv_transfer_params"] or {}).get("hawk_transfer", {}).get("ok")
     wait_idle(two, two.hawk_dump, 30)
