@@ -433,32 +433,40 @@ def _die_with_parent() -> None:
     ctypes.CDLL(None, use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)
 
 
-def _boot(cmd: list[str], jobdir: Path, timeout_s: float, echo: bool, keep_out: bool) -> GuestResult:
-    t0 = time.monotonic()
-    lines: list[str] = []
-    marks: dict[str, float] = {}
-    rc_seen: list[int] = []
-    proc = subprocess.Popen(cmd, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
-                            stderr=subprocess.STDOUT, start_new_session=True, preexec_fn=_die_with_parent)
+class _Console:
+    """The guest's serial console as QEMU prints it: every line, and the ``time.monotonic``
+    seconds of the job's start and end marks with the exit status the end mark carries."""
 
-    def reader() -> None:
-        assert proc.stdout is not None
-        buf = io.TextIOWrapper(proc.stdout, encoding="utf-8", errors="replace", newline=None)
+    def __init__(self, echo: bool) -> None:
+        self.echo = echo
+        self.lines: list[str] = []
+        self.marks: dict[str, float] = {}
+        self.rc_seen: list[int] = []
+
+    def read(self, stream) -> None:
+        """Read ``stream`` (QEMU's stdout, bytes) to its end; run in a thread of its own."""
+        buf = io.TextIOWrapper(stream, encoding="utf-8", errors="replace", newline=None)
         for line in buf:
-            line = line.rstrip("\r\n")
-            lines.append(line)
-            if echo:
-                print(line, file=sys.stderr, flush=True)
-            if line.startswith(JOB_START) and "start" not in marks:
-                marks["start"] = time.monotonic()
-            elif line.startswith(JOB_RC) and "end" not in marks:
-                marks["end"] = time.monotonic()
-                m = re.match(re.escape(JOB_RC) + r"(-?\d+)", line)
-                if m:
-                    rc_seen.append(int(m.group(1)))
+            self.add(line.rstrip("\r\n"))
 
-    th = threading.Thread(target=reader, daemon=True)
-    th.start()
+    def add(self, line: str) -> None:
+        """One console line: kept, echoed to stderr if asked, and checked for the job's marks."""
+        self.lines.append(line)
+        if self.echo:
+            print(line, file=sys.stderr, flush=True)
+        if line.startswith(JOB_START) and "start" not in self.marks:
+            self.marks["start"] = time.monotonic()
+        elif line.startswith(JOB_RC) and "end" not in self.marks:
+            self.marks["end"] = time.monotonic()
+            m = re.match(re.escape(JOB_RC) + r"(-?\d+)", line)
+            if m:
+                self.rc_seen.append(int(m.group(1)))
+
+
+def _wait_or_kill(proc: subprocess.Popen, timeout_s: float) -> bool:
+    """Wait up to ``timeout_s`` seconds for QEMU to exit; whether it timed out. A QEMU still
+    running then (or after an interrupt) gets SIGTERM, and SIGKILL 5 s later: no guest is
+    left running."""
     timed_out = False
     try:
         proc.wait(timeout=timeout_s)
@@ -472,15 +480,38 @@ def _boot(cmd: list[str], jobdir: Path, timeout_s: float, echo: bool, keep_out: 
             except (subprocess.TimeoutExpired, ProcessLookupError):
                 os.killpg(proc.pid, signal.SIGKILL)
                 proc.wait()
-        th.join(timeout=5)
-    t_end = time.monotonic()
-    out = jobdir / "out"
+    return timed_out
+
+
+def _job_files(out: Path) -> tuple[dict[str, str], str]:
+    """The text of the job's output files under ``out`` (each under 4 MiB), and the guest's dmesg."""
     files = {}
     for f in sorted(out.iterdir()) if out.is_dir() else []:
         if f.is_file() and f.stat().st_size < 4 * MiB and f.name != "dmesg":
             files[f.name] = f.read_text(errors="replace")
     dmesg = (out / "dmesg").read_text(errors="replace") if (out / "dmesg").is_file() else ""
-    rc = rc_seen[0] if rc_seen else None
+    return files, dmesg
+
+
+def _boot(cmd: list[str], jobdir: Path, timeout_s: float, echo: bool, keep_out: bool) -> GuestResult:
+    """Run QEMU (``cmd``) until it exits or ``timeout_s`` seconds pass; the job's result with
+    its boot, job and total times in seconds."""
+    t0 = time.monotonic()
+    console = _Console(echo)
+    proc = subprocess.Popen(cmd, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
+                            stderr=subprocess.STDOUT, start_new_session=True, preexec_fn=_die_with_parent)
+    assert proc.stdout is not None
+    th = threading.Thread(target=console.read, args=(proc.stdout,), daemon=True)
+    th.start()
+    try:
+        timed_out = _wait_or_kill(proc, timeout_s)
+    finally:
+        th.join(timeout=5)
+    t_end = time.monotonic()
+    out = jobdir / "out"
+    files, dmesg = _job_files(out)
+    lines, marks = console.lines, console.marks
+    rc = console.rc_seen[0] if console.rc_seen else None
     start = marks.get("start", t_end)
     res = GuestResult(rc, "\n".join(lines), dmesg, start - t0, marks.get("end", t_end) - start,
                       t_end - t0, timed_out, out if keep_out else None, files)

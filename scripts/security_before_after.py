@@ -66,6 +66,9 @@ class _Count(logging.Handler):
 
 
 def _child(cfg: dict) -> None:
+    """The ``target`` process: sets up ``cfg["what"]`` (a prefill endpoint, a host-staged
+    transport or the proxy), prints its addresses as one JSON line, then answers one JSON
+    command per stdin line until ``exit`` or end of input."""
     if cfg.get("nofile"):
         n = int(cfg["nofile"])
         resource.setrlimit(resource.RLIMIT_NOFILE, (n, n))
@@ -76,65 +79,98 @@ def _child(cfg: dict) -> None:
     new = _new_api()
     ep = t = None
     out: dict = {}
+    # memory: the cache or buffer the transport serves by address, held until this process ends
     if cfg["what"] == "prefill":
-        from vllm_hawk.protocol import make_compat
-        from vllm_hawk.testing.endpoints import prefill_endpoint
-        from vllm_hawk.testing.paged_cache import PagedKVCache
-        from vllm_hawk.transport import make_transport
-
-        cache = PagedKVCache(*SHAPE).fill_random(cfg.get("seed", 3))
-        opts = {"secret": secret} if cfg["transport"] == "host_staged" and new else {}
-        t = make_transport(cfg["transport"], **opts)
-        kw = {"auth": cfg["auth"]} if new and cfg.get("auth") else {}
-        ep = prefill_endpoint(cache, t, make_compat(*COMPAT_ARGS), cfg.get("kind", "staged"), ring_nbytes=4 << 20,
-                              secret=secret, lease_s=cfg.get("lease_s", 60.0), **kw)
-        out = {"endpoint": ep.endpoint, "transfer": t.endpoint, "cache_addr": cache.base_addr,
-               "cache_nbytes": cache.nbytes}
+        ep, t, out, memory = _prefill_target(cfg, secret, new)
     elif cfg["what"] == "host_staged":
-        import numpy as np
-
-        from vllm_hawk.transport import make_transport
-
-        opts = {"secret": secret} if new else {}
-        t = make_transport("host_staged", max_connections=64, **opts)
-        buf = np.random.default_rng(1).integers(0, 256, 1 << 20, dtype=np.uint8)
-        t.register(buf.ctypes.data, buf.nbytes)
-        out = {"transfer": t.endpoint, "addr": buf.ctypes.data, "nbytes": buf.nbytes}
+        t, out, memory = _host_staged_target(secret, new)
     elif cfg["what"] == "proxy":
         _proxy_child(cfg, counter)
         return
     print(json.dumps(out), flush=True)
     for line in sys.stdin:
-        cmd = json.loads(line)
-        op = cmd["op"]
-        if op == "add":
-            ep.add_request(cmd["rid"], cmd["blocks"], cmd["tokens"])
-            reply = {}
-        elif op == "addtime":  # engine-side latency: the hand-over of a finished prefill (takes the lock)
-            lat = []
-            for i in range(cmd["n"]):
-                t0 = time.perf_counter()
-                ep.add_request(f"{cmd['prefix']}-{i}", [1], BS)
-                lat.append(time.perf_counter() - t0)
-            lat.sort()
-            reply = {"median_ms": lat[len(lat) // 2] * 1e3, "p99_ms": lat[int(len(lat) * 0.99)] * 1e3,
-                     "max_ms": lat[-1] * 1e3}
-        elif op == "stats":
-            ru = resource.getrusage(resource.RUSAGE_SELF)
-            try:
-                fds = len(os.listdir("/proc/self/fd"))
-            except OSError:
-                fds = -1
-            reply = {"cpu_s": ru.ru_utime + ru.ru_stime, "rss_mib": _status("VmRSS"), "hwm_mib": _status("VmHWM"),
-                     "fds": fds, "warnings_logged": counter.n}
-            if ep is not None:
-                reply["snapshot"] = ep.snapshot()
-        else:
+        reply = _child_reply(ep, json.loads(line), counter)
+        if reply is None:
             break
         print(json.dumps(reply), flush=True)
     if ep is not None:
         ep.close()
     t.close()
+    del memory
+
+
+def _prefill_target(cfg: dict, secret: bytes | None, new: bool) -> tuple:
+    """A prefill endpoint over a random paged cache (:data:`SHAPE`): (endpoint, transport,
+    its addresses and the cache's address and size in bytes, the cache)."""
+    from vllm_hawk.protocol import make_compat
+    from vllm_hawk.testing.endpoints import prefill_endpoint
+    from vllm_hawk.testing.paged_cache import PagedKVCache
+    from vllm_hawk.transport import make_transport
+
+    cache = PagedKVCache(*SHAPE).fill_random(cfg.get("seed", 3))
+    opts = {"secret": secret} if cfg["transport"] == "host_staged" and new else {}
+    t = make_transport(cfg["transport"], **opts)
+    kw = {"auth": cfg["auth"]} if new and cfg.get("auth") else {}
+    ep = prefill_endpoint(cache, t, make_compat(*COMPAT_ARGS), cfg.get("kind", "staged"), ring_nbytes=4 << 20,
+                          secret=secret, lease_s=cfg.get("lease_s", 60.0), **kw)
+    out = {"endpoint": ep.endpoint, "transfer": t.endpoint, "cache_addr": cache.base_addr,
+           "cache_nbytes": cache.nbytes}
+    return ep, t, out, cache
+
+
+def _host_staged_target(secret: bytes | None, new: bool) -> tuple:
+    """A host-staged transport (64 connections at most) with 1 MiB of random bytes
+    registered: (transport, its address and the buffer's address and size in bytes, the buffer)."""
+    import numpy as np
+
+    from vllm_hawk.transport import make_transport
+
+    opts = {"secret": secret} if new else {}
+    t = make_transport("host_staged", max_connections=64, **opts)
+    buf = np.random.default_rng(1).integers(0, 256, 1 << 20, dtype=np.uint8)
+    t.register(buf.ctypes.data, buf.nbytes)
+    return t, {"transfer": t.endpoint, "addr": buf.ctypes.data, "nbytes": buf.nbytes}, buf
+
+
+def _child_reply(ep, cmd: dict, counter: _Count) -> dict | None:
+    """The reply to one command of the ``target`` process; None for ``exit`` (or any other op)."""
+    op = cmd["op"]
+    if op == "add":
+        ep.add_request(cmd["rid"], cmd["blocks"], cmd["tokens"])
+        return {}
+    if op == "addtime":
+        return _add_latency(ep, cmd["prefix"], cmd["n"])
+    if op == "stats":
+        return _child_stats(ep, counter)
+    return None
+
+
+def _add_latency(ep, prefix: str, n: int) -> dict:
+    """Engine-side latency of ``n`` hand-overs of a finished one-block prefill (each takes
+    the endpoint's lock): median, 99th percentile and largest, in ms."""
+    lat = []
+    for i in range(n):
+        t0 = time.perf_counter()
+        ep.add_request(f"{prefix}-{i}", [1], BS)
+        lat.append(time.perf_counter() - t0)
+    lat.sort()
+    return {"median_ms": lat[len(lat) // 2] * 1e3, "p99_ms": lat[int(len(lat) * 0.99)] * 1e3,
+            "max_ms": lat[-1] * 1e3}
+
+
+def _child_stats(ep, counter: _Count) -> dict:
+    """This process's CPU seconds, RSS and peak RSS (MiB), open fds (-1: unreadable),
+    warnings logged, and the endpoint's snapshot if there is one."""
+    ru = resource.getrusage(resource.RUSAGE_SELF)
+    try:
+        fds = len(os.listdir("/proc/self/fd"))
+    except OSError:
+        fds = -1
+    reply = {"cpu_s": ru.ru_utime + ru.ru_stime, "rss_mib": _status("VmRSS"), "hwm_mib": _status("VmHWM"),
+             "fds": fds, "warnings_logged": counter.n}
+    if ep is not None:
+        reply["snapshot"] = ep.snapshot()
+    return reply
 
 
 class Target:
@@ -649,77 +685,109 @@ def m_hs_big_write() -> dict:
 
 
 # ----------------------------------------------------------------------------- 5. proxy
-def _proxy_child(cfg: dict, counter) -> None:
-    from aiohttp import web
+class _Upstream:
+    """The proxy's fake prefill and decode servers. ``state``: ``prefill_delay_s`` (seconds
+    before the prefill answers), ``mode`` of a streamed decode (``ok``: an empty stream,
+    ``slow_ok``: a chunk every 0.25 s for 6 s, ``endless``: 64 KiB chunks until the client
+    goes) and ``events``: (name, ``time.monotonic`` seconds) of each stream's start, end or
+    release."""
 
-    import vllm_hawk.proxy.server as ps
-    new = hasattr(ps, "Limits")
-    state = {"prefill_delay_s": 0.0, "mode": "ok", "events": []}
-    loop = asyncio.new_event_loop()
-    threading.Thread(target=loop.run_forever, daemon=True).start()
+    def __init__(self) -> None:
+        self.state = {"prefill_delay_s": 0.0, "mode": "ok", "events": []}
 
-    async def prefill(request):
+    async def prefill(self, request):
+        from aiohttp import web
+
         await request.read()
-        await asyncio.sleep(state["prefill_delay_s"])
+        await asyncio.sleep(self.state["prefill_delay_s"])
         return web.json_response({"choices": [{"text": "p"}], "kv_transfer_params": {"remote_engine_id": "p"}})
 
-    async def decode(request):
+    async def decode(self, request):
+        from aiohttp import web
+
         body = await request.json()
         if not body.get("stream"):
             return web.json_response({"choices": [{"text": "d"}]})
         resp = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
         await resp.prepare(request)
-        state["events"].append(("start", time.monotonic()))
+        # each event goes to the list current at that moment: a ``set`` of ``events`` starts a new one
+        self.state["events"].append(("start", time.monotonic()))
         try:
-            if state["mode"] == "slow_ok":  # a long, healthy stream: a chunk every 0.25 s for 6 s
-                for _ in range(24):
-                    await resp.write(b'data: {"choices": [{"text": "a"}]}\n\n')
-                    await asyncio.sleep(0.25)
-                await resp.write(b"data: [DONE]\n\n")
-            elif state["mode"] == "endless":
-                chunk = b"data: " + b"x" * 65536 + b"\n\n"
-                while True:
-                    await resp.write(chunk)
-            state["events"].append(("done", time.monotonic()))
+            await self._stream(resp)
+            self.state["events"].append(("done", time.monotonic()))
             return resp
         except (asyncio.CancelledError, ConnectionError):
-            state["events"].append(("released", time.monotonic()))
+            self.state["events"].append(("released", time.monotonic()))
             raise
 
-    async def start():
-        app = web.Application()
-        app.router.add_post("/p/v1/completions", prefill)
-        app.router.add_post("/d/v1/completions", decode)
-        runner = web.AppRunner(app, handler_cancellation=True)
-        await runner.setup()
-        await web.TCPSite(runner, "127.0.0.1", 0).start()
-        up = f"http://127.0.0.1:{runner.addresses[0][1]}"
-        budget = cfg.get("budget_s")
-        if new:
-            lim = ps.Limits(first_byte_s=budget, idle_s=budget) if budget else ps.Limits()
-            proxy = ps.Proxy([up + "/p"], [up + "/d"], limits=lim)
-        else:
-            proxy = ps.Proxy([up + "/p"], [up + "/d"], **({"timeout_s": budget} if budget else {}))
-        r = await ps.serve(proxy, "127.0.0.1", 0)
-        return r.addresses[0][1], up
+    async def _stream(self, resp) -> None:
+        """The stream's body in the current ``mode``."""
+        if self.state["mode"] == "slow_ok":  # a long, healthy stream: a chunk every 0.25 s for 6 s
+            for _ in range(24):
+                await resp.write(b'data: {"choices": [{"text": "a"}]}\n\n')
+                await asyncio.sleep(0.25)
+            await resp.write(b"data: [DONE]\n\n")
+        elif self.state["mode"] == "endless":
+            chunk = b"data: " + b"x" * 65536 + b"\n\n"
+            while True:
+                await resp.write(chunk)
 
-    port, up = asyncio.run_coroutine_threadsafe(start(), loop).result(20)
+
+async def _start_proxy(up_srv: _Upstream, ps, new: bool, budget: float | None) -> tuple[int, str]:
+    """Serve ``up_srv`` and a proxy in front of it on loopback; (the proxy's port, the
+    upstream's base URL). ``budget`` (seconds) bounds the first byte and each idle gap of a
+    stream (``timeout_s`` on the API without ``Limits``); None: the proxy's defaults."""
+    from aiohttp import web
+
+    app = web.Application()
+    app.router.add_post("/p/v1/completions", up_srv.prefill)
+    app.router.add_post("/d/v1/completions", up_srv.decode)
+    runner = web.AppRunner(app, handler_cancellation=True)
+    await runner.setup()
+    await web.TCPSite(runner, "127.0.0.1", 0).start()
+    up = f"http://127.0.0.1:{runner.addresses[0][1]}"
+    if new:
+        lim = ps.Limits(first_byte_s=budget, idle_s=budget) if budget else ps.Limits()
+        proxy = ps.Proxy([up + "/p"], [up + "/d"], limits=lim)
+    else:
+        proxy = ps.Proxy([up + "/p"], [up + "/d"], **({"timeout_s": budget} if budget else {}))
+    r = await ps.serve(proxy, "127.0.0.1", 0)
+    return r.addresses[0][1], up
+
+
+def _proxy_child(cfg: dict, counter) -> None:
+    """The ``target`` process for the proxy: the proxy and its fake upstream on an event
+    loop thread; then one JSON command per stdin line (``set`` the upstream's state,
+    ``stats``) until ``exit``."""
+    import vllm_hawk.proxy.server as ps
+    new = hasattr(ps, "Limits")
+    up_srv = _Upstream()
+    loop = asyncio.new_event_loop()
+    threading.Thread(target=loop.run_forever, daemon=True).start()
+    port, up = asyncio.run_coroutine_threadsafe(_start_proxy(up_srv, ps, new, cfg.get("budget_s")), loop).result(20)
     print(json.dumps({"port": port, "upstream": up, "api": "Limits" if new else "timeout_s"}), flush=True)
     for line in sys.stdin:
-        cmd = json.loads(line)
-        if cmd["op"] == "set":
-            state.update(cmd["state"])
-            if "events" in cmd["state"]:
-                state["events"] = []
-            reply = {}
-        elif cmd["op"] == "stats":
-            reply = {"rss_mib": _status("VmRSS"), "hwm_mib": _status("VmHWM"),
-                     "events": [(k, round(t - cmd.get("t0", 0), 2)) for k, t in state["events"]]
-                     if "t0" in cmd else state["events"], "warnings_logged": counter.n,
-                     "now": time.monotonic()}
-        else:
+        reply = _proxy_reply(up_srv.state, json.loads(line), counter)
+        if reply is None:
             break
         print(json.dumps(reply), flush=True)
+
+
+def _proxy_reply(state: dict, cmd: dict, counter) -> dict | None:
+    """The reply to one proxy command; None for ``exit`` (or any other op). ``stats``: RSS
+    and peak RSS (MiB), the upstream's events (seconds since ``t0`` when given), warnings
+    logged and ``time.monotonic`` now."""
+    if cmd["op"] == "set":
+        state.update(cmd["state"])
+        if "events" in cmd["state"]:
+            state["events"] = []
+        return {}
+    if cmd["op"] == "stats":
+        return {"rss_mib": _status("VmRSS"), "hwm_mib": _status("VmHWM"),
+                "events": [(k, round(t - cmd.get("t0", 0), 2)) for k, t in state["events"]]
+                if "t0" in cmd else state["events"], "warnings_logged": counter.n,
+                "now": time.monotonic()}
+    return None
 
 
 def _post(port: int, body: bytes, timeout_s: float, read: bool = True) -> tuple[bytes, float]:

@@ -32,6 +32,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import dataclasses
 import io
 import json
 import math
@@ -325,7 +326,8 @@ def _parse_urls(items: list[str]) -> dict[str, str]:
     return out
 
 
-def main(argv: list[str] | None = None) -> int:
+def _parser() -> argparse.ArgumentParser:
+    """``hawk bench serve``'s command line (rates in requests/s, ``--max-model-len`` in tokens)."""
     ap = argparse.ArgumentParser(prog="hawk bench serve", description=__doc__.splitlines()[0])
     ap.add_argument("--quick", action="store_true", help=f"smoke sweep: {QUICK}")
     ap.add_argument("--configs", nargs="+", default=None,
@@ -342,7 +344,27 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--workdir", default=None, help="cluster logs, workloads, vllm bench output (default: temp)")
     ap.add_argument("--out", default=None, help="JSON path (default: results/bench_serve[_quick].json)")
     ap.add_argument("--plot", default=None, help="PNG path (default: --out with .png; '' for none)")
-    a = ap.parse_args(argv)
+    return ap
+
+
+@dataclasses.dataclass
+class _Plan:
+    """What one invocation serves: configurations, workloads, rates (requests/s), requests per
+    rate and workload, the given URLs, the work folder and the output paths."""
+    configs: list[str]
+    workloads: list[str]
+    rates: list[float]
+    num: int
+    urls: dict[str, str]
+    work: Path
+    out: str
+    plot_path: str
+
+
+def _plan(ap: argparse.ArgumentParser, a: argparse.Namespace) -> _Plan:
+    """The sweep ``a`` asks for, defaults from ``--quick`` or the full sweep; exits through
+    ``ap.error`` on an unknown configuration or a non-positive count or rate. Creates the
+    work folder."""
     base = QUICK if a.quick else FULL
     configs = a.configs or (list(_parse_urls(a.url)) if a.url else base["configs"])
     unknown = [c for c in configs if c not in CONFIGURATIONS and c not in _parse_urls(a.url) and c != COLLOCATED]
@@ -356,59 +378,86 @@ def main(argv: list[str] | None = None) -> int:
     plot_path = os.path.splitext(out)[0] + ".png" if a.plot is None else a.plot
     work = Path(a.workdir or tempfile.mkdtemp(prefix="hawk-bench-serve-"))
     work.mkdir(parents=True, exist_ok=True)
-    urls = _parse_urls(a.url)
-    t_start = time.monotonic()
+    return _Plan(configs, workloads, rates, num, _parse_urls(a.url), work, out, plot_path)
 
-    from vllm_hawk.testing.tiny_model import build_tiny_llama
-    model = str(a.model or build_tiny_llama(dtype="bfloat16"))
-    from transformers import AutoTokenizer
-    tok = AutoTokenizer.from_pretrained(model)
+
+def _make_datasets(plan: _Plan, tok, seed: int, max_model_len: int) -> tuple[dict, list[dict], str]:
+    """Per workload one dataset file per rate (``seed + 1000 * i`` for rate ``i``), their
+    descriptions, and a two-request warm-up dataset's path."""
     datasets, described = {}, []
-    for w in workloads:
+    for w in plan.workloads:
         datasets[w] = []
-        for i in range(len(rates)):
-            d = wl.make_workload(w, tok, num, a.seed + 1000 * i, work / f"{w}_{i}.json", a.max_model_len)
+        for i in range(len(plan.rates)):
+            d = wl.make_workload(w, tok, plan.num, seed + 1000 * i, plan.work / f"{w}_{i}.json", max_model_len)
             datasets[w].append(d["path"])
-            described.append({**d, "rate": rates[i]})
-    warm = wl.make_workload("sharegpt", tok, 2, 12345, work / "warmup.json", a.max_model_len)["path"]
+            described.append({**d, "rate": plan.rates[i]})
+    warm = wl.make_workload("sharegpt", tok, 2, 12345, plan.work / "warmup.json", max_model_len)["path"]
+    return datasets, described, warm
 
-    collocated = not a.no_collocated and COLLOCATED not in configs
-    steps = (len(configs) + collocated) * len(workloads) * len(rates)
-    state = {"i": 0}
 
-    def tick(label: str) -> None:
-        progress(state["i"], steps, label)
-        state["i"] += 1
+class _Sweeper:
+    """Runs the warm-up and then the sweep (:func:`sweep`) against one target after another,
+    advancing one progress bar over all ``steps`` (one per target, workload and rate)."""
 
-    log = open(work / "vllm_bench_serve.log", "a")
+    def __init__(self, model: str, datasets: dict, warm: str, plan: _Plan, seed: int, log, steps: int) -> None:
+        self.model, self.datasets, self.warm, self.plan, self.seed = model, datasets, warm, plan, seed
+        self.log, self.steps, self.done = log, steps, 0
+
+    def tick(self, label: str) -> None:
+        progress(self.done, self.steps, label)
+        self.done += 1
+
+    def target(self, t: Target) -> list[dict]:
+        warm_up(t, self.model, self.warm, self.log)
+        return sweep(t, self.model, self.datasets, self.plan.rates, self.plan.num, self.seed, self.log, self.tick)
+
+
+def _sweep_local(sw: _Sweeper, c: str, max_model_len: int, collocated: bool) -> tuple[list[dict], bool]:
+    """Configuration ``c`` on a local cluster, started and stopped here; with ``collocated``
+    and a GPU decode, also its decode server alone as the collocated reference. Its points,
+    and whether the reference was served."""
+    cluster = LocalCluster.configured(c, sw.model, sw.plan.work / c, dtype="bfloat16", max_model_len=max_model_len,
+                                      extra_args=["--no-enable-prefix-caching"])
+    progress(sw.done, sw.steps, f"starting {c} ...")
     points: list[dict] = []
-    print(f"hawk bench serve: configs {configs}{' + collocated' if collocated else ''}, workloads {workloads}, "
-          f"rates {rates} req/s, {num} requests each; logs in {work}", flush=True)
+    try:
+        cluster.start()
+        points += sw.target(Target(c, cluster.proxy_url, cluster.decode_url))
+        single = collocated and not CONFIGURATIONS[c].get("tt")
+        if single:
+            points += sw.target(Target(COLLOCATED, cluster.decode_url, None))
+    finally:
+        cluster.stop()
+    return points, single
+
+
+def _serve_all(a: argparse.Namespace, plan: _Plan, model: str, datasets: dict, warm: str,
+               t_start: float) -> list[dict]:
+    """Every configuration's sweep (and the collocated reference once, unless
+    ``--no-collocated``); the points, raw per request. ``t_start``: ``time.monotonic`` seconds."""
+    configs, urls = plan.configs, plan.urls
+    collocated = not a.no_collocated and COLLOCATED not in configs
+    steps = (len(configs) + collocated) * len(plan.workloads) * len(plan.rates)
+    log = open(plan.work / "vllm_bench_serve.log", "a")
+    sw = _Sweeper(model, datasets, warm, plan, a.seed, log, steps)
+    points: list[dict] = []
+    print(f"hawk bench serve: configs {configs}{' + collocated' if collocated else ''}, workloads "
+          f"{plan.workloads}, rates {plan.rates} req/s, {plan.num} requests each; logs in {plan.work}", flush=True)
     for c in configs:
         if c in urls or c == COLLOCATED and COLLOCATED in urls:
-            t = Target.from_url(c, urls[c])
-            warm_up(t, model, warm, log)
-            points += sweep(t, model, datasets, rates, num, a.seed, log, tick)
+            points += sw.target(Target.from_url(c, urls[c]))
             continue
-        cluster = LocalCluster.configured(c, model, work / c, dtype="bfloat16", max_model_len=a.max_model_len,
-                                          extra_args=["--no-enable-prefix-caching"])
-        progress(state["i"], steps, f"starting {c} ...")
-        try:
-            cluster.start()
-            t = Target(c, cluster.proxy_url, cluster.decode_url)
-            warm_up(t, model, warm, log)
-            points += sweep(t, model, datasets, rates, num, a.seed, log, tick)
-            if collocated and not CONFIGURATIONS[c].get("tt"):
-                single = Target(COLLOCATED, cluster.decode_url, None)
-                warm_up(single, model, warm, log)
-                points += sweep(single, model, datasets, rates, num, a.seed, log, tick)
-                collocated = False
-        finally:
-            cluster.stop()
+        got, served_collocated = _sweep_local(sw, c, a.max_model_len, collocated)
+        points += got
+        collocated = collocated and not served_collocated
     progress(steps, steps, f"done in {time.monotonic() - t_start:.0f} s")
     log.close()
-    write_json(work / "points.json", {"points": points})  # raw, per request: kept if the analysis fails
+    return points
 
+
+def _report(a: argparse.Namespace, plan: _Plan, model: str, described: list[dict], points: list[dict],
+            t_start: float) -> None:
+    """The analysis of ``points``: tables, the JSON at ``plan.out`` (wall time in seconds) and the plot."""
     reference = COLLOCATED if any(p["config"] == COLLOCATED for p in points) else points[0]["config"]
     pairs = slo_pairs(points, reference)
     rows = analyse(points, pairs)
@@ -421,13 +470,29 @@ def main(argv: list[str] | None = None) -> int:
                           "scaled pairs are multiples of the reference's unloaded P50 (see basis)",
               "breakdown_stages": STAGES, "rows": rows, "summary": summary,
               "points": [{k: v for k, v in p.items() if k != "requests"} for p in points]}
-    path = write_json(out, result)
+    path = write_json(plan.out, result)
     print(f"\nwrote {path} (wall {result['wall_s']:.0f} s)")
-    if plot_path:
+    if plan.plot_path:
         try:
-            print(f"wrote {plot(rows, pairs, plot_path)}")
+            print(f"wrote {plot(rows, pairs, plan.plot_path)}")
         except Exception as e:  # noqa: BLE001 - the measurements are written already
             print(f"no plot ({type(e).__name__}: {e})")
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = _parser()
+    a = ap.parse_args(argv)
+    plan = _plan(ap, a)
+    t_start = time.monotonic()
+
+    from vllm_hawk.testing.tiny_model import build_tiny_llama
+    model = str(a.model or build_tiny_llama(dtype="bfloat16"))
+    from transformers import AutoTokenizer
+    tok = AutoTokenizer.from_pretrained(model)
+    datasets, described, warm = _make_datasets(plan, tok, a.seed, a.max_model_len)
+    points = _serve_all(a, plan, model, datasets, warm, t_start)
+    write_json(plan.work / "points.json", {"points": points})  # raw, per request: kept if the analysis fails
+    _report(a, plan, model, described, points, t_start)
     return 0
 
 

@@ -36,9 +36,8 @@ prefill packs block floats: every row reports the bytes it moved next to its lat
 The prefill's two Mooncake engines are separate. ``--registration`` picks what each side
 registers with the transport: ``per_request`` (default: only a live request's ring range,
 block runs, receive slices or KV pages, for its transfer) or ``whole`` (the ring, the
-GG-Direct cache, the receive pools and the KV pool registered once at start — the code
-before per-request registration); ``both`` runs the two one after the other in this
-invocation and prints per-request / whole latency ratios per row and size.
+GG-Direct cache, the receive pools and the KV pool registered once at start); ``both`` runs
+the two one after the other in this invocation and prints per-request / whole latency ratios per row and size.
 Block tables are contiguous runs (a fresh cache) unless ``--fragmented``.
 
 Tensor parallelism (default: the paper's Llama-3.1-70B, prefill TP=4 -> 4 p150a chips):
@@ -190,6 +189,18 @@ def tp_plan(model: str, prefill_tp: int, decode_tp: int, rows=ROWS) -> list:
     return plans
 
 
+_HOST_CHUNK_NBYTES = 4 << 20  # the host-staged transport's chunk (bytes), both sides
+_KIND_OF_ROW = {"GG-Host": "gg_host", "GN-Host": "gg_host", "GG-Direct": "gg_direct", "GG-Staged": "gg_staged"}
+_MODE_OF_ROW = {"GN-HAWK staged": "staged", "GN-HAWK direct": "direct", "per-tile": "per_tile",
+                "GN-HAWK pipelined": "staged", "GN-HAWK direct pipelined": "direct"}
+
+
+def _kind_of(row: str) -> str:
+    """The prefill endpoint kind serving ``row``: GG-Host and GN-Host share the host-staged
+    vLLM-layout endpoint; every GN-HAWK row and per-tile use ``hawk``."""
+    return _KIND_OF_ROW.get(row, "hawk")
+
+
 def run(model: str = "llama-3.1-70b", prefill_tp: int = 4, decode_tp: int | None = None,
         device_profile: str = "p150a", block_size: int = 64, sizes_mb=DEFAULT_SIZES, repeats: int = 5, rows=ROWS,
         per_tile_cap_s: float = 10.0, fragmented: bool = False, seed: int = 0, layer_groups: int = 2,
@@ -197,227 +208,349 @@ def run(model: str = "llama-3.1-70b", prefill_tp: int = 4, decode_tp: int | None
     """Measure every row for requests of ``sizes_mb`` MB (bf16 KV of all the model's KV heads)
     moved from ``prefill_tp`` prefill processes to ``decode_tp`` chips (default prefill_tp;
     each chip pulls its shares, module doc; the pulls of one request run concurrently, one
-    thread per chip)."""
-    import concurrent.futures as cf
-    import time
-
-    from vllm_hawk.kvflow import DecodeEndpoint, PeerFailed
-    from vllm_hawk.kvflow.gn_host import wire_layout_of
-    from vllm_hawk.kvflow.shares import fetch_shares, idle_ranks
-    from vllm_hawk.kvflow.sources import vllm_layout_desc
-    from vllm_hawk.kvflow.streams import head_maps
-    from vllm_hawk.layout.device_profiles import load_profile
-    from vllm_hawk.layout.model_shapes import load_model_shape
-    from vllm_hawk.layout.tp import shard_heads
-    from vllm_hawk.layout.tt_kv_cache import TTKVCacheSpec
-    from vllm_hawk.npu.emulated import EmulatedDevice
-    from vllm_hawk.protocol import make_compat
-    from vllm_hawk.testing.endpoints import GNHostDecode, TTDecode, VllmDecode
-    from vllm_hawk.testing.paged_cache import PagedKVCache
-    from vllm_hawk.transport import make_transport
-
+    thread per chip). ``block_size`` is in tokens, ``per_tile_cap_s`` in seconds."""
     decode_tp = prefill_tp if decode_tp is None else decode_tp
-    plans = tp_plan(model, prefill_tp, decode_tp, rows)
-    shape = load_model_shape(model)
-    heads = shape.kv_heads_per_rank(decode_tp)  # per chip
-    per_token = shape.kv_bytes_per_token(decode_tp, 2)  # one chip's bytes per token (bf16)
-    n_blocks = {mb: max(1, round(mb * 1e6 / shape.kv_bytes_per_token(1, 2) / block_size)) for mb in sizes_mb}
-    max_n = max(n_blocks.values())
-    cache_blocks = (2 * max_n if fragmented else max_n) + 1
-    src_nbytes = max_n * block_size * per_token  # one chip's share of the largest request
-    rank_nbytes = max_n * block_size * shape.kv_bytes_per_token(prefill_tp, 2)  # one prefill rank's shard of it
-    compat_args = (shape.name, "bfloat16", block_size, "vllm-flash-nhd", "tt-paged", device_profile)
-    host_chunk = 4 << 20
-    idle = idle_ranks(shape.num_kv_heads, prefill_tp, decode_tp)
-    pre: dict = {}
-    mc = hs = pool = None
-    closers = []
+    bench = _TransferRun(model, prefill_tp, decode_tp, device_profile, block_size, sizes_mb, repeats, rows,
+                         per_tile_cap_s, fragmented, seed, layer_groups, registration)
     try:
-        for r in range(prefill_tp):  # start every prefill rank's process, then wait for each
-            pre[r] = _Prefill({"shape": (shape.num_layers, cache_blocks, shape.kv_heads_per_rank(prefill_tp),
-                                         block_size, shape.head_dim),
-                               "seed": seed + r, "compat": compat_args,
-                               "ring_nbytes": int(rank_nbytes * 1.05) + (8 << 20),  # every share of the rank at once
-                               "host_chunk": host_chunk, "registration": registration,
-                               "gg_staged": "GG-Staged" in rows}, wait=False)
-        compat = make_compat(*compat_args)
-        mc, hs = make_transport("mooncake"), make_transport("host_staged", chunk_nbytes=host_chunk)
-        transport_of = {"hawk": mc, "gg_direct": mc, "gg_host": hs}
-        gg_kinds = ("gg_direct", "gg_host") + (("gg_staged",) if "GG-Staged" in rows else ())
-        if "GG-Staged" in rows:
-            transport_of["gg_staged"] = mc
-        spec = {dt: TTKVCacheSpec(shape.num_layers, cache_blocks, heads, block_size, shape.head_dim, dt)
-                for dt in ("bfloat16", "bfloat8_b")}
-        prof = load_profile(device_profile)
-        nb = prof.num_banks
-        recv_per_bank = -(-src_nbytes // nb) + (1 << 20)  # the largest request's G' spread over the banks, + slack
-        need = sum(-(-s.tiles_per_tensor // nb) * prof.aligned_page(s.tile_nbytes) * 2 * s.num_layers
-                   for s in spec.values()) + recv_per_bank
-        results: list[dict] = []
-        failed: list[dict] = []  # rows whose pull was refused: row, dtype, size_mb, error
-        chips: list[dict] = []
-        pool = cf.ThreadPoolExecutor(decode_tp, thread_name_prefix="bench-chip") if decode_tp > 1 else None
+        bench.start()
+        bench.measure_all()
+        snap = bench.snapshot()
+    finally:
+        bench.close()
+    _normalise(bench.results)
+    return {"rows": bench.results, "failed": bench.failed, "targets": check_targets(bench.results),
+            "prefill_snapshot": snap, "config": bench.config()}
 
-        def endpoint(kind: str, rank: int) -> DecodeEndpoint:
-            ep = DecodeEndpoint(transport_of[kind], pre[rank].endpoints[kind], compat, pull_timeout_s=600)
-            closers.append(ep.close)
-            return ep
 
-        for p in pre.values():
+class _TransferRun:
+    """The state of one :func:`run`: the prefill rank processes, the decode side's transports,
+    per chip an emulated device with one decode per row kind, and the rows measured. Sizes are
+    in bytes (``*_nbytes``, ``per_token``), MB of 1e6 bytes (``*_mb``) or KV blocks
+    (``n_blocks``, ``cache_blocks``)."""
+
+    def __init__(self, model: str, prefill_tp: int, decode_tp: int, device_profile: str, block_size: int,
+                 sizes_mb, repeats: int, rows, per_tile_cap_s: float, fragmented: bool, seed: int,
+                 layer_groups: int, registration: str) -> None:
+        from vllm_hawk.kvflow.shares import idle_ranks
+        from vllm_hawk.layout.model_shapes import load_model_shape
+
+        self.model, self.prefill_tp, self.decode_tp = model, prefill_tp, decode_tp
+        self.device_profile, self.block_size, self.sizes_mb = device_profile, block_size, sizes_mb
+        self.repeats, self.rows, self.per_tile_cap_s, self.fragmented = repeats, rows, per_tile_cap_s, fragmented
+        self.seed, self.layer_groups, self.registration = seed, layer_groups, registration
+        self.plans = tp_plan(model, prefill_tp, decode_tp, rows)  # raises before any process starts
+        shape = self.shape = load_model_shape(model)
+        self.heads = shape.kv_heads_per_rank(decode_tp)  # per chip
+        self.per_token = shape.kv_bytes_per_token(decode_tp, 2)  # one chip's bytes per token (bf16)
+        self.n_blocks = {mb: max(1, round(mb * 1e6 / shape.kv_bytes_per_token(1, 2) / block_size)) for mb in sizes_mb}
+        max_n = max(self.n_blocks.values())
+        self.cache_blocks = (2 * max_n if fragmented else max_n) + 1
+        self.src_nbytes = max_n * block_size * self.per_token  # one chip's share of the largest request
+        # one prefill rank's shard of the largest request
+        self.rank_nbytes = max_n * block_size * shape.kv_bytes_per_token(prefill_tp, 2)
+        self.compat_args = (shape.name, "bfloat16", block_size, "vllm-flash-nhd", "tt-paged", device_profile)
+        self.idle = idle_ranks(shape.num_kv_heads, prefill_tp, decode_tp)
+        self.gg_kinds = ("gg_direct", "gg_host") + (("gg_staged",) if "GG-Staged" in rows else ())
+        self.pre: dict = {}
+        self.mc = self.hs = self.pool = None
+        self.closers: list = []
+        self.results: list[dict] = []
+        self.failed: list[dict] = []  # rows whose pull was refused: row, dtype, size_mb, error
+        self.chips: list[dict] = []
+        self.requests = 0  # requests sent so far: each request id is unique
+
+    # ------------------------------------------------------------------------ set-up
+    def start(self) -> None:
+        """Start every prefill rank's process, open the decode side while they start, then
+        wait for each and build every chip's decodes."""
+        import concurrent.futures as cf
+
+        from vllm_hawk.protocol import make_compat
+        from vllm_hawk.transport import make_transport
+
+        for r in range(self.prefill_tp):
+            self.pre[r] = _Prefill(self._prefill_cfg(r), wait=False)
+        self.compat = make_compat(*self.compat_args)
+        self.mc = make_transport("mooncake")
+        self.hs = make_transport("host_staged", chunk_nbytes=_HOST_CHUNK_NBYTES)
+        self.transport_of = {"hawk": self.mc, "gg_direct": self.mc, "gg_host": self.hs}
+        if "GG-Staged" in self.rows:
+            self.transport_of["gg_staged"] = self.mc
+        self._size_device()
+        if self.decode_tp > 1:
+            self.pool = cf.ThreadPoolExecutor(self.decode_tp, thread_name_prefix="bench-chip")
+        for p in self.pre.values():
             p.wait()
-        for d, plan in enumerate(plans):  # chip d: an emulated device and one decode per row kind
-            eps = pre[plan[0].prefill_rank].endpoints  # the decodes' own endpoints: the chip's first share's rank
-            own = shard_heads(shape.num_kv_heads, decode_tp, d, "decode tensor_parallel_size (or chips)")
-            dev = EmulatedDevice(device_profile, max(256 << 20, -(-int(need * 1.1) // (1 << 20)) << 20))
-            closers.append(dev.close)
-            c = {"chip": d, "plan": plan, "prefill_ranks": [ps.prefill_rank for ps in plan],
-                 "heads": [own.start, own.stop]}
-            hawk = c["hawk"] = {}
-            for dt in ("bfloat16", "bfloat8_b"):
-                hawk[dt] = TTDecode(dev, spec[dt], mc, eps["hawk"], compat, recv_nbytes_per_bank=recv_per_bank,
-                                    pool=hawk["bfloat16"].pool if dt != "bfloat16" else None, timeout_s=600,
-                                    registration=registration)
-                closers.append(hawk[dt].close)
-            dcache = PagedKVCache(shape.num_layers, cache_blocks, heads, block_size, shape.head_dim)
-            c["gg_direct"] = VllmDecode(dcache, mc, eps["gg_direct"], compat, timeout_s=600,
-                                        registration=registration)
-            closers.append(c["gg_direct"].close)
-            c["gg_host"] = VllmDecode(dcache, hs, eps["gg_host"], compat, timeout_s=600, registration=registration)
-            closers.append(c["gg_host"].close)
-            if "gg_staged" in gg_kinds:  # READs into a receive ring, then copies into the blocks
-                c["gg_staged"] = VllmDecode(dcache, mc, eps["gg_staged"], compat, mode="staged", timeout_s=600,
-                                            recv_nbytes=src_nbytes + (1 << 20), registration=registration)
-                closers.append(c["gg_staged"].close)
-            # GN-Host: GG-Host's transfer into a receive ring, then the runtime sink's layout fix into the KV pool
-            c["gn_host"] = GNHostDecode(dev, spec["bfloat16"], hs, eps["gg_host"], compat,
-                                        wire_layout_of(dcache.adapter, dcache.layers[0]),
-                                        recv_nbytes=src_nbytes + (1 << 20), timeout_s=600, registration=registration,
-                                        layout=hawk["bfloat16"].layout, bufs=hawk["bfloat16"].bufs)
-            closers.append(c["gn_host"].close)
-            # GG rows with prefill TP > chips: the other ranks' endpoints, and sinks restricted to each share's heads
-            c["more_eps"] = {(kind, ps.prefill_rank): endpoint(kind, ps.prefill_rank)
-                             for ps in plan[1:] for kind in gg_kinds}
-            c["views"] = {}
-            for ps in plan:
-                if (ps.dst_start, ps.count) != (0, heads):
-                    m = head_maps(dcache.layers)(ps.dst_start, ps.count)
-                    desc = vllm_layout_desc(m, dcache.desc.name, dcache.desc.dtype, block_size, ps.count,
-                                            shape.head_dim)
-                    c["views"][(ps.dst_start, ps.count)] = {k: c[k].sink.for_heads(m, desc)
-                                                            for k in gg_kinds}
-            # chip 0 releases the prefill ranks nobody pulls from (replicated heads)
-            c["idle_eps"] = {(kind, r): endpoint(kind, r) for r in idle for kind in transport_of} if d == 0 else {}
-            chips.append(c)
+        for d, plan in enumerate(self.plans):
+            self.chips.append(self._chip(d, plan))
 
-        cases = [(r, "bfloat16", mb) for mb in sizes_mb for r in rows]
-        cases += [(r, "bfloat8_b", mb) for mb in sizes_mb for r in HAWK_BFP8_ROWS if r in rows]
-        rng = np.random.default_rng(seed)
-        counter = [0]
+    def _prefill_cfg(self, rank: int) -> dict:
+        """The config of prefill rank ``rank``'s process: its shard's cache shape (layers,
+        blocks, KV heads, tokens per block, head dim), seed, and ring size in bytes."""
+        shape = self.shape
+        return {"shape": (shape.num_layers, self.cache_blocks, shape.kv_heads_per_rank(self.prefill_tp),
+                          self.block_size, shape.head_dim),
+                "seed": self.seed + rank, "compat": self.compat_args,
+                "ring_nbytes": int(self.rank_nbytes * 1.05) + (8 << 20),  # every share of the rank at once
+                "host_chunk": _HOST_CHUNK_NBYTES, "registration": self.registration,
+                "gg_staged": "GG-Staged" in self.rows}
 
-        def kind_of(row: str) -> str:
-            return {"GG-Host": "gg_host", "GN-Host": "gg_host", "GG-Direct": "gg_direct",
-                    "GG-Staged": "gg_staged"}.get(row, "hawk")
+    def _size_device(self) -> None:
+        """The device KV pools' specs (both targets), each bank's receive buffer
+        (``recv_per_bank``, bytes) and the device memory a chip needs (``need``, bytes)."""
+        from vllm_hawk.layout.device_profiles import load_profile
+        from vllm_hawk.layout.tt_kv_cache import TTKVCacheSpec
 
-        def share_of(c: dict, row: str, dtype: str, mode: str, ps) -> tuple:
-            """(endpoint, sink, share) of one share of chip ``c``'s pull for ``row``."""
-            if row in GG_ROWS:
-                k = kind_of(row)
-                ep = c[k].ep if ps.prefill_rank == c["prefill_ranks"][0] else c["more_eps"][(k, ps.prefill_rank)]
-                view = c["views"].get((ps.dst_start, ps.count))
-                return ep, view[k] if view else c[k].sink, ps
-            if row == "GN-Host":  # into the receive ring, then the layout fix into the device's KV pool
-                return c["gn_host"].ep, c["gn_host"].sink, ps
-            return c["hawk"][dtype].ep, c["hawk"][dtype].sink(mode), ps
+        shape = self.shape
+        self.spec = {dt: TTKVCacheSpec(shape.num_layers, self.cache_blocks, self.heads, self.block_size,
+                                       shape.head_dim, dt)
+                     for dt in ("bfloat16", "bfloat8_b")}
+        prof = load_profile(self.device_profile)
+        nb = prof.num_banks
+        # the largest request's G' spread over the banks, + slack
+        self.recv_per_bank = -(-self.src_nbytes // nb) + (1 << 20)
+        self.need = sum(-(-s.tiles_per_tensor // nb) * prof.aligned_page(s.tile_nbytes) * 2 * s.num_layers
+                        for s in self.spec.values()) + self.recv_per_bank
 
-        def fetch(c: dict, row: str, dtype: str, rid: str, tokens: int, dst):
-            """Chip ``c``'s shares of request ``rid`` (:func:`fetch_shares`, the connector's path)."""
-            t0 = time.monotonic()
-            mode = {"GN-HAWK staged": "staged", "GN-HAWK direct": "direct", "per-tile": "per_tile",
-                    "GN-HAWK pipelined": "staged", "GN-HAWK direct pipelined": "direct"}.get(row, "")
-            groups = layer_groups if row.endswith("pipelined") else 1
-            r = fetch_shares(rid, tokens, [share_of(c, row, dtype, mode, ps) for ps in c["plan"]], dst,
-                             layer_groups=groups, time_cap_s=per_tile_cap_s if mode == "per_tile" else None)
-            return r, t0
+    def _endpoint(self, kind: str, rank: int):
+        """A further :class:`DecodeEndpoint` of this decode to prefill rank ``rank``'s ``kind`` endpoint."""
+        from vllm_hawk.kvflow import DecodeEndpoint
 
-        def one(row: str, dtype: str, n: int, src, dst) -> list:
-            """One request: every chip's pull (concurrently when there are several chips);
-            per chip (FetchResult, start time)."""
-            counter[0] += 1
-            tokens = n * block_size
-            rid = f"{row}-{dtype}-{counter[0]}"
-            for p in pre.values():  # every prefill rank prefilled the request (its shard)
-                p.call("add", kind_of(row), rid, src, tokens)
-            if pool is None:
-                out = [fetch(chips[0], row, dtype, rid, tokens, dst)]
-            else:
-                futs = [pool.submit(fetch, c, row, dtype, rid, tokens, dst) for c in chips]
-                cf.wait(futs)  # every chip's pull ended (a failure is raised after all of them)
-                out = [f.result() for f in futs]
-            for ep in (e for (k, _r), e in chips[0]["idle_eps"].items() if k == kind_of(row)):
-                ep.release(rid, ok=True)
-            if kind_of(row) == "hawk":
-                ts = {r: pre[r].call("transform_s", rid) or 0.0 for c in chips for r in c["prefill_ranks"]}
-                for c, (r, _) in zip(chips, out):
-                    r.extra["transform_s"] = max(ts[p] for p in c["prefill_ranks"])
-            return out
+        ep = DecodeEndpoint(self.transport_of[kind], self.pre[rank].endpoints[kind], self.compat, pull_timeout_s=600)
+        self.closers.append(ep.close)
+        return ep
 
-        def prefill_cpu_s() -> float:
-            return sum(p.call("cpu_s") for p in pre.values())
+    def _chip(self, d: int, plan: list) -> dict:
+        """Chip ``d``: an emulated device and one decode per row kind, pulling ``plan``'s shares."""
+        from vllm_hawk.layout.tp import shard_heads
+        from vllm_hawk.npu.emulated import EmulatedDevice
+        from vllm_hawk.testing.paged_cache import PagedKVCache
 
+        shape = self.shape
+        eps = self.pre[plan[0].prefill_rank].endpoints  # the decodes' own endpoints: the chip's first share's rank
+        own = shard_heads(shape.num_kv_heads, self.decode_tp, d, "decode tensor_parallel_size (or chips)")
+        dev = EmulatedDevice(self.device_profile, max(256 << 20, -(-int(self.need * 1.1) // (1 << 20)) << 20))
+        self.closers.append(dev.close)
+        c = {"chip": d, "plan": plan, "prefill_ranks": [ps.prefill_rank for ps in plan],
+             "heads": [own.start, own.stop]}
+        self._add_hawk_decodes(c, dev, eps)
+        dcache = PagedKVCache(shape.num_layers, self.cache_blocks, self.heads, self.block_size, shape.head_dim)
+        self._add_vllm_wire_decodes(c, dev, eps, dcache)
+        # GG rows with prefill TP > chips: the other ranks' endpoints, and sinks restricted to each share's heads
+        c["more_eps"] = {(kind, ps.prefill_rank): self._endpoint(kind, ps.prefill_rank)
+                         for ps in plan[1:] for kind in self.gg_kinds}
+        c["views"] = self._head_views(c, plan, dcache)
+        # chip 0 releases the prefill ranks nobody pulls from (replicated heads)
+        c["idle_eps"] = ({(kind, r): self._endpoint(kind, r) for r in self.idle for kind in self.transport_of}
+                         if d == 0 else {})
+        return c
+
+    def _add_hawk_decodes(self, c: dict, dev, eps: dict) -> None:
+        """``c["hawk"]``: per target dtype a decode into the device's KV pool (the bfloat8_b
+        one shares the bfloat16 one's device pool)."""
+        from vllm_hawk.testing.endpoints import TTDecode
+
+        hawk = c["hawk"] = {}
+        for dt in ("bfloat16", "bfloat8_b"):
+            hawk[dt] = TTDecode(dev, self.spec[dt], self.mc, eps["hawk"], self.compat,
+                                recv_nbytes_per_bank=self.recv_per_bank,
+                                pool=hawk["bfloat16"].pool if dt != "bfloat16" else None, timeout_s=600,
+                                registration=self.registration)
+            self.closers.append(hawk[dt].close)
+
+    def _add_vllm_wire_decodes(self, c: dict, dev, eps: dict, dcache) -> None:
+        """The decodes fed from vLLM-layout prefill endpoints: GG-Direct, GG-Host (and
+        GG-Staged) into the vLLM-layout cache ``dcache``, GN-Host into the device's KV pool."""
+        from vllm_hawk.kvflow.gn_host import wire_layout_of
+        from vllm_hawk.testing.endpoints import GNHostDecode, VllmDecode
+
+        reg, compat = self.registration, self.compat
+        c["gg_direct"] = VllmDecode(dcache, self.mc, eps["gg_direct"], compat, timeout_s=600, registration=reg)
+        self.closers.append(c["gg_direct"].close)
+        c["gg_host"] = VllmDecode(dcache, self.hs, eps["gg_host"], compat, timeout_s=600, registration=reg)
+        self.closers.append(c["gg_host"].close)
+        if "gg_staged" in self.gg_kinds:  # READs into a receive ring, then copies into the blocks
+            c["gg_staged"] = VllmDecode(dcache, self.mc, eps["gg_staged"], compat, mode="staged", timeout_s=600,
+                                        recv_nbytes=self.src_nbytes + (1 << 20), registration=reg)
+            self.closers.append(c["gg_staged"].close)
+        # GN-Host: GG-Host's transfer into a receive ring, then the runtime sink's layout fix into the KV pool
+        hawk = c["hawk"]["bfloat16"]
+        c["gn_host"] = GNHostDecode(dev, self.spec["bfloat16"], self.hs, eps["gg_host"], compat,
+                                    wire_layout_of(dcache.adapter, dcache.layers[0]),
+                                    recv_nbytes=self.src_nbytes + (1 << 20), timeout_s=600, registration=reg,
+                                    layout=hawk.layout, bufs=hawk.bufs)
+        self.closers.append(c["gn_host"].close)
+
+    def _head_views(self, c: dict, plan: list, dcache) -> dict:
+        """Per share that is not all of the chip's heads, keyed (first head, heads): each GG
+        kind's sink restricted to those heads of ``dcache``."""
+        from vllm_hawk.kvflow.sources import vllm_layout_desc
+        from vllm_hawk.kvflow.streams import head_maps
+
+        views = {}
+        for ps in plan:
+            if (ps.dst_start, ps.count) != (0, self.heads):
+                m = head_maps(dcache.layers)(ps.dst_start, ps.count)
+                desc = vllm_layout_desc(m, dcache.desc.name, dcache.desc.dtype, self.block_size, ps.count,
+                                        self.shape.head_dim)
+                views[(ps.dst_start, ps.count)] = {k: c[k].sink.for_heads(m, desc) for k in self.gg_kinds}
+        return views
+
+    # ------------------------------------------------------------------------ measurement
+    def _share_of(self, c: dict, row: str, dtype: str, mode: str, ps) -> tuple:
+        """(endpoint, sink, share) of one share of chip ``c``'s pull for ``row``."""
+        if row in GG_ROWS:
+            k = _kind_of(row)
+            ep = c[k].ep if ps.prefill_rank == c["prefill_ranks"][0] else c["more_eps"][(k, ps.prefill_rank)]
+            view = c["views"].get((ps.dst_start, ps.count))
+            return ep, view[k] if view else c[k].sink, ps
+        if row == "GN-Host":  # into the receive ring, then the layout fix into the device's KV pool
+            return c["gn_host"].ep, c["gn_host"].sink, ps
+        return c["hawk"][dtype].ep, c["hawk"][dtype].sink(mode), ps
+
+    def _fetch(self, c: dict, row: str, dtype: str, rid: str, tokens: int, dst) -> tuple:
+        """Chip ``c``'s shares of request ``rid`` (:func:`fetch_shares`, the connector's path):
+        (FetchResult, start time in ``time.monotonic`` seconds)."""
+        import time
+
+        from vllm_hawk.kvflow.shares import fetch_shares
+
+        t0 = time.monotonic()
+        mode = _MODE_OF_ROW.get(row, "")
+        groups = self.layer_groups if row.endswith("pipelined") else 1
+        r = fetch_shares(rid, tokens, [self._share_of(c, row, dtype, mode, ps) for ps in c["plan"]], dst,
+                         layer_groups=groups, time_cap_s=self.per_tile_cap_s if mode == "per_tile" else None)
+        return r, t0
+
+    def _one(self, row: str, dtype: str, n: int, src, dst) -> list:
+        """One request of ``n`` blocks: every chip's pull (concurrently when there are several
+        chips); per chip (FetchResult, start time)."""
+        import concurrent.futures as cf
+
+        self.requests += 1
+        tokens = n * self.block_size
+        rid = f"{row}-{dtype}-{self.requests}"
+        kind = _kind_of(row)
+        for p in self.pre.values():  # every prefill rank prefilled the request (its shard)
+            p.call("add", kind, rid, src, tokens)
+        if self.pool is None:
+            out = [self._fetch(self.chips[0], row, dtype, rid, tokens, dst)]
+        else:
+            futs = [self.pool.submit(self._fetch, c, row, dtype, rid, tokens, dst) for c in self.chips]
+            cf.wait(futs)  # every chip's pull ended (a failure is raised after all of them)
+            out = [f.result() for f in futs]
+        for ep in (e for (k, _r), e in self.chips[0]["idle_eps"].items() if k == kind):
+            ep.release(rid, ok=True)
+        if kind == "hawk":
+            self._record_transform_s(rid, out)
+        return out
+
+    def _record_transform_s(self, rid: str, out: list) -> None:
+        """Per chip, the longest prefill transform (seconds) of request ``rid`` over the ranks
+        it pulled from, into its FetchResult's ``extra["transform_s"]``."""
+        ts = {r: self.pre[r].call("transform_s", rid) or 0.0 for c in self.chips for r in c["prefill_ranks"]}
+        for c, (r, _) in zip(self.chips, out):
+            r.extra["transform_s"] = max(ts[p] for p in c["prefill_ranks"])
+
+    def _prefill_cpu_s(self) -> float:
+        """User + system CPU seconds of every prefill process so far."""
+        return sum(p.call("cpu_s") for p in self.pre.values())
+
+    def measure_all(self) -> None:
+        """Every row at every size with a bfloat16 target, then the bfloat8_b GN-HAWK rows."""
+        cases = [(r, "bfloat16", mb) for mb in self.sizes_mb for r in self.rows]
+        cases += [(r, "bfloat8_b", mb) for mb in self.sizes_mb for r in HAWK_BFP8_ROWS if r in self.rows]
+        rng = np.random.default_rng(self.seed)
         for i, (row, dtype, mb) in enumerate(cases):
             progress(i, len(cases), f"{row} {dtype} {mb} MB")
-            n = n_blocks[mb]
-            if fragmented:
-                src, dst = rng.permutation(cache_blocks)[:n], rng.permutation(cache_blocks)[:n]
-            else:
-                src, dst = np.arange(1, n + 1), np.arange(1, n + 1)
-            reps = repeats if row != "per-tile" else (1 if mb >= 160 else min(repeats, 3))
-            try:
-                one(row, dtype, n, src, dst)  # warm-up
-            except PeerFailed as e:  # the pull is refused (e.g. too many segments): reported, the rest runs
-                failed.append({"row": row, "dtype": dtype, "size_mb": mb, "error": str(e)})
-                continue
-            c0 = _cpu_s() + prefill_cpu_s()
-            runs = [one(row, dtype, n, src, dst) for _ in range(reps)]
-            cpu_ms = (_cpu_s() + prefill_cpu_s() - c0) / reps * 1e3
-            results.append(_row_figures(row, dtype, mb, n, block_size, per_token, runs, reps, cpu_ms, chips))
+            self._measure(row, dtype, mb, rng)
         progress(len(cases), len(cases), "done")
-        snap = {f"{k}@rank{r}": v for r, p in pre.items() for k, v in p.call("snapshot").items()}
-    finally:
-        if pool is not None:
-            pool.shutdown()
-        # also after a failed start: every prefill process started so far is stopped
-        for c in [*reversed(closers), *(t.close for t in (mc, hs) if t is not None), *(p.stop for p in pre.values())]:
+
+    def _measure(self, row: str, dtype: str, mb, rng) -> None:
+        """One case: a warm-up request, then the repeats; its row into ``results``, or into
+        ``failed`` when the prefill refuses the pull."""
+        from vllm_hawk.kvflow import PeerFailed
+
+        n = self.n_blocks[mb]
+        if self.fragmented:
+            src, dst = rng.permutation(self.cache_blocks)[:n], rng.permutation(self.cache_blocks)[:n]
+        else:
+            src, dst = np.arange(1, n + 1), np.arange(1, n + 1)
+        reps = self.repeats if row != "per-tile" else (1 if mb >= 160 else min(self.repeats, 3))
+        try:
+            self._one(row, dtype, n, src, dst)  # warm-up
+        except PeerFailed as e:  # the pull is refused (e.g. too many segments): reported, the rest runs
+            self.failed.append({"row": row, "dtype": dtype, "size_mb": mb, "error": str(e)})
+            return
+        c0 = _cpu_s() + self._prefill_cpu_s()
+        runs = [self._one(row, dtype, n, src, dst) for _ in range(reps)]
+        cpu_ms = (_cpu_s() + self._prefill_cpu_s() - c0) / reps * 1e3
+        self.results.append(_row_figures(row, dtype, mb, n, self.block_size, self.per_token, runs, reps, cpu_ms,
+                                         self.chips))
+
+    def snapshot(self) -> dict:
+        """Every prefill endpoint's counters, keyed ``kind@rankR``."""
+        return {f"{k}@rank{r}": v for r, p in self.pre.items() for k, v in p.call("snapshot").items()}
+
+    # ------------------------------------------------------------------------ tear-down and report
+    def close(self) -> None:
+        """Stop the chip threads, then close every decode, device and endpoint (the last opened
+        first), the decode's transports and every prefill process started so far; also after a
+        failed start. A failing step is reported on stderr and the rest still run."""
+        if self.pool is not None:
+            self.pool.shutdown()
+        steps = [*reversed(self.closers), *(t.close for t in (self.mc, self.hs) if t is not None),
+                 *(p.stop for p in self.pre.values())]
+        for c in steps:
             try:
                 c()
             except Exception as e:  # noqa: BLE001 - the measurements are taken; report, do not end in a traceback
                 print(f"hawk bench transfer: clean-up step failed ({type(e).__name__}: {e})", file=sys.stderr)
+
+    def config(self) -> dict:
+        """The run's configuration, the chips' pulls (heads as [first, end) ranges) and this
+        host's cores and load average."""
+        shape = self.shape
+        return {"model": self.model, "prefill_tp": self.prefill_tp, "decode_tp": self.decode_tp,
+                "chips": self.decode_tp, "tp": self.decode_tp, "device": self.device_profile,
+                "block_size": self.block_size, "num_kv_heads": shape.num_kv_heads, "kv_heads_per_rank": self.heads,
+                "num_layers": shape.num_layers, "head_dim": shape.head_dim,
+                "kv_heads_per_prefill_rank": shape.kv_heads_per_rank(self.prefill_tp),
+                "pulls": [_pull_config(c) for c in self.chips],
+                "idle_ranks": self.idle,
+                "pulls_run": "concurrently, one thread per chip" if self.decode_tp > 1 else "one chip",
+                "fragmented": self.fragmented, "per_tile_cap_s": self.per_tile_cap_s, "repeats": self.repeats,
+                "layer_groups": self.layer_groups, "cores": os.cpu_count(), "load_average": os.getloadavg(),
+                "registration": self.registration}
+
+
+def _pull_config(c: dict) -> dict:
+    """Chip ``c``'s pull: its prefill ranks, heads and shares (source and destination heads
+    as [first, end) ranges, consumers of the share's source)."""
+    return {"chip": c["chip"], "prefill_ranks": c["prefill_ranks"], "heads": c["heads"],
+            "shares": [{"prefill_rank": ps.prefill_rank,
+                        "src_heads": [ps.share.head_start, ps.share.head_start + (ps.share.num_heads or ps.count)],
+                        "dst_heads": [ps.dst_start, ps.dst_start + ps.count],
+                        "consumers": ps.share.consumers} for ps in c["plan"]]}
+
+
+def _at_size(results: list[dict], row: str, mb) -> dict | None:
+    """The first measured ``row`` at ``mb`` MB (any target dtype), or None."""
+    return next((b for b in results if b["row"] == row and b["size_mb"] == mb), None)
+
+
+def _normalise(results: list[dict]) -> None:
+    """Add to every row its latency ratios to GG-Host, GG-Direct and GG-Staged and its CPU
+    time ratio to GG-Direct, each at the same size (NaN where that row was not measured)."""
     for r in results:
-        base = next((b for b in results if b["row"] == "GG-Host" and b["size_mb"] == r["size_mb"]), None)
+        base = _at_size(results, "GG-Host", r["size_mb"])
         r["norm_gg_host"] = r["latency_ms"] / base["latency_ms"] if base else float("nan")
-        gd = next((b for b in results if b["row"] == "GG-Direct" and b["size_mb"] == r["size_mb"]), None)
+        gd = _at_size(results, "GG-Direct", r["size_mb"])
         r["norm_gg_direct"] = r["latency_ms"] / gd["latency_ms"] if gd else float("nan")
         r["cpu_norm_gg_direct"] = r["cpu_ms"] / gd["cpu_ms"] if gd and gd["cpu_ms"] > 0 else float("nan")
-        gs = next((b for b in results if b["row"] == "GG-Staged" and b["size_mb"] == r["size_mb"]), None)
+        gs = _at_size(results, "GG-Staged", r["size_mb"])
         r["norm_gg_staged"] = r["latency_ms"] / gs["latency_ms"] if gs else float("nan")
-    return {"rows": results, "failed": failed, "targets": check_targets(results), "prefill_snapshot": snap,
-            "config": {"model": model, "prefill_tp": prefill_tp, "decode_tp": decode_tp, "chips": decode_tp,
-                       "tp": decode_tp, "device": device_profile, "block_size": block_size,
-                       "num_kv_heads": shape.num_kv_heads, "kv_heads_per_rank": heads,
-                       "num_layers": shape.num_layers, "head_dim": shape.head_dim,
-                       "kv_heads_per_prefill_rank": shape.kv_heads_per_rank(prefill_tp),
-                       "pulls": [{"chip": c["chip"], "prefill_ranks": c["prefill_ranks"], "heads": c["heads"],
-                                  "shares": [{"prefill_rank": ps.prefill_rank,
-                                              "src_heads": [ps.share.head_start,
-                                                            ps.share.head_start + (ps.share.num_heads or ps.count)],
-                                              "dst_heads": [ps.dst_start, ps.dst_start + ps.count],
-                                              "consumers": ps.share.consumers} for ps in c["plan"]]}
-                                 for c in chips],
-                       "idle_ranks": idle,
-                       "pulls_run": "concurrently, one thread per chip" if decode_tp > 1 else "one chip",
-                       "fragmented": fragmented, "per_tile_cap_s": per_tile_cap_s, "repeats": repeats,
-                       "layer_groups": layer_groups, "cores": os.cpu_count(), "load_average": os.getloadavg(),
-                       "registration": registration}}
 
 
 def _row_figures(row, dtype, mb, n, block_size, per_token, runs, reps, cpu_ms, chips) -> dict:
@@ -472,7 +605,7 @@ def _get(rows, row, dtype, mb):
 
 
 def check_targets(rows: list[dict]) -> list[dict]:
-    """The issue's targets as ratios within this run; each with a note on where time goes."""
+    """The benchmark's targets as ratios within this run; each with a note on where time goes."""
     out = []
     for mb in sorted({r["size_mb"] for r in rows}):
         gd = _get(rows, "GG-Direct", "bfloat16", mb)
@@ -550,7 +683,8 @@ def plot(result: dict, path: str) -> str:
     return path
 
 
-def main(argv: list[str] | None = None) -> int:
+def _parser() -> argparse.ArgumentParser:
+    """``hawk bench transfer``'s command line (sizes in MB, the per-tile cap in seconds)."""
     ap = argparse.ArgumentParser(prog="hawk bench transfer", description=__doc__.splitlines()[0])
     ap.add_argument("--model", default="llama-3.1-70b")
     ap.add_argument("--prefill-tp", type=int, default=None,
@@ -576,6 +710,11 @@ def main(argv: list[str] | None = None) -> int:
                     help="what is registered with the transport (see the module doc); both: ratios per_request/whole")
     ap.add_argument("--out", default="results/bench_transfer.json")
     ap.add_argument("--plot", default=None, help="PNG path (default: --out with .png; '' for none)")
+    return ap
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = _parser()
     a = ap.parse_args(argv)
     if a.plot is None:
         a.plot = os.path.splitext(a.out)[0] + ".png"
@@ -590,52 +729,11 @@ def main(argv: list[str] | None = None) -> int:
         return _main_both(a, sizes)
     res = run(a.model, a.prefill_tp, a.decode_tp, a.device_profile, a.block_size, sizes, a.repeats, a.rows,
               a.per_tile_cap_s, a.fragmented, layer_groups=a.layer_groups, registration=a.registration)
-    cfg = res["config"]
-    print(f"KV transfer, decode request -> KV in pool; {cfg['model']} ({cfg['num_kv_heads']} KV heads, "
-          f"{cfg['num_layers']} layers) prefill TP={cfg['prefill_tp']} -> {cfg['chips']} x {cfg['device']} emulated "
-          f"({cfg['kv_heads_per_prefill_rank']} KV heads per prefill rank, {cfg['kv_heads_per_rank']} per chip; "
-          "pulls: " + ", ".join(f"rank{'s' if len(p['prefill_ranks']) > 1 else ''} "
-                                f"{'+'.join(map(str, p['prefill_ranks']))} -> chip {p['chip']}" for p in cfg["pulls"])
-          + (f"; idle prefill ranks {cfg['idle_ranks']} released by chip 0" if cfg["idle_ranks"] else "")
-          + f"; the chips' pulls of a request run {cfg['pulls_run']}), block {cfg['block_size']}, "
-          f"{'fragmented' if a.fragmented else 'contiguous'} block tables; median of {a.repeats} "
-          f"(per-tile: fewer, capped at {a.per_tile_cap_s:.0f} s and extrapolated); Mooncake TCP loopback, "
-          f"{cfg['cores']} cores, load average {cfg['load_average'][0]:.2f} at the end; layer groups "
-          f"{a.layer_groups} in the pipelined rows")
-    print_table(res["rows"], [("row", "row", ""), ("dtype", "target", ""), ("size_mb", "src MB", ""),
-                              ("bytes_per_chip", "bytes/chip", ","), ("bytes_per_bank", "bytes/bank", ","),
-                              ("segments_per_chip", "segs/chip", ","), ("entries_per_chip", "READs/chip", ","),
-                              ("bytes_moved", "bytes total", ","), ("entries", "READs total", ","),
-                              ("latency_ms", "latency ms", ".1f"), ("norm_gg_host", "/GG-Host", ".3f"),
-                              ("norm_gg_direct", "/GG-Direct", ".3f"),
-                              *([("norm_gg_staged", "/GG-Staged", ".3f")] if "GG-Staged" in a.rows else []),
-                              ("request_ms", "request ms", ".1f"), ("transform_ms", "transform ms", ".1f"),
-                              ("transfer_ms", "transfer ms", ".1f"), ("copy_ms", "copy/fix ms", ".1f"),
-                              ("fraction_done", "done", ".2f"), ("cpu_ms", "CPU ms", ".1f"),
-                              ("cpu_norm_gg_direct", "CPU/GG-Direct", ".2f")])
-    for f in res["failed"]:
-        print(f"\nnot measured: {f['row']} ({f['dtype']}) @ {f['size_mb']} MB: {f['error']}")
-    if cfg["chips"] > 1:
-        big = max(sizes)
-        print(f"\nper chip at {big} MB (prefill ranks: the ranks the chip pulled its shares from):")
-        print_table([{"row": r["row"], "dtype": r["dtype"], **c, "ranks": "+".join(map(str, c["prefill_ranks"])),
-                      "heads": f"{c['heads'][0]}..{c['heads'][1] - 1}"}
-                     for r in res["rows"] if r["size_mb"] == big for c in r["chips"]],
-                    [("row", "row", ""), ("dtype", "target", ""), ("chip", "chip", ""), ("heads", "KV heads", ""),
-                     ("ranks", "prefill ranks", ""), ("bytes_moved", "bytes", ","),
-                     ("bytes_per_bank", "bytes/bank", ","), ("segments", "segs", ","), ("entries", "READs", ","),
-                     ("latency_ms", "chip ms", ".1f")])
-    print("\nsrc MB: the request's bf16 KV over all KV heads; per chip: the largest chip's figure (bytes/bank: its "
-          "largest DRAM bank; nan: a vLLM-layout decode, no banks); segments: in KVReady; READs: transfer entries; "
-          "latency: first chip's request -> last chip's KV in place; request/transform/transfer/copy: each the "
-          "largest over the chips.")
-    print("request = D1 -> P7 (includes the prefill transform for HAWK rows); transform = prefill transform "
-          "(HAWK) or decode-side layout fix (GN-Host); copy/fix = intra-bank copies (staged) or the GN-Host fix "
-          "+ write; bfloat8_b rows move fewer bytes: that gain is the format, not a faster transfer.")
-    print("\ntargets (ratios within this run):")
-    for t in res["targets"]:
-        print(f"  [{'met ' if t['met'] else 'MISS'}] {t['target']} @ {t['size_mb']} MB: ratio {t['ratio']:.3f}"
-              + (f"\n         {t['note']}" if t["note"] else ""))
+    _print_header(res["config"], a)
+    _print_rows(res, a.rows)
+    if res["config"]["chips"] > 1:
+        _print_per_chip(res, max(sizes))
+    _print_legend_and_targets(res["targets"])
     path = write_json(a.out, {"bench": "transfer", "args": vars(a), **res})
     print(f"wrote {path}")
     if a.plot:
@@ -646,8 +744,68 @@ def main(argv: list[str] | None = None) -> int:
     return 0
 
 
+def _print_header(cfg: dict, a: argparse.Namespace) -> None:
+    """One line: the model, the TP pairing and each chip's pull, the block tables, repeats and host."""
+    pulls = ", ".join(f"rank{'s' if len(p['prefill_ranks']) > 1 else ''} "
+                      f"{'+'.join(map(str, p['prefill_ranks']))} -> chip {p['chip']}" for p in cfg["pulls"])
+    print(f"KV transfer, decode request -> KV in pool; {cfg['model']} ({cfg['num_kv_heads']} KV heads, "
+          f"{cfg['num_layers']} layers) prefill TP={cfg['prefill_tp']} -> {cfg['chips']} x {cfg['device']} emulated "
+          f"({cfg['kv_heads_per_prefill_rank']} KV heads per prefill rank, {cfg['kv_heads_per_rank']} per chip; "
+          "pulls: " + pulls
+          + (f"; idle prefill ranks {cfg['idle_ranks']} released by chip 0" if cfg["idle_ranks"] else "")
+          + f"; the chips' pulls of a request run {cfg['pulls_run']}), block {cfg['block_size']}, "
+          f"{'fragmented' if a.fragmented else 'contiguous'} block tables; median of {a.repeats} "
+          f"(per-tile: fewer, capped at {a.per_tile_cap_s:.0f} s and extrapolated); Mooncake TCP loopback, "
+          f"{cfg['cores']} cores, load average {cfg['load_average'][0]:.2f} at the end; layer groups "
+          f"{a.layer_groups} in the pipelined rows")
+
+
+def _print_rows(res: dict, rows) -> None:
+    """The rows' table (bytes, READ entries, latencies in ms, ratios), then the rows not measured."""
+    print_table(res["rows"], [("row", "row", ""), ("dtype", "target", ""), ("size_mb", "src MB", ""),
+                              ("bytes_per_chip", "bytes/chip", ","), ("bytes_per_bank", "bytes/bank", ","),
+                              ("segments_per_chip", "segs/chip", ","), ("entries_per_chip", "READs/chip", ","),
+                              ("bytes_moved", "bytes total", ","), ("entries", "READs total", ","),
+                              ("latency_ms", "latency ms", ".1f"), ("norm_gg_host", "/GG-Host", ".3f"),
+                              ("norm_gg_direct", "/GG-Direct", ".3f"),
+                              *([("norm_gg_staged", "/GG-Staged", ".3f")] if "GG-Staged" in rows else []),
+                              ("request_ms", "request ms", ".1f"), ("transform_ms", "transform ms", ".1f"),
+                              ("transfer_ms", "transfer ms", ".1f"), ("copy_ms", "copy/fix ms", ".1f"),
+                              ("fraction_done", "done", ".2f"), ("cpu_ms", "CPU ms", ".1f"),
+                              ("cpu_norm_gg_direct", "CPU/GG-Direct", ".2f")])
+    for f in res["failed"]:
+        print(f"\nnot measured: {f['row']} ({f['dtype']}) @ {f['size_mb']} MB: {f['error']}")
+
+
+def _print_per_chip(res: dict, big) -> None:
+    """Per chip at the largest size ``big`` (MB): its heads, prefill ranks, bytes, READs and latency (ms)."""
+    print(f"\nper chip at {big} MB (prefill ranks: the ranks the chip pulled its shares from):")
+    print_table([{"row": r["row"], "dtype": r["dtype"], **c, "ranks": "+".join(map(str, c["prefill_ranks"])),
+                  "heads": f"{c['heads'][0]}..{c['heads'][1] - 1}"}
+                 for r in res["rows"] if r["size_mb"] == big for c in r["chips"]],
+                [("row", "row", ""), ("dtype", "target", ""), ("chip", "chip", ""), ("heads", "KV heads", ""),
+                 ("ranks", "prefill ranks", ""), ("bytes_moved", "bytes", ","),
+                 ("bytes_per_bank", "bytes/bank", ","), ("segments", "segs", ","), ("entries", "READs", ","),
+                 ("latency_ms", "chip ms", ".1f")])
+
+
+def _print_legend_and_targets(targets: list[dict]) -> None:
+    """What the columns mean, then each target met or missed with its ratio."""
+    print("\nsrc MB: the request's bf16 KV over all KV heads; per chip: the largest chip's figure (bytes/bank: its "
+          "largest DRAM bank; nan: a vLLM-layout decode, no banks); segments: in KVReady; READs: transfer entries; "
+          "latency: first chip's request -> last chip's KV in place; request/transform/transfer/copy: each the "
+          "largest over the chips.")
+    print("request = D1 -> P7 (includes the prefill transform for HAWK rows); transform = prefill transform "
+          "(HAWK) or decode-side layout fix (GN-Host); copy/fix = intra-bank copies (staged) or the GN-Host fix "
+          "+ write; bfloat8_b rows move fewer bytes: that gain is the format, not a faster transfer.")
+    print("\ntargets (ratios within this run):")
+    for t in targets:
+        print(f"  [{'met ' if t['met'] else 'MISS'}] {t['target']} @ {t['size_mb']} MB: ratio {t['ratio']:.3f}"
+              + (f"\n         {t['note']}" if t["note"] else ""))
+
+
 def _main_both(a, sizes) -> int:
-    """Whole-cache registration (the previous code) and per-request registration, one after
+    """Whole-cache registration and per-request registration, one after
     the other in this process: latency ratios per row, target dtype and size."""
     out = {}
     for reg in ("whole", "per_request"):
