@@ -28,6 +28,7 @@ not used: TCG (`-accel tcg,thread=multi -cpu max`), see docs/qemu-guest.md.
 Python API (stdlib only): ``ensure_images()``, ``run_job(script, shares=..., timeout_s=...)``
 returning a :class:`GuestResult`.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -53,8 +54,19 @@ from pathlib import Path
 REV = "1"  # bump to rebuild every image when the steps below change
 SUITE = "bookworm"
 MIRROR = os.environ.get("HAWK_DEBIAN_MIRROR", "http://deb.debian.org/debian")
-ROOTFS_PACKAGES = ("rdma-core", "ibverbs-utils", "ibverbs-providers", "perftest", "python3",
-                   "iproute2", "kmod", "libnuma1", "libcurl4", "python3-pyverbs", "procps")
+ROOTFS_PACKAGES = (
+    "rdma-core",
+    "ibverbs-utils",
+    "ibverbs-providers",
+    "perftest",
+    "python3",
+    "iproute2",
+    "kmod",
+    "libnuma1",
+    "libcurl4",
+    "python3-pyverbs",
+    "procps",
+)
 INITRAMFS_MODULES = ("netfs", "9pnet", "9pnet_virtio", "9p")  # load order
 GUEST_IP = "10.0.2.15"
 JOB_START = "HAWK-GUEST: job start"
@@ -85,14 +97,15 @@ def guest_kernel_release() -> str:
         if Path(f"/lib/modules/{kver}/modules.dep").is_file():
             found.append(kver)
     if not found:
-        raise GuestError("no /boot/vmlinuz-6.12.*-amd64 with /lib/modules: run scripts/kernel_deps.sh "
-                         "(installs linux-image-6.12.*-amd64 with the headers)")
+        raise GuestError(
+            "no /boot/vmlinuz-6.12.*-amd64 with /lib/modules: run scripts/kernel_deps.sh "
+            "(installs linux-image-6.12.*-amd64 with the headers)"
+        )
     return sorted(found, key=lambda k: [int(x) if x.isdigit() else x for x in re.split(r"[.+-]", k)])[-1]
 
 
 def missing_host_tools() -> list[str]:
-    need = {"qemu-system-x86_64": "qemu-system-x86", "debootstrap": "debootstrap",
-            "cpio": "cpio", "zstd": "zstd"}
+    need = {"qemu-system-x86_64": "qemu-system-x86", "debootstrap": "debootstrap", "cpio": "cpio", "zstd": "zstd"}
     out = [pkg for tool, pkg in need.items() if shutil.which(tool) is None]
     if not Path("/bin/busybox").exists() or "static" not in _file_kind("/bin/busybox"):
         out.append("busybox-static")
@@ -143,12 +156,14 @@ def ensure_kernel(kver: str) -> tuple[Path, float]:
             return out, 0.0
         data = src.read_bytes()
         # the same search as the kernel's scripts/extract-vmlinux
-        for magic, cmd in ((b"\x28\xb5\x2f\xfd", ["zstd", "-dcq"]), (b"\xfd7zXZ\x00", ["xz", "-dcq"]),
-                           (b"\x1f\x8b\x08", ["gzip", "-dcq"])):
+        for magic, cmd in (
+            (b"\x28\xb5\x2f\xfd", ["zstd", "-dcq"]),
+            (b"\xfd7zXZ\x00", ["xz", "-dcq"]),
+            (b"\x1f\x8b\x08", ["gzip", "-dcq"]),
+        ):
             pos = data.find(magic)
             while pos >= 0:
-                p = subprocess.run(cmd, input=data[pos:], stdout=subprocess.PIPE,
-                                   stderr=subprocess.DEVNULL)
+                p = subprocess.run(cmd, input=data[pos:], stdout=subprocess.PIPE, stderr=subprocess.DEVNULL)
                 if p.stdout[:4] == b"\x7fELF":
                     out.parent.mkdir(parents=True, exist_ok=True)
                     tmp = out.with_suffix(".tmp")
@@ -175,10 +190,11 @@ def ensure_rootfs() -> tuple[Path, float]:
         t0 = time.monotonic()
         tmp = root.with_name(root.name + ".tmp")
         shutil.rmtree(tmp, ignore_errors=True)
-        log(f"building rootfs {root.name}: debootstrap --variant=minbase {SUITE} + "
-            f"{' '.join(ROOTFS_PACKAGES)} (first time: about a minute)")
-        cmd = ["debootstrap", "--variant=minbase", f"--include={','.join(ROOTFS_PACKAGES)}",
-               SUITE, str(tmp), MIRROR]
+        log(
+            f"building rootfs {root.name}: debootstrap --variant=minbase {SUITE} + "
+            f"{' '.join(ROOTFS_PACKAGES)} (first time: about a minute)"
+        )
+        cmd = ["debootstrap", "--variant=minbase", f"--include={','.join(ROOTFS_PACKAGES)}", SUITE, str(tmp), MIRROR]
         p = subprocess.run(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
         if p.returncode != 0:
             tail = "\n".join(p.stdout.splitlines()[-25:])
@@ -295,7 +311,7 @@ def ensure_initramfs(kver: str) -> tuple[Path, float]:
             (d / sub).mkdir(parents=True)
         shutil.copy2(busybox, d / "bin/busybox")
         os.mknod(d / "dev/console", 0o600 | 0o020000, os.makedev(5, 1))  # before devtmpfs is up
-        for name, m in zip(INITRAMFS_MODULES, mods):
+        for name, m in zip(INITRAMFS_MODULES, mods, strict=False):
             raw = m.read_bytes()
             if m.name.endswith(".xz"):
                 raw = subprocess.run(["xz", "-dc"], input=raw, stdout=subprocess.PIPE, check=True).stdout
@@ -305,10 +321,10 @@ def ensure_initramfs(kver: str) -> tuple[Path, float]:
         init = d / "init"
         init.write_text(INIT.replace("@MODULES@", " ".join(INITRAMFS_MODULES)))
         init.chmod(0o755)
-        files = subprocess.run("find . | LC_ALL=C sort", shell=True, cwd=d, stdout=subprocess.PIPE,
-                               check=True).stdout
-        cpio = subprocess.run(["cpio", "-o", "-H", "newc", "--quiet", "-R", "0:0"], cwd=d, input=files,
-                              stdout=subprocess.PIPE, check=True).stdout
+        files = subprocess.run("find . | LC_ALL=C sort", shell=True, cwd=d, stdout=subprocess.PIPE, check=True).stdout
+        cpio = subprocess.run(
+            ["cpio", "-o", "-H", "newc", "--quiet", "-R", "0:0"], cwd=d, input=files, stdout=subprocess.PIPE, check=True
+        ).stdout
         tmp = out.with_suffix(".tmp")
         tmp.parent.mkdir(parents=True, exist_ok=True)
         with gzip.open(tmp, "wb", compresslevel=6) as f:
@@ -345,19 +361,21 @@ def ensure_images() -> Images:
 # --------------------------------------------------------------------------------- run
 @dataclass
 class GuestResult:
-    rc: int | None           # the job's exit status; None if the guest never reported one
-    output: str              # the serial console (job output, boot messages at loglevel<=3)
-    dmesg: str               # the guest's full kernel log when the job ended
-    boot_s: float            # QEMU start -> job start
-    job_s: float             # job start -> job end
-    total_s: float           # QEMU start -> QEMU exit
+    rc: int | None  # the job's exit status; None if the guest never reported one
+    output: str  # the serial console (job output, boot messages at loglevel<=3)
+    dmesg: str  # the guest's full kernel log when the job ended
+    boot_s: float  # QEMU start -> job start
+    job_s: float  # job start -> job end
+    total_s: float  # QEMU start -> QEMU exit
     timed_out: bool = False
     out_dir: Path | None = None  # the guest's /hawk/out (kept only with keep_out=True)
     files: dict[str, str] = field(default_factory=dict)  # small text files the job left in /hawk/out
 
     def summary(self) -> str:
-        return (f"guest rc={self.rc} boot {self.boot_s:.1f} s, job {self.job_s:.1f} s, "
-                f"total {self.total_s:.1f} s{' (TIMED OUT)' if self.timed_out else ''}")
+        return (
+            f"guest rc={self.rc} boot {self.boot_s:.1f} s, job {self.job_s:.1f} s, "
+            f"total {self.total_s:.1f} s{' (TIMED OUT)' if self.timed_out else ''}"
+        )
 
 
 def _share_tags(shares) -> list[tuple[str, str, str, bool]]:
@@ -368,9 +386,20 @@ def _share_tags(shares) -> list[tuple[str, str, str, bool]]:
     return out
 
 
-def run_job(script: str, *, shares=(), env: dict[str, str] | None = None, cwd: str = "/",
-            timeout_s: float = 300, mem_mib: int = 3072, smp: int = 2, net: bool = True,
-            images: Images | None = None, echo: bool = False, keep_out: bool = False) -> GuestResult:
+def run_job(
+    script: str,
+    *,
+    shares=(),
+    env: dict[str, str] | None = None,
+    cwd: str = "/",
+    timeout_s: float = 300,
+    mem_mib: int = 3072,
+    smp: int = 2,
+    net: bool = True,
+    images: Images | None = None,
+    echo: bool = False,
+    keep_out: bool = False,
+) -> GuestResult:
     """Boot the guest, run ``script`` (bash) in it, power it off.
 
     shares: host paths (or (host, guest, read_only) tuples) mounted over 9p, by default
@@ -397,26 +426,56 @@ def run_job(script: str, *, shares=(), env: dict[str, str] | None = None, cwd: s
     try:
         (jobdir / "out").mkdir()
         (jobdir / "job.sh").write_text(script)
-        (jobdir / "stage2.sh").write_text(STAGE2.replace("@GUEST_IP@", GUEST_IP)
-                                          .replace("@JOB_START@", JOB_START).replace("@JOB_RC@", JOB_RC))
+        (jobdir / "stage2.sh").write_text(
+            STAGE2.replace("@GUEST_IP@", GUEST_IP).replace("@JOB_START@", JOB_START).replace("@JOB_RC@", JOB_RC)
+        )
         (jobdir / "shares").write_text("".join(f"{t} {g} {'ro' if ro else 'rw'}\n" for t, _h, g, ro in tags))
         job_timeout = max(5, int(timeout_s) - 15)
-        envs = dict(env or {}, HAWK_JOB_TIMEOUT=str(job_timeout), HAWK_JOB_CWD=cwd,
-                    HAWK_GUEST_IP=GUEST_IP, PYTHONDONTWRITEBYTECODE="1")
+        envs = dict(
+            env or {},
+            HAWK_JOB_TIMEOUT=str(job_timeout),
+            HAWK_JOB_CWD=cwd,
+            HAWK_GUEST_IP=GUEST_IP,
+            PYTHONDONTWRITEBYTECODE="1",
+        )
         (jobdir / "env").write_text("".join(f"export {k}={shlex.quote(str(v))}\n" for k, v in envs.items()))
-        cmd = ["qemu-system-x86_64", "-accel", "tcg,thread=multi", "-cpu", os.environ.get("HAWK_GUEST_CPU", "max"),
-               "-smp", str(smp), "-m", f"{mem_mib}M", "-nodefaults", "-no-reboot", "-display", "none",
-               "-monitor", "none",
-               "-serial", "stdio", "-kernel", str(images.vmlinux), "-initrd", str(images.initramfs),
-               "-append", "console=ttyS0 loglevel=3 panic=-1 oops=panic rdinit=/init "
-                          "tsc=reliable no_timer_check nokaslr mitigations=off "
-                          + os.environ.get("HAWK_GUEST_APPEND", ""),
-               "-device", "virtio-rng-pci"]
+        cmd = [
+            "qemu-system-x86_64",
+            "-accel",
+            "tcg,thread=multi",
+            "-cpu",
+            os.environ.get("HAWK_GUEST_CPU", "max"),
+            "-smp",
+            str(smp),
+            "-m",
+            f"{mem_mib}M",
+            "-nodefaults",
+            "-no-reboot",
+            "-display",
+            "none",
+            "-monitor",
+            "none",
+            "-serial",
+            "stdio",
+            "-kernel",
+            str(images.vmlinux),
+            "-initrd",
+            str(images.initramfs),
+            "-append",
+            "console=ttyS0 loglevel=3 panic=-1 oops=panic rdinit=/init "
+            "tsc=reliable no_timer_check nokaslr mitigations=off " + os.environ.get("HAWK_GUEST_APPEND", ""),
+            "-device",
+            "virtio-rng-pci",
+        ]
         fs = [("hawkroot", str(images.rootfs), True), ("hawkjob", str(jobdir), False)]
         fs += [(t, h, ro) for t, h, _g, ro in tags]
         for i, (tag, host, ro) in enumerate(fs):
-            cmd += ["-fsdev", f"local,id=fs{i},path={host},security_model=none{',readonly=on' if ro else ''}",
-                    "-device", f"virtio-9p-pci,fsdev=fs{i},mount_tag={tag}"]
+            cmd += [
+                "-fsdev",
+                f"local,id=fs{i},path={host},security_model=none{',readonly=on' if ro else ''}",
+                "-device",
+                f"virtio-9p-pci,fsdev=fs{i},mount_tag={tag}",
+            ]
         if net:
             cmd += ["-netdev", "user,id=n0,restrict=on", "-device", "virtio-net-pci,netdev=n0"]
         return _boot(cmd, jobdir, timeout_s, echo, keep_out)
@@ -429,6 +488,7 @@ def _die_with_parent() -> None:
     """In the QEMU child: SIGKILL when the process that started it dies, however it dies
     (a killed pytest must not leave a guest running)."""
     import ctypes
+
     PR_SET_PDEATHSIG = 1
     ctypes.CDLL(None, use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)
 
@@ -498,8 +558,14 @@ def _boot(cmd: list[str], jobdir: Path, timeout_s: float, echo: bool, keep_out: 
     its boot, job and total times in seconds."""
     t0 = time.monotonic()
     console = _Console(echo)
-    proc = subprocess.Popen(cmd, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
-                            stderr=subprocess.STDOUT, start_new_session=True, preexec_fn=_die_with_parent)
+    proc = subprocess.Popen(
+        cmd,
+        stdin=subprocess.DEVNULL,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        start_new_session=True,
+        preexec_fn=_die_with_parent,
+    )
     assert proc.stdout is not None
     th = threading.Thread(target=console.read, args=(proc.stdout,), daemon=True)
     th.start()
@@ -513,23 +579,39 @@ def _boot(cmd: list[str], jobdir: Path, timeout_s: float, echo: bool, keep_out: 
     lines, marks = console.lines, console.marks
     rc = console.rc_seen[0] if console.rc_seen else None
     start = marks.get("start", t_end)
-    res = GuestResult(rc, "\n".join(lines), dmesg, start - t0, marks.get("end", t_end) - start,
-                      t_end - t0, timed_out, out if keep_out else None, files)
+    res = GuestResult(
+        rc,
+        "\n".join(lines),
+        dmesg,
+        start - t0,
+        marks.get("end", t_end) - start,
+        t_end - t0,
+        timed_out,
+        out if keep_out else None,
+        files,
+    )
     if timed_out:
-        log(f"guest timed out after {timeout_s:.0f} s and was killed "
+        log(
+            f"guest timed out after {timeout_s:.0f} s and was killed "
             f"({'job never started' if 'start' not in marks else 'job still running'}); last output:\n"
-            + "\n".join(lines[-15:]))
+            + "\n".join(lines[-15:])
+        )
     elif rc is None:
-        log(f"guest exited (QEMU rc {proc.returncode}) without reporting a job status; last output:\n"
-            + "\n".join(lines[-25:]))
+        log(
+            f"guest exited (QEMU rc {proc.returncode}) without reporting a job status; last output:\n"
+            + "\n".join(lines[-25:])
+        )
     return res
 
 
 # --------------------------------------------------------------------------------- CLI
 def _print_build(images: Images, t_build: float) -> None:
     parts = ", ".join(f"{k} {'cached' if v == 0 else f'{v:.1f} s'}" for k, v in images.build_s.items())
-    print(f"guest images ({images.kver}): {parts}; "
-          f"{'cold build' if images.cold else 'warm (all cached)'} {t_build:.1f} s", flush=True)
+    print(
+        f"guest images ({images.kver}): {parts}; "
+        f"{'cold build' if images.cold else 'warm (all cached)'} {t_build:.1f} s",
+        flush=True,
+    )
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -539,8 +621,12 @@ def main(argv: list[str] | None = None) -> int:
     sub.add_parser("smoke", help="build, then boot `uname -r` and print cold/warm times")
     r = sub.add_parser("run", help="boot and run a command (after --) in the guest")
     r.add_argument("--timeout", type=float, default=300)
-    r.add_argument("--share", action="append", default=[],
-                   help="host path to mount read-only at the same path (repeatable); PATH:rw for writable")
+    r.add_argument(
+        "--share",
+        action="append",
+        default=[],
+        help="host path to mount read-only at the same path (repeatable); PATH:rw for writable",
+    )
     r.add_argument("--cwd", default="/")
     r.add_argument("--mem", type=int, default=3072, help="MiB")
     r.add_argument("--no-net", action="store_true")
@@ -563,8 +649,16 @@ def main(argv: list[str] | None = None) -> int:
         for s in a.share:
             host, _, mode = s.partition(":")
             shares.append((host, host, mode != "rw"))
-        res = run_job(shlex.join(command), shares=shares, cwd=a.cwd, timeout_s=a.timeout,
-                      mem_mib=a.mem, net=not a.no_net, images=images, echo=True)
+        res = run_job(
+            shlex.join(command),
+            shares=shares,
+            cwd=a.cwd,
+            timeout_s=a.timeout,
+            mem_mib=a.mem,
+            net=not a.no_net,
+            images=images,
+            echo=True,
+        )
         print(res.summary(), file=sys.stderr, flush=True)
         return res.rc if res.rc is not None else 125
     except GuestError as e:

@@ -13,10 +13,12 @@ secret, ``Proxy(timeout_s=)`` instead of ``Limits``) the script adapts; ``api`` 
 output says which API it found. Results: one JSON object per measurement, printed and
 written to ``--out``.
 """
+
 from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import hashlib
 import hmac
 import inspect
@@ -41,6 +43,7 @@ COMPAT_ARGS = ("tiny", "bfloat16", BS, "vllm-flash-nhd", "tt-paged", "p150a")
 
 def _new_api() -> bool:
     from vllm_hawk.kvflow.prefill import PrefillEndpoint
+
     return "auth" in inspect.signature(PrefillEndpoint.__init__).parameters
 
 
@@ -111,10 +114,17 @@ def _prefill_target(cfg: dict, secret: bytes | None, new: bool) -> tuple:
     opts = {"secret": secret} if cfg["transport"] == "host_staged" and new else {}
     t = make_transport(cfg["transport"], **opts)
     kw = {"auth": cfg["auth"]} if new and cfg.get("auth") else {}
-    ep = prefill_endpoint(cache, t, make_compat(*COMPAT_ARGS), cfg.get("kind", "staged"), ring_nbytes=4 << 20,
-                          secret=secret, lease_s=cfg.get("lease_s", 60.0), **kw)
-    out = {"endpoint": ep.endpoint, "transfer": t.endpoint, "cache_addr": cache.base_addr,
-           "cache_nbytes": cache.nbytes}
+    ep = prefill_endpoint(
+        cache,
+        t,
+        make_compat(*COMPAT_ARGS),
+        cfg.get("kind", "staged"),
+        ring_nbytes=4 << 20,
+        secret=secret,
+        lease_s=cfg.get("lease_s", 60.0),
+        **kw,
+    )
+    out = {"endpoint": ep.endpoint, "transfer": t.endpoint, "cache_addr": cache.base_addr, "cache_nbytes": cache.nbytes}
     return ep, t, out, cache
 
 
@@ -154,8 +164,7 @@ def _add_latency(ep, prefix: str, n: int) -> dict:
         ep.add_request(f"{prefix}-{i}", [1], BS)
         lat.append(time.perf_counter() - t0)
     lat.sort()
-    return {"median_ms": lat[len(lat) // 2] * 1e3, "p99_ms": lat[int(len(lat) * 0.99)] * 1e3,
-            "max_ms": lat[-1] * 1e3}
+    return {"median_ms": lat[len(lat) // 2] * 1e3, "p99_ms": lat[int(len(lat) * 0.99)] * 1e3, "max_ms": lat[-1] * 1e3}
 
 
 def _child_stats(ep, counter: _Count) -> dict:
@@ -166,8 +175,13 @@ def _child_stats(ep, counter: _Count) -> dict:
         fds = len(os.listdir("/proc/self/fd"))
     except OSError:
         fds = -1
-    reply = {"cpu_s": ru.ru_utime + ru.ru_stime, "rss_mib": _status("VmRSS"), "hwm_mib": _status("VmHWM"),
-             "fds": fds, "warnings_logged": counter.n}
+    reply = {
+        "cpu_s": ru.ru_utime + ru.ru_stime,
+        "rss_mib": _status("VmRSS"),
+        "hwm_mib": _status("VmHWM"),
+        "fds": fds,
+        "warnings_logged": counter.n,
+    }
     if ep is not None:
         reply["snapshot"] = ep.snapshot()
     return reply
@@ -175,8 +189,13 @@ def _child_stats(ep, counter: _Count) -> dict:
 
 class Target:
     def __init__(self, cfg: dict) -> None:
-        self.proc = subprocess.Popen([sys.executable, __file__, "target", json.dumps(cfg)], stdin=subprocess.PIPE,
-                                     stdout=subprocess.PIPE, text=True, env=dict(os.environ))
+        self.proc = subprocess.Popen(
+            [sys.executable, __file__, "target", json.dumps(cfg)],
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            text=True,
+            env=dict(os.environ),
+        )
         line = self.proc.stdout.readline()
         if not line:
             raise RuntimeError(f"target {cfg} did not start (exit {self.proc.wait()})")
@@ -200,7 +219,7 @@ class Target:
                 self.proc.kill()
                 self.proc.wait(5)
 
-    def __enter__(self) -> "Target":
+    def __enter__(self) -> Target:
         return self
 
     def __exit__(self, *exc) -> None:
@@ -213,11 +232,13 @@ def _prefill(kind="staged", transport="inprocess", secret=SECRET, **kw) -> Targe
 
 def _compat():
     from vllm_hawk.protocol import make_compat
+
     return make_compat(*COMPAT_ARGS)
 
 
 def _client(ep: str, secret=KEY, auth=None, **kw):
     from vllm_hawk.protocol import ProtocolClient
+
     if _new_api() and auth is not None:
         kw["auth"] = auth
     return ProtocolClient(ep, _compat(), secret=secret, **kw)
@@ -227,10 +248,20 @@ def _tt_decode(ep: str, transport, secret=KEY, recv=256 << 10, auth=None):
     from vllm_hawk.layout.tt_kv_cache import TTKVCacheSpec
     from vllm_hawk.npu.emulated import EmulatedDevice
     from vllm_hawk.testing.endpoints import TTDecode
+
     dev = EmulatedDevice("p150a", 8 << 20)
     kw = {"auth": auth} if auth and _new_api() else {}
-    return dev, TTDecode(dev, TTKVCacheSpec(L, BLOCKS, H, BS, D, "bfloat16"), transport, ep, _compat(),
-                         secret=secret, recv_nbytes_per_bank=recv, timeout_s=20, **kw)
+    return dev, TTDecode(
+        dev,
+        TTKVCacheSpec(L, BLOCKS, H, BS, D, "bfloat16"),
+        transport,
+        ep,
+        _compat(),
+        secret=secret,
+        recv_nbytes_per_bank=recv,
+        timeout_s=20,
+        **kw,
+    )
 
 
 def _err(e: BaseException) -> str:
@@ -242,6 +273,7 @@ class MooncakeAttacker:
     def __init__(self) -> None:
         import torch
         from mooncake.engine import TransferEngine
+
         self.engine = TransferEngine()
         assert self.engine.initialize("127.0.0.1", "P2PHANDSHAKE", "tcp", "") == 0
         self.buf = torch.zeros(1 << 16, dtype=torch.uint8)
@@ -272,6 +304,7 @@ def m_mooncake(kind: str) -> dict:
 
     from vllm_hawk.testing.paged_cache import PagedKVCache
     from vllm_hawk.transport import make_transport
+
     att = MooncakeAttacker()
     t = make_transport("mooncake")
     want = PagedKVCache(*SHAPE).fill_random(3).flat.numpy().tobytes()  # the target's cache bytes (same seed)
@@ -297,7 +330,7 @@ def m_mooncake(kind: str) -> dict:
                 b = att.read(peer, ca + off, n)
                 if b is not None:
                     got += n
-                    exact += sum(x == y for x, y in zip(want[off:off + n], b))
+                    exact += sum(x == y for x, y in zip(want[off : off + n], b, strict=False))
             res["cache_bytes_read"] = got
             res["cache_bytes_read_equal_to_kv"] = exact
             ring_got, ring_nonzero = 0, 0
@@ -346,7 +379,7 @@ def _hs_talk(host: str, port: int, payload: bytes, wait_s: float = 3.0) -> tuple
             out += chunk
             if len(out) >= 16 + 4096 and wait_s < 3.1:
                 pass
-    except (socket.timeout, ConnectionError, OSError):
+    except (TimeoutError, ConnectionError, OSError):
         pass
     finally:
         s.close()
@@ -361,6 +394,7 @@ def _hs_hello(key: bytes | None) -> bytes:
     if key is None:
         return struct.pack("<4sB3xQ32s32s", b"HKHA", 0, ts, nonce, bytes(32))
     from vllm_hawk.security import derive_key
+
     k = derive_key(key, "host-staged")
     mac = hmac.new(k, b"c" + ts.to_bytes(8, "little") + nonce, hashlib.sha256).digest()
     return struct.pack("<4sB3xQ32s32s", b"HKHA", 1, ts, nonce, mac)
@@ -377,20 +411,26 @@ def m_host_staged_raw() -> dict:
         addr = t.info["addr"]
         pre = _hs_hello(None) if new else b""  # the new protocol: a hello without the secret first
         out, took = _hs_talk(host, port, _REQ.pack(b"HKHS", 1, addr, 4096))
-        res["read_no_hello"] = {"reply_bytes": len(out), "status": out[0] if out else None, "closed_after_s":
-                                round(took, 2)}
+        res["read_no_hello"] = {
+            "reply_bytes": len(out),
+            "status": out[0] if out else None,
+            "closed_after_s": round(took, 2),
+        }
         if new:
             out, took = _hs_talk(host, port, pre + _REQ.pack(b"HKHS", 1, addr, 4096))
             res["read_with_hello_no_secret"] = {"reply_bytes": len(out), "status": out[0] if out else None}
-        res["kv_bytes_read"] = max(0, len(out) - 16) if (out and out[0] == 0 and len(out) > 40) else \
-            (4096 if len(out) == 16 + 4096 and out[0] == 0 else 0)
+        res["kv_bytes_read"] = (
+            max(0, len(out) - 16)
+            if (out and out[0] == 0 and len(out) > 40)
+            else (4096 if len(out) == 16 + 4096 and out[0] == 0 else 0)
+        )
         wout, _ = _hs_talk(host, port, pre + _REQ.pack(b"HKHS", 2, addr, 4096) + b"\xab" * 4096)
         res["write_accepted"] = bool(len(wout) == 16 and wout[0] == 0) or bool(len(wout) == 56 and wout[40] == 0)
         probes = [addr + i * 4096 for i in range(8)] + [addr - (i + 1) * 4096 for i in range(8)]
         replies = set()
         for a in probes:
             o, _ = _hs_talk(host, port, pre + _REQ.pack(b"HKHS", 1, a, 16), wait_s=2.5)
-            replies.add(o[:16 if not new else 41].hex()[:20] if o else "closed")
+            replies.add(o[: 16 if not new else 41].hex()[:20] if o else "closed")
         res["probe_distinct_replies"] = len(replies)
         res["probe_replies"] = sorted(replies)
     return res
@@ -399,6 +439,7 @@ def m_host_staged_raw() -> dict:
 # ----------------------------------------------------------------------------- 2. default config
 def m_default_release() -> dict:
     from vllm_hawk.connector.config import parse_config
+
     res: dict = {"measure": "default config: stranger releases another decode's request"}
     try:
         cfg = parse_config({})
@@ -416,6 +457,7 @@ def m_default_release() -> dict:
             dev, layout_src = _tt_decode(ep, None, secret=sec, recv=0)
             try:
                 from vllm_hawk.protocol import KVRequest
+
                 a, b = _client(ep, secret=sec, timeout_s=30), _client(ep, secret=sec, timeout_s=30)
                 a.handshake(), b.handshake()
                 a.request_kv(KVRequest(req_id="owned", dst_layout=layout_src.desc, num_tokens=BS, dst_block_ids=[2]))
@@ -427,10 +469,8 @@ def m_default_release() -> dict:
                     ack = "refused: " + _err(e)
                 after = p.stats()["snapshot"].get("ring_live")
                 res[name] = {"stranger_release": ack, "ring_live_before": before, "ring_live_after": after}
-                try:
+                with contextlib.suppress(Exception):
                     a.release("owned")
-                except Exception:  # noqa: BLE001
-                    pass
                 a.close(), b.close()
             finally:
                 layout_src.close()
@@ -461,6 +501,7 @@ def m_zmq_flood(nofile=256, flood=400, settle_s=3.0) -> dict:
     """``flood`` ZMQ DEALERs without the secret (what any ZMQ peer does; libzmq reconnects
     when dropped) at a prefill whose fd limit is ``nofile``; a new decode's handshake."""
     import zmq
+
     _raise_own_nofile()
     res: dict = {"measure": f"{flood} idle ZMQ peers, prefill RLIMIT_NOFILE={nofile}"}
     ctx = zmq.Context()
@@ -476,7 +517,7 @@ def m_zmq_flood(nofile=256, flood=400, settle_s=3.0) -> dict:
             t_flood = time.monotonic()
             time.sleep(settle_s)
             times = []
-            for i in range(3):
+            for _ in range(3):
                 c = _client(p.info["endpoint"], timeout_s=10)
                 t0 = time.monotonic()
                 try:
@@ -505,6 +546,7 @@ def m_hs_flood(n=80, nofile=256) -> dict:
     import numpy as np
 
     from vllm_hawk.transport import make_transport
+
     new = _new_api()
     res: dict = {"measure": f"host-staged port, {n} idle raw connections (max_connections 64), fd limit {nofile}"}
     with Target({"what": "host_staged", "secret": SECRET, "nofile": nofile}) as t:
@@ -513,10 +555,8 @@ def m_hs_flood(n=80, nofile=256) -> dict:
         for _ in range(n):
             s = socket.socket()
             s.settimeout(2)
-            try:
+            with contextlib.suppress(OSError):
                 s.connect((host, int(port)))
-            except OSError:
-                pass
             socks.append(s)
         time.sleep(1.0)
         tr = make_transport("host_staged", **({"secret": KEY} if new else {}))
@@ -567,17 +607,23 @@ def m_unknown_releases(n=200_000, cap_s=75.0) -> dict:
         after = p.stats()
         lat1 = p.call(op="addtime", n=500, prefix="b")
         c.close()
-        res.update(sent=sent, acked=acked, refused=refused, send_s=round(took, 1),
-                   rss_growth_mib=round(after["rss_mib"] - base["rss_mib"], 1),
-                   early_release_table=after["snapshot"].get("early_release"),
-                   handover_median_ms=[round(lat0["median_ms"], 4), round(lat1["median_ms"], 4)],
-                   handover_p99_ms=[round(lat0["p99_ms"], 4), round(lat1["p99_ms"], 4)],
-                   warnings_logged=after["warnings_logged"] - base["warnings_logged"])
+        res.update(
+            sent=sent,
+            acked=acked,
+            refused=refused,
+            send_s=round(took, 1),
+            rss_growth_mib=round(after["rss_mib"] - base["rss_mib"], 1),
+            early_release_table=after["snapshot"].get("early_release"),
+            handover_median_ms=[round(lat0["median_ms"], 4), round(lat1["median_ms"], 4)],
+            handover_p99_ms=[round(lat0["p99_ms"], 4), round(lat1["p99_ms"], 4)],
+            warnings_logged=after["warnings_logged"] - base["warnings_logged"],
+        )
     return res
 
 
 def _raw_dealer(endpoint: str):
     import zmq
+
     s = zmq.Context.instance().socket(zmq.DEALER)
     s.setsockopt(zmq.LINGER, 0)
     s.setsockopt(zmq.SNDHWM, 0)
@@ -597,6 +643,7 @@ def m_big_kvrequests(count=480, ids=65536) -> dict:
     import random
 
     from vllm_hawk.protocol import Envelope, KVRequest
+
     res: dict = {"measure": f"{count} KVRequests for unknown ids x {ids} block ids"}
     with _prefill(auth="hmac") as p:
         ep = p.info["endpoint"]
@@ -609,8 +656,12 @@ def m_big_kvrequests(count=480, ids=65536) -> dict:
         wire = 0
         replies = {}
         from vllm_hawk.protocol import Hello, compat_hash
-        raw.send_multipart(_pack(env, Hello(compat=_compat(), compat_hash=compat_hash(_compat()),
-                                            client_id="big-requester"), server_id))
+
+        raw.send_multipart(
+            _pack(
+                env, Hello(compat=_compat(), compat_hash=compat_hash(_compat()), client_id="big-requester"), server_id
+            )
+        )
         res["hello_answered"] = bool(raw.poll(5000)) and bool(raw.recv_multipart())
         block_ids = list(range(ids))
         rng.shuffle(block_ids)
@@ -627,6 +678,7 @@ def m_big_kvrequests(count=480, ids=65536) -> dict:
                     r = raw.recv_multipart()
                     try:
                         import msgspec
+
                         body = msgspec.msgpack.decode(r[-2] if len(r) >= 2 else r[-1])
                         k = body.get("code") or body.get("type") if isinstance(body, dict) else "?"
                     except Exception:  # noqa: BLE001
@@ -641,10 +693,14 @@ def m_big_kvrequests(count=480, ids=65536) -> dict:
             raw.close()
             dec.close()
             dev.close()
-        res.update(wire_mib=round(wire / 2**20, 1), rss_base_mib=round(base["rss_mib"]),
-                   rss_peak_growth_mib=round(peak["rss_mib"] - base["rss_mib"]),
-                   hwm_growth_mib=round(after["hwm_mib"] - base["hwm_mib"]),
-                   rss_after_8s_growth_mib=round(after["rss_mib"] - base["rss_mib"]), replies=replies)
+        res.update(
+            wire_mib=round(wire / 2**20, 1),
+            rss_base_mib=round(base["rss_mib"]),
+            rss_peak_growth_mib=round(peak["rss_mib"] - base["rss_mib"]),
+            hwm_growth_mib=round(after["hwm_mib"] - base["hwm_mib"]),
+            rss_after_8s_growth_mib=round(after["rss_mib"] - base["rss_mib"]),
+            replies=replies,
+        )
     return res
 
 
@@ -678,9 +734,12 @@ def m_hs_big_write() -> dict:
         s.close()
         time.sleep(0.5)
         after = t.stats()
-        res.update(payload_sent_mib=sent_payload >> 20, reply_hex=reply.hex()[:100],
-                   hwm_growth_mib=round(after["hwm_mib"] - base["hwm_mib"], 1),
-                   rss_growth_mib=round(after["rss_mib"] - base["rss_mib"], 1))
+        res.update(
+            payload_sent_mib=sent_payload >> 20,
+            reply_hex=reply.hex()[:100],
+            hwm_growth_mib=round(after["hwm_mib"] - base["hwm_mib"], 1),
+            rss_growth_mib=round(after["rss_mib"] - base["rss_mib"], 1),
+        )
     return res
 
 
@@ -760,6 +819,7 @@ def _proxy_child(cfg: dict, counter) -> None:
     loop thread; then one JSON command per stdin line (``set`` the upstream's state,
     ``stats``) until ``exit``."""
     import vllm_hawk.proxy.server as ps
+
     new = hasattr(ps, "Limits")
     up_srv = _Upstream()
     loop = asyncio.new_event_loop()
@@ -783,18 +843,25 @@ def _proxy_reply(state: dict, cmd: dict, counter) -> dict | None:
             state["events"] = []
         return {}
     if cmd["op"] == "stats":
-        return {"rss_mib": _status("VmRSS"), "hwm_mib": _status("VmHWM"),
-                "events": [(k, round(t - cmd.get("t0", 0), 2)) for k, t in state["events"]]
-                if "t0" in cmd else state["events"], "warnings_logged": counter.n,
-                "now": time.monotonic()}
+        return {
+            "rss_mib": _status("VmRSS"),
+            "hwm_mib": _status("VmHWM"),
+            "events": [(k, round(t - cmd.get("t0", 0), 2)) for k, t in state["events"]]
+            if "t0" in cmd
+            else state["events"],
+            "warnings_logged": counter.n,
+            "now": time.monotonic(),
+        }
     return None
 
 
 def _post(port: int, body: bytes, timeout_s: float, read: bool = True) -> tuple[bytes, float]:
     s = socket.create_connection(("127.0.0.1", port), timeout=timeout_s)
     t0 = time.monotonic()
-    s.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
-              b"Content-Length: %d\r\nConnection: close\r\n\r\n" % len(body) + body)
+    s.sendall(
+        b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+        b"Content-Length: %d\r\nConnection: close\r\n\r\n" % len(body) + body
+    )
     out = b""
     try:
         while read:
@@ -802,7 +869,7 @@ def _post(port: int, body: bytes, timeout_s: float, read: bool = True) -> tuple[
             if not c:
                 break
             out += c
-    except (socket.timeout, OSError):
+    except (TimeoutError, OSError):
         out += b"<client timeout>"
     s.close()
     return out, time.monotonic() - t0
@@ -819,16 +886,21 @@ def m_proxy(stream_only: bool = False) -> dict:
         body = b'{"model": "m", "prompt": [' + b"[]," * (50_000_000 // 3) + b'[]], "max_tokens": 1}'
         out, took = _post(port, body, 60)
         after = p.stats()
-        res["json_50mb"] = {"status": out[:12].decode(errors="replace"), "s": round(took, 2),
-                            "hwm_growth_mib": round(after["hwm_mib"] - base["hwm_mib"])}
+        res["json_50mb"] = {
+            "status": out[:12].decode(errors="replace"),
+            "s": round(took, 2),
+            "hwm_growth_mib": round(after["hwm_mib"] - base["hwm_mib"]),
+        }
         # a never-reading client of an endless stream: when is the decode stream released?
         p.call(op="set", state={"mode": "endless", "events": []})
         s = socket.create_connection(("127.0.0.1", port))
         s.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
         b = json.dumps({"model": "m", "prompt": "x", "max_tokens": 5, "stream": True}).encode()
         t0 = time.monotonic()
-        s.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
-                  b"Content-Length: %d\r\n\r\n" % len(b) + b)
+        s.sendall(
+            b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+            b"Content-Length: %d\r\n\r\n" % len(b) + b
+        )
         released = None
         st = p.stats()
         while time.monotonic() - t0 < 45:
@@ -839,8 +911,9 @@ def m_proxy(stream_only: bool = False) -> dict:
                 released = round(ev[0][1] - (st["now"] - (time.monotonic() - t0)), 1)
                 break
         s.close()
-        res["never_reading_client"] = (f"upstream released after {released} s" if released is not None else
-                                       "upstream still held after 45 s")
+        res["never_reading_client"] = (
+            f"upstream released after {released} s" if released is not None else "upstream still held after 45 s"
+        )
     return m_proxy_budget(res, 3.0)
 
 
@@ -850,21 +923,22 @@ def m_proxy_budget(res: dict, budget: float, stream_only: bool = False) -> dict:
         port = p.info["port"]
         p.call(op="set", state={"prefill_delay_s": 1e6})
         out, took = _post(port, json.dumps({"model": "m", "prompt": "x", "max_tokens": 5}).encode(), 30)
-        res[f"hung_prefill_budget_{budget:.0f}s"] = {"s": round(took, 2), "reply": out[:12].decode(
-            errors="replace")}
+        res[f"hung_prefill_budget_{budget:.0f}s"] = {"s": round(took, 2), "reply": out[:12].decode(errors="replace")}
         p.call(op="set", state={"prefill_delay_s": 0.0, "mode": "slow_ok"})
-        out, took = _post(port, json.dumps({"model": "m", "prompt": "x", "max_tokens": 5, "stream": True})
-                          .encode(), 30)
+        out, took = _post(port, json.dumps({"model": "m", "prompt": "x", "max_tokens": 5, "stream": True}).encode(), 30)
         txt = out.decode(errors="replace")
         res[f"healthy_6s_stream_budget_{budget:.0f}s"] = {
-            "s": round(took, 2), "chunks": txt.count('"text": "a"'), "done": "[DONE]" in txt,
-            "error_event": '"error"' in txt, "tail": txt[-240:]}
+            "s": round(took, 2),
+            "chunks": txt.count('"text": "a"'),
+            "done": "[DONE]" in txt,
+            "error_event": '"error"' in txt,
+            "tail": txt[-240:],
+        }
     if stream_only:
         return res
     with Target({"what": "proxy"}) as p:
         p.call(op="set", state={"prefill_delay_s": 1e6})
-        out, took = _post(p.info["port"], json.dumps({"model": "m", "prompt": "x", "max_tokens": 5}).encode(),
-                          20)
+        out, took = _post(p.info["port"], json.dumps({"model": "m", "prompt": "x", "max_tokens": 5}).encode(), 20)
         res["hung_prefill_defaults"] = f"{'no reply within 20 s' if took >= 19.5 else round(took, 2)}"
     return res
 
@@ -875,6 +949,7 @@ class PartialHeaderFlood:
 
     def __init__(self, port: int, n: int) -> None:
         import selectors
+
         self.port, self.sel, self.reopened = port, selectors.DefaultSelector(), 0
         self.stop = threading.Event()
         for _ in range(n):
@@ -892,6 +967,7 @@ class PartialHeaderFlood:
             pass
         s.setblocking(False)
         import selectors
+
         self.sel.register(s, selectors.EVENT_READ)
 
     def _run(self) -> None:
@@ -927,9 +1003,13 @@ def m_proxy_flood(n: int = 400, nofile: int = 256) -> dict:
             s.bind(("127.0.0.1", 0))
             port = s.getsockname()[1]
         u = up.info["upstream"]
-        proc = subprocess.Popen([sys.executable, "-m", "vllm_hawk.proxy", "--prefill", u + "/p", "--decode", u + "/d",
-                                 "--port", str(port)], stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True,
-                                preexec_fn=lambda: resource.setrlimit(resource.RLIMIT_NOFILE, (nofile, nofile)))
+        proc = subprocess.Popen(
+            [sys.executable, "-m", "vllm_hawk.proxy", "--prefill", u + "/p", "--decode", u + "/d", "--port", str(port)],
+            stdout=subprocess.PIPE,
+            stderr=subprocess.DEVNULL,
+            text=True,
+            preexec_fn=lambda: resource.setrlimit(resource.RLIMIT_NOFILE, (nofile, nofile)),
+        )
         assert "hawk proxy on" in proc.stdout.readline()
         base = _pid_rss(proc.pid)
         flood = PartialHeaderFlood(port, n)
@@ -947,8 +1027,9 @@ def m_proxy_flood(n: int = 400, nofile: int = 256) -> dict:
             flood.close()
             proc.terminate()
             proc.wait(10)
-        res.update(legit_requests=times, flood_dropped_and_reopened=flood.reopened,
-                   proxy_rss_mib=[round(base), round(after)])
+        res.update(
+            legit_requests=times, flood_dropped_and_reopened=flood.reopened, proxy_rss_mib=[round(base), round(after)]
+        )
     return res
 
 
@@ -965,11 +1046,13 @@ def m_low() -> dict:
     import msgspec
 
     from vllm_hawk.protocol import Envelope, Hello, compat_hash, make_compat
+
     res: dict = {"measure": "low-severity findings"}
     new = _new_api()
     with _prefill(auth="hmac") as a, _prefill(auth="hmac") as b:
         # 6a: a refused handshake (another model), peer holds the secret
         from vllm_hawk.protocol import ProtocolClient
+
         bad = make_compat("other-model", *COMPAT_ARGS[1:])
         kw = {"auth": "hmac"} if new else {}
         with ProtocolClient(a.info["endpoint"], bad, secret=KEY, timeout_s=3, **kw) as c:
@@ -990,8 +1073,7 @@ def m_low() -> dict:
         server_a = getattr(hello_a, "server_id", "")
         ca.close()
         env = Envelope("decode-x", KEY)
-        frames = _pack(env, Hello(compat=_compat(), compat_hash=compat_hash(_compat()), client_id="decode-x"),
-                       server_a)
+        frames = _pack(env, Hello(compat=_compat(), compat_hash=compat_hash(_compat()), client_id="decode-x"), server_a)
         for name, tgt in (("at A (intended)", a), ("replayed at B", b)):
             raw = _raw_dealer(tgt.info["endpoint"])
             raw.send_multipart(frames)
@@ -1018,8 +1100,13 @@ def m_low() -> dict:
                 if kind == "garbage":
                     raw.send_multipart([b"HAWK", b"junk-%d" % i, b"x", b""])
                 else:
-                    raw.send_multipart(_pack(forger, Hello(compat=_compat(), compat_hash=compat_hash(_compat()),
-                                                           client_id="forger"), server_a))
+                    raw.send_multipart(
+                        _pack(
+                            forger,
+                            Hello(compat=_compat(), compat_hash=compat_hash(_compat()), client_id="forger"),
+                            server_a,
+                        )
+                    )
             time.sleep(3)
             raw.close()
             res[f"warning_lines_for_{n}_{kind}"] = a.stats()["warnings_logged"] - base
@@ -1031,6 +1118,7 @@ def m_low_nosecret() -> dict:
     refused handshake discloses to an unauthenticated peer whose every field differs, and
     the WARNING lines logged for 2,000 rejected messages of each kind."""
     from vllm_hawk.protocol import Envelope, Hello, ProtocolClient, compat_hash, make_compat
+
     res: dict = {"measure": "no-secret prefill: disclosure and log lines"}
     with _prefill(secret=None, auth="none") as a:
         ep = a.info["endpoint"]
@@ -1050,21 +1138,32 @@ def m_low_nosecret() -> dict:
                 if kind == "garbage":
                     raw.send_multipart([b"HAWK", b"junk-%d" % i, b"x", b""])
                 else:
-                    raw.send_multipart(_pack(env, Hello(compat=bad, compat_hash=compat_hash(bad),
-                                                        client_id="noisy-peer"), ""))
+                    raw.send_multipart(
+                        _pack(env, Hello(compat=bad, compat_hash=compat_hash(bad), client_id="noisy-peer"), "")
+                    )
             time.sleep(3)
             raw.close()
             res[f"warning_lines_for_{n}_{kind}"] = a.stats()["warnings_logged"] - base
     return res
 
 
-MEASURES = {"mooncake_hawk": lambda: m_mooncake("hawk"), "mooncake_gg_direct": lambda: m_mooncake("vllm"),
-            "host_staged_raw": m_host_staged_raw, "default_release": m_default_release, "zmq_flood": m_zmq_flood,
-            "hs_flood": m_hs_flood, "unknown_releases": m_unknown_releases, "big_kvrequests": m_big_kvrequests,
-            "hs_big_write": m_hs_big_write, "proxy": m_proxy, "low": m_low,
-            "proxy_stream": lambda: m_proxy(stream_only=True), "low_nosecret": m_low_nosecret,
-            "proxy_flood": m_proxy_flood,
-            "proxy_flood_1024": lambda: m_proxy_flood(1100, 1024)}
+MEASURES = {
+    "mooncake_hawk": lambda: m_mooncake("hawk"),
+    "mooncake_gg_direct": lambda: m_mooncake("vllm"),
+    "host_staged_raw": m_host_staged_raw,
+    "default_release": m_default_release,
+    "zmq_flood": m_zmq_flood,
+    "hs_flood": m_hs_flood,
+    "unknown_releases": m_unknown_releases,
+    "big_kvrequests": m_big_kvrequests,
+    "hs_big_write": m_hs_big_write,
+    "proxy": m_proxy,
+    "low": m_low,
+    "proxy_stream": lambda: m_proxy(stream_only=True),
+    "low_nosecret": m_low_nosecret,
+    "proxy_flood": m_proxy_flood,
+    "proxy_flood_1024": lambda: m_proxy_flood(1100, 1024),
+}
 
 
 def main() -> None:
@@ -1080,6 +1179,7 @@ def main() -> None:
     names = list(MEASURES) if a.measures == ["all"] else a.measures
     out = {}
     import vllm_hawk
+
     for name in names:
         t0 = time.monotonic()
         try:

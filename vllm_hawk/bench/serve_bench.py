@@ -28,6 +28,7 @@ and throughput at 90% attainment; and the mean TTFT breakdown per request (ms):
 Output: a progress bar, tables, ``results/bench_serve*.json`` and a PNG next to it.
 ``--quick``: GG-Direct, GN-HAWK and collocated, one workload, two rates (< 5 min here).
 """
+
 from __future__ import annotations
 
 import argparse
@@ -49,8 +50,12 @@ from vllm_hawk.testing.local_cluster import CONFIGURATIONS, LocalCluster, http_g
 COLLOCATED = "collocated"
 STAGES = ("prefill", "decode_queue", "kv_ready", "pull", "first_step", "proxy_http")
 QUICK = {"configs": ["GG-Direct", "GN-HAWK"], "workloads": ["sharegpt"], "rates": [2.0, 6.0], "num_prompts": 12}
-FULL = {"configs": list(CONFIGURATIONS), "workloads": list(wl.WORKLOADS), "rates": [1.0, 2.0, 4.0, 8.0, 16.0],
-        "num_prompts": 40}
+FULL = {
+    "configs": list(CONFIGURATIONS),
+    "workloads": list(wl.WORKLOADS),
+    "rates": [1.0, 2.0, 4.0, 8.0, 16.0],
+    "num_prompts": 40,
+}
 
 
 # ---------------------------------------------------------------- one load run
@@ -63,14 +68,47 @@ def run_load(base_url: str, model: str, dataset: str, num: int, rate: float, see
 
     parser = FlexibleArgumentParser()
     add_cli_args(parser)
-    args = parser.parse_args([
-        "--backend", "openai", "--base-url", base_url, "--endpoint", "/v1/completions",
-        "--model", model, "--served-model-name", "tiny", "--tokenizer", model,
-        "--dataset-name", "sharegpt", "--dataset-path", dataset, "--num-prompts", str(num),
-        "--request-rate", str(rate), "--burstiness", "1.0", "--seed", str(seed),
-        "--ignore-eos", "--temperature", "0", "--disable-tqdm", "--num-warmups", "0", "--save-detailed",
-        "--ready-check-timeout-sec", "0", "--percentile-metrics", "ttft,tpot,itl,e2el",
-        "--metric-percentiles", "50,90,99"])
+    args = parser.parse_args(
+        [
+            "--backend",
+            "openai",
+            "--base-url",
+            base_url,
+            "--endpoint",
+            "/v1/completions",
+            "--model",
+            model,
+            "--served-model-name",
+            "tiny",
+            "--tokenizer",
+            model,
+            "--dataset-name",
+            "sharegpt",
+            "--dataset-path",
+            dataset,
+            "--num-prompts",
+            str(num),
+            "--request-rate",
+            str(rate),
+            "--burstiness",
+            "1.0",
+            "--seed",
+            str(seed),
+            "--ignore-eos",
+            "--temperature",
+            "0",
+            "--disable-tqdm",
+            "--num-warmups",
+            "0",
+            "--save-detailed",
+            "--ready-check-timeout-sec",
+            "0",
+            "--percentile-metrics",
+            "ttft,tpot,itl,e2el",
+            "--metric-percentiles",
+            "50,90,99",
+        ]
+    )
     with contextlib.redirect_stdout(log), contextlib.redirect_stderr(log):
         return bench_main(args)
 
@@ -96,8 +134,12 @@ def breakdown(proxy: tuple[dict, dict], decode: tuple[dict, dict]) -> dict:
     m["decode_queue"] = max(0.0, queue - total_pull)
     m["proxy_http"] = max(0.0, ttft - m["prefill"] - queue - m["first_step"])
     out = {k: m[k] for k in STAGES}
-    out.update(requests=n, pulls=pulls, proxy_ttft_ms=ttft,
-               dominant=max(STAGES, key=lambda k: -1 if math.isnan(m[k]) else m[k]))
+    out.update(
+        requests=n,
+        pulls=pulls,
+        proxy_ttft_ms=ttft,
+        dominant=max(STAGES, key=lambda k: -1 if math.isnan(m[k]) else m[k]),
+    )
     return out
 
 
@@ -123,7 +165,7 @@ class Target:
         self.name, self.url, self.decode_url = name, url, decode_url
 
     @classmethod
-    def from_url(cls, name: str, url: str) -> "Target":
+    def from_url(cls, name: str, url: str) -> Target:
         """A given URL: a proxy (its ``/health`` names the decode servers) or one engine."""
         url = url.rstrip("/")
         decode = None
@@ -136,8 +178,7 @@ class Target:
         return cls(name, url, decode)
 
 
-def sweep(target: Target, model: str, datasets: dict, rates: list[float], num: int, seed: int, log,
-          tick) -> list[dict]:
+def sweep(target: Target, model: str, datasets: dict, rates: list[float], num: int, seed: int, log, tick) -> list[dict]:
     """Every workload at every rate against ``target``: one point each (raw per-request
     results; metrics are computed later, when the scaled SLOs are known)."""
     points = []
@@ -149,10 +190,18 @@ def sweep(target: Target, model: str, datasets: dict, rates: list[float], num: i
             t0 = time.monotonic()
             res = run_load(target.url, model, paths[i], num, rate, seed + i, log)
             reqs = wl.per_request(res)
-            point = {"config": target.name, "workload": wname, "rate": rate, "duration_s": res["duration"],
-                     "wall_s": time.monotonic() - t0, "completed": res["completed"], "failed": res["failed"],
-                     "output_tokens": res["total_output_tokens"], "requests": reqs,
-                     "errors": sorted({e for e in res["errors"] if e})[:3]}
+            point = {
+                "config": target.name,
+                "workload": wname,
+                "rate": rate,
+                "duration_s": res["duration"],
+                "wall_s": time.monotonic() - t0,
+                "completed": res["completed"],
+                "failed": res["failed"],
+                "output_tokens": res["total_output_tokens"],
+                "requests": reqs,
+                "errors": sorted({e for e in res["errors"] if e})[:3],
+            }
             if pd:
                 ok = sum(r["ok"] for r in reqs)
                 d_after = _scrape_after(target.url, target.decode_url, before[1], ok)
@@ -177,9 +226,16 @@ def slo_pairs(points: list[dict], reference: str) -> list[dict]:
         low = wl.latency_stats(min(ref, key=lambda p: p["rate"])["requests"])
         for mt, mp in wl.SCALED_SLO_MULTIPLES:
             t, p = mt * low["p50_ttft_ms"], mp * low["p50_tpot_ms"]
-            pairs.append({"name": f"scaled {mt:g}x/{mp:g}x", "ttft_ms": t, "tpot_ms": p, "workload": w,
-                          "basis": f"{mt:g} x {reference} P50 TTFT ({low['p50_ttft_ms']:.1f} ms) and {mp:g} x its "
-                                   f"P50 TPOT ({low['p50_tpot_ms']:.2f} ms) at {min(r['rate'] for r in ref):g} req/s"})
+            pairs.append(
+                {
+                    "name": f"scaled {mt:g}x/{mp:g}x",
+                    "ttft_ms": t,
+                    "tpot_ms": p,
+                    "workload": w,
+                    "basis": f"{mt:g} x {reference} P50 TTFT ({low['p50_ttft_ms']:.1f} ms) and {mp:g} x its "
+                    f"P50 TPOT ({low['p50_tpot_ms']:.2f} ms) at {min(r['rate'] for r in ref):g} req/s",
+                }
+            )
     return pairs
 
 
@@ -215,19 +271,27 @@ def summarise(rows: list[dict], pairs: list[dict]) -> dict:
                 knee_pair = next((n for n, v in k.items() if v["rate_below"] is not None), None)
                 at_knee = next((r for r in pts if knee_pair and r["rate"] == k[knee_pair]["rate_below"]), pts[-1])
                 entry["dominant_low"] = (pts[0]["rate"], pts[0]["breakdown"]["dominant"])
-                entry["dominant_knee"] = (at_knee["rate"], at_knee["breakdown"]["dominant"],
-                                          knee_pair or "none falls: highest rate")
+                entry["dominant_knee"] = (
+                    at_knee["rate"],
+                    at_knee["breakdown"]["dominant"],
+                    knee_pair or "none falls: highest rate",
+                )
             by_cfg[c] = entry
         ratios = {}
         gn = {r["rate"]: r for r in rows if r["workload"] == w and r["config"] == "GN-HAWK"}
         gd = {r["rate"]: r for r in rows if r["workload"] == w and r["config"] == "GG-Direct"}
         for rate in sorted(set(gn) & set(gd)):
-            ratios[f"{rate:g}"] = {m: _ratio(gn[rate][m], gd[rate][m]) for m in ("p90_ttft_ms", "p90_tpot_ms",
-                                                                                   "output_throughput")}
+            ratios[f"{rate:g}"] = {
+                m: _ratio(gn[rate][m], gd[rate][m]) for m in ("p90_ttft_ms", "p90_tpot_ms", "output_throughput")
+            }
         if "GN-HAWK" in by_cfg and "GG-Direct" in by_cfg:
-            ratios["throughput_at_90"] = {q["name"]: _ratio(by_cfg["GN-HAWK"]["knees"][q["name"]]["throughput_at"],
-                                                            by_cfg["GG-Direct"]["knees"][q["name"]]["throughput_at"])
-                                          for q in wpairs}
+            ratios["throughput_at_90"] = {
+                q["name"]: _ratio(
+                    by_cfg["GN-HAWK"]["knees"][q["name"]]["throughput_at"],
+                    by_cfg["GG-Direct"]["knees"][q["name"]]["throughput_at"],
+                )
+                for q in wpairs
+            }
         out[w] = {"configs": by_cfg, "gn_hawk_over_gg_direct": ratios}
     return out
 
@@ -241,8 +305,7 @@ def print_results(rows: list[dict], pairs: list[dict], summary: dict) -> None:
     for w in summary:
         wpairs = [q for q in pairs if q["workload"] in (None, w)]
         print(f"\n=== workload {w}")
-        cols = [("config", "config", ""), ("rate", "req/s", "g"), ("completed", "done", "d"),
-                ("failed", "fail", "d")]
+        cols = [("config", "config", ""), ("rate", "req/s", "g"), ("completed", "done", "d"), ("failed", "fail", "d")]
         for m in ("ttft", "tpot", "e2e"):
             cols += [(f"p{p}_{m}_ms", f"{m.upper()} P{p}", ".1f") for p in (50, 90, 99)]
         cols += [("output_throughput", "out tok/s", ".1f")]
@@ -250,25 +313,43 @@ def print_results(rows: list[dict], pairs: list[dict], summary: dict) -> None:
         cols += [(f"goodput{i}", f"good{i}", ".2f") for i in range(len(wpairs))]
         print_table([r for r in rows if r["workload"] == w], cols)
         for i, q in enumerate(wpairs):
-            print(f"  att{i}/good{i}: {q['name']}: TTFT <= {q['ttft_ms']:.1f} ms and TPOT <= {q['tpot_ms']:.2f} ms"
-                  + (f" (scaled: {q['basis']})" if q.get("basis") else "") + "; goodput in req/s")
-        bd = [dict(config=r["config"], rate=r["rate"], **{k: r["breakdown"][k] for k in STAGES},
-                   ttft=r["breakdown"]["proxy_ttft_ms"], dominant=r["breakdown"]["dominant"])
-              for r in rows if r["workload"] == w and "breakdown" in r]
+            print(
+                f"  att{i}/good{i}: {q['name']}: TTFT <= {q['ttft_ms']:.1f} ms and TPOT <= {q['tpot_ms']:.2f} ms"
+                + (f" (scaled: {q['basis']})" if q.get("basis") else "")
+                + "; goodput in req/s"
+            )
+        bd = [
+            dict(
+                config=r["config"],
+                rate=r["rate"],
+                **{k: r["breakdown"][k] for k in STAGES},
+                ttft=r["breakdown"]["proxy_ttft_ms"],
+                dominant=r["breakdown"]["dominant"],
+            )
+            for r in rows
+            if r["workload"] == w and "breakdown" in r
+        ]
         if bd:
             print("\n  TTFT breakdown, mean ms per request (proxy -> prefill -> KV ready -> pull -> first step):")
-            print_table(bd, [("config", "config", ""), ("rate", "req/s", "g"), ("ttft", "TTFT", ".1f")]
-                        + [(k, k, ".1f") for k in STAGES] + [("dominant", "dominant", "")])
+            print_table(
+                bd,
+                [("config", "config", ""), ("rate", "req/s", "g"), ("ttft", "TTFT", ".1f")]
+                + [(k, k, ".1f") for k in STAGES]
+                + [("dominant", "dominant", "")],
+            )
         s = summary[w]
         print("\n  falls below 90% attainment at (req/s; '-' never in the sweep) / output tok/s at 90%:")
         for c, e in s["configs"].items():
-            knees = "; ".join(f"{n}: {_fmt(v['rate_below'])} / {_fmt(v['throughput_at'], '.1f')}"
-                              for n, v in e["knees"].items())
+            knees = "; ".join(
+                f"{n}: {_fmt(v['rate_below'])} / {_fmt(v['throughput_at'], '.1f')}" for n, v in e["knees"].items()
+            )
             print(f"    {c:<11} {knees}")
             if "dominant_low" in e:
-                print(f"    {'':<11} TTFT dominated by {e['dominant_low'][1]} at {e['dominant_low'][0]:g} req/s "
-                      f"(low load), by {e['dominant_knee'][1]} at {e['dominant_knee'][0]:g} req/s (knee of "
-                      f"{e['dominant_knee'][2]})")
+                print(
+                    f"    {'':<11} TTFT dominated by {e['dominant_low'][1]} at {e['dominant_low'][0]:g} req/s "
+                    f"(low load), by {e['dominant_knee'][1]} at {e['dominant_knee'][0]:g} req/s (knee of "
+                    f"{e['dominant_knee'][2]})"
+                )
         r = s["gn_hawk_over_gg_direct"]
         if r:
             print("  GN-HAWK / GG-Direct (same run):")
@@ -282,6 +363,7 @@ def _fmt(v, spec: str = "g") -> str:
 
 def plot(rows: list[dict], pairs: list[dict], path: str) -> str:
     import matplotlib
+
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
@@ -299,9 +381,13 @@ def plot(rows: list[dict], pairs: list[dict], path: str) -> str:
             axes[wi][1].plot(x, [p["p90_tpot_ms"] for p in pts], label=c, **style)
             for j, ax in ((0, axes[wi][2]), (len(wpairs) - 1, axes[wi][3])):
                 ax.plot(x, [p[f"slo{j}"] for p in pts], label=c, **style)
-        titles = ["P90 TTFT (ms)", "P90 TPOT (ms)", f"attainment: {wpairs[0]['name']}",
-                  f"attainment: {wpairs[-1]['name']}"]
-        for ax, t in zip(axes[wi], titles):
+        titles = [
+            "P90 TTFT (ms)",
+            "P90 TPOT (ms)",
+            f"attainment: {wpairs[0]['name']}",
+            f"attainment: {wpairs[-1]['name']}",
+        ]
+        for ax, t in zip(axes[wi], titles, strict=False):
             ax.set_title(f"{w}: {t}", fontsize=9)
             ax.set_xlabel("request rate (req/s, Poisson)")
             ax.set_xscale("log", base=2)
@@ -330,11 +416,20 @@ def _parser() -> argparse.ArgumentParser:
     """``hawk bench serve``'s command line (rates in requests/s, ``--max-model-len`` in tokens)."""
     ap = argparse.ArgumentParser(prog="hawk bench serve", description=__doc__.splitlines()[0])
     ap.add_argument("--quick", action="store_true", help=f"smoke sweep: {QUICK}")
-    ap.add_argument("--configs", nargs="+", default=None,
-                    help=f"serving configurations (default: all of {list(CONFIGURATIONS)}; quick: {QUICK['configs']})")
+    ap.add_argument(
+        "--configs",
+        nargs="+",
+        default=None,
+        help=f"serving configurations (default: all of {list(CONFIGURATIONS)}; quick: {QUICK['configs']})",
+    )
     ap.add_argument("--no-collocated", action="store_true", help="skip the single-engine reference line")
-    ap.add_argument("--url", nargs="+", default=[], metavar="NAME=URL",
-                    help="serve NAME with a running proxy or engine at URL instead of a local cluster")
+    ap.add_argument(
+        "--url",
+        nargs="+",
+        default=[],
+        metavar="NAME=URL",
+        help="serve NAME with a running proxy or engine at URL instead of a local cluster",
+    )
     ap.add_argument("--workloads", nargs="+", default=None, choices=list(wl.WORKLOADS))
     ap.add_argument("--rates", type=float, nargs="+", default=None, help="Poisson request rates (req/s)")
     ap.add_argument("--num-prompts", type=int, default=None, help="requests per rate and workload")
@@ -351,6 +446,7 @@ def _parser() -> argparse.ArgumentParser:
 class _Plan:
     """What one invocation serves: configurations, workloads, rates (requests/s), requests per
     rate and workload, the given URLs, the work folder and the output paths."""
+
     configs: list[str]
     workloads: list[str]
     rates: list[float]
@@ -416,8 +512,14 @@ def _sweep_local(sw: _Sweeper, c: str, max_model_len: int, collocated: bool) -> 
     """Configuration ``c`` on a local cluster, started and stopped here; with ``collocated``
     and a GPU decode, also its decode server alone as the collocated reference. Its points,
     and whether the reference was served."""
-    cluster = LocalCluster.configured(c, sw.model, sw.plan.work / c, dtype="bfloat16", max_model_len=max_model_len,
-                                      extra_args=["--no-enable-prefix-caching"])
+    cluster = LocalCluster.configured(
+        c,
+        sw.model,
+        sw.plan.work / c,
+        dtype="bfloat16",
+        max_model_len=max_model_len,
+        extra_args=["--no-enable-prefix-caching"],
+    )
     progress(sw.done, sw.steps, f"starting {c} ...")
     points: list[dict] = []
     try:
@@ -431,18 +533,20 @@ def _sweep_local(sw: _Sweeper, c: str, max_model_len: int, collocated: bool) -> 
     return points, single
 
 
-def _serve_all(a: argparse.Namespace, plan: _Plan, model: str, datasets: dict, warm: str,
-               t_start: float) -> list[dict]:
+def _serve_all(a: argparse.Namespace, plan: _Plan, model: str, datasets: dict, warm: str, t_start: float) -> list[dict]:
     """Every configuration's sweep (and the collocated reference once, unless
     ``--no-collocated``); the points, raw per request. ``t_start``: ``time.monotonic`` seconds."""
     configs, urls = plan.configs, plan.urls
     collocated = not a.no_collocated and COLLOCATED not in configs
     steps = (len(configs) + collocated) * len(plan.workloads) * len(plan.rates)
-    log = open(plan.work / "vllm_bench_serve.log", "a")
+    log = open(plan.work / "vllm_bench_serve.log", "a")  # noqa: SIM115 - closed after the sweep
     sw = _Sweeper(model, datasets, warm, plan, a.seed, log, steps)
     points: list[dict] = []
-    print(f"hawk bench serve: configs {configs}{' + collocated' if collocated else ''}, workloads "
-          f"{plan.workloads}, rates {plan.rates} req/s, {plan.num} requests each; logs in {plan.work}", flush=True)
+    print(
+        f"hawk bench serve: configs {configs}{' + collocated' if collocated else ''}, workloads "
+        f"{plan.workloads}, rates {plan.rates} req/s, {plan.num} requests each; logs in {plan.work}",
+        flush=True,
+    )
     for c in configs:
         if c in urls or c == COLLOCATED and COLLOCATED in urls:
             points += sw.target(Target.from_url(c, urls[c]))
@@ -455,21 +559,31 @@ def _serve_all(a: argparse.Namespace, plan: _Plan, model: str, datasets: dict, w
     return points
 
 
-def _report(a: argparse.Namespace, plan: _Plan, model: str, described: list[dict], points: list[dict],
-            t_start: float) -> None:
+def _report(
+    a: argparse.Namespace, plan: _Plan, model: str, described: list[dict], points: list[dict], t_start: float
+) -> None:
     """The analysis of ``points``: tables, the JSON at ``plan.out`` (wall time in seconds) and the plot."""
     reference = COLLOCATED if any(p["config"] == COLLOCATED for p in points) else points[0]["config"]
     pairs = slo_pairs(points, reference)
     rows = analyse(points, pairs)
     summary = summarise(rows, pairs)
     print_results(rows, pairs, summary)
-    result = {"bench": "serve", "args": vars(a), "wall_s": time.monotonic() - t_start,
-              "cores": os.cpu_count(), "load_average": os.getloadavg(), "model": model,
-              "workloads": described, "slo_pairs": pairs,
-              "slo_note": "attainment: share of sent requests with TTFT and TPOT within the pair (failed: missed); "
-                          "scaled pairs are multiples of the reference's unloaded P50 (see basis)",
-              "breakdown_stages": STAGES, "rows": rows, "summary": summary,
-              "points": [{k: v for k, v in p.items() if k != "requests"} for p in points]}
+    result = {
+        "bench": "serve",
+        "args": vars(a),
+        "wall_s": time.monotonic() - t_start,
+        "cores": os.cpu_count(),
+        "load_average": os.getloadavg(),
+        "model": model,
+        "workloads": described,
+        "slo_pairs": pairs,
+        "slo_note": "attainment: share of sent requests with TTFT and TPOT within the pair (failed: missed); "
+        "scaled pairs are multiples of the reference's unloaded P50 (see basis)",
+        "breakdown_stages": STAGES,
+        "rows": rows,
+        "summary": summary,
+        "points": [{k: v for k, v in p.items() if k != "requests"} for p in points],
+    }
     path = write_json(plan.out, result)
     print(f"\nwrote {path} (wall {result['wall_s']:.0f} s)")
     if plan.plot_path:
@@ -486,8 +600,10 @@ def main(argv: list[str] | None = None) -> int:
     t_start = time.monotonic()
 
     from vllm_hawk.testing.tiny_model import build_tiny_llama
+
     model = str(a.model or build_tiny_llama(dtype="bfloat16"))
     from transformers import AutoTokenizer
+
     tok = AutoTokenizer.from_pretrained(model)
     datasets, described, warm = _make_datasets(plan, tok, a.seed, a.max_model_len)
     points = _serve_all(a, plan, model, datasets, warm, t_start)

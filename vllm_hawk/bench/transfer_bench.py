@@ -59,6 +59,7 @@ bank), segments (in KVReady) and READ entries, plus totals. A row whose pull the
 refuses (e.g. a share of an NHD cache served in place needs one segment per token and
 layer, past the protocol's 4096 per KVReady) is reported as not measured, with the reason.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -74,8 +75,16 @@ from vllm_hawk.bench.common import print_table, progress, write_json
 from vllm_hawk.child_process import stop_pipe_process
 from vllm_hawk.layout_report import tp_args
 
-ROWS = ("GG-Host", "GN-Host", "GG-Direct", "GN-HAWK staged", "GN-HAWK direct", "per-tile", "GN-HAWK pipelined",
-        "GN-HAWK direct pipelined")
+ROWS = (
+    "GG-Host",
+    "GN-Host",
+    "GG-Direct",
+    "GN-HAWK staged",
+    "GN-HAWK direct",
+    "per-tile",
+    "GN-HAWK pipelined",
+    "GN-HAWK direct pipelined",
+)
 EXTRA_ROWS = ("GG-Staged",)  # opt-in (--rows): GG through the prefill's ring, the connector's mode staged
 HAWK_BFP8_ROWS = ("GN-HAWK staged", "GN-HAWK direct", "GN-HAWK pipelined", "GN-HAWK direct pipelined")
 HAWK_ROWS = ("GN-HAWK staged", "GN-HAWK direct", "GN-HAWK pipelined", "GN-HAWK direct pipelined")
@@ -92,19 +101,38 @@ def _prefill_main(cfg: dict, conn) -> None:
 
     cache = PagedKVCache(*cfg["shape"]).fill_random(cfg["seed"])
     compat = make_compat(*cfg["compat"])
-    transports = {"hawk": make_transport("mooncake"), "gg_direct": make_transport("mooncake"),
-                  "gg_host": make_transport("host_staged", chunk_nbytes=cfg["host_chunk"])}
+    transports = {
+        "hawk": make_transport("mooncake"),
+        "gg_direct": make_transport("mooncake"),
+        "gg_host": make_transport("host_staged", chunk_nbytes=cfg["host_chunk"]),
+    }
     reg = cfg.get("registration", "per_request")
-    eps = {"hawk": prefill_endpoint(cache, transports["hawk"], compat, "hawk", ring_nbytes=cfg["ring_nbytes"],
-                                    claim_wait_s=60, lease_s=600, registration=reg),
-           "gg_direct": prefill_endpoint(cache, transports["gg_direct"], compat, "vllm", lease_s=600,
-                                         registration=reg),
-           "gg_host": prefill_endpoint(cache, transports["gg_host"], compat, "vllm", lease_s=600, registration=reg)}
+    eps = {
+        "hawk": prefill_endpoint(
+            cache,
+            transports["hawk"],
+            compat,
+            "hawk",
+            ring_nbytes=cfg["ring_nbytes"],
+            claim_wait_s=60,
+            lease_s=600,
+            registration=reg,
+        ),
+        "gg_direct": prefill_endpoint(cache, transports["gg_direct"], compat, "vllm", lease_s=600, registration=reg),
+        "gg_host": prefill_endpoint(cache, transports["gg_host"], compat, "vllm", lease_s=600, registration=reg),
+    }
     if cfg.get("gg_staged"):  # the blocks' layer streams (or a share's heads) gathered into a ring
         transports["gg_staged"] = make_transport("mooncake")
-        eps["gg_staged"] = prefill_endpoint(cache, transports["gg_staged"], compat, "staged",
-                                            ring_nbytes=cfg["ring_nbytes"], claim_wait_s=60, lease_s=600,
-                                            registration=reg)
+        eps["gg_staged"] = prefill_endpoint(
+            cache,
+            transports["gg_staged"],
+            compat,
+            "staged",
+            ring_nbytes=cfg["ring_nbytes"],
+            claim_wait_s=60,
+            lease_s=600,
+            registration=reg,
+        )
     conn.send({k: e.endpoint for k, e in eps.items()})
     try:
         while True:
@@ -185,14 +213,20 @@ def tp_plan(model: str, prefill_tp: int, decode_tp: int, rows=ROWS) -> list:
             f"prefill TP {prefill_tp} -> decode TP {decode_tp} ({h} KV heads): chip {split[0]}'s heads come from "
             f"prefill ranks {[ps.prefill_rank for ps in plans[split[0]]]}, and a Tenstorrent chip lands whole head "
             f"shards from one prefill rank (prefill TP <= chips), so rows {gn} cannot run; use "
-            f"--prefill-tp <= --decode-tp, or --rows {' '.join(GG_ROWS)}")
+            f"--prefill-tp <= --decode-tp, or --rows {' '.join(GG_ROWS)}"
+        )
     return plans
 
 
 _HOST_CHUNK_NBYTES = 4 << 20  # the host-staged transport's chunk (bytes), both sides
 _KIND_OF_ROW = {"GG-Host": "gg_host", "GN-Host": "gg_host", "GG-Direct": "gg_direct", "GG-Staged": "gg_staged"}
-_MODE_OF_ROW = {"GN-HAWK staged": "staged", "GN-HAWK direct": "direct", "per-tile": "per_tile",
-                "GN-HAWK pipelined": "staged", "GN-HAWK direct pipelined": "direct"}
+_MODE_OF_ROW = {
+    "GN-HAWK staged": "staged",
+    "GN-HAWK direct": "direct",
+    "per-tile": "per_tile",
+    "GN-HAWK pipelined": "staged",
+    "GN-HAWK direct pipelined": "direct",
+}
 
 
 def _kind_of(row: str) -> str:
@@ -201,17 +235,41 @@ def _kind_of(row: str) -> str:
     return _KIND_OF_ROW.get(row, "hawk")
 
 
-def run(model: str = "llama-3.1-70b", prefill_tp: int = 4, decode_tp: int | None = None,
-        device_profile: str = "p150a", block_size: int = 64, sizes_mb=DEFAULT_SIZES, repeats: int = 5, rows=ROWS,
-        per_tile_cap_s: float = 10.0, fragmented: bool = False, seed: int = 0, layer_groups: int = 2,
-        registration: str = "per_request") -> dict:
+def run(
+    model: str = "llama-3.1-70b",
+    prefill_tp: int = 4,
+    decode_tp: int | None = None,
+    device_profile: str = "p150a",
+    block_size: int = 64,
+    sizes_mb=DEFAULT_SIZES,
+    repeats: int = 5,
+    rows=ROWS,
+    per_tile_cap_s: float = 10.0,
+    fragmented: bool = False,
+    seed: int = 0,
+    layer_groups: int = 2,
+    registration: str = "per_request",
+) -> dict:
     """Measure every row for requests of ``sizes_mb`` MB (bf16 KV of all the model's KV heads)
     moved from ``prefill_tp`` prefill processes to ``decode_tp`` chips (default prefill_tp;
     each chip pulls its shares, module doc; the pulls of one request run concurrently, one
     thread per chip). ``block_size`` is in tokens, ``per_tile_cap_s`` in seconds."""
     decode_tp = prefill_tp if decode_tp is None else decode_tp
-    bench = _TransferRun(model, prefill_tp, decode_tp, device_profile, block_size, sizes_mb, repeats, rows,
-                         per_tile_cap_s, fragmented, seed, layer_groups, registration)
+    bench = _TransferRun(
+        model,
+        prefill_tp,
+        decode_tp,
+        device_profile,
+        block_size,
+        sizes_mb,
+        repeats,
+        rows,
+        per_tile_cap_s,
+        fragmented,
+        seed,
+        layer_groups,
+        registration,
+    )
     try:
         bench.start()
         bench.measure_all()
@@ -219,8 +277,13 @@ def run(model: str = "llama-3.1-70b", prefill_tp: int = 4, decode_tp: int | None
     finally:
         bench.close()
     _normalise(bench.results)
-    return {"rows": bench.results, "failed": bench.failed, "targets": check_targets(bench.results),
-            "prefill_snapshot": snap, "config": bench.config()}
+    return {
+        "rows": bench.results,
+        "failed": bench.failed,
+        "targets": check_targets(bench.results),
+        "prefill_snapshot": snap,
+        "config": bench.config(),
+    }
 
 
 class _TransferRun:
@@ -229,9 +292,22 @@ class _TransferRun:
     in bytes (``*_nbytes``, ``per_token``), MB of 1e6 bytes (``*_mb``) or KV blocks
     (``n_blocks``, ``cache_blocks``)."""
 
-    def __init__(self, model: str, prefill_tp: int, decode_tp: int, device_profile: str, block_size: int,
-                 sizes_mb, repeats: int, rows, per_tile_cap_s: float, fragmented: bool, seed: int,
-                 layer_groups: int, registration: str) -> None:
+    def __init__(
+        self,
+        model: str,
+        prefill_tp: int,
+        decode_tp: int,
+        device_profile: str,
+        block_size: int,
+        sizes_mb,
+        repeats: int,
+        rows,
+        per_tile_cap_s: float,
+        fragmented: bool,
+        seed: int,
+        layer_groups: int,
+        registration: str,
+    ) -> None:
         from vllm_hawk.kvflow.shares import idle_ranks
         from vllm_hawk.layout.model_shapes import load_model_shape
 
@@ -289,12 +365,21 @@ class _TransferRun:
         """The config of prefill rank ``rank``'s process: its shard's cache shape (layers,
         blocks, KV heads, tokens per block, head dim), seed, and ring size in bytes."""
         shape = self.shape
-        return {"shape": (shape.num_layers, self.cache_blocks, shape.kv_heads_per_rank(self.prefill_tp),
-                          self.block_size, shape.head_dim),
-                "seed": self.seed + rank, "compat": self.compat_args,
-                "ring_nbytes": int(self.rank_nbytes * 1.05) + (8 << 20),  # every share of the rank at once
-                "host_chunk": _HOST_CHUNK_NBYTES, "registration": self.registration,
-                "gg_staged": "GG-Staged" in self.rows}
+        return {
+            "shape": (
+                shape.num_layers,
+                self.cache_blocks,
+                shape.kv_heads_per_rank(self.prefill_tp),
+                self.block_size,
+                shape.head_dim,
+            ),
+            "seed": self.seed + rank,
+            "compat": self.compat_args,
+            "ring_nbytes": int(self.rank_nbytes * 1.05) + (8 << 20),  # every share of the rank at once
+            "host_chunk": _HOST_CHUNK_NBYTES,
+            "registration": self.registration,
+            "gg_staged": "GG-Staged" in self.rows,
+        }
 
     def _size_device(self) -> None:
         """The device KV pools' specs (both targets), each bank's receive buffer
@@ -303,15 +388,21 @@ class _TransferRun:
         from vllm_hawk.layout.tt_kv_cache import TTKVCacheSpec
 
         shape = self.shape
-        self.spec = {dt: TTKVCacheSpec(shape.num_layers, self.cache_blocks, self.heads, self.block_size,
-                                       shape.head_dim, dt)
-                     for dt in ("bfloat16", "bfloat8_b")}
+        self.spec = {
+            dt: TTKVCacheSpec(shape.num_layers, self.cache_blocks, self.heads, self.block_size, shape.head_dim, dt)
+            for dt in ("bfloat16", "bfloat8_b")
+        }
         prof = load_profile(self.device_profile)
         nb = prof.num_banks
         # the largest request's G' spread over the banks, + slack
         self.recv_per_bank = -(-self.src_nbytes // nb) + (1 << 20)
-        self.need = sum(-(-s.tiles_per_tensor // nb) * prof.aligned_page(s.tile_nbytes) * 2 * s.num_layers
-                        for s in self.spec.values()) + self.recv_per_bank
+        self.need = (
+            sum(
+                -(-s.tiles_per_tensor // nb) * prof.aligned_page(s.tile_nbytes) * 2 * s.num_layers
+                for s in self.spec.values()
+            )
+            + self.recv_per_bank
+        )
 
     def _endpoint(self, kind: str, rank: int):
         """A further :class:`DecodeEndpoint` of this decode to prefill rank ``rank``'s ``kind`` endpoint."""
@@ -332,18 +423,19 @@ class _TransferRun:
         own = shard_heads(shape.num_kv_heads, self.decode_tp, d, "decode tensor_parallel_size (or chips)")
         dev = EmulatedDevice(self.device_profile, max(256 << 20, -(-int(self.need * 1.1) // (1 << 20)) << 20))
         self.closers.append(dev.close)
-        c = {"chip": d, "plan": plan, "prefill_ranks": [ps.prefill_rank for ps in plan],
-             "heads": [own.start, own.stop]}
+        c = {"chip": d, "plan": plan, "prefill_ranks": [ps.prefill_rank for ps in plan], "heads": [own.start, own.stop]}
         self._add_hawk_decodes(c, dev, eps)
         dcache = PagedKVCache(shape.num_layers, self.cache_blocks, self.heads, self.block_size, shape.head_dim)
         self._add_vllm_wire_decodes(c, dev, eps, dcache)
         # GG rows with prefill TP > chips: the other ranks' endpoints, and sinks restricted to each share's heads
-        c["more_eps"] = {(kind, ps.prefill_rank): self._endpoint(kind, ps.prefill_rank)
-                         for ps in plan[1:] for kind in self.gg_kinds}
+        c["more_eps"] = {
+            (kind, ps.prefill_rank): self._endpoint(kind, ps.prefill_rank) for ps in plan[1:] for kind in self.gg_kinds
+        }
         c["views"] = self._head_views(c, plan, dcache)
         # chip 0 releases the prefill ranks nobody pulls from (replicated heads)
-        c["idle_eps"] = ({(kind, r): self._endpoint(kind, r) for r in self.idle for kind in self.transport_of}
-                         if d == 0 else {})
+        c["idle_eps"] = (
+            {(kind, r): self._endpoint(kind, r) for r in self.idle for kind in self.transport_of} if d == 0 else {}
+        )
         return c
 
     def _add_hawk_decodes(self, c: dict, dev, eps: dict) -> None:
@@ -353,10 +445,17 @@ class _TransferRun:
 
         hawk = c["hawk"] = {}
         for dt in ("bfloat16", "bfloat8_b"):
-            hawk[dt] = TTDecode(dev, self.spec[dt], self.mc, eps["hawk"], self.compat,
-                                recv_nbytes_per_bank=self.recv_per_bank,
-                                pool=hawk["bfloat16"].pool if dt != "bfloat16" else None, timeout_s=600,
-                                registration=self.registration)
+            hawk[dt] = TTDecode(
+                dev,
+                self.spec[dt],
+                self.mc,
+                eps["hawk"],
+                self.compat,
+                recv_nbytes_per_bank=self.recv_per_bank,
+                pool=hawk["bfloat16"].pool if dt != "bfloat16" else None,
+                timeout_s=600,
+                registration=self.registration,
+            )
             self.closers.append(hawk[dt].close)
 
     def _add_vllm_wire_decodes(self, c: dict, dev, eps: dict, dcache) -> None:
@@ -371,15 +470,32 @@ class _TransferRun:
         c["gg_host"] = VllmDecode(dcache, self.hs, eps["gg_host"], compat, timeout_s=600, registration=reg)
         self.closers.append(c["gg_host"].close)
         if "gg_staged" in self.gg_kinds:  # READs into a receive ring, then copies into the blocks
-            c["gg_staged"] = VllmDecode(dcache, self.mc, eps["gg_staged"], compat, mode="staged", timeout_s=600,
-                                        recv_nbytes=self.src_nbytes + (1 << 20), registration=reg)
+            c["gg_staged"] = VllmDecode(
+                dcache,
+                self.mc,
+                eps["gg_staged"],
+                compat,
+                mode="staged",
+                timeout_s=600,
+                recv_nbytes=self.src_nbytes + (1 << 20),
+                registration=reg,
+            )
             self.closers.append(c["gg_staged"].close)
         # GN-Host: GG-Host's transfer into a receive ring, then the runtime sink's layout fix into the KV pool
         hawk = c["hawk"]["bfloat16"]
-        c["gn_host"] = GNHostDecode(dev, self.spec["bfloat16"], self.hs, eps["gg_host"], compat,
-                                    wire_layout_of(dcache.adapter, dcache.layers[0]),
-                                    recv_nbytes=self.src_nbytes + (1 << 20), timeout_s=600, registration=reg,
-                                    layout=hawk.layout, bufs=hawk.bufs)
+        c["gn_host"] = GNHostDecode(
+            dev,
+            self.spec["bfloat16"],
+            self.hs,
+            eps["gg_host"],
+            compat,
+            wire_layout_of(dcache.adapter, dcache.layers[0]),
+            recv_nbytes=self.src_nbytes + (1 << 20),
+            timeout_s=600,
+            registration=reg,
+            layout=hawk.layout,
+            bufs=hawk.bufs,
+        )
         self.closers.append(c["gn_host"].close)
 
     def _head_views(self, c: dict, plan: list, dcache) -> dict:
@@ -392,8 +508,9 @@ class _TransferRun:
         for ps in plan:
             if (ps.dst_start, ps.count) != (0, self.heads):
                 m = head_maps(dcache.layers)(ps.dst_start, ps.count)
-                desc = vllm_layout_desc(m, dcache.desc.name, dcache.desc.dtype, self.block_size, ps.count,
-                                        self.shape.head_dim)
+                desc = vllm_layout_desc(
+                    m, dcache.desc.name, dcache.desc.dtype, self.block_size, ps.count, self.shape.head_dim
+                )
                 views[(ps.dst_start, ps.count)] = {k: c[k].sink.for_heads(m, desc) for k in self.gg_kinds}
         return views
 
@@ -419,8 +536,14 @@ class _TransferRun:
         t0 = time.monotonic()
         mode = _MODE_OF_ROW.get(row, "")
         groups = self.layer_groups if row.endswith("pipelined") else 1
-        r = fetch_shares(rid, tokens, [self._share_of(c, row, dtype, mode, ps) for ps in c["plan"]], dst,
-                         layer_groups=groups, time_cap_s=self.per_tile_cap_s if mode == "per_tile" else None)
+        r = fetch_shares(
+            rid,
+            tokens,
+            [self._share_of(c, row, dtype, mode, ps) for ps in c["plan"]],
+            dst,
+            layer_groups=groups,
+            time_cap_s=self.per_tile_cap_s if mode == "per_tile" else None,
+        )
         return r, t0
 
     def _one(self, row: str, dtype: str, n: int, src, dst) -> list:
@@ -450,7 +573,7 @@ class _TransferRun:
         """Per chip, the longest prefill transform (seconds) of request ``rid`` over the ranks
         it pulled from, into its FetchResult's ``extra["transform_s"]``."""
         ts = {r: self.pre[r].call("transform_s", rid) or 0.0 for c in self.chips for r in c["prefill_ranks"]}
-        for c, (r, _) in zip(self.chips, out):
+        for c, (r, _) in zip(self.chips, out, strict=False):
             r.extra["transform_s"] = max(ts[p] for p in c["prefill_ranks"])
 
     def _prefill_cpu_s(self) -> float:
@@ -486,8 +609,9 @@ class _TransferRun:
         c0 = _cpu_s() + self._prefill_cpu_s()
         runs = [self._one(row, dtype, n, src, dst) for _ in range(reps)]
         cpu_ms = (_cpu_s() + self._prefill_cpu_s() - c0) / reps * 1e3
-        self.results.append(_row_figures(row, dtype, mb, n, self.block_size, self.per_token, runs, reps, cpu_ms,
-                                         self.chips))
+        self.results.append(
+            _row_figures(row, dtype, mb, n, self.block_size, self.per_token, runs, reps, cpu_ms, self.chips)
+        )
 
     def snapshot(self) -> dict:
         """Every prefill endpoint's counters, keyed ``kind@rankR``."""
@@ -500,8 +624,11 @@ class _TransferRun:
         failed start. A failing step is reported on stderr and the rest still run."""
         if self.pool is not None:
             self.pool.shutdown()
-        steps = [*reversed(self.closers), *(t.close for t in (self.mc, self.hs) if t is not None),
-                 *(p.stop for p in self.pre.values())]
+        steps = [
+            *reversed(self.closers),
+            *(t.close for t in (self.mc, self.hs) if t is not None),
+            *(p.stop for p in self.pre.values()),
+        ]
         for c in steps:
             try:
                 c()
@@ -512,27 +639,49 @@ class _TransferRun:
         """The run's configuration, the chips' pulls (heads as [first, end) ranges) and this
         host's cores and load average."""
         shape = self.shape
-        return {"model": self.model, "prefill_tp": self.prefill_tp, "decode_tp": self.decode_tp,
-                "chips": self.decode_tp, "tp": self.decode_tp, "device": self.device_profile,
-                "block_size": self.block_size, "num_kv_heads": shape.num_kv_heads, "kv_heads_per_rank": self.heads,
-                "num_layers": shape.num_layers, "head_dim": shape.head_dim,
-                "kv_heads_per_prefill_rank": shape.kv_heads_per_rank(self.prefill_tp),
-                "pulls": [_pull_config(c) for c in self.chips],
-                "idle_ranks": self.idle,
-                "pulls_run": "concurrently, one thread per chip" if self.decode_tp > 1 else "one chip",
-                "fragmented": self.fragmented, "per_tile_cap_s": self.per_tile_cap_s, "repeats": self.repeats,
-                "layer_groups": self.layer_groups, "cores": os.cpu_count(), "load_average": os.getloadavg(),
-                "registration": self.registration}
+        return {
+            "model": self.model,
+            "prefill_tp": self.prefill_tp,
+            "decode_tp": self.decode_tp,
+            "chips": self.decode_tp,
+            "tp": self.decode_tp,
+            "device": self.device_profile,
+            "block_size": self.block_size,
+            "num_kv_heads": shape.num_kv_heads,
+            "kv_heads_per_rank": self.heads,
+            "num_layers": shape.num_layers,
+            "head_dim": shape.head_dim,
+            "kv_heads_per_prefill_rank": shape.kv_heads_per_rank(self.prefill_tp),
+            "pulls": [_pull_config(c) for c in self.chips],
+            "idle_ranks": self.idle,
+            "pulls_run": "concurrently, one thread per chip" if self.decode_tp > 1 else "one chip",
+            "fragmented": self.fragmented,
+            "per_tile_cap_s": self.per_tile_cap_s,
+            "repeats": self.repeats,
+            "layer_groups": self.layer_groups,
+            "cores": os.cpu_count(),
+            "load_average": os.getloadavg(),
+            "registration": self.registration,
+        }
 
 
 def _pull_config(c: dict) -> dict:
     """Chip ``c``'s pull: its prefill ranks, heads and shares (source and destination heads
     as [first, end) ranges, consumers of the share's source)."""
-    return {"chip": c["chip"], "prefill_ranks": c["prefill_ranks"], "heads": c["heads"],
-            "shares": [{"prefill_rank": ps.prefill_rank,
-                        "src_heads": [ps.share.head_start, ps.share.head_start + (ps.share.num_heads or ps.count)],
-                        "dst_heads": [ps.dst_start, ps.dst_start + ps.count],
-                        "consumers": ps.share.consumers} for ps in c["plan"]]}
+    return {
+        "chip": c["chip"],
+        "prefill_ranks": c["prefill_ranks"],
+        "heads": c["heads"],
+        "shares": [
+            {
+                "prefill_rank": ps.prefill_rank,
+                "src_heads": [ps.share.head_start, ps.share.head_start + (ps.share.num_heads or ps.count)],
+                "dst_heads": [ps.dst_start, ps.dst_start + ps.count],
+                "consumers": ps.share.consumers,
+            }
+            for ps in c["plan"]
+        ],
+    }
 
 
 def _at_size(results: list[dict], row: str, mb) -> dict | None:
@@ -558,6 +707,7 @@ def _row_figures(row, dtype, mb, n, block_size, per_token, runs, reps, cpu_ms, c
     latency is from the first chip's D1 to the last chip's KV in place (a time-capped
     per-tile pull extrapolated linearly); per chip: bytes, bytes per DRAM bank (largest
     bank; NaN where the decode has no banks: GG rows), segments, READ entries; totals."""
+
     def chip_total(r) -> float:  # D1 -> KV in place, a capped per-tile run extrapolated linearly
         return r.request_s + (r.total_s - r.request_s) / r.fraction
 
@@ -572,27 +722,44 @@ def _row_figures(row, dtype, mb, n, block_size, per_token, runs, reps, cpu_ms, c
     for k, c in enumerate(chips):
         r = runs[0][k][0]
         bpb = r.extra.get("bytes_per_bank")
-        per_chip.append({"chip": c["chip"], "prefill_ranks": c["prefill_ranks"], "heads": c["heads"],
-                         "bytes_moved": r.nbytes, "bytes_per_bank": max(bpb) if bpb else float("nan"),
-                         "segments": r.segments, "entries": r.entries,
-                         "latency_ms": statistics.median(chip_total(run[k][0]) for run in runs) * 1e3})
+        per_chip.append(
+            {
+                "chip": c["chip"],
+                "prefill_ranks": c["prefill_ranks"],
+                "heads": c["heads"],
+                "bytes_moved": r.nbytes,
+                "bytes_per_bank": max(bpb) if bpb else float("nan"),
+                "segments": r.segments,
+                "entries": r.entries,
+                "latency_ms": statistics.median(chip_total(run[k][0]) for run in runs) * 1e3,
+            }
+        )
     frac = min(r.fraction for run in runs for r, _ in run)
     return {
-        "row": row, "dtype": dtype, "size_mb": mb, "source_bytes": int(n * block_size * per_token) * len(chips),
-        "blocks": n, "chips": per_chip,
-        "bytes_moved": sum(c["bytes_moved"] for c in per_chip), "entries": sum(c["entries"] for c in per_chip),
+        "row": row,
+        "dtype": dtype,
+        "size_mb": mb,
+        "source_bytes": int(n * block_size * per_token) * len(chips),
+        "blocks": n,
+        "chips": per_chip,
+        "bytes_moved": sum(c["bytes_moved"] for c in per_chip),
+        "entries": sum(c["entries"] for c in per_chip),
         "segments": sum(c["segments"] for c in per_chip),
         "bytes_per_chip": max(c["bytes_moved"] for c in per_chip),
         "bytes_per_bank": max(c["bytes_per_bank"] for c in per_chip),
         "segments_per_chip": max(c["segments"] for c in per_chip),
-        "entries_per_chip": max(c["entries"] for c in per_chip), "repeats": reps,
+        "entries_per_chip": max(c["entries"] for c in per_chip),
+        "repeats": reps,
         "latency_ms": statistics.median(latency(run) for run in runs) * 1e3,
         "request_ms": med(lambda r: r.request_s) * 1e3,
         "transform_ms": med(lambda r: r.extra.get("transform_s", r.extra.get("fix_transform_s", 0.0))) * 1e3,
         "transfer_ms": med(lambda r: r.transfer_s / r.fraction) * 1e3,
-        "copy_ms": med(lambda r: r.copy_s) * 1e3, "fraction_done": frac, "capped": frac < 1.0,
+        "copy_ms": med(lambda r: r.copy_s) * 1e3,
+        "fraction_done": frac,
+        "capped": frac < 1.0,
         "cpu_ms": cpu_ms,
-        "all_ms": [latency(run) * 1e3 for run in runs]}
+        "all_ms": [latency(run) * 1e3 for run in runs],
+    }
 
 
 def _cpu_s() -> float:
@@ -614,46 +781,80 @@ def check_targets(rows: list[dict]) -> list[dict]:
             best = min(hawk, key=lambda r: r["latency_ms"])
             lim = 1.10 if mb < 160 else 1.00
             ratio = best["latency_ms"] / gd["latency_ms"]
-            out.append({"target": f"best GN-HAWK mode within {lim:.2f}x GG-Direct ({best['row']}, {best['dtype']})",
-                        "size_mb": mb, "ratio": ratio, "met": ratio <= lim,
-                        "note": "" if ratio <= lim else _where(best, gd)})
+            out.append(
+                {
+                    "target": f"best GN-HAWK mode within {lim:.2f}x GG-Direct ({best['row']}, {best['dtype']})",
+                    "size_mb": mb,
+                    "ratio": ratio,
+                    "met": ratio <= lim,
+                    "note": "" if ratio <= lim else _where(best, gd),
+                }
+            )
         sp = _get(rows, "GN-HAWK pipelined", "bfloat16", mb)
         if gd and sp and mb >= 160:
             ratio = sp["latency_ms"] / gd["latency_ms"]
-            out.append({"target": "bf16 staged with overlap (layer groups) within 1.15x GG-Direct", "size_mb": mb,
-                        "ratio": ratio, "met": ratio <= 1.15, "note": "" if ratio <= 1.15 else _where(sp, gd)})
+            out.append(
+                {
+                    "target": "bf16 staged with overlap (layer groups) within 1.15x GG-Direct",
+                    "size_mb": mb,
+                    "ratio": ratio,
+                    "met": ratio <= 1.15,
+                    "note": "" if ratio <= 1.15 else _where(sp, gd),
+                }
+            )
         pt = _get(rows, "per-tile", "bfloat16", mb)
         hs, hd = _get(rows, "GN-HAWK staged", "bfloat16", mb), _get(rows, "GN-HAWK direct", "bfloat16", mb)
         if pt and hs:
             ratio = pt["latency_ms"] / hs["latency_ms"]
-            note = (f"per-tile extrapolated from {pt['fraction_done']:.0%} of its {pt['entries']} entries; "
-                    if pt["capped"] else "")
+            note = (
+                f"per-tile extrapolated from {pt['fraction_done']:.0%} of its {pt['entries']} entries; "
+                if pt["capped"]
+                else ""
+            )
             if hd:
-                note += (f"vs GN-HAWK direct ({hd['entries']} coalesced entries): "
-                         f"{pt['latency_ms'] / hd['latency_ms']:.1f}x")
-            out.append({"target": "per-tile >= 10x slower than GN-HAWK (staged)", "size_mb": mb, "ratio": ratio,
-                        "met": ratio >= 10, "note": note})
+                note += (
+                    f"vs GN-HAWK direct ({hd['entries']} coalesced entries): {pt['latency_ms'] / hd['latency_ms']:.1f}x"
+                )
+            out.append(
+                {
+                    "target": "per-tile >= 10x slower than GN-HAWK (staged)",
+                    "size_mb": mb,
+                    "ratio": ratio,
+                    "met": ratio >= 10,
+                    "note": note,
+                }
+            )
         gh, nh = _get(rows, "GG-Host", "bfloat16", mb), _get(rows, "GN-Host", "bfloat16", mb)
         if gh and nh:
             ratio = nh["latency_ms"] / gh["latency_ms"]
-            out.append({"target": "GN-Host slower than GG-Host", "size_mb": mb, "ratio": ratio, "met": ratio > 1,
-                        "note": f"layout fix {nh['copy_ms']:.1f} ms after arrival"})
+            out.append(
+                {
+                    "target": "GN-Host slower than GG-Host",
+                    "size_mb": mb,
+                    "ratio": ratio,
+                    "met": ratio > 1,
+                    "note": f"layout fix {nh['copy_ms']:.1f} ms after arrival",
+                }
+            )
     return out
 
 
 def _where(h: dict, gd: dict) -> str:
     xf_gain = gd["transfer_ms"] - h["transfer_ms"]
-    return (f"HAWK {h['latency_ms']:.1f} ms = request {h['request_ms']:.1f} (prefill transform "
-            f"{h['transform_ms']:.1f}) + transfer {h['transfer_ms']:.1f} ({h['entries']} entries) + intra-bank "
-            f"copy {h['copy_ms']:.1f}; GG-Direct {gd['latency_ms']:.1f} ms = request {gd['request_ms']:.1f} + "
-            f"transfer {gd['transfer_ms']:.1f} ({gd['entries']} entries). Transfer differs by {xf_gain:+.1f} ms; "
-            f"the CPU transform (+copy) is the extra cost on this 2-core host, where a GPU would run it at "
-            f"HBM speed; GG-Direct's CPU time {gd.get('cpu_ms', 0):.1f} ms vs HAWK's {h.get('cpu_ms', 0):.1f} ms "
-            f"(2 cores shared by both processes)")
+    return (
+        f"HAWK {h['latency_ms']:.1f} ms = request {h['request_ms']:.1f} (prefill transform "
+        f"{h['transform_ms']:.1f}) + transfer {h['transfer_ms']:.1f} ({h['entries']} entries) + intra-bank "
+        f"copy {h['copy_ms']:.1f}; GG-Direct {gd['latency_ms']:.1f} ms = request {gd['request_ms']:.1f} + "
+        f"transfer {gd['transfer_ms']:.1f} ({gd['entries']} entries). Transfer differs by {xf_gain:+.1f} ms; "
+        f"the CPU transform (+copy) is the extra cost on this 2-core host, where a GPU would run it at "
+        f"HBM speed; GG-Direct's CPU time {gd.get('cpu_ms', 0):.1f} ms vs HAWK's {h.get('cpu_ms', 0):.1f} ms "
+        f"(2 cores shared by both processes)"
+    )
 
 
 def plot(result: dict, path: str) -> str:
     import matplotlib
+
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
@@ -673,8 +874,10 @@ def plot(result: dict, path: str) -> str:
     ax.axhline(1.0, color="k", lw=0.8)
     ax.set_ylabel("latency / GG-Host (log)")
     cfg = result["config"]
-    ax.set_title(f"KV transfer latency, {cfg['model']} prefill TP={cfg['prefill_tp']} -> {cfg['chips']} x "
-                 f"{cfg['device']} (emulated), block {cfg['block_size']}; request KV size (bf16)")
+    ax.set_title(
+        f"KV transfer latency, {cfg['model']} prefill TP={cfg['prefill_tp']} -> {cfg['chips']} x "
+        f"{cfg['device']} (emulated), block {cfg['block_size']}; request KV size (bf16)"
+    )
     ax.legend(fontsize=7, ncol=2)
     fig.tight_layout()
     os.makedirs(os.path.dirname(path) or ".", exist_ok=True)  # --plot may name a folder not made yet
@@ -687,27 +890,55 @@ def _parser() -> argparse.ArgumentParser:
     """``hawk bench transfer``'s command line (sizes in MB, the per-tile cap in seconds)."""
     ap = argparse.ArgumentParser(prog="hawk bench transfer", description=__doc__.splitlines()[0])
     ap.add_argument("--model", default="llama-3.1-70b")
-    ap.add_argument("--prefill-tp", type=int, default=None,
-                    help="prefill tensor-parallel size: one prefill process per rank (default 4)")
-    ap.add_argument("--decode-tp", "--chips", dest="decode_tp", type=int, default=None,
-                    help="decode tensor-parallel size = the Tenstorrent decode's chips, one emulated device each "
-                         "(default: --prefill-tp; GN rows need --prefill-tp <= it)")
+    ap.add_argument(
+        "--prefill-tp",
+        type=int,
+        default=None,
+        help="prefill tensor-parallel size: one prefill process per rank (default 4)",
+    )
+    ap.add_argument(
+        "--decode-tp",
+        "--chips",
+        dest="decode_tp",
+        type=int,
+        default=None,
+        help="decode tensor-parallel size = the Tenstorrent decode's chips, one emulated device each "
+        "(default: --prefill-tp; GN rows need --prefill-tp <= it)",
+    )
     ap.add_argument("--tp", type=int, default=None, help="deprecated: --prefill-tp N --decode-tp N")
     ap.add_argument("--device-profile", default="p150a")
     ap.add_argument("--block-size", type=int, default=64)
-    ap.add_argument("--sizes-mb", type=float, nargs="+", default=list(DEFAULT_SIZES),
-                    help="request sizes: bf16 KV of all the model's KV heads (MB), split over the chips; 1280 on "
-                         "one chip needs ~8 GB RAM on this host, so it is opt-in")
-    ap.add_argument("--rows", nargs="+", default=list(ROWS), choices=ROWS + EXTRA_ROWS,
-                    help="rows to run (default: all but GG-Staged, the connector's GG mode staged: the prefill "
-                         "gathers the blocks, or a share's heads, into its ring)")
+    ap.add_argument(
+        "--sizes-mb",
+        type=float,
+        nargs="+",
+        default=list(DEFAULT_SIZES),
+        help="request sizes: bf16 KV of all the model's KV heads (MB), split over the chips; 1280 on "
+        "one chip needs ~8 GB RAM on this host, so it is opt-in",
+    )
+    ap.add_argument(
+        "--rows",
+        nargs="+",
+        default=list(ROWS),
+        choices=ROWS + EXTRA_ROWS,
+        help="rows to run (default: all but GG-Staged, the connector's GG mode staged: the prefill "
+        "gathers the blocks, or a share's heads, into its ring)",
+    )
     ap.add_argument("--repeats", type=int, default=5)
     ap.add_argument("--per-tile-cap-s", type=float, default=10.0)
     ap.add_argument("--fragmented", action="store_true", help="random block tables instead of contiguous runs")
-    ap.add_argument("--layer-groups", type=int, default=2,
-                    help="layer groups of the pipelined rows (2: the fastest of 2, 4, 8 here, see kvflow.decode)")
-    ap.add_argument("--registration", default="per_request", choices=("per_request", "whole", "both"),
-                    help="what is registered with the transport (see the module doc); both: ratios per_request/whole")
+    ap.add_argument(
+        "--layer-groups",
+        type=int,
+        default=2,
+        help="layer groups of the pipelined rows (2: the fastest of 2, 4, 8 here, see kvflow.decode)",
+    )
+    ap.add_argument(
+        "--registration",
+        default="per_request",
+        choices=("per_request", "whole", "both"),
+        help="what is registered with the transport (see the module doc); both: ratios per_request/whole",
+    )
     ap.add_argument("--out", default="results/bench_transfer.json")
     ap.add_argument("--plot", default=None, help="PNG path (default: --out with .png; '' for none)")
     return ap
@@ -727,8 +958,20 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     if a.registration == "both":
         return _main_both(a, sizes)
-    res = run(a.model, a.prefill_tp, a.decode_tp, a.device_profile, a.block_size, sizes, a.repeats, a.rows,
-              a.per_tile_cap_s, a.fragmented, layer_groups=a.layer_groups, registration=a.registration)
+    res = run(
+        a.model,
+        a.prefill_tp,
+        a.decode_tp,
+        a.device_profile,
+        a.block_size,
+        sizes,
+        a.repeats,
+        a.rows,
+        a.per_tile_cap_s,
+        a.fragmented,
+        layer_groups=a.layer_groups,
+        registration=a.registration,
+    )
     _print_header(res["config"], a)
     _print_rows(res, a.rows)
     if res["config"]["chips"] > 1:
@@ -746,33 +989,52 @@ def main(argv: list[str] | None = None) -> int:
 
 def _print_header(cfg: dict, a: argparse.Namespace) -> None:
     """One line: the model, the TP pairing and each chip's pull, the block tables, repeats and host."""
-    pulls = ", ".join(f"rank{'s' if len(p['prefill_ranks']) > 1 else ''} "
-                      f"{'+'.join(map(str, p['prefill_ranks']))} -> chip {p['chip']}" for p in cfg["pulls"])
-    print(f"KV transfer, decode request -> KV in pool; {cfg['model']} ({cfg['num_kv_heads']} KV heads, "
-          f"{cfg['num_layers']} layers) prefill TP={cfg['prefill_tp']} -> {cfg['chips']} x {cfg['device']} emulated "
-          f"({cfg['kv_heads_per_prefill_rank']} KV heads per prefill rank, {cfg['kv_heads_per_rank']} per chip; "
-          "pulls: " + pulls
-          + (f"; idle prefill ranks {cfg['idle_ranks']} released by chip 0" if cfg["idle_ranks"] else "")
-          + f"; the chips' pulls of a request run {cfg['pulls_run']}), block {cfg['block_size']}, "
-          f"{'fragmented' if a.fragmented else 'contiguous'} block tables; median of {a.repeats} "
-          f"(per-tile: fewer, capped at {a.per_tile_cap_s:.0f} s and extrapolated); Mooncake TCP loopback, "
-          f"{cfg['cores']} cores, load average {cfg['load_average'][0]:.2f} at the end; layer groups "
-          f"{a.layer_groups} in the pipelined rows")
+    pulls = ", ".join(
+        f"rank{'s' if len(p['prefill_ranks']) > 1 else ''} {'+'.join(map(str, p['prefill_ranks']))} -> chip {p['chip']}"
+        for p in cfg["pulls"]
+    )
+    print(
+        f"KV transfer, decode request -> KV in pool; {cfg['model']} ({cfg['num_kv_heads']} KV heads, "
+        f"{cfg['num_layers']} layers) prefill TP={cfg['prefill_tp']} -> {cfg['chips']} x {cfg['device']} emulated "
+        f"({cfg['kv_heads_per_prefill_rank']} KV heads per prefill rank, {cfg['kv_heads_per_rank']} per chip; "
+        "pulls: "
+        + pulls
+        + (f"; idle prefill ranks {cfg['idle_ranks']} released by chip 0" if cfg["idle_ranks"] else "")
+        + f"; the chips' pulls of a request run {cfg['pulls_run']}), block {cfg['block_size']}, "
+        f"{'fragmented' if a.fragmented else 'contiguous'} block tables; median of {a.repeats} "
+        f"(per-tile: fewer, capped at {a.per_tile_cap_s:.0f} s and extrapolated); Mooncake TCP loopback, "
+        f"{cfg['cores']} cores, load average {cfg['load_average'][0]:.2f} at the end; layer groups "
+        f"{a.layer_groups} in the pipelined rows"
+    )
 
 
 def _print_rows(res: dict, rows) -> None:
     """The rows' table (bytes, READ entries, latencies in ms, ratios), then the rows not measured."""
-    print_table(res["rows"], [("row", "row", ""), ("dtype", "target", ""), ("size_mb", "src MB", ""),
-                              ("bytes_per_chip", "bytes/chip", ","), ("bytes_per_bank", "bytes/bank", ","),
-                              ("segments_per_chip", "segs/chip", ","), ("entries_per_chip", "READs/chip", ","),
-                              ("bytes_moved", "bytes total", ","), ("entries", "READs total", ","),
-                              ("latency_ms", "latency ms", ".1f"), ("norm_gg_host", "/GG-Host", ".3f"),
-                              ("norm_gg_direct", "/GG-Direct", ".3f"),
-                              *([("norm_gg_staged", "/GG-Staged", ".3f")] if "GG-Staged" in rows else []),
-                              ("request_ms", "request ms", ".1f"), ("transform_ms", "transform ms", ".1f"),
-                              ("transfer_ms", "transfer ms", ".1f"), ("copy_ms", "copy/fix ms", ".1f"),
-                              ("fraction_done", "done", ".2f"), ("cpu_ms", "CPU ms", ".1f"),
-                              ("cpu_norm_gg_direct", "CPU/GG-Direct", ".2f")])
+    print_table(
+        res["rows"],
+        [
+            ("row", "row", ""),
+            ("dtype", "target", ""),
+            ("size_mb", "src MB", ""),
+            ("bytes_per_chip", "bytes/chip", ","),
+            ("bytes_per_bank", "bytes/bank", ","),
+            ("segments_per_chip", "segs/chip", ","),
+            ("entries_per_chip", "READs/chip", ","),
+            ("bytes_moved", "bytes total", ","),
+            ("entries", "READs total", ","),
+            ("latency_ms", "latency ms", ".1f"),
+            ("norm_gg_host", "/GG-Host", ".3f"),
+            ("norm_gg_direct", "/GG-Direct", ".3f"),
+            *([("norm_gg_staged", "/GG-Staged", ".3f")] if "GG-Staged" in rows else []),
+            ("request_ms", "request ms", ".1f"),
+            ("transform_ms", "transform ms", ".1f"),
+            ("transfer_ms", "transfer ms", ".1f"),
+            ("copy_ms", "copy/fix ms", ".1f"),
+            ("fraction_done", "done", ".2f"),
+            ("cpu_ms", "CPU ms", ".1f"),
+            ("cpu_norm_gg_direct", "CPU/GG-Direct", ".2f"),
+        ],
+    )
     for f in res["failed"]:
         print(f"\nnot measured: {f['row']} ({f['dtype']}) @ {f['size_mb']} MB: {f['error']}")
 
@@ -780,28 +1042,53 @@ def _print_rows(res: dict, rows) -> None:
 def _print_per_chip(res: dict, big) -> None:
     """Per chip at the largest size ``big`` (MB): its heads, prefill ranks, bytes, READs and latency (ms)."""
     print(f"\nper chip at {big} MB (prefill ranks: the ranks the chip pulled its shares from):")
-    print_table([{"row": r["row"], "dtype": r["dtype"], **c, "ranks": "+".join(map(str, c["prefill_ranks"])),
-                  "heads": f"{c['heads'][0]}..{c['heads'][1] - 1}"}
-                 for r in res["rows"] if r["size_mb"] == big for c in r["chips"]],
-                [("row", "row", ""), ("dtype", "target", ""), ("chip", "chip", ""), ("heads", "KV heads", ""),
-                 ("ranks", "prefill ranks", ""), ("bytes_moved", "bytes", ","),
-                 ("bytes_per_bank", "bytes/bank", ","), ("segments", "segs", ","), ("entries", "READs", ","),
-                 ("latency_ms", "chip ms", ".1f")])
+    print_table(
+        [
+            {
+                "row": r["row"],
+                "dtype": r["dtype"],
+                **c,
+                "ranks": "+".join(map(str, c["prefill_ranks"])),
+                "heads": f"{c['heads'][0]}..{c['heads'][1] - 1}",
+            }
+            for r in res["rows"]
+            if r["size_mb"] == big
+            for c in r["chips"]
+        ],
+        [
+            ("row", "row", ""),
+            ("dtype", "target", ""),
+            ("chip", "chip", ""),
+            ("heads", "KV heads", ""),
+            ("ranks", "prefill ranks", ""),
+            ("bytes_moved", "bytes", ","),
+            ("bytes_per_bank", "bytes/bank", ","),
+            ("segments", "segs", ","),
+            ("entries", "READs", ","),
+            ("latency_ms", "chip ms", ".1f"),
+        ],
+    )
 
 
 def _print_legend_and_targets(targets: list[dict]) -> None:
     """What the columns mean, then each target met or missed with its ratio."""
-    print("\nsrc MB: the request's bf16 KV over all KV heads; per chip: the largest chip's figure (bytes/bank: its "
-          "largest DRAM bank; nan: a vLLM-layout decode, no banks); segments: in KVReady; READs: transfer entries; "
-          "latency: first chip's request -> last chip's KV in place; request/transform/transfer/copy: each the "
-          "largest over the chips.")
-    print("request = D1 -> P7 (includes the prefill transform for HAWK rows); transform = prefill transform "
-          "(HAWK) or decode-side layout fix (GN-Host); copy/fix = intra-bank copies (staged) or the GN-Host fix "
-          "+ write; bfloat8_b rows move fewer bytes: that gain is the format, not a faster transfer.")
+    print(
+        "\nsrc MB: the request's bf16 KV over all KV heads; per chip: the largest chip's figure (bytes/bank: its "
+        "largest DRAM bank; nan: a vLLM-layout decode, no banks); segments: in KVReady; READs: transfer entries; "
+        "latency: first chip's request -> last chip's KV in place; request/transform/transfer/copy: each the "
+        "largest over the chips."
+    )
+    print(
+        "request = D1 -> P7 (includes the prefill transform for HAWK rows); transform = prefill transform "
+        "(HAWK) or decode-side layout fix (GN-Host); copy/fix = intra-bank copies (staged) or the GN-Host fix "
+        "+ write; bfloat8_b rows move fewer bytes: that gain is the format, not a faster transfer."
+    )
     print("\ntargets (ratios within this run):")
     for t in targets:
-        print(f"  [{'met ' if t['met'] else 'MISS'}] {t['target']} @ {t['size_mb']} MB: ratio {t['ratio']:.3f}"
-              + (f"\n         {t['note']}" if t["note"] else ""))
+        print(
+            f"  [{'met ' if t['met'] else 'MISS'}] {t['target']} @ {t['size_mb']} MB: ratio {t['ratio']:.3f}"
+            + (f"\n         {t['note']}" if t["note"] else "")
+        )
 
 
 def _main_both(a, sizes) -> int:
@@ -810,22 +1097,53 @@ def _main_both(a, sizes) -> int:
     out = {}
     for reg in ("whole", "per_request"):
         print(f"--- registration {reg}", flush=True)
-        out[reg] = run(a.model, a.prefill_tp, a.decode_tp, a.device_profile, a.block_size, sizes, a.repeats, a.rows,
-                       a.per_tile_cap_s, a.fragmented, layer_groups=a.layer_groups, registration=reg)
+        out[reg] = run(
+            a.model,
+            a.prefill_tp,
+            a.decode_tp,
+            a.device_profile,
+            a.block_size,
+            sizes,
+            a.repeats,
+            a.rows,
+            a.per_tile_cap_s,
+            a.fragmented,
+            layer_groups=a.layer_groups,
+            registration=reg,
+        )
     rows = []
     for r in out["per_request"]["rows"]:
         w = _get(out["whole"]["rows"], r["row"], r["dtype"], r["size_mb"])
         if w:
-            rows.append({"row": r["row"], "dtype": r["dtype"], "size_mb": r["size_mb"], "whole_ms": w["latency_ms"],
-                         "per_request_ms": r["latency_ms"], "ratio": r["latency_ms"] / w["latency_ms"],
-                         "whole_all_ms": w["all_ms"], "per_request_all_ms": r["all_ms"]})
+            rows.append(
+                {
+                    "row": r["row"],
+                    "dtype": r["dtype"],
+                    "size_mb": r["size_mb"],
+                    "whole_ms": w["latency_ms"],
+                    "per_request_ms": r["latency_ms"],
+                    "ratio": r["latency_ms"] / w["latency_ms"],
+                    "whole_all_ms": w["all_ms"],
+                    "per_request_all_ms": r["all_ms"],
+                }
+            )
     print(f"\nper-request vs whole-cache registration, median of {a.repeats}, Mooncake TCP loopback:")
-    print_table(rows, [("row", "row", ""), ("dtype", "target", ""), ("size_mb", "src MB", ""),
-                       ("whole_ms", "whole ms", ".1f"), ("per_request_ms", "per-request ms", ".1f"),
-                       ("ratio", "ratio", ".3f")])
+    print_table(
+        rows,
+        [
+            ("row", "row", ""),
+            ("dtype", "target", ""),
+            ("size_mb", "src MB", ""),
+            ("whole_ms", "whole ms", ".1f"),
+            ("per_request_ms", "per-request ms", ".1f"),
+            ("ratio", "ratio", ".3f"),
+        ],
+    )
     snap = out["per_request"]["prefill_snapshot"]
-    print("prefill registrations made (per_request run): " +
-          ", ".join(f"{k} {v.get('registrations', 0)}" for k, v in snap.items()))
+    print(
+        "prefill registrations made (per_request run): "
+        + ", ".join(f"{k} {v.get('registrations', 0)}" for k, v in snap.items())
+    )
     path = write_json(a.out, {"bench": "transfer-registration", "args": vars(a), "ratios": rows, **out})
     print(f"wrote {path}")
     return 0
