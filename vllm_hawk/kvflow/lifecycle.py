@@ -94,12 +94,14 @@ class ShareRecord:
     served_at: float | None = None  # monotonic time of its latest KVReady; None = none out
     stream: Stream | None = None  # set while in flight
     parked: list = field(default_factory=list)  # PARKED: its (KVRequest, reply, peer) triples
+    cancelled: bool = False  # it was CANCELLED at some point (a later expiry keeps the cancel silent)
 
     def move(self, to: ShareState) -> None:
         """Move to state ``to``; raises :class:`IllegalTransition` unless the table allows it."""
         if to not in LEGAL_MOVES[self.state]:
             raise IllegalTransition(f"share {self.key!r}: {self.state.value} -> {to.value} is not a legal move")
         self.state = to
+        self.cancelled = self.cancelled or to is ShareState.CANCELLED
 
     @property
     def in_flight(self) -> bool:

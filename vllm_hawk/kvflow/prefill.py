@@ -271,16 +271,6 @@ class PrefillEndpoint:
             if out is not None:
                 reply(out)
 
-    def drop_request(self, req_id: str) -> None:
-        """Forget ``req_id`` (the engine freed it itself): every share still held or in
-        flight expires; ranges of served shares are freed now, a share being served frees
-        its own when its worker sees it (no KVReady). ``on_finished`` is not called."""
-        with self._lock:
-            req = self._table.requests.pop(req_id, None)
-            served = self._expire_shares_locked(req) if req is not None else []
-        for key in served:
-            self._free(key)
-
     def snapshot(self) -> dict:
         """Counters for tests and the idle check: held requests, shares with a KVReady out
         (``served_live``) or not yet (``pending``), early arrivals, ring occupancy (bytes)."""
@@ -634,13 +624,21 @@ class PrefillEndpoint:
         finished, drop, cancelled = False, True, False
         with self._lock:
             if rec is None or rec.state is ShareState.EXPIRED:  # its request was freed meanwhile
-                self.stats.refused += 1
+                cancelled = rec is not None and rec.cancelled  # the decode had sent Release: no reply
+                if cancelled:
+                    self.stats.cancelled += 1
+                else:
+                    self.stats.refused += 1
+                if rec is not None:
+                    self._free(rec.key)  # P8
             else:
                 st = rec.stream
                 st.inflight -= 1
                 last = st.inflight == 0
                 cancelled = rec.state is ShareState.CANCELLED
                 drop = last and (cancelled or st.served == 0)
+                if drop:  # P8, before the share can be asked for again (a new serve reserves the same key)
+                    self._free(rec.key)
                 if cancelled and last:  # the decode gave up and sent Release: this share is done
                     self.stats.cancelled += 1
                     finished, _ok = self._share_done_locked(rid, req, rec, False, count=False)
@@ -648,8 +646,6 @@ class PrefillEndpoint:
                     self.stats.refused += 1
                     if last:
                         self._settle_locked(rec)
-        if drop and rec is not None:
-            self._free(rec.key)  # P8
         if cancelled and not drop:
             return  # the last group still in flight finishes the cancel
         self._fail_reply(rid, e, cancelled, reply, finished)
@@ -675,7 +671,9 @@ class PrefillEndpoint:
             raise _Refuse("no_space", str(e)) from None
 
     def _free(self, key: str) -> None:
-        """Let go of share ``key``'s ring range (if it holds one) and registrations (P8)."""
+        """Let go of share ``key``'s ring range (if it holds one) and registrations (P8).
+        Called with or without ``self._lock``: the ring and the exposure take only their own
+        locks and never call back, so the lock order is always endpoint -> ring/exposure."""
         if self.ring is not None and key in self.ring.alloc.live():
             with contextlib.suppress(KeyError):  # freed by another thread meanwhile
                 self.ring.release(key)
@@ -796,16 +794,11 @@ class PrefillEndpoint:
         return served + held
 
     @staticmethod
-    def _expire_shares_locked(req: RequestRecord) -> list[str]:
-        """Every share of ``req`` not done yet expires (lock held); returns the keys of
-        those that were served (their ranges are the caller's to free)."""
-        served = []
+    def _expire_shares_locked(req: RequestRecord) -> None:
+        """Every share of ``req`` not done yet expires (lock held)."""
         for rec in req.shares.values():
             if rec.state not in (ShareState.RELEASED, ShareState.EXPIRED):
-                if rec.state is ShareState.SERVED:
-                    served.append(rec.key)
                 rec.move(ShareState.EXPIRED)
-        return served
 
     def close(self) -> None:
         """Stop serving; waiting reservations fail at once (ring abort), then workers drain.

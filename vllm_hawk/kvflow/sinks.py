@@ -314,7 +314,7 @@ def intra_bank_copies(device, plan, recv_offset: int) -> int:
 
 class TTSink(KVSink):
     """GN-HAWK: a Tenstorrent KV pool (``layout``, ``kv_buffers`` K0, V0, K1, ...) on a
-    device with the bank-buffer API plus ``copy_in_bank``.
+    device with the bank-buffer API plus ``copy_in_bank`` and ``live_buffers``.
 
     mode ``staged``: a :class:`BankBufferPool` of ``recv_nbytes_per_bank`` bytes per bank
     (or ``pool``, shared) is registered; ``direct`` / ``per_tile``: the KV pool's bank
