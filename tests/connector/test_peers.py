@@ -105,8 +105,15 @@ def test_release_is_delivered_or_logged_and_close_closes_every_endpoint(caplog):
     (ep,) = pool.endpoints()
     assert ep.released == [("req-1", "whole")]
     hs.fail = OSError("down")
-    with caplog.at_level(logging.WARNING, logger="vllm.hawk.worker"):
-        pool.release("tcp://p:2", "e", "req-1", rank=1, share="whole", timeout_s=1.0)  # logged, not raised
+    # vLLM's logging config (once any test imported vllm) stops "vllm.*" records from
+    # propagating to the root logger, where caplog listens: listen on the logger itself.
+    log = logging.getLogger("vllm.hawk.worker")
+    log.addHandler(caplog.handler)
+    try:
+        with caplog.at_level(logging.WARNING, logger="vllm.hawk.worker"):
+            pool.release("tcp://p:2", "e", "req-1", rank=1, share="whole", timeout_s=1.0)  # logged, not raised
+    finally:
+        log.removeHandler(caplog.handler)
     assert "release of req-1 on prefill rank 1 not delivered" in caplog.text
     pool.close()
     assert ep.closed and pool.endpoints() == []
