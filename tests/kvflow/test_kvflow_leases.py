@@ -7,7 +7,6 @@ request KV nor renew. Every case ends with nothing held."""
 
 from __future__ import annotations
 
-import json
 import threading
 import time
 
