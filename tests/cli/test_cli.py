@@ -6,6 +6,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 REPO = Path(__file__).resolve().parents[2]
 
 
@@ -71,3 +73,16 @@ def test_bench_transform_smoke(tmp_path):
     assert {row["dtype"] for row in rows} == {"bfloat16", "bfloat8_b"}
     assert {row["source"] for row in rows} == {"flash", "amx"}
     assert all(row["kernel_ratio"] > 0 and row["e2e_ratio"] > 0 and row["cpu_ratio"] > 0 for row in rows)
+
+
+def test_proxy_refuses_the_removed_renew_option_naming_handover_s():
+    """The proxy no longer renews leases (the prefill holds a request through its hand-over
+    by itself): the old option stops start-up with what to set instead."""
+    from vllm_hawk.proxy import parse_args, releaser_of
+
+    args = parse_args(["--prefill", "http://p", "--decode", "http://d", "--renew-interval-s", "1"])
+    with pytest.raises(SystemExit, match=r"--renew-interval-s.*handover_s"):
+        releaser_of(args)
+    rel = releaser_of(parse_args(["--prefill", "http://p", "--decode", "http://d", "--side-channel-auth", "none"]))
+    assert rel is not None and not hasattr(rel, "keeper")  # releases only
+    rel.close()

@@ -86,6 +86,7 @@ def test_secret_file_is_as_good_as_inline(tmp_path, monkeypatch):
         ("renew_interval_s", 31.0, "30.0"),  # at most lease_s / 2
         ("renew_interval_s", 0, "renew_interval_s"),
         ("max_hold_s", 10.0, ">= 60.0"),  # at least lease_s
+        ("handover_s", 0, "handover_s"),
     ],
 )
 def test_bad_field_is_named(field, value, needle):
@@ -146,6 +147,14 @@ def test_heartbeat_and_hold_follow_the_lease_when_unset():
     assert cfg.renew_interval_s == 1.0 and cfg.max_hold_s == 1000.0
     with pytest.raises(HawkConfigError, match="renew_interval_s=1.5.*1.0"):
         parse_config({"shared_secret": SECRET, "lease_s": 2.0, "renew_interval_s": 1.5})
+
+
+def test_handover_hold_follows_the_lease_and_stays_inside_the_hold_bound():
+    assert parse_config({"shared_secret": SECRET, "lease_s": 8.0}).handover_s == 8.0
+    cfg = parse_config({"shared_secret": SECRET, "lease_s": 8.0, "handover_s": 900.0})
+    assert cfg.handover_s == 900.0 and cfg.max_hold_s == 900.0  # the bound grows with it when unset
+    with pytest.raises(HawkConfigError, match=r"max_hold_s=100.0.*>= 900.0"):
+        parse_config({"shared_secret": SECRET, "handover_s": 900.0, "max_hold_s": 100.0})
 
 
 def test_prefill_tp_pairing_is_checked_at_start_up():

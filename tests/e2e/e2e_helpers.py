@@ -79,3 +79,56 @@ def check_new_transfers(c) -> list[dict]:
         c.hawk_checked.add(key)
         out.append({"key": key, "blocks": len(d["dst_blocks"])})
     return out
+
+
+def stream_events(url: str, body: dict, timeout: float = 120.0) -> tuple[int, list[dict]]:
+    """POST ``body`` with ``stream: true``; (status, the decoded ``data:`` events before
+    ``[DONE]``), or (status, [{"error": body}]) when the status is not 200."""
+    import http.client
+    import json
+    import urllib.parse
+
+    u = urllib.parse.urlsplit(url)
+    conn = http.client.HTTPConnection(u.hostname, u.port, timeout=timeout)
+    try:
+        conn.request("POST", u.path, json.dumps({**body, "stream": True}), {"Content-Type": "application/json"})
+        r = conn.getresponse()
+        if r.status != 200:
+            return r.status, [{"error": r.read().decode()}]
+        events = []
+        for line in r:
+            line = line.strip()
+            if line.startswith(b"data: ") and line != b"data: [DONE]":
+                events.append(json.loads(line[6:]))
+        return 200, events
+    finally:
+        conn.close()
+
+
+def chat(url: str, messages: list[dict], *, max_tokens: int, logprobs: bool = False) -> dict:
+    """One greedy ``/v1/chat/completions`` request (EOS ignored, token ids returned);
+    asserts HTTP 200 and returns ``{"text", "token_ids"}`` plus, with ``logprobs``, the
+    top-2 logprobs per position as :func:`greedy_divergence` reads them."""
+    from vllm_hawk.testing.local_cluster import http_post_json
+
+    body = {
+        "model": "tiny",
+        "messages": messages,
+        "max_tokens": max_tokens,
+        "temperature": 0,
+        "ignore_eos": True,
+        "return_token_ids": True,
+    }
+    if logprobs:
+        body.update(logprobs=True, top_logprobs=2)
+    status, out = http_post_json(url + "/v1/chat/completions", body)
+    assert status == 200, out
+    choice = out["choices"][0]
+    got = {"text": choice["message"]["content"], "token_ids": choice["token_ids"]}
+    if logprobs:
+        tops = [
+            {f"{i}:{t['token']}": t["logprob"] for i, t in enumerate(c["top_logprobs"])}
+            for c in choice["logprobs"]["content"]
+        ]
+        got["logprobs"] = {"top_logprobs": tops}
+    return got

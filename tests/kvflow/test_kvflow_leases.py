@@ -1,12 +1,12 @@
 """Lease renewal and early release: the decode's heartbeat (LeaseKeeper ->
 Renew) keeps a queued request's KV past ``lease_s``, bounded by ``max_hold_s``; one Renew
-per prefill and interval; only the owner may renew or release a claimed request; a
-control peer (the proxy) may release an unclaimed one but never request KV, and renews
-one through the hand-over until a decode claims it. Every case ends with nothing held."""
+per prefill and interval; the prefill holds a request through its hand-over by itself
+(``handover_s``) until a decode's first heartbeat; only the owner may renew or release a
+claimed request; a control peer (the proxy) may release an unclaimed one but never
+request KV nor renew. Every case ends with nothing held."""
 
 from __future__ import annotations
 
-import json
 import threading
 import time
 
@@ -126,6 +126,8 @@ def test_control_peer_releases_an_unclaimed_request_but_cannot_request_kv():
             proxy.handshake()
             with pytest.raises(RemoteError, match="control session"):
                 proxy.call(KVRequest(req_id="refused", dst_layout=dec.desc, num_tokens=BS, dst_block_ids=[4]))
+            with pytest.raises(RemoteError, match="only Release"):  # it has no lease to keep
+                proxy.renew(["refused"])
             t0 = time.monotonic()
             proxy.release("refused", ok=False)
             assert finished == [("refused", False)] and time.monotonic() - t0 < 1.0
@@ -188,116 +190,38 @@ def test_proxy_releaser_frees_an_unclaimed_request():
         assert finished == [("refused", False)] and pre.snapshot()["requests"] == 0
 
 
-def test_proxy_renews_through_the_hand_over_until_a_decode_claims_it():
-    """The proxy's hold keeps an unclaimed request past 2.5 leases; once a decode has
-    claimed it, the prefill answers the proxy's Renew ``gone`` (no not_owner refusal)
-    and the proxy stops renewing."""
-    from vllm_hawk.proxy.release import PrefillReleaser
-
-    with endpoints(lease_s=1.0) as (_cache, pre, dec, _dev, _td, finished):
+def test_handover_hold_keeps_an_unrenewed_request_until_a_decode_claims_it():
+    """With no renewal at all (a front such as vLLM's router renews nothing), a request is
+    held ``handover_s`` after its hand-over, past several leases; one no decode takes up
+    (the decode refused it) is freed at the hold's end, not at ``lease_s``."""
+    with endpoints(lease_s=0.4, handover_s=2.0) as (_cache, pre, dec, _dev, _td, finished):
+        t0 = time.monotonic()
         pre.add_request("handed", [1], BS)
-        pre.add_request("nobody", [2], BS)  # not held by the proxy: expires when its lease runs out
-        port = int(pre.endpoint.rsplit(":", 1)[1])
-        params = {"remote_host": "127.0.0.1", "remote_port": port, "remote_request_id": "handed"}
-        rel = PrefillReleaser(None, "none", renew_interval_s=0.2)
-        try:
-            rel.hold(params)
-            time.sleep(2.5)  # 2.5 leases in the hand-over
-            snap = pre.snapshot()
-            assert snap["requests"] == 1 and snap["expired"] == 1 and snap["renewed"] >= 2, snap
-            assert finished == [("nobody", False)]
-            dec.fetch("handed", BS, [3], "staged", release=False, timeout_s=60.0)  # claimed by the decode
-            assert wait_until(lambda: rel.keeper.wanted() == 0, 5.0)  # answered gone
-            assert rel.keeper.stats.gone == 1
-            assert "not_owner" not in pre.stats.refusals.snapshot()
-            dec.client.release("handed")
-            rel.unhold(params)  # the decode answered: nothing left to drop
-        finally:
-            rel.close()
-        assert finished == [("nobody", False), ("handed", True)]
+        pre.add_request("refused", [2], BS)
+        time.sleep(1.2)  # 3 leases into the hand-over
+        assert pre.snapshot()["requests"] == 2 and finished == [], (pre.snapshot(), finished)
+        dec.fetch("handed", BS, [3], "staged", timeout_s=60.0)  # the decode's engine took it up
+        assert wait_until(lambda: ("refused", False) in finished, 10.0), finished
+        assert time.monotonic() - t0 >= 2.0  # the hold's end, never earlier
+        assert sorted(finished) == [("handed", True), ("refused", False)]
         assert pre.snapshot()["requests"] == 0 and pre.snapshot()["ring_used"] == 0
 
 
-def test_proxy_holds_from_the_prefill_answer_until_the_decode_answers():
-    """The real proxy between a fake vLLM pair (HTTP only) and a real prefill endpoint:
-    the request is renewed while the decode takes 2.5 leases to answer; after the
-    answer, and after a client that gave up, nothing is renewed any more."""
-    import asyncio
-
-    from aiohttp import web
-
-    from vllm_hawk.proxy.release import PrefillReleaser
-    from vllm_hawk.proxy.server import Proxy, serve
-
-    with endpoints(lease_s=1.0) as (_cache, pre, _dec, _dev, _td, finished):
-        port = int(pre.endpoint.rsplit(":", 1)[1])
-        for rid in ("slow", "abandoned"):
-            pre.add_request(rid, [1 if rid == "slow" else 2], BS)
-        rel = PrefillReleaser(None, "none", renew_interval_s=0.2)
-
-        async def prefill(request):
-            body = await request.json()
-            return web.json_response(
-                {
-                    "choices": [{"text": "p"}],
-                    "kv_transfer_params": {
-                        "remote_host": "127.0.0.1",
-                        "remote_port": port,
-                        "remote_request_id": body["prompt"],
-                    },
-                }
-            )
-
-        async def decode(_request):
-            await asyncio.sleep(2.5)
-            return web.json_response({"choices": [{"text": "d"}]})
-
-        async def run():
-            app = web.Application()
-            app.router.add_post("/p/v1/completions", prefill)
-            app.router.add_post("/d/v1/completions", decode)
-            up = web.AppRunner(app)
-            await up.setup()
-            await web.TCPSite(up, "127.0.0.1", 0).start()
-            url = f"http://127.0.0.1:{up.addresses[0][1]}"
-            proxy = Proxy([url + "/p"], [url + "/d"], releaser=rel)
-            runner = await serve(proxy, "127.0.0.1", 0)
-            pport = runner.addresses[0][1]
-            try:
-
-                async def send(prompt: str):
-                    r, w = await asyncio.open_connection("127.0.0.1", pport)
-                    body = json.dumps({"prompt": prompt}).encode()
-                    w.write(
-                        b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
-                        b"Content-Length: %d\r\nConnection: close\r\n\r\n%s" % (len(body), body)
-                    )
-                    return r, w
-
-                async def complete(prompt: str) -> bytes:
-                    r, _w = await send(prompt)
-                    return await r.read()
-
-                slow = asyncio.create_task(complete("slow"))
-                _r, w = await send("abandoned")
-                await asyncio.sleep(0.8)
-                w.close()  # the client gives up: the proxy's handler is cancelled
-                await asyncio.sleep(0.3)
-                assert rel.keeper.wanted() == 1  # "slow" only
-                out = await slow
-                assert out.startswith(b"HTTP/1.1 200"), out[:80]
-                assert rel.keeper.wanted() == 0
-            finally:
-                await runner.cleanup()
-                await up.cleanup()
-
+def test_first_heartbeat_ends_the_handover_hold():
+    """Once a decode's heartbeat speaks for a request, ``lease_s`` governs it: a decode that
+    stops renewing (it died) frees it a lease after its last heartbeat, long before the
+    hand-over hold would have."""
+    with endpoints(lease_s=0.5, handover_s=60.0) as (_cache, pre, dec, _dev, _td, finished):
+        pre.add_request("q", [1], BS)
+        keeper = LeaseKeeper(lambda _key: dec.ep, 0.1)
         try:
-            asyncio.run(run())
-            snap = pre.snapshot()
-            assert snap["requests"] == 1 and snap["expired"] == 1, snap  # "slow" held 2.5 leases, "abandoned" not
-            assert finished == [("abandoned", False)]
+            keeper.want("prefill", "q")
+            assert wait_until(lambda: pre.snapshot()["renewed"] >= 2, 5.0), pre.snapshot()
+            keeper.drop("q")  # the decode's heartbeats stop
+            assert wait_until(lambda: finished == [("q", False)], 10.0), finished  # not 60 s
         finally:
-            rel.close()
+            keeper.close()
+        assert pre.snapshot()["requests"] == 0 and pre.snapshot()["expired"] == 1
 
 
 def test_proxy_does_not_handshake_at_every_beat_with_a_side_channel_it_cannot_reach():
@@ -310,7 +234,7 @@ def test_proxy_does_not_handshake_at_every_beat_with_a_side_channel_it_cannot_re
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         endpoint = f"tcp://127.0.0.1:{s.getsockname()[1]}"
-    rel = PrefillReleaser(None, "none", timeout_s=0.3, renew_interval_s=3600.0)
+    rel = PrefillReleaser(None, "none", timeout_s=0.3)
     try:
         for attempt in range(2):
             t0 = time.monotonic()

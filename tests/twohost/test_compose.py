@@ -66,9 +66,9 @@ def test_emulated_profile_end_to_end():
     assert "all exact" in log
 
 
-def _lock() -> dict[str, str]:
+def _lock(name: str = "requirements-cpu.lock") -> dict[str, str]:
     pins = {}
-    for line in (COMPOSE / "requirements-cpu.lock").read_text().splitlines():
+    for line in (COMPOSE / name).read_text().splitlines():
         if line and not line.startswith("#"):
             name, _, version = line.partition("==")
             pins[re.sub(r"[-_.]+", "-", name).lower()] = version
@@ -76,9 +76,10 @@ def _lock() -> dict[str, str]:
 
 
 def test_lock_agrees_with_requirements():
-    """Every pin of requirements/cpu.txt that a node needs has the same version in the lock
-    (regenerate with `scripts/compose_demo.sh lock` after changing requirements/cpu.txt)."""
-    lock = _lock()
+    """Every pin of requirements/cpu.txt that a node needs has the same version in the lock,
+    the router's in the router image's own lock (regenerate both with
+    `scripts/compose_demo.sh lock` after changing requirements/cpu.txt)."""
+    lock = {**_lock(), "vllm-router": _lock("requirements-router.lock")["vllm-router"]}
     test_tools = {"pytest", "hypothesis", "matplotlib", "ruff"}
     for line in (ROOT / "requirements" / "cpu.txt").read_text().splitlines():
         line = line.split("#")[0].strip()
@@ -101,6 +102,7 @@ def test_images_hold_nothing_secret():
         "Dockerfile.prefill-cuda",
         "Dockerfile.decode-tt",
         "Dockerfile.proxy",
+        "Dockerfile.router",
     }
     for f in files:
         text = f.read_text()
@@ -128,17 +130,21 @@ def test_compose_file_profiles_and_config():
     svcs = doc["services"]
     emulated = {n for n, s in svcs.items() if "emulated" in s.get("profiles", [])}
     hardware = {n for n, s in svcs.items() if "hardware" in s.get("profiles", [])}
-    assert emulated == {"model", "prefill", "decode", "proxy", "client"}
+    assert emulated == {"model", "prefill", "decode", "proxy", "router", "client"}
     assert hardware == {"prefill-gpu", "decode-tt", "proxy-hw"}
     for n in emulated | hardware:
         assert svcs[n].get("init") is True, f"{n}: init: true"
-    for n in ("prefill", "decode", "proxy", "prefill-gpu", "decode-tt", "proxy-hw"):
+    for n in ("prefill", "decode", "proxy", "router", "prefill-gpu", "decode-tt", "proxy-hw"):
         assert "healthcheck" in svcs[n], n
     assert svcs["proxy"]["depends_on"] == {
         "prefill": {"condition": "service_healthy"},
         "decode": {"condition": "service_healthy"},
     }
-    assert svcs["client"]["depends_on"] == {"proxy": {"condition": "service_healthy"}}
+    assert svcs["router"]["depends_on"] == svcs["proxy"]["depends_on"]
+    assert svcs["client"]["depends_on"] == {
+        "proxy": {"condition": "service_healthy"},
+        "router": {"condition": "service_healthy"},
+    }
     assert "/dev/tenstorrent:/dev/tenstorrent" in svcs["decode-tt"]["devices"]
     assert svcs["decode-tt"]["environment"]["HAWK_DOCTOR_ROLE"] == "decode"
     assert svcs["prefill-gpu"]["environment"]["HAWK_DOCTOR_ROLE"] == "prefill"

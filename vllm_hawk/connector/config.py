@@ -68,11 +68,19 @@ field                  default             meaning
                                            two, else ``HAWK_SHARED_SECRET`` or
                                            ``HAWK_SHARED_SECRET_FILE`` from the environment
 ``lease_s``            ``60.0``            prefill (the **lease**): a finished request's
-                                           KV is held this long for its decode, from the
-                                           hand-over and again from its KVReady; without
-                                           a Release it is freed (expired lease). Each
-                                           decode heartbeat for a request still waiting
-                                           there starts it again (``renew_interval_s``)
+                                           KV is held this long for its decode after each
+                                           decode heartbeat for it (``renew_interval_s``)
+                                           and after its KVReady; without a Release it is
+                                           freed (expired lease)
+``handover_s``         ``lease_s``         prefill (the **hand-over hold**): a finished
+                                           request's KV is held this long after the
+                                           hand-over before any decode heartbeat: the
+                                           time the front (``hawk proxy``, vLLM's router)
+                                           and the decode's API server may take to bring
+                                           it to a decode engine, and the time a request
+                                           the decode refused holds the KV (``hawk
+                                           proxy`` releases those at once); <=
+                                           ``max_hold_s``
 ``renew_interval_s``   ``1.0``             decode (the **heartbeat**): every this many
                                            seconds, one ``Renew`` per prefill names every
                                            request this decode accepted but has not pulled
@@ -129,21 +137,24 @@ except where it says "failed pull"; a failed pull is recomputed by the decode un
   prefill's range is released at once).
 * **max_pulls**: further pulls queue in the decode's worker (no bound beyond the
   engine's own ``max_num_seqs`` and KV blocks); their leases are renewed meanwhile.
+* **hand-over hold** (``handover_s``): from the hand-over until the decode engine's
+  first heartbeat for it (the front's queue, the decode's API server) the prefill holds a
+  request by itself, whatever front forwards it; one that no decode engine takes up
+  within it (the front died, the decode refused it) is freed then.
 * **lease** (``lease_s``): a request the decode still wants is renewed every
-  ``renew_interval_s``; while the proxy hands it to the decode (its queue, the decode's
-  API server) the proxy renews it (``hawk proxy --renew-interval-s``; it needs the
-  shared secret, or ``auth: none``) until a decode claims it or answers; one nobody
-  wants (the decode died, the proxy never forwarded it) is freed ``lease_s`` after its
-  last renewal; a served range without Release ``lease_s`` after its KVReady (the
-  decode's READs must end before).
+  ``renew_interval_s``; one whose decode stopped wanting it (the decode died) is freed
+  ``lease_s`` after its last renewal; a served range without Release ``lease_s`` after
+  its KVReady (the decode's READs must end before).
 * **hold bound** (``max_hold_s``): see the table; failed pull beyond it.
 * **pull deadline** (``pull_timeout_s``): failed pull.
 * **side-channel tables** (:mod:`vllm_hawk.kvflow.prefill`): at most 1024
   early KVRequests / Releases, 4096 sessions, 65,536 ids renewed per decode; beyond
   them the oldest is evicted or the new one refused (counted in the refusals).
 * **refused at the decode's API server** (bad ``max_tokens``, prompt longer than the
-  decode's ``max_model_len``): the proxy, which has the shared secret, sends the
-  prefill a ``Release`` at once (the request was never claimed, so no decode owns it).
+  decode's ``max_model_len``): ``hawk proxy``, which has the shared secret, sends the
+  prefill a ``Release`` at once (the request was never claimed, so no decode owns it);
+  behind a front that does not (vLLM's router), the hand-over hold frees it
+  ``handover_s`` after the hand-over.
 
 Security
 --------
@@ -218,6 +229,7 @@ class HawkConfig:
     shared_secret: str | None = field(default=None, repr=False)
     shared_secret_file: str | None = None
     lease_s: float = 60.0
+    handover_s: float = 60.0
     renew_interval_s: float = 1.0
     max_hold_s: float = 600.0
     pull_timeout_s: float = 20.0
@@ -316,9 +328,14 @@ def _check_numbers(out: dict, extra: dict, dp_rank: int) -> None:
     out["renew_interval_s"] = float(
         _number("renew_interval_s", out["renew_interval_s"], integer=False, low=0.01, high=out["lease_s"] / 2)
     )
+    if "handover_s" not in extra:
+        out["handover_s"] = out["lease_s"]
+    out["handover_s"] = float(_number("handover_s", out["handover_s"], integer=False, low=0.1))
     if "max_hold_s" not in extra:
-        out["max_hold_s"] = max(600.0, out["lease_s"])
-    out["max_hold_s"] = float(_number("max_hold_s", out["max_hold_s"], integer=False, low=out["lease_s"]))
+        out["max_hold_s"] = max(600.0, out["lease_s"], out["handover_s"])
+    out["max_hold_s"] = float(
+        _number("max_hold_s", out["max_hold_s"], integer=False, low=max(out["lease_s"], out["handover_s"]))
+    )
     out["ring_nbytes"] = _number("ring_nbytes", out["ring_nbytes"], integer=True, low=1 << 16)
     out["max_pulls"] = _number("max_pulls", out["max_pulls"], integer=True, low=1, high=64)
     if "layer_groups" not in extra or out["layer_groups"] == "auto":

@@ -2,8 +2,9 @@
 
 Prefill (``kv_producer``; requests carry ``kv_transfer_params.do_remote_decode``):
   ``request_finished`` keeps a normally finished request's blocks (returns True) and
-  answers the ``kv_transfer_params`` the decode needs; the blocks are held under a
-  lease (``lease_s``) handed to the worker in the next step's metadata. The worker
+  answers the ``kv_transfer_params`` the decode needs; the blocks are held for the
+  hand-over (``handover_s``, then the decode's heartbeats renew ``lease_s`` at a time)
+  from the worker's next step on. The worker
   reports the request in ``finished_sending`` once its decode sent Release, or when the
   lease expired; vLLM then frees the blocks. Aborted requests are freed at once.
 
@@ -25,8 +26,8 @@ Who frees the prefill's blocks of a request the decode will not finish:
   the prefill then (at most ``pull_timeout_s``);
 * preempted: only running requests are, their KV was pulled and released already; they
   resume by recomputing locally;
-* refused by the decode's API server before the engine saw it: the proxy's Release
-  (:mod:`vllm_hawk.proxy.release`);
+* refused by the decode's API server before the engine saw it: ``hawk proxy``'s Release
+  (:mod:`vllm_hawk.proxy.release`), else the prefill's hand-over hold (``handover_s``);
 * the decode dies: its heartbeats stop, the prefill frees them ``lease_s`` after the last.
 """
 
@@ -141,7 +142,7 @@ class HawkConnectorScheduler:
             or not block_ids
         ):
             return False, None
-        lease_expiry = time.time() + self.cfg.lease_s
+        lease_expiry = time.time() + self.cfg.handover_s  # the hand-over hold (kvflow.prefill)
         self._reqs_to_send[rid] = SendSpec(list(block_ids), request.num_computed_tokens, lease_expiry)
         return True, dict(
             do_remote_prefill=True,

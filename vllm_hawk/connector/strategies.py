@@ -182,6 +182,7 @@ def make_prefill(
         auth=cfg.auth,
         claim_wait_s=cfg.claim_wait_s,
         lease_s=cfg.lease_s,
+        handover_s=cfg.handover_s,
         max_hold_s=cfg.max_hold_s,
         on_finished=on_finished,
         observer=observer,

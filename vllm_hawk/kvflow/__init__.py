@@ -10,7 +10,7 @@ Release) landing in a :mod:`sink <vllm_hawk.kvflow.sinks>` — :class:`VllmPaged
 :class:`VllmStagedSink`, :class:`TTSink` (bank buffers or KV pages), :class:`GNHostSink` (GN-Host: vLLM blocks into
 a receive ring, layout fixed on the decode, :mod:`~vllm_hawk.kvflow.gn_host`);
 :class:`LeaseKeeper` (heartbeats renewing the prefill's leases of queued requests; it lives in
-:mod:`vllm_hawk.protocol.leases`, which the proxy uses too).
+:mod:`vllm_hawk.protocol.leases`, next to the Renew it sends).
 
 buffers: :class:`RingBuffer` (prefill ring, decode receive ring), :class:`BankBufferPool`
 (per-bank receive buffers); :mod:`~vllm_hawk.kvflow.streams`: vLLM caches as

@@ -121,6 +121,7 @@ class RequestRecord:
     num_tokens: int
     expiry: float  # unix s; 0 = never (until Release)
     hold_end: float = 0.0  # unix s: renewals never move expiry past this; 0 = unbounded
+    handover: bool = True  # no renewal yet: held until ``expiry``, the end of its hand-over hold
     owners: set = field(default_factory=set)  # peers whose KVRequests were accepted; empty = nobody yet
     consumers: int = 1  # shares to release before the blocks are free (the most any KVRequest said)
     ok: bool = True  # every released share reported success

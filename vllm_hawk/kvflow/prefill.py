@@ -25,18 +25,24 @@ Failure semantics, all here:
 * a Release while the request is still being served cancels it: the worker frees the
   range as soon as it sees the flag (after reserving, after producing) and sends no
   KVReady;
-* a held request nobody asks for is freed at its lease expiry; a served range without
-  Release ``lease_s`` after its KVReady (``KVReady.lease_ms``), with every other share
-  of its request (one still being produced is then answered ``unknown_request``); the
-  engine hears ``on_finished(req_id, False)``;
+* the hand-over hold: a request is held ``handover_s`` after the engine hands it over
+  without anyone renewing it. That is the time the front (``hawk proxy``, vLLM's router,
+  anything that forwards the prefill's ``kv_transfer_params``) and the decode's API
+  server may take to bring it to a decode engine, whose heartbeat then takes over; the
+  prefill needs nothing from the front for it (vLLM's router renews nothing);
+* a held request nobody asks for is freed at its expiry (the hand-over hold, or the last
+  renewal's lease): a request a decode refused before its engine saw it, or one whose
+  decode died; a served range without Release ``lease_s`` after its KVReady
+  (``KVReady.lease_ms``), with every other share of its request (one still being
+  produced is then answered ``unknown_request``); the engine hears
+  ``on_finished(req_id, False)``;
 * ``Renew`` (the decode's heartbeat, one per interval for every id it still wants, e.g.
-  requests waiting in its queue) moves a held, not yet requested request's expiry to
-  ``lease_s`` from now, but never past ``max_hold_s`` after the hand-over: a request
-  that never reaches a decode's engine is freed at the latest then (0 = no bound). Ids
-  no longer held are answered in ``Renewed.gone``. The proxy, a control peer, renews a
-  request while it hands it to a decode (its API server, then its engine, may keep it
-  longer than the lease under load); once a decode has claimed it, the proxy's Renew is
-  answered ``gone`` for it, since the claim's own lease (from KVReady) governs it then;
+  requests waiting in its queue) ends the hand-over hold: the expiry of a held, not yet
+  requested request moves to ``lease_s`` from now (earlier than the hold's end, too: from
+  then on a decode that dies frees it ``lease_s`` after its last heartbeat), but never
+  past ``max_hold_s`` after the hand-over: a request that never reaches a decode's engine
+  is freed at the latest then (0 = no bound). Ids no longer held are answered in
+  ``Renewed.gone``;
 * ring space is waited for at most ``claim_wait_s`` (and the request's deadline), then
   refused with ``no_space``.
 
@@ -60,9 +66,11 @@ Ownership and bounds (peers are the side channel's authenticated sender ids):
   peers: the decode ranks that pull shares of it); a KVRequest, Release or Renew for
   that id from any other peer is refused (``unknown_request``, counted ``not_owner``),
   so a stranger cannot free ring space a decode is still reading; before that, any
-  authenticated peer may Release or Renew it. This is what lets the proxy (a control
-  peer with the shared secret) free a request its decode refused before the decode's
-  engine saw it: an unclaimed request only, never a claimed one. A further consumer
+  authenticated peer may Release or Renew it (a Renew can end its hand-over hold early:
+  no more than the Release it could send instead). This is what lets the proxy (a
+  control peer with the shared secret, which may only Release) free a request its decode
+  refused before the decode's engine saw it: an unclaimed request only, never a claimed
+  one. A further consumer
   that had nothing to pull may Release its own share while fewer than ``consumers``
   peers own the id, never a share that is claimed or already released;
 * early KVRequests are parked at most :data:`MAX_EARLY` at once and
@@ -168,9 +176,10 @@ class PrefillEndpoint:
     source: a :class:`~vllm_hawk.kvflow.sources.KVSource`; transport: a started
     transport; compat: our compatibility fields; ring_nbytes: ring size in bytes
     (sources that use one); claim_wait_s: longest wait for ring space; lease_s: how long
-    the bytes of a request stay held without Release (from hand-over, and again from
-    KVReady; 0 = forever); max_hold_s: renewals never hold a request longer than this after
-    its hand-over (0 = no bound); on_finished(req_id, ok): the request's source blocks are free
+    the bytes of a request stay held without Release after a renewal and after its KVReady
+    (0 = forever); handover_s: how long a request is held after its hand-over before any
+    renewal (None = ``lease_s``); max_hold_s: renewals never hold a request longer than
+    this after its hand-over (0 = no bound); on_finished(req_id, ok): the request's source blocks are free
     for the engine; observer(req_id, msg, src_blocks): called before its bytes are
     produced (debug dumps); tp_info: HelloAck's tensor-parallel fields (see
     :meth:`tp_info`). A failing ``__init__`` leaves nothing registered or running.
@@ -188,6 +197,7 @@ class PrefillEndpoint:
         auth: str | None = None,
         claim_wait_s: float = 5.0,
         lease_s: float = 60.0,
+        handover_s: float | None = None,
         max_hold_s: float = 600.0,
         workers: int = 1,
         on_finished=None,
@@ -199,6 +209,7 @@ class PrefillEndpoint:
         self.source, self.transport, self.compat = source, transport, compat
         self._tp_info = dict(tp_info or {})
         self.claim_wait_s, self.lease_s, self.max_hold_s = claim_wait_s, lease_s, max_hold_s
+        self.handover_s = lease_s if handover_s is None else handover_s
         self.on_finished, self.observer = on_finished, observer
         self.stats = PrefillStats()
         self._lock = threading.Lock()  # guards the table, the early arrivals and the stats counters
@@ -238,8 +249,8 @@ class PrefillEndpoint:
     # ------------------------------------------------------------------ engine side (P1-P3)
     def add_request(self, req_id: str, src_blocks, num_tokens: int, lease_expiry: float | None = None) -> None:
         """The engine finished prefill of ``req_id``: its KV is in ``src_blocks`` (cache block
-        ids, in token order), held until Release or ``lease_expiry`` (unix s; default now +
-        ``lease_s``). KVRequests parked for it are served now, in arrival order (layer
+        ids, in token order), held until Release or ``lease_expiry`` (unix s, the end of its
+        hand-over hold; default now + ``handover_s``). KVRequests parked for it are served now, in arrival order (layer
         groups: the first one opens the stream); a Release that came first frees it at once."""
         src = np.asarray(src_blocks, dtype=np.int64).reshape(-1)
         bs = self.compat.block_size
@@ -249,7 +260,7 @@ class PrefillEndpoint:
             raise ValueError(f"add_request {req_id!r}: negative block id")
         now = time.time()
         if lease_expiry is None:
-            lease_expiry = now + self.lease_s if self.lease_s else 0.0
+            lease_expiry = now + self.handover_s if self.lease_s else 0.0
         hold_end = now + self.max_hold_s if self.max_hold_s and lease_expiry else 0.0
         parked = None
         with self._lock:
@@ -481,13 +492,12 @@ class PrefillEndpoint:
         return True, req.ok
 
     def on_renew(self, peer: str, msg: Renew, reply):
-        """Heartbeat: extend the lease of every id in ``msg`` that is held, not yet
+        """Heartbeat: renew the lease of every id in ``msg`` that is held, not yet
         requested, and unclaimed or claimed by ``peer`` (see module doc). Ids in flight
         (KVRequest accepted) are left alone: their lease runs from KVReady. Ids not held
-        and not finished (the hand-over may still come) are ignored. A control peer's
-        (the proxy's) Renew of a claimed id answers it ``gone``: the proxy's part is over."""
+        and not finished (the hand-over may still come) are ignored. (Control sessions
+        never get here: the server refuses their Renew.)"""
         now = time.time()
-        control = reply.control  # the server's reply: True over a control session (the proxy)
         gone, renewed, strangers = [], 0, 0
         with self._lock:
             for rid in msg.req_ids:
@@ -497,10 +507,7 @@ class PrefillEndpoint:
                         gone.append(rid)
                     continue
                 if req.owners and peer not in req.owners:
-                    if control:
-                        gone.append(rid)
-                    else:
-                        strangers += 1
+                    strangers += 1
                     continue
                 renewed += self._renew_locked(req, now)
             self.stats.renewed += renewed
@@ -515,14 +522,16 @@ class PrefillEndpoint:
 
     def _renew_locked(self, req: RequestRecord, now: float) -> int:
         """Move a held, not yet requested request's expiry to ``lease_s`` from ``now``
-        (never past its ``hold_end``); 1 when it moved."""
+        (never past its ``hold_end``); the first renewal ends its hand-over hold, so it may
+        move the expiry earlier. 1 when it moved."""
         if not req.expiry or req.in_flight():  # in flight: its lease runs from KVReady
             return 0
         new = now + self.lease_s
         if req.hold_end:
             new = min(new, req.hold_end)
-        if new <= req.expiry:
+        if new <= req.expiry and not req.handover:
             return 0
+        req.handover = False
         req.expiry = new
         return 1
 

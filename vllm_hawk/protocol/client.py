@@ -95,8 +95,7 @@ class ProtocolClient:
     """Client of one prefill's :class:`~vllm_hawk.protocol.server.ProtocolServer`.
 
     endpoint: ZMQ endpoint of the server ("tcp://host:port"); compat: our fields, or None
-    for a control peer (the proxy: handshakes with ``ControlHello``, may only Release
-    and Renew).
+    for a control peer (the proxy: handshakes with ``ControlHello``, may only Release).
     secret: shared key or None; auth: as :class:`~vllm_hawk.protocol.server.ProtocolServer`
     (must match the server's); timeout_s: default deadline per call (seconds).
     """

@@ -2,8 +2,8 @@
 
 A request the decode has accepted but not yet asked the prefill for (it waits in the
 engine's queue, or for a pull thread) must not lose its KV to the prefill's lease
-(``lease_s``); nor one the proxy is still handing to a decode
-(:mod:`vllm_hawk.proxy.release`). :class:`LeaseKeeper` remembers those ids per prefill (``want``) until the
+(``lease_s``; before the first heartbeat the prefill's own hand-over hold covers it,
+``handover_s``). :class:`LeaseKeeper` remembers those ids per prefill (``want``) until the
 pull or the Release takes over (``drop``), and every ``interval_s`` sends each prefill
 ONE ``Renew`` naming all of its wanted ids (in chunks of :data:`MAX_RENEW_IDS`), over
 the same authenticated side channel as every other message. Ids the prefill answers as
@@ -44,8 +44,8 @@ class KeeperStats:
 
 
 class LeaseKeeper:
-    """One heartbeat thread for every prefill its owner (a decode's worker, or the
-    proxy) talks to. Thread-safe.
+    """One heartbeat thread for every prefill its owner (a decode's worker) talks to.
+    Thread-safe.
 
     connect(key): the object to renew through for prefill ``key`` (anything with
     ``renew(req_ids, timeout_s) -> Renewed``, e.g. a

@@ -9,7 +9,7 @@ Decode (client) -> prefill (server):
                  :data:`MAX_RENEW_IDS` ids
 Control peer (the proxy) -> prefill:
   ``ControlHello`` handshake of a peer that moves no KV (no compatibility fields); such a
-                 session may send only ``Release`` and ``Renew``
+                 session may send only ``Release``
 Prefill -> decode (always as the reply to one request):
   ``HelloAck``   transfer endpoint + the exported region (base address, size): the
                  registered ring, or the whole KV cache for a source served in place
@@ -138,8 +138,8 @@ class Hello(_Base, tag="hello"):
 
 class ControlHello(_Base, tag="control_hello"):
     """Handshake of a control peer (the proxy): no compatibility fields, because it moves
-    no KV. Its session may send only ``Release`` and ``Renew``, which the prefill accepts
-    only for requests no decode has claimed (see :mod:`vllm_hawk.kvflow.prefill`)."""
+    no KV. Its session may send only ``Release``, which the prefill accepts only for
+    requests no decode has claimed (see :mod:`vllm_hawk.kvflow.prefill`)."""
 
     client_id: Name = ""
 
@@ -225,8 +225,7 @@ class Renew(_Base, tag="renew"):
 
 class Renewed(_Base, tag="renewed"):
     """Reply to Renew. renewed: leases extended; gone: ids of the Renew the prefill no
-    longer holds (released, expired or never known), and, to a control peer (the proxy),
-    ids a decode has claimed: the sender stops renewing them."""
+    longer holds (released, expired or never known): the sender stops renewing them."""
 
     renewed: U32 = 0
     gone: Annotated[list[ReqId], Meta(max_length=MAX_RENEW_IDS)] = []

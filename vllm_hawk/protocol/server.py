@@ -20,8 +20,10 @@ Authentication (``auth``):
 * ``"none"`` (no secret): nothing is authenticated; only for a private, trusted network.
 
 Control peers (``ControlHello``: the proxy, with the shared secret) handshake without
-compatibility fields; their sessions may send only ``Release`` and ``Renew`` (a KVRequest
-is refused ``bad_message``, counted ``control_kv_request``).
+compatibility fields; their sessions may send only ``Release`` (a KVRequest or a Renew
+is refused ``bad_message``, counted ``control_kv_request`` / ``control_renew``: the
+prefill holds a request through its hand-over by itself, so a control peer has no lease
+to keep).
 
 Bad input never stops the loop. With a secret, anything that fails authentication is
 dropped without a reply, except that a message WITHOUT a MAC from a peer we can identify
@@ -120,8 +122,7 @@ class ProtocolHandler(Protocol):
         """D8 -> P8-P9: free the ring region and blocks; return Ack or ErrorMsg."""
 
     def on_renew(self, peer: str, msg: Renew, reply: Reply) -> Message | None:
-        """Heartbeat: extend the leases of ``msg.req_ids``; return Renewed or ErrorMsg.
-        ``reply.control`` is True when a control peer (the proxy) sent it."""
+        """Heartbeat: extend the leases of ``msg.req_ids``; return Renewed or ErrorMsg."""
 
 
 @dataclass
@@ -427,10 +428,13 @@ class ProtocolServer:
             )
             return
         self._sessions.move_to_end(identity)
-        reply = _OnceReply(self, identity, seq, peer, control=identity in self._control)
+        reply = _OnceReply(self, identity, seq, peer)
         if isinstance(msg, KVRequest) and identity in self._control:
             self.stats.refusals.count("control_kv_request")
             out = ErrorMsg(code="bad_message", detail="a control session may not request KV", req_id=msg.req_id)
+        elif isinstance(msg, Renew) and identity in self._control:
+            self.stats.refusals.count("control_renew")
+            out = ErrorMsg(code="bad_message", detail="a control session may only Release")
         elif isinstance(msg, KVRequest):
             out = self._handler.on_kv_request(peer, msg, reply)
         elif isinstance(msg, Release):
@@ -486,14 +490,12 @@ class ProtocolServer:
 
 
 class _OnceReply:
-    """The ``reply`` callable handed to the handler: the first call wins. ``control``:
-    the message came over a control session (``ControlHello``: the proxy)."""
+    """The ``reply`` callable handed to the handler: the first call wins."""
 
-    __slots__ = ("_server", "_identity", "_seq", "_peer", "_used", "_lock", "control")
+    __slots__ = ("_server", "_identity", "_seq", "_peer", "_used", "_lock")
 
-    def __init__(self, server: ProtocolServer, identity: bytes, seq: int, peer: str, control: bool = False) -> None:
+    def __init__(self, server: ProtocolServer, identity: bytes, seq: int, peer: str) -> None:
         self._server, self._identity, self._seq, self._peer = server, identity, seq, peer
-        self.control = control
         self._used = False
         self._lock = threading.Lock()
 

@@ -78,14 +78,7 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
         default=None,
         help="the connectors' auth (default: curve with a secret, else none)",
     )
-    p.add_argument(
-        "--renew-interval-s",
-        type=float,
-        default=1.0,
-        help="seconds between two Renews of the requests being handed to a decode (needs the "
-        "connectors' secret, or --side-channel-auth none; keep it well below the prefills' lease_s; "
-        "default %(default)s)",
-    )
+    p.add_argument("--renew-interval-s", type=float, default=None, help=argparse.SUPPRESS)  # removed
     p.add_argument("--timeout-s", type=float, default=None, help=argparse.SUPPRESS)  # renamed
     return p.parse_args(argv)
 
@@ -134,9 +127,12 @@ def releaser_of(args: argparse.Namespace):
             auth,
         )
         return None
-    if not 0 < args.renew_interval_s <= 60:  # NaN and inf fail too
-        raise SystemExit(f"hawk proxy: --renew-interval-s {args.renew_interval_s!r} must be in (0, 60] seconds")
-    return PrefillReleaser(secret, auth, renew_interval_s=args.renew_interval_s)
+    if args.renew_interval_s is not None:
+        raise SystemExit(
+            "hawk proxy: --renew-interval-s is gone: the prefills hold a request through its hand-over "
+            "by themselves (kv_connector_extra_config.handover_s), whatever front forwards it"
+        )
+    return PrefillReleaser(secret, auth)
 
 
 def _raise_fd_limit() -> None:

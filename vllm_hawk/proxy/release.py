@@ -1,32 +1,22 @@
-"""The proxy's control peer at the prefills: Renew during the hand-over, Release for
-requests a decode refused before its engine saw them.
-
-Between the prefill's answer and the decode engine's first heartbeat for a request, only
-the proxy holds it: in its own queue, then in the decode's API server, which under load
-can take longer than the prefill's ``lease_s`` to hand it to its engine. So from the
-prefill's answer until the decode answers, the proxy renews the request's lease
-(:meth:`PrefillReleaser.hold`, a :class:`~vllm_hawk.protocol.leases.LeaseKeeper` every
-``renew_interval_s``); the prefill answers ``gone`` once a decode has claimed it (or it is
-freed), and the proxy stops. The prefill's ``max_hold_s`` bounds the hold as for a
-decode's heartbeat; a proxy that dies stops renewing, and the lease frees the blocks.
+"""The proxy's control peer at the prefills: a Release for each request a decode refused
+before its engine saw it.
 
 When the decode's API server answers a request with an error (``max_tokens`` out of
 range, a prompt longer than the decode's ``max_model_len`` ...), no decode engine ever
 knows the request, so nobody would tell the prefill, which would hold its KV until its
-lease ends. The proxy knows: it sends the prefill's side channel (named in the request's
-``kv_transfer_params``) a ``Release`` as a control peer (``ControlHello``: no
-compatibility fields, Release and Renew only), authenticated with the same shared
-secret and ``auth`` as the connectors. The prefill accepts it only for a request no
-decode has claimed (:mod:`vllm_hawk.kvflow.prefill`, "Ownership"), so the proxy can
+hand-over hold (``handover_s``) ends. The proxy knows: it sends the prefill's side
+channel (named in the request's ``kv_transfer_params``) a ``Release`` as a control peer
+(``ControlHello``: no compatibility fields, Release only), authenticated with the same
+shared secret and ``auth`` as the connectors. The prefill accepts it only for a request
+no decode has claimed (:mod:`vllm_hawk.kvflow.prefill`, "Ownership"), so the proxy can
 never free KV a decode is reading.
 
 One control client per prefill side channel (every TP rank of a prefill has its own),
 at most :data:`MAX_PEERS` (the oldest is closed); the blocking side-channel calls run in
 a worker thread, each within ``timeout_s``. A Release that fails is logged and counted;
-the lease frees the blocks. When the decode's engine did see the request (some refusals
-happen there) the decode
-releases it itself, and the proxy's Release is answered ``unknown_request`` (counted
-``already``).
+the hand-over hold frees the blocks. When the decode's engine did see the request (some
+refusals happen there) the decode releases it itself, and the proxy's Release is
+answered ``unknown_request`` (counted ``already``).
 """
 
 from __future__ import annotations
@@ -37,7 +27,7 @@ import logging
 import threading
 import time
 
-from vllm_hawk.protocol import MAX_TP_RANKS, LeaseKeeper, ProtocolClient, RemoteError, side_channel_endpoint
+from vllm_hawk.protocol import MAX_TP_RANKS, ProtocolClient, RemoteError, side_channel_endpoint
 
 logger = logging.getLogger(__name__)
 
@@ -67,16 +57,13 @@ def side_channels_of(params: dict) -> tuple[list[str], str] | None:
 
 
 class PrefillReleaser:
-    """Renews handed-over requests and sends ``Release`` for refused ones, at every
-    prefill TP rank (see module doc). secret/auth: as the connectors' (``auth`` None:
-    ``curve`` with a secret, else ``none``); renew_interval_s: seconds between two Renews
-    to one prefill (keep it well below the prefills' ``lease_s``). A side channel whose
-    handshake failed (wrong secret, unreachable) is left alone for :data:`RETRY_AFTER_S`,
-    so a misconfigured proxy does not handshake with it at every heartbeat."""
+    """Sends ``Release`` for refused requests to every prefill TP rank (see module doc).
+    secret/auth: as the connectors' (``auth`` None: ``curve`` with a secret, else
+    ``none``). A side channel whose handshake failed (wrong secret, unreachable) is left
+    alone for :data:`RETRY_AFTER_S`, so a misconfigured proxy does not handshake with it at
+    every refused request."""
 
-    def __init__(
-        self, secret: bytes | None, auth: str | None = None, timeout_s: float = 2.0, renew_interval_s: float = 1.0
-    ) -> None:
+    def __init__(self, secret: bytes | None, auth: str | None = None, timeout_s: float = 2.0) -> None:
         self.secret, self.auth, self.timeout_s = secret, auth, timeout_s
         self._clients: collections.OrderedDict[str, ProtocolClient] = collections.OrderedDict()
         self._failed_at: collections.OrderedDict[str, float] = collections.OrderedDict()  # endpoint -> monotonic s
@@ -84,22 +71,6 @@ class PrefillReleaser:
         self.released = 0
         self.already = 0  # the decode's engine saw the request and released it first
         self.failed = 0
-        self.keeper = LeaseKeeper(self._client, renew_interval_s)
-
-    def hold(self, params: dict) -> None:
-        """Renew the lease of the request ``params`` names, at each prefill rank, until
-        :meth:`unhold` (or until the rank answers it ``gone``: a decode claimed it)."""
-        where = side_channels_of(params)
-        if where is not None:
-            for endpoint in where[0]:
-                self.keeper.want(endpoint, where[1])
-
-    def unhold(self, params: dict) -> None:
-        """The decode has answered the request: stop renewing it."""
-        where = side_channels_of(params)
-        if where is not None:
-            for endpoint in where[0]:
-                self.keeper.drop(where[1], endpoint)
 
     async def release(self, params: dict) -> bool:
         """Tell every prefill rank named in ``params`` to free the request; True when one did."""
@@ -130,8 +101,7 @@ class PrefillReleaser:
         return freed
 
     def _client(self, endpoint: str) -> ProtocolClient:
-        """The session with ``endpoint`` (made on first use; shared by the keeper's thread
-        and the Release threads)."""
+        """The session with ``endpoint`` (made on first use; shared by the Release threads)."""
         with self._lock:
             c = self._clients.get(endpoint)
             if c is not None:
@@ -185,7 +155,6 @@ class PrefillReleaser:
             raise
 
     def close(self) -> None:
-        self.keeper.close()
         with self._lock:
             clients, self._clients = list(self._clients.values()), collections.OrderedDict()
         for c in clients:

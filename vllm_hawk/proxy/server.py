@@ -10,12 +10,10 @@ For each ``/v1/completions`` or ``/v1/chat/completions`` request:
 
 A request the decode refuses (an error status before any output: its API server
 rejected it, so its engine never saw it) has its prefill blocks released at once by
-the proxy (:mod:`vllm_hawk.proxy.release`; needs the shared secret the connectors use).
-The same control peer renews the request's lease at every prefill rank from step 1's
-answer until the decode answers, so a slow hand-over (a busy decode API server) does
-not lose the KV; the prefill ends that once a decode claims the request. A decode that
-never answers keeps the KV held that long: at most ``first_byte_s`` (or ``idle_s``
-between chunks), and never past the prefill's ``max_hold_s``.
+the proxy (:mod:`vllm_hawk.proxy.release`; needs the shared secret the connectors use),
+instead of at the end of the prefill's hand-over hold (``handover_s``). The hand-over
+itself needs nothing from the proxy: the prefill holds the request until a decode
+engine's heartbeat takes it up, as behind any other front (vLLM's router).
 
 Upstream errors keep their HTTP status and body; an unreachable upstream is 502 (the
 message names the server). A client that disconnects cancels the handler, which closes
@@ -321,14 +319,8 @@ class Proxy:
                 "(is it a vLLM with HawkConnector as kv_producer?)",
             )
 
-        # 2. decode: the prefill's lease is renewed until the decode answers
-        if self.releaser is not None:
-            self.releaser.hold(params)
-        try:
-            return await self._decode(request, path, body, params, headers, p_url, prefill_ms, t_in)
-        finally:
-            if self.releaser is not None:
-                self.releaser.unhold(params)
+        # 2. decode (the prefill holds the KV through the hand-over by itself: handover_s)
+        return await self._decode(request, path, body, params, headers, p_url, prefill_ms, t_in)
 
     async def _decode(
         self,

@@ -1,4 +1,5 @@
-"""A disaggregated cluster on this machine: prefill vLLM + decode vLLM + ``hawk proxy``.
+"""A disaggregated cluster on this machine: prefill vLLM(s) + decode vLLM(s) + ``hawk proxy``
+(+ vLLM's router).
 
 Used by the end-to-end tests and ``examples/pd_local/run_demo.py``. Every server runs
 in its own session (process group), so :meth:`LocalCluster.stop` ends it and every
@@ -16,6 +17,14 @@ The paper's four serving configurations (:data:`CONFIGURATIONS`: ``GG-Host``,
 ``GG-Direct``, ``GN-Host``, ``GN-HAWK``) start the same way, with the same interface:
 
     with LocalCluster.configured("GN-Host", model_dir, workdir, dtype="bfloat16") as c:
+
+Several prefills and decodes (``prefills``/``decodes``; the proxy fronts all of them) and
+vLLM's router (``vllm-router --vllm-pd-disaggregation``) over any subset of them
+(``routers``: name -> (prefill indices, decode indices)), for xPyD behind either front:
+
+    LocalCluster.configured("GG-Direct", m, w, prefills=2, decodes=2,
+                            routers={"2p1d": ((0, 1), (0,)), "1p2d": ((0,), (0, 1))})
+    c.router_url("2p1d")
 
 On machines with 2+ CPUs the prefill's model threads are bound to the first CPU and the
 decode's to the second (``VLLM_CPU_OMP_THREADS_BIND``); vLLM's default binds both to the
@@ -195,17 +204,17 @@ def connector_states(dump_dir: str | os.PathLike, every: bool = False) -> dict:
 
 
 def idle_state(cluster, dump_dir: str | os.PathLike) -> tuple[bool, dict]:
-    """(idle?, what was seen): nothing held or in flight on either connector (prefill: held
+    """(idle?, what was seen): nothing held or in flight on any connector (prefill: held
     requests, ring ranges; decode: pulls, renewed ids, receive slices) and vLLM's KV cache
-    usage 0 on both servers."""
+    usage 0 on every server."""
     s = connector_states(dump_dir, every=True)
     ps = [x.get("prefill", {}) for x in s.get("prefill", [])] or [{}]
     ds = [x.get("decode", {}) for x in s.get("decode", [])] or [{}]
-    usage = (kv_usage(cluster.prefill_url), kv_usage(cluster.decode_url))
+    usage = tuple(kv_usage(u) for u in (*cluster.prefill_urls, *cluster.decode_urls))
     ok = (
         all(p.get("held") == 0 and p.get("ring_live") == 0 and p.get("ring_used", 0) == 0 for p in ps)
         and all(d.get("inflight") == 0 and d.get("renewing", 0) == 0 and d.get("recv_live", 0) == 0 for d in ds)
-        and usage == (0.0, 0.0)
+        and all(u == 0.0 for u in usage)
     )
     one = (lambda xs: xs[0]) if len(ps) == len(ds) == 1 else (lambda xs: xs)
     return ok, {"prefill": one(ps), "decode": one(ds), "usage": usage}
@@ -267,6 +276,11 @@ class Server:
         self.proc = None
 
 
+def _name(role: str, i: int) -> str:
+    """Server name of the ``i``-th prefill or decode: ``prefill``, ``prefill-1``, ..."""
+    return role if i == 0 else f"{role}-{i}"
+
+
 def _signal_group(pgid: int, sig: int) -> None:
     with contextlib.suppress(ProcessLookupError, PermissionError):
         os.killpg(pgid, sig)
@@ -291,7 +305,10 @@ TP_RANK_ENV = {"VLLM_CPU_OMP_THREADS_BIND": "nobind", "OMP_NUM_THREADS": "1"}
 
 @dataclass
 class LocalCluster:
-    """One prefill server, one decode server, one proxy (ports picked at start)."""
+    """Prefill and decode servers (one of each by default), the proxy over all of them, and
+    any vLLM routers named in ``routers`` (ports picked at start). Servers are named
+    ``prefill``, ``prefill-1``, ... and ``decode``, ``decode-1``, ...; routers
+    ``router-NAME``."""
 
     model: str | os.PathLike
     workdir: str | os.PathLike
@@ -313,6 +330,12 @@ class LocalCluster:
     startup_timeout_s: float = 400.0
     prefill_tp: int = 1  # --tensor-parallel-size of each side (ranks bind both CPUs: VLLM_CPU_OMP_THREADS_BIND 0|1)
     decode_tp: int = 1
+    prefills: int = 1  # prefill servers (each its own side-channel ports)
+    decodes: int = 1  # decode servers
+    #: vLLM routers to start in PD mode: name -> (prefill indices, decode indices); round robin
+    routers: dict = field(default_factory=dict)
+    #: the proxy's upstreams: (prefill indices, decode indices); empty = all of them
+    proxy_over: tuple = ()
     python: str = sys.executable
     servers: dict[str, Server] = field(default_factory=dict)
 
@@ -349,8 +372,20 @@ class LocalCluster:
         return self.servers["decode"].url
 
     @property
+    def prefill_urls(self) -> list[str]:
+        return [self.servers[_name("prefill", i)].url for i in range(self.prefills)]
+
+    @property
+    def decode_urls(self) -> list[str]:
+        return [self.servers[_name("decode", i)].url for i in range(self.decodes)]
+
+    @property
     def proxy_url(self) -> str:
         return self.servers["proxy"].url
+
+    def router_url(self, name: str) -> str:
+        """The URL of router ``name`` of :attr:`routers`."""
+        return self.servers[f"router-{name}"].url
 
     # ---------------------------------------------------------------- lifecycle
     def _tt_entry_point_dir(self) -> str | None:
@@ -387,7 +422,7 @@ class LocalCluster:
         env["PYTHONPATH"] = os.pathsep.join(p for p in (root, tt_dir, env.get("PYTHONPATH")) if p)
         return env
 
-    def _vllm(self, role: str, kv_role: str, config: dict, cpu: str | None) -> Server:
+    def _vllm(self, role: str, kv_role: str, config: dict, cpu: str | None, name: str = "") -> Server:
         work = Path(self.workdir)
         tp = self.prefill_tp if role == "prefill" else self.decode_tp
         tp_args = ["--tensor-parallel-size", str(tp)] if tp > 1 else []
@@ -443,7 +478,8 @@ class LocalCluster:
             json.dumps(ktc),
         ]
         tt = role == "decode" and bool(self.decode_tt)
-        return Server(role, argv, self._env(cpu, tt), work / f"{role}.log", f"http://127.0.0.1:{port}")
+        name = name or role
+        return Server(name, argv, self._env(cpu, tt), work / f"{name}.log", f"http://127.0.0.1:{port}")
 
     def start(self, progress: Progress | None = None) -> LocalCluster:
         work = Path(self.workdir)
@@ -453,43 +489,69 @@ class LocalCluster:
         p_cpu, d_cpu = (str(cpus[0]), str(cpus[1])) if len(cpus) >= 2 else (None, None)
         tt = {"device_profile": self.decode_tt.get("device", "p150a")} if self.decode_tt else {}
         tt.update(self._auth_config(work))
-        p_cfg = {"side_channel_port": free_port_run(self.prefill_tp), **tt, **self.extra_config, **self.prefill_config}
+        p_cfg = {**tt, **self.extra_config, **self.prefill_config}
         d_cfg = {**tt, **self.extra_config, **self.decode_config}
-        self.servers["prefill"] = self._vllm("prefill", "kv_producer", p_cfg, p_cpu)
-        self.servers["decode"] = self._vllm("decode", "kv_consumer", d_cfg, d_cpu)
+        for i in range(self.prefills):
+            cfg = {"side_channel_port": free_port_run(self.prefill_tp), **p_cfg}
+            self.servers[_name("prefill", i)] = self._vllm("prefill", "kv_producer", cfg, p_cpu, _name("prefill", i))
+        for i in range(self.decodes):
+            self.servers[_name("decode", i)] = self._vllm("decode", "kv_consumer", d_cfg, d_cpu, _name("decode", i))
+        engines = list(self.servers)
         try:
             for s in self.servers.values():
                 s.start()
-            self._wait(["prefill", "decode"], progress)
-            pport = free_port()
-            auth = p_cfg.get("auth", "curve")
-            secret = ["--shared-secret-file", p_cfg["shared_secret_file"]] if p_cfg.get("shared_secret_file") else []
-            self.servers["proxy"] = Server(
-                "proxy",
-                [
-                    self.python,
-                    "-m",
-                    "vllm_hawk.proxy",
-                    "--prefill",
-                    self.prefill_url,
-                    "--decode",
-                    self.decode_url,
-                    "--port",
-                    str(pport),
-                    "--side-channel-auth",
-                    auth,
-                    *secret,
-                ],
-                self._env(None),
-                work / "proxy.log",
-                f"http://127.0.0.1:{pport}",
-            )
-            self.servers["proxy"].start()
-            self._wait(["proxy"], progress)
+            self._wait(engines, progress)
+            self._start_fronts(p_cfg, progress)
         except BaseException:
             self.stop()
             raise
         return self
+
+    def _start_fronts(self, p_cfg: dict, progress: Progress | None) -> None:
+        """``hawk proxy`` over every prefill and decode, then the vLLM routers."""
+        work = Path(self.workdir)
+        pport = free_port()
+        auth = p_cfg.get("auth", "curve")
+        secret = ["--shared-secret-file", p_cfg["shared_secret_file"]] if p_cfg.get("shared_secret_file") else []
+        pre, dec = self.proxy_over or (range(self.prefills), range(self.decodes))
+        ups = [a for i in pre for a in ("--prefill", self.prefill_urls[i])]
+        ups += [a for i in dec for a in ("--decode", self.decode_urls[i])]
+        argv = [self.python, "-m", "vllm_hawk.proxy", *ups, "--port", str(pport), "--side-channel-auth", auth, *secret]
+        self.servers["proxy"] = Server("proxy", argv, self._env(None), work / "proxy.log", f"http://127.0.0.1:{pport}")
+        self.servers["proxy"].start()
+        for name, (pre, dec) in self.routers.items():
+            self.servers[f"router-{name}"] = self._router(
+                name, [self.prefill_urls[i] for i in pre], [self.decode_urls[i] for i in dec]
+            )
+            self.servers[f"router-{name}"].start()
+        self._wait(["proxy", *(f"router-{n}" for n in self.routers)], progress)
+
+    def _router(self, name: str, prefill: list[str], decode: list[str]) -> Server:
+        """vLLM's router in PD mode over ``prefill`` and ``decode`` (round robin over each;
+        its Prometheus port picked free too, since several may run at once)."""
+        port = free_port()
+        argv = [
+            self.python,
+            "-m",
+            "vllm_router.launch_router",
+            "--vllm-pd-disaggregation",
+            *(a for u in prefill for a in ("--prefill", u)),
+            *(a for u in decode for a in ("--decode", u)),
+            "--policy",
+            "round_robin",
+            "--host",
+            "127.0.0.1",
+            "--port",
+            str(port),
+            "--prometheus-host",
+            "127.0.0.1",
+            "--prometheus-port",
+            str(free_port()),
+            "--log-level",
+            "warning",
+        ]
+        work = Path(self.workdir)
+        return Server(f"router-{name}", argv, self._env(None), work / f"router-{name}.log", f"http://127.0.0.1:{port}")
 
     def _auth_config(self, work: Path) -> dict:
         """``auth`` and a fresh ``shared_secret_file`` (0600) for both servers."""
@@ -529,10 +591,10 @@ class LocalCluster:
                 time.sleep(1.0)
 
     def stop(self) -> None:
-        for name in ("proxy", "decode", "prefill"):
-            s = self.servers.get(name)
-            if s is not None:
-                s.stop()
+        fronts = [n for n in self.servers if n == "proxy" or n.startswith("router-")]
+        decodes = [n for n in self.servers if n.startswith("decode")]
+        for name in (*fronts, *decodes, *(n for n in self.servers if n.startswith("prefill"))):
+            self.servers[name].stop()
         if max(self.prefill_tp, self.decode_tp) > 1:
             remove_vllm_shm()
 

@@ -146,8 +146,8 @@ class NetnsCluster(LocalCluster):
         self.prefill_config = {"side_channel_host": self.net.kv_p, **self.prefill_config}
         self.decode_config = {"side_channel_host": self.net.kv_d, **self.decode_config}
 
-    def _vllm(self, role: str, kv_role: str, config: dict, cpu: str | None) -> Server:
-        s = super()._vllm(role, kv_role, config, cpu)
+    def _vllm(self, role: str, kv_role: str, config: dict, cpu: str | None, name: str = "") -> Server:
+        s = super()._vllm(role, kv_role, config, cpu, name)
         ns, addr = (self.net.ns_p, self.net.p_addr) if role == "prefill" else (self.net.ns_d, self.net.d_addr)
         i = s.argv.index("--host")
         s.argv[i + 1] = "0.0.0.0"
