@@ -176,6 +176,43 @@ def test_tp_pair_serves_exactly(cluster, record_property):
         _mismatched_tp_fails_the_pull_with_both_values(cluster)
 
 
+def test_a_prefill_holding_kv_for_a_decode_does_not_spin_its_workers(cluster):
+    """While a TP prefill holds a finished request for its decode, vLLM keeps stepping the
+    engine only to poll the connector. Those steps compute nothing; the connector waits in
+    them (``idle_step_wait_ms``) instead of letting every worker spin: spinning, a TP=2
+    prefill holding one request used 0.9 and 0.7 of a core in its two workers on a 2-core
+    host, and its side channels answered Renews in up to 0.5 s (more under more load:
+    missed 1 s deadlines and CURVE handshakes past their 1 s limit). Waiting, 0.10-0.11."""
+    import psutil
+
+    if cluster.hawk_cfg["prefill_tp"] < 2:
+        pytest.skip("the prefill runs its model in the engine core (no TP workers)")
+    prompt = [0] + list(range(7, 100))
+    status, out = http_post_json(
+        cluster.prefill_url + "/v1/completions",
+        {"model": "tiny", "prompt": prompt, "max_tokens": 1, "kv_transfer_params": {"do_remote_decode": True}},
+    )
+    assert status == 200, out
+    workers = [
+        p
+        for p in psutil.Process(cluster.servers["prefill"].proc.pid).children(recursive=True)
+        if p.name().startswith("VLLM::Worker")
+    ]
+    assert len(workers) == cluster.hawk_cfg["prefill_tp"], workers
+    before = [sum(p.cpu_times()[:2]) for p in workers]
+    time.sleep(5.0)
+    used = [(sum(p.cpu_times()[:2]) - b) / 5.0 for p, b in zip(workers, before, strict=True)]
+    # the decode takes the request (pull + Release): nothing stays held
+    status, got = http_post_json(
+        cluster.decode_url + "/v1/completions",
+        {"model": "tiny", "prompt": prompt, "max_tokens": 1, "kv_transfer_params": out["kv_transfer_params"]},
+    )
+    assert status == 200, got
+    wait_idle(cluster, cluster.hawk_dump, 30.0)
+    print(f"[{cluster.hawk_name}] prefill workers while holding one request: {used} of a core each")
+    assert max(used) < 0.5, f"prefill workers used {used} of a core each while only holding KV"
+
+
 def _mismatched_tp_fails_the_pull_with_both_values(cluster):
     """A prefill that claims a TP size its side channels do not have: the pull fails
     with an error naming both sides' values, and nothing stays held."""

@@ -48,17 +48,25 @@ def fake_submit(td, monkeypatch, *, fail: bool, settle_after: float | None):
 
 # --------------------------------------------------------------------------- cancel before KVReady
 def test_release_before_kvready_cancels_and_frees_the_ring_at_once(monkeypatch):
-    real = sources_mod.transform_source
+    from vllm_hawk.kvflow.lifecycle import ShareState
+
+    real, go = sources_mod.transform_source, threading.Event()
 
     def slow_transform(*a, **k):
-        time.sleep(1.0)
+        go.wait(30.0)  # until the decode's Release has cancelled the share
         return real(*a, **k)
+
+    def cancelled() -> bool:
+        with pre._lock:
+            return pre._table.count({ShareState.CANCELLED}) == 1
 
     monkeypatch.setattr(sources_mod, "transform_source", slow_transform)
     with endpoints(lease_s=60.0) as (_cache, pre, dec, _dev, _td, finished):
         pre.add_request("slow", [1, 2], 2 * BS)
         with pytest.raises(PeerFailed, match="no reply"):
             dec.fetch("slow", 2 * BS, [3, 4], "staged", timeout_s=0.3)  # gives up mid-transform
+        assert wait_until(cancelled, 10.0)
+        go.set()
         # The Release(ok=False) reached the prefill before its KVReady: the range is freed
         # as soon as the transform ends, not after the 60 s lease; on_finished comes last.
         assert wait_until(lambda: finished == [("slow", False)], 10.0), finished
@@ -333,3 +341,48 @@ def test_kv_page_addresses_come_from_the_bank_buffer_api():
     for b in bufs:
         dev.free_buffer(b)
     assert dev.live_buffers() == []
+
+
+# --------------------------------------------------------------------------- a late hand-over
+def test_a_hand_over_later_than_3_s_is_still_served():
+    """The engine hands a finished request over one engine step after it finished; on a
+    host short of CPU that step can come seconds after the decode's KVRequest. The
+    KVRequest waits for it until its own deadline, so the pull succeeds."""
+    with endpoints() as (cache, pre, dec, _dev, _td, finished):
+        out = {}
+        t = threading.Thread(target=lambda: out.setdefault("res", dec.fetch("slow-hand-over", BS, [5], timeout_s=20)))
+        t.start()
+        assert wait_until(lambda: pre.snapshot()["early"] == 1, 5.0), pre.snapshot()
+        time.sleep(4.0)  # longer than EARLY_REQUEST_WAIT_S
+        pre.add_request("slow-hand-over", [3], BS)
+        t.join(20)
+        assert "res" in out, "the fetch failed"
+        assert_pool_holds(dec, cache, [3], BS, [5])
+        assert wait_until(lambda: finished == [("slow-hand-over", True)], 5.0), finished
+        assert pre.snapshot()["early"] == 0
+
+
+def test_an_id_never_handed_over_is_refused_once_the_engine_stepped_past_it():
+    """A KVRequest for an id the prefill will never hand over is answered unknown_request
+    as soon as the engine has begun the steps that would have carried its hand-over,
+    well before the decode's deadline."""
+    from vllm_hawk.kvflow.early import HAND_OVER_STEPS
+
+    with endpoints() as (_cache, pre, dec, _dev, _td, _finished):
+        out = {}
+
+        def fetch():
+            try:
+                dec.fetch("made-up", BS, [5], timeout_s=30)
+            except PeerFailed as e:
+                out["error"] = str(e)
+
+        t = threading.Thread(target=fetch)
+        t.start()
+        assert wait_until(lambda: pre.snapshot()["early"] == 1, 5.0), pre.snapshot()
+        t0 = time.monotonic()
+        for _ in range(HAND_OVER_STEPS):
+            pre.engine_step()
+        t.join(10)
+        assert "unknown_request" in out.get("error", ""), out
+        assert time.monotonic() - t0 < 5.0 and pre.snapshot()["early"] == 0

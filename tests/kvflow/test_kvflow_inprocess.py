@@ -171,7 +171,7 @@ def test_refusals_unknown_request_ring_too_small_and_reads_outside_the_ring(pair
     cache, pre, decs, dev, tp, td = pair
     dec = decs["bfloat16"]
     with pytest.raises(PeerFailed, match="unknown_request"):
-        dec.fetch("never-prefilled", 64, [0], "staged")
+        dec.fetch("never-prefilled", 64, [0], "staged", timeout_s=5)  # refused 1 s before the deadline
     pre.add_request("big", list(range(20)), 20 * BS)  # 20 blocks of bf16 = 1.25 MiB > 1 MiB ring
     with pytest.raises(PeerFailed, match="no_space.*more than the whole"):
         dec.fetch("big", 20 * BS, list(range(20)), "direct")

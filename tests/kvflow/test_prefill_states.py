@@ -4,7 +4,9 @@ arrivals (:mod:`vllm_hawk.kvflow.early`): the transition table, the records, the
 from __future__ import annotations
 
 import itertools
+import time
 
+import msgspec
 import numpy as np
 import pytest
 
@@ -160,6 +162,33 @@ def test_early_arrivals_bounds(monkeypatch):
     assert not ea.take_release("x") and ea.take_release("z")
 
 
+def test_early_wait_is_the_kvrequests_own_deadline_within_bounds():
+    """A KVRequest that beats the hand-over waits until its deadline (the decode's pull
+    deadline), at least EARLY_REQUEST_WAIT_S and at most EARLY_REQUEST_MAX_WAIT_S."""
+    now = 1_000_000.0
+
+    def wait(left_s):
+        msg = msgspec.structs.replace(_kvreq("a"), deadline_ms=int((now + left_s) * 1000))
+        return early_mod.early_wait_s(msg, now)
+
+    assert wait(20.0) == pytest.approx(20.0 - early_mod.EARLY_REPLY_MARGIN_S)
+    assert wait(0.5) == early_mod.EARLY_REQUEST_WAIT_S  # a near (or skewed) deadline
+    assert wait(-100.0) == early_mod.EARLY_REQUEST_WAIT_S
+    assert wait(3600.0) == early_mod.EARLY_REQUEST_MAX_WAIT_S
+    assert early_mod.early_wait_s(_kvreq("a"), now) == early_mod.EARLY_REQUEST_MAX_WAIT_S  # no deadline
+
+
+def test_early_arrivals_expire_each_at_its_own_deadline():
+    """Parked ids expire by their own deadlines, not in arrival order."""
+    ea = EarlyArrivals()
+    t = time.time()
+    ea.park("d", msgspec.structs.replace(_kvreq("late"), deadline_ms=int((t + 50) * 1000)), None)
+    ea.park("d", msgspec.structs.replace(_kvreq("soon"), deadline_ms=int((t + 10) * 1000)), None)
+    mono = time.monotonic()
+    assert ea.expire(mono + 30) and ea.waiting("late") and not ea.waiting("soon")
+    assert [rid for rid, _p in ea.expire(mono + 70)] == ["late"] and len(ea) == 0
+
+
 def test_early_arrivals_expire():
     ea = EarlyArrivals()
     ea.park("d", _kvreq("a"), None)
@@ -168,3 +197,16 @@ def test_early_arrivals_expire():
     late = ea.expire(float("inf"))
     assert [rid for rid, _p in late] == ["a"] and late[0][1].shares["a"].state is S.EXPIRED
     assert len(ea) == 0 and ea.block_ids == 0 and ea.releases() == 0
+
+
+def test_an_id_never_handed_over_is_unknown_after_the_hand_over_steps():
+    """Ids are answered unknown once HAND_OVER_STEPS engine steps began since they were
+    asked for, each counted from its own arrival."""
+    ea = EarlyArrivals()
+    ea.park("d", _kvreq("a"), None, step=5)
+    ea.park("d", _kvreq("b"), None, step=6)
+    assert ea.overdue(5 + early_mod.HAND_OVER_STEPS - 1) == []
+    assert [rid for rid, _p in ea.overdue(5 + early_mod.HAND_OVER_STEPS)] == ["a"]
+    late = ea.overdue(6 + early_mod.HAND_OVER_STEPS)
+    assert [rid for rid, _p in late] == ["b"] and late[0][1].shares["b"].state is S.EXPIRED
+    assert len(ea) == 0 and ea.block_ids == 0

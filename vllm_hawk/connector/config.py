@@ -111,6 +111,16 @@ field                  default             meaning
                                            ``"auto"``: 2 for a direct-mode pull of >= 84 MiB
                                            of tiles, else 1 (measured, see
                                            ``kvflow.decode.AUTO_GROUPS_MIN_NBYTES``)
+``idle_step_wait_ms``  ``20``              both: in an engine step that computes nothing (the
+                                           engine steps only to poll the connector while it
+                                           holds KV for a decode, or waits for a pull), the
+                                           worker waits this long for a Release or a pull to
+                                           end before it returns; 0 = return at once. Without
+                                           it such steps spin every worker and the engine
+                                           core (a TP=2 prefill holding one request: 1.9 of 2
+                                           cores), starving the side channel on small hosts.
+                                           A request that arrives meanwhile starts at most
+                                           this much later
 ``prefill_tp``         ``0``               decode: the prefills' tensor_parallel_size; checked
                                            at start-up against this decode's TP (or chips)
                                            and the model's KV heads, and against each
@@ -239,6 +249,7 @@ class HawkConfig:
     max_pulls: int = 2
     layer_groups: int = AUTO_LAYER_GROUPS  # "auto" in kv_connector_extra_config (0 once parsed)
     prefill_tp: int = 0
+    idle_step_wait_ms: int = 20
     secret_bytes: bytes | None = field(default=None, repr=False, compare=False)  # resolved, not a field
 
     def transport_kind_and_options(self) -> tuple[str, dict[str, Any]]:
@@ -345,6 +356,7 @@ def _check_numbers(out: dict, extra: dict, dp_rank: int) -> None:
     else:
         out["layer_groups"] = _number("layer_groups", out["layer_groups"], integer=True, low=1, high=64)
     out["prefill_tp"] = _number("prefill_tp", out["prefill_tp"], integer=True, low=0, high=64)
+    out["idle_step_wait_ms"] = _number("idle_step_wait_ms", out["idle_step_wait_ms"], integer=True, low=0, high=1000)
 
 
 def _check_layout_fix(out: dict) -> None:

@@ -7,6 +7,8 @@ Scheduler -> worker (:class:`HawkConnectorMetadata`, built once per step):
                       aborted before scheduling): tell their prefill to free the blocks
   ``reqs_to_want``    decode: requests that just entered the queue: renew their
                       prefill leases (heartbeat) until their pull or Release
+  ``idle``            this step computes nothing (no token scheduled): the engine steps
+                      only to poll the connector, which may wait a little for news
 Worker -> scheduler (:class:`HawkWorkerMeta`): per-request transfer figures, returned in
 the decode's ``kv_transfer_params`` under ``hawk_transfer``.
 
@@ -115,6 +117,7 @@ class HawkConnectorMetadata(KVConnectorMetadata):
     reqs_to_recv: dict[str, RecvSpec] = field(default_factory=dict)
     reqs_to_release: dict[str, RecvSpec] = field(default_factory=dict)
     reqs_to_want: dict[str, RecvSpec] = field(default_factory=dict)
+    idle: bool = False
 
 
 @dataclass

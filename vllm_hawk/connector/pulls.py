@@ -94,6 +94,10 @@ class PullResults:
             self.inflight.discard(rid)
         return False
 
+    def has_results(self) -> bool:
+        """A pull ended since the last take; the caller holds the lock."""
+        return bool(self.finished)
+
     def take(self) -> tuple[set[str], set[str], dict[str, dict]]:
         """(finished, failed, figures) since the last take; the caller holds the lock."""
         out = self.finished, self.failed, self.figures

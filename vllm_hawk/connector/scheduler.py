@@ -110,6 +110,7 @@ class HawkConnectorScheduler:
             reqs_to_recv=self._reqs_to_recv,
             reqs_to_release=self._reqs_to_release,
             reqs_to_want=self._reqs_to_want,
+            idle=scheduler_output.total_num_scheduled_tokens == 0,
         )
         self._reqs_to_send, self._reqs_to_recv, self._reqs_to_release, self._reqs_to_want = {}, {}, {}, {}
         return meta

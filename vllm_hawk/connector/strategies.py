@@ -60,11 +60,19 @@ __all__ = [
 ]
 
 
-def _in_background(warm, what: str) -> None:
-    """Run ``warm`` (compile or load the transform kernels) while the engine starts."""
+def _compile_then_load(warm, what: str, *, cpu: bool = True) -> None:
+    """Compile the CPU transform kernels before the engine is up (``cpu``: the KV is in host
+    memory), then load them (``warm``) while it starts. The compile runs in a child process
+    (:func:`~vllm_hawk.transform.cpu_kernel.warm_in_child`; this thread waits without the
+    GIL), so no request finds them uncompiled and this process, whose side channel must
+    keep answering, only loads them."""
+    from vllm_hawk.transform.cpu_kernel import warm_in_child
+
+    t0 = time.monotonic()
+    if cpu and not warm_in_child():
+        logger.warning("HawkConnector: %s kernels did not compile in a child process; compiling here", what)
 
     def run() -> None:
-        t0 = time.monotonic()
         try:
             warm()
         except Exception as e:  # noqa: BLE001 - the first request compiles instead
@@ -73,6 +81,12 @@ def _in_background(warm, what: str) -> None:
         logger.info("HawkConnector: %s kernels ready in %.1f s", what, time.monotonic() - t0)
 
     threading.Thread(target=run, daemon=True, name="hawk-transform-warm").start()
+
+
+def _on_cpu(src) -> bool:
+    """The KV a :class:`~vllm_hawk.layout.vllm_kv.TransformSource` reads is in host memory."""
+    tensors = list(src.caches) or [t for kv in src.views for t in kv]
+    return all(t.device.type == "cpu" for t in tensors)
 
 
 def tp_rank_and_size() -> tuple[int, int]:
@@ -137,7 +151,7 @@ def make_source(cfg: HawkConfig, kv: LocalKV):
         from vllm_hawk.layout.device_profiles import load_profile
 
         src = TileTransformSource(kv.views, kv.layout, load_profile(cfg.device_profile))
-        _in_background(lambda: src.warm(src.profile), "prefill transform")
+        _compile_then_load(lambda: src.warm(src.profile), "prefill transform", cpu=_on_cpu(src.views))
         return src
     if cfg.mode == "staged":  # also GN-Host (layout_fix 'decode'): plain vLLM blocks, the decode fixes them
         return RingGatherSource(kv.region_map, kv.layout, kv.storages, kv.heads)
@@ -236,7 +250,7 @@ def make_sinks(cfg: HawkConfig, kv: LocalKV, transport) -> list:
             )
         c = chips[0]
         sink = GNHostSink(c.device, c.layout, c.buffers, transport, kv.wire, cfg.ring_nbytes)
-        _in_background(sink.warm, "GN-Host layout fix")
+        _compile_then_load(sink.warm, "GN-Host layout fix")
         return [sink]
     if kv.tt_cache is not None:
         return _tt_sinks(cfg, kv, transport)

@@ -11,6 +11,15 @@ endpoint from the :class:`~vllm_hawk.connector.peers.PeerPool`, the share, the s
 the idle ranks to release, :func:`~vllm_hawk.kvflow.shares.fetch_shares` moves them, and
 :class:`~vllm_hawk.connector.pulls.PullResults` keeps the outcome for
 ``get_transfer_results`` (a failed pull whose READs have not drained: once they have).
+
+Idle steps. vLLM keeps stepping an engine that computes nothing while the connector
+holds a finished request for a decode (prefill) or a pull is in flight (decode), only to
+ask ``get_transfer_results``. Answered at once, such steps spin the engine core and every
+TP worker: a TP=2 prefill holding one request used 1.9 of 2 cores, and the side channel
+(a thread of these workers, behind their GIL) then answered Renews in more than 1 s and
+its CURVE handshakes ran past their 1 s limit. So in a step that computes nothing
+(``meta.idle``) ``get_transfer_results`` waits up to ``idle_step_wait_ms`` for a Release
+or a pull's end, and returns as soon as one comes.
 """
 
 from __future__ import annotations
@@ -69,6 +78,8 @@ class HawkConnectorWorker:
         self.sinks: list = []  # decode: one per target this worker lands (chips of a mesh), sinks[0] is self.sink
         self._debug = envs.debug_dir()
         self.tp_rank, self.tp_size = 0, 1
+        self._news = threading.Event()  # set when a request finished sending or a pull ended
+        self._idle_wait_s = 0.0  # this step computes nothing: get_transfer_results may wait this long
 
     # ---------------------------------------------------------------- set-up
     def register_kv_caches(self, kv_caches) -> None:
@@ -114,6 +125,7 @@ class HawkConnectorWorker:
 
     # ---------------------------------------------------------------- engine thread, each step
     def start_load_kv(self, meta: HawkConnectorMetadata) -> None:
+        self._idle_wait_s = self.cfg.idle_step_wait_ms / 1e3 if meta.idle else 0.0
         if self.prefill is not None:
             for rid, spec in meta.reqs_to_send.items():
                 try:
@@ -121,6 +133,7 @@ class HawkConnectorWorker:
                 except ValueError as e:  # never hold blocks nobody can fetch
                     logger.error("HawkConnector prefill: request %s not held: %s", rid, e)
                     self._on_finished(rid, False)
+            self.prefill.engine_step()
         if self.keeper is not None:
             for spec in meta.reqs_to_want.values():
                 self.peers.note_engine(spec.side_channel, spec.remote_engine_id)  # for the keeper's messages
@@ -137,11 +150,18 @@ class HawkConnectorWorker:
         from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorTransferResults
 
         res = KVConnectorTransferResults()
+        if self._idle_wait_s and not self._has_news():
+            self._news.wait(self._idle_wait_s)  # an idle step: see the module doc
+        self._news.clear()
         with self._lock:
             res.finished_sending, self._done = self._done, set()
             res.finished_recving, res.failed_recving, figures = self._pulls.take()
             self._figures.update(figures)
         return res
+
+    def _has_news(self) -> bool:
+        with self._lock:
+            return bool(self._done) or self._pulls.has_results()
 
     def build_worker_meta(self) -> HawkWorkerMeta | None:
         with self._lock:
@@ -163,6 +183,7 @@ class HawkConnectorWorker:
     def _on_finished(self, rid: str, ok: bool) -> None:
         with self._lock:
             self._done.add(rid)
+        self._news.set()
 
     # ---------------------------------------------------------------- decode
     def _pull(self, rid: str, spec: RecvSpec) -> None:
@@ -202,6 +223,7 @@ class HawkConnectorWorker:
                 return  # quarantined: the blocks stay with this request, never reused
         fig["total_ms"] = round(1e3 * (time.monotonic() - t0), 3)
         self._pulls.end(rid, fig)
+        self._news.set()
 
     def _dump_landed(self, spec: RecvSpec) -> None:
         """``HAWK_DEBUG_DIR``: what a pull landed (Tenstorrent blocks, or the KV of a TP pull)."""

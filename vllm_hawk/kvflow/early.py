@@ -3,8 +3,22 @@
 A decode's KVRequest can reach the prefill before the engine hands the request over
 (:meth:`~vllm_hawk.kvflow.prefill.PrefillEndpoint.add_request`); so can its Release.
 :class:`EarlyArrivals` parks such KVRequests (the layer groups and shares of one id wait
-together, in arrival order) for up to :data:`EARLY_REQUEST_WAIT_S`, and remembers such
-Releases for :data:`EARLY_RELEASE_S`.
+together, in arrival order) until shortly before the first one's own deadline
+(``KVRequest.deadline_ms``, the decode's pull deadline), never less than
+:data:`EARLY_REQUEST_WAIT_S` nor more than :data:`EARLY_REQUEST_MAX_WAIT_S`, and remembers
+such Releases for :data:`EARLY_RELEASE_S`.
+
+Why the decode's deadline: a decode asks only for an id the prefill announced, and the
+engine hands a finished request over one engine step after it finished. That step can
+come seconds later on a host short of CPU: on a 2-core host running a TP=2 prefill and a
+TP=2 decode it came more than 3 s after the decode's KVRequest.
+
+An id that is never handed over (a stale or made-up one) is refused sooner when the
+engine steps: the hand-over of a request the decode could know of comes in the metadata
+of the next step scheduled after it finished, so once :data:`HAND_OVER_STEPS` engine
+steps have begun since a KVRequest arrived (:meth:`EarlyArrivals.overdue`, counted by
+the endpoint), its id is unknown. One step more than needed covers vLLM's asynchronous
+scheduling (a step scheduled before the request's finish may begin after the KVRequest).
 
 Bounds: at most :data:`MAX_EARLY` ids parked and :data:`MAX_EARLY_BLOCK_IDS`
 destination block ids in all (each parked KVRequest counts at least one); a KVRequest
@@ -22,7 +36,10 @@ from typing import NamedTuple
 from vllm_hawk.kvflow.lifecycle import ShareRecord, ShareState, share_key
 from vllm_hawk.protocol import KVRequest
 
-EARLY_REQUEST_WAIT_S = 3.0  # a KVRequest may beat the engine's hand-over by this much
+EARLY_REQUEST_WAIT_S = 3.0  # the least a KVRequest that beats the hand-over waits for it
+EARLY_REQUEST_MAX_WAIT_S = 60.0  # the most, whatever its deadline (or none) says
+EARLY_REPLY_MARGIN_S = 1.0  # the refusal goes out this long before the decode's deadline
+HAND_OVER_STEPS = 3  # engine steps begun since a KVRequest's arrival after which its id is unknown
 EARLY_RELEASE_S = 10.0  # a Release may beat the hand-over by this much
 MAX_EARLY = 1024  # early KVRequests / Releases remembered at once
 MAX_EARLY_BLOCK_IDS = 1 << 18  # destination block ids of all parked early KVRequests together
@@ -44,11 +61,25 @@ NOT_OWNER = Refusal("not_owner", "unknown_request", "another decode requested th
 @dataclass
 class Parked:
     """One id's parked KVRequests: ``arrivals`` (KVRequest, reply, peer) in arrival
-    order, ``shares`` their records (``PARKED``) by share key, answered by ``until``."""
+    order, ``shares`` their records (``PARKED``) by share key, answered by ``until`` or
+    :data:`HAND_OVER_STEPS` engine steps after ``step``."""
 
     arrivals: list
     shares: dict[str, ShareRecord]
     until: float  # monotonic
+    step: int = 0  # the endpoint's engine step count when the first KVRequest arrived
+
+
+def early_wait_s(msg: KVRequest, now: float | None = None) -> float:
+    """Seconds ``msg`` (the first KVRequest of an id not handed over yet) waits for the
+    hand-over: until :data:`EARLY_REPLY_MARGIN_S` before its deadline (so that the decode
+    hears ``unknown_request`` rather than nothing), within [:data:`EARLY_REQUEST_WAIT_S`,
+    :data:`EARLY_REQUEST_MAX_WAIT_S`] (the deadline is on the decode's clock: the bounds keep
+    a skewed one harmless)."""
+    if not msg.deadline_ms:
+        return EARLY_REQUEST_MAX_WAIT_S
+    left = msg.deadline_ms / 1e3 - EARLY_REPLY_MARGIN_S - (time.time() if now is None else now)
+    return min(max(left, EARLY_REQUEST_WAIT_S), EARLY_REQUEST_MAX_WAIT_S)
 
 
 def _n_ids(msg: KVRequest) -> int:
@@ -72,8 +103,9 @@ class EarlyArrivals:
     def waiting(self, rid: str) -> bool:
         return rid in self._parked
 
-    def park(self, peer: str, msg: KVRequest, reply) -> Refusal | None:
-        """Park the first KVRequest of an id not handed over yet; a Refusal when full."""
+    def park(self, peer: str, msg: KVRequest, reply, step: int = 0) -> Refusal | None:
+        """Park the first KVRequest of an id not handed over yet (``step``: the engine steps
+        begun so far); a Refusal when full."""
         n = _n_ids(msg)
         if len(self._parked) >= MAX_EARLY or self.block_ids + n > MAX_EARLY_BLOCK_IDS:
             return Refusal(
@@ -83,7 +115,7 @@ class EarlyArrivals:
                 f"({self.block_ids} block ids) already wait for theirs",
             )
         key = share_key(msg.req_id, msg.share)
-        self._parked[msg.req_id] = Parked([], {}, time.monotonic() + EARLY_REQUEST_WAIT_S)
+        self._parked[msg.req_id] = Parked([], {}, time.monotonic() + early_wait_s(msg), step)
         self._add(self._parked[msg.req_id], key, (msg, reply, peer), n)
         return None
 
@@ -127,16 +159,25 @@ class EarlyArrivals:
     def expire(self, now_mono: float) -> list[tuple[str, Parked]]:
         """Drop parked ids whose wait is over (their shares move to ``EXPIRED``) and
         Releases remembered too long; returns the dropped ids with what was parked."""
-        late = []
-        while self._parked and next(iter(self._parked.values())).until < now_mono:
-            rid, entry = self._parked.popitem(last=False)
-            self.block_ids -= sum(_n_ids(m) for m, _r, _p in entry.arrivals)
-            for rec in entry.shares.values():
-                rec.move(ShareState.EXPIRED)
-            late.append((rid, entry))
+        late = self._drop([rid for rid, entry in self._parked.items() if entry.until < now_mono])
         while self._releases and next(iter(self._releases.values())) < now_mono:
             self._releases.popitem(last=False)
         return late
+
+    def overdue(self, step: int) -> list[tuple[str, Parked]]:
+        """Drop parked ids whose hand-over would have come by engine step ``step`` (see
+        module doc); returns them with what was parked."""
+        return self._drop([rid for rid, e in self._parked.items() if step - e.step >= HAND_OVER_STEPS])
+
+    def _drop(self, rids: list[str]) -> list[tuple[str, Parked]]:
+        out = []
+        for rid in rids:
+            entry = self._parked.pop(rid)
+            self.block_ids -= sum(_n_ids(m) for m, _r, _p in entry.arrivals)
+            for rec in entry.shares.values():
+                rec.move(ShareState.EXPIRED)
+            out.append((rid, entry))
+        return out
 
     def remember_release(self, rid: str) -> bool:
         """Remember a Release of ``rid`` (not handed over yet); True when the oldest one

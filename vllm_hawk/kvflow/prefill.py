@@ -16,9 +16,11 @@ group of all its layers: one path reserves, produces and announces either.
 
 Failure semantics, all here:
 
-* a KVRequest that beats the engine's hand-over waits up to :data:`EARLY_REQUEST_WAIT_S`
-  (the layer groups of one request from the same decode wait together, and are all
-  served, in arrival order, once it comes);
+* a KVRequest that beats the engine's hand-over waits for it until its own deadline
+  (:func:`~vllm_hawk.kvflow.early.early_wait_s`), or until :meth:`engine_step` counted
+  the engine steps by which the hand-over would have come (then ``unknown_request``);
+  the layer groups of one request from the same decode wait together, and are all
+  served, in arrival order, once it comes;
 * a Release that beats the hand-over is remembered (bounded) and finishes the request
   when it arrives; one for a request held but never requested frees it (the decode had
   the prefix locally or was aborted);
@@ -215,6 +217,7 @@ class PrefillEndpoint:
         self._lock = threading.Lock()  # guards the table, the early arrivals and the stats counters
         self._table = RequestTable()  # handed-over requests, their shares' states, finished ids
         self._early = EarlyArrivals()  # KVRequests and Releases that beat the hand-over
+        self._steps = 0  # engine steps begun (engine_step), for EarlyArrivals.overdue
         self._rlog = RateLimitedLog(logger)
         self.ring: RingBuffer | None = None
         self._exported: list[int] = []
@@ -358,7 +361,7 @@ class PrefillEndpoint:
             )
         if self._stop.is_set():
             return ErrorMsg(code="internal", detail="prefill endpoint is closing", req_id=rid)
-        out = self._refusal(rid, self._early.park(peer, msg, reply))
+        out = self._refusal(rid, self._early.park(peer, msg, reply, self._steps))
         if out is None:
             logger.debug("prefill: KVRequest for %s came before the engine's hand-over; waiting", rid)
         return out
@@ -777,15 +780,22 @@ class PrefillEndpoint:
                 self._table.forget(rid, "expired")
                 self.stats.expired += 1
             late = self._early.expire(time.monotonic())
-        for rid, parked in late:
-            for _m, reply, _p in parked.arrivals:
-                reply(ErrorMsg(code="unknown_request", detail="no finished prefill with this id", req_id=rid))
+        _refuse_unknown(late)
         for rid, keys in freed:
             logger.warning("prefill: lease of %s expired without Release; freeing it", rid)
             for key in keys:
                 self._free(key)
             self._notify(rid, False)  # P9: the blocks are free for the engine
         return dead
+
+    def engine_step(self) -> None:
+        """The engine began a step (the worker calls this after the step's hand-overs): early
+        KVRequests whose hand-over would have come by now are answered ``unknown_request``
+        (:meth:`~vllm_hawk.kvflow.early.EarlyArrivals.overdue`)."""
+        with self._lock:
+            self._steps += 1
+            late = self._early.overdue(self._steps)
+        _refuse_unknown(late)
 
     def _lapsed_locked(self, now: float, mono: float) -> list[str]:
         """Ids whose lease ran out (lock held): a KVReady older than ``lease_s`` without
@@ -830,6 +840,13 @@ class PrefillEndpoint:
                 self.transport.unregister(a)
         self._exported = []
         self.exposure.close()
+
+
+def _refuse_unknown(late) -> None:
+    """Answer the parked KVRequests of ids never handed over."""
+    for rid, parked in late:
+        for _m, reply, _p in parked.arrivals:
+            reply(ErrorMsg(code="unknown_request", detail="no finished prefill with this id", req_id=rid))
 
 
 class _Cancelled(Exception):
