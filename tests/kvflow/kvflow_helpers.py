@@ -85,3 +85,43 @@ def endpoints(pool_blocks: int = 32, recv: int = 128 << 10, dec_kw: dict | None 
         tp.close()
         td.close()
     assert dev.live_buffers() == []
+
+
+class RecordingTransport:
+    """A fake transport at the GPUDirect boundary (a NIC that reads device memory, which
+    this machine has not): it records what the prefill registers, under which location,
+    and accepts ``locations`` only. The prefill side never submits a transfer (the decode
+    READs), so ``submit`` refuses."""
+
+    def __init__(self, locations) -> None:
+        from vllm_hawk.transport import RegionTable
+
+        self.locations, self.regions = set(locations), RegionTable()
+        self.registered: list[tuple[int, int, str]] = []  # every register call, in order
+        self._live: dict[int, tuple[int, int, str]] = {}
+
+    endpoint = "recording:0"
+
+    def accepts_memory(self, location: str) -> bool:
+        return location in self.locations
+
+    def register(self, addr: int, nbytes: int, location: str = "cpu") -> None:
+        from vllm_hawk.transport.base import check_location
+
+        check_location(self, location, "the recording transport")
+        self.regions.add(addr, nbytes)
+        self.registered.append((addr, nbytes, location))
+        self._live[addr] = (addr, nbytes, location)
+
+    def unregister(self, addr: int) -> None:
+        self.regions.remove(addr)
+        del self._live[addr]
+
+    def live(self) -> list[tuple[int, int, str]]:
+        return list(self._live.values())
+
+    def submit(self, kind, peer, entries):
+        raise NotImplementedError("the recording transport moves no bytes")
+
+    def close(self) -> None:
+        self._live.clear()

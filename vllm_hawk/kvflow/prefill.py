@@ -93,6 +93,7 @@ from vllm_hawk.kvflow.early import (
     EarlyArrivals,
     Refusal,
 )
+from vllm_hawk.kvflow.device import memory_location
 from vllm_hawk.kvflow.errors import BufferFull, RingClosed
 from vllm_hawk.kvflow.exposure import Exposure, check_registration
 from vllm_hawk.kvflow.lifecycle import (
@@ -105,7 +106,7 @@ from vllm_hawk.kvflow.lifecycle import (
     share_key,
 )
 from vllm_hawk.kvflow.ring import RingBuffer
-from vllm_hawk.kvflow.sources import KVSource
+from vllm_hawk.kvflow.sources import KVSource, src_block_span
 from vllm_hawk.protocol import (
     Ack,
     CompatFields,
@@ -119,6 +120,7 @@ from vllm_hawk.protocol import (
 )
 from vllm_hawk.protocol.messages import MAX_SEGMENTS
 from vllm_hawk.security import RateLimitedLog, Refusals
+from vllm_hawk.transport.base import check_location
 
 __all__ = [
     "EARLY_RELEASE_S",
@@ -208,7 +210,7 @@ class PrefillEndpoint:
         self.ring: RingBuffer | None = None
         self._exported: list[int] = []
         self.registration = check_registration(registration)
-        self.exposure = Exposure(transport)  # per-request registrations of a source served in place
+        self.exposure = Exposure(transport, memory_location(source.device))  # a source served in place
         self._export_regions: list[tuple[int, int]] = []
         self._stop = threading.Event()
         self._pool: cf.ThreadPoolExecutor | None = None
@@ -216,9 +218,12 @@ class PrefillEndpoint:
         self.server: ProtocolServer | None = None
         try:
             if source.uses_ring:
-                self.ring = RingBuffer(ring_nbytes, transport, registration=registration)
+                self.ring = RingBuffer(
+                    ring_nbytes, transport, registration=registration, device=ring_device(source, transport)
+                )
                 self.export_base, self.export_nbytes = self.ring.base_addr, self.ring.capacity
             else:
+                check_location(transport, memory_location(source.device), f"transport {transport.endpoint}")
                 regions = source.exports()
                 self._export_regions = list(regions)
                 for a, n in regions if registration == "whole" else ():
@@ -242,7 +247,7 @@ class PrefillEndpoint:
         ``lease_s``). KVRequests parked for it are served now, in arrival order (layer
         groups: the first one opens the stream); a Release that came first frees it at once."""
         src = np.asarray(src_blocks, dtype=np.int64).reshape(-1)
-        bs = self.compat.block_size
+        bs = self.source.layout.block_size
         if num_tokens <= 0 or num_tokens > src.size * bs:
             raise ValueError(f"add_request {req_id!r}: {num_tokens} tokens do not fit {src.size} blocks of {bs}")
         if src.size and src.min() < 0:
@@ -549,7 +554,10 @@ class PrefillEndpoint:
         if rec is None or rec.state is ShareState.EXPIRED:
             raise _Refuse("unknown_request", "request dropped by the engine")
         self._raise_if_cancelled(rec)
-        src = req.src_blocks[msg.first_block : msg.first_block + len(msg.dst_block_ids)]
+        first, end, _ = src_block_span(
+            msg.first_block, msg.dst_layout.block_size, msg.num_tokens, self.source.layout.block_size
+        )
+        src = req.src_blocks[first:end]
         st = rec.stream
         prep, off, planned = self._plan(msg, st, src, rec.key)
         if prep.nbytes:
@@ -564,6 +572,7 @@ class PrefillEndpoint:
                 prep.fill(self.ring.base_addr + off, view)  # P4 + P6
             else:
                 prep.fill_layers(self.ring.base_addr + off, view, lo, hi)
+            self.ring.synchronize()  # on a GPU: the bytes are in the ring before KVReady announces them
             self._note_produce(msg.req_id, time.perf_counter() - t0, add=not st.whole or rec.key != msg.req_id)
         segs = prep.segments(off) if st.whole else prep.segments_layers(off, lo, hi)
         if len(segs) > MAX_SEGMENTS:  # a KVReady the decode would drop: refuse now, naming why
@@ -699,12 +708,7 @@ class PrefillEndpoint:
         """'' when the request's token and block counts can be served, else why not."""
         if msg.num_tokens <= 0 or msg.num_tokens > req.num_tokens:
             return f"num_tokens {msg.num_tokens} not in [1, {req.num_tokens}] (the prefill's length)"
-        if msg.dst_layout.block_size != self.compat.block_size:
-            return (
-                f"destination block_size {msg.dst_layout.block_size} differs from the handshake's "
-                f"{self.compat.block_size}"
-            )
-        n_req = -(-msg.num_tokens // self.compat.block_size)
+        n_req = -(-msg.num_tokens // msg.dst_layout.block_size)  # destination blocks (the source checks the sizes)
         ids = msg.dst_block_ids
         if not ids or msg.first_block + len(ids) != n_req:
             return (
@@ -821,6 +825,20 @@ class PrefillEndpoint:
                 self.transport.unregister(a)
         self._exported = []
         self.exposure.close()
+
+
+def ring_device(source: KVSource, transport):
+    """Where the ring goes: on the source's device (the KV cache's GPU: G' stays there and
+    the decode's NIC reads it with GPUDirect RDMA) when the transport reaches memory there,
+    else host memory (the host-staged baselines: the gather is then the GPU -> host copy)."""
+    if transport is None or transport.accepts_memory(memory_location(source.device)):
+        return source.device
+    logger.info(
+        "prefill: the ring is in host memory: transport %s cannot reach %s memory",
+        type(transport).__name__,
+        memory_location(source.device),
+    )
+    return "cpu"
 
 
 class _Cancelled(Exception):
