@@ -160,6 +160,33 @@ def host_pointer_copy() -> dict:
     return {"read": list(buf)[:4], "want": x.cpu().tolist()[:4], "numpy_refused": _refused(x.numpy)}
 
 
+def negative(kind: str) -> dict:
+    """The checks have teeth: the prefill with a host-only operation put back (``raw``:
+    the staged gather as ``ctypes.memmove`` over the KV addresses; ``no-sync``: KVReady
+    without waiting for the device) fails them."""
+    import ctypes
+
+    from vllm_hawk.kvflow import RingBuffer
+    from vllm_hawk.kvflow.base import Prepared
+    from vllm_hawk.kvflow.streams import gather_copies, ring_segments
+
+    if kind == "raw":
+
+        def prepare(self, msg, src_blocks, export_base):
+            ids, rmap = src_blocks.tolist(), self.region_map
+
+            def fill(addr, view):
+                for dst, src, nb in gather_copies(rmap, ids, addr):
+                    ctypes.memmove(dst, src, nb)
+
+            return Prepared(len(ids) * rmap.block_nbytes, fill, lambda off: ring_segments(rmap, len(ids), off))
+
+        RingGatherSource.prepare = prepare
+    else:
+        RingBuffer.synchronize = lambda self: None
+    return run("staged", 32, source("staged", caches_on("cpu", 32, 0), 32).layout, 70)
+
+
 def _refused(fn) -> bool:
     try:
         fn()
@@ -176,7 +203,9 @@ SCENARIOS = {
     "in-place": lambda: run("vllm", 32, source("vllm", caches_on("cpu", 32, 0), 32).layout, 70),
     "host-staged-ring": lambda: host_staged_ring(source("staged", caches_on("cpu", 32, 0), 32).layout),
     "host-pointer-copy": host_pointer_copy,
+    "negative-raw-pointer-gather": lambda: negative("raw"),
+    "negative-no-sync": lambda: negative("no-sync"),
 }
 
 if __name__ == "__main__":
-    print(json.dumps(SCENARIOS[sys.argv[1]]()))
+    print(json.dumps({name: SCENARIOS[name]() for name in sys.argv[1:]}))

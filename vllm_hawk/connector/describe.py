@@ -136,7 +136,15 @@ def describe_vllm_caches(kv_caches: dict, vllm_config, cfg: HawkConfig) -> Local
         )
     layout = vllm_layout_desc(region_map, f"vllm-paged/{a0.name}", dtype, a0.block_size, a0.num_kv_heads, a0.head_dim)
     return LocalKV(
-        compat, layout, region_map, sorted(seen.items()), views, wire=wire, heads=heads, num_kv_heads=total, caches=caches
+        compat,
+        layout,
+        region_map,
+        sorted(seen.items()),
+        views,
+        wire=wire,
+        heads=heads,
+        num_kv_heads=total,
+        caches=caches,
     )
 
 

@@ -26,7 +26,9 @@ def byte_runs_view(cache: torch.Tensor, offset_bytes: int, nbytes: int) -> torch
     if cache.stride(-1) != 1:
         raise ValueError("gather: the cache's last dimension must be dense (stride 1)")
     b = cache.view(torch.uint8)  # the last dimension in bytes; storage offset in bytes
-    return b.as_strided((cache.shape[0], nbytes), (cache.stride(0) * cache.element_size(), 1), b.storage_offset() + offset_bytes)
+    return b.as_strided(
+        (cache.shape[0], nbytes), (cache.stride(0) * cache.element_size(), 1), b.storage_offset() + offset_bytes
+    )
 
 
 class BlockGather:

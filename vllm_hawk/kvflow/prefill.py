@@ -85,6 +85,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
+from vllm_hawk.kvflow.device import memory_location
 from vllm_hawk.kvflow.early import (
     EARLY_RELEASE_S,
     EARLY_REQUEST_WAIT_S,
@@ -93,7 +94,6 @@ from vllm_hawk.kvflow.early import (
     EarlyArrivals,
     Refusal,
 )
-from vllm_hawk.kvflow.device import memory_location
 from vllm_hawk.kvflow.errors import BufferFull, RingClosed
 from vllm_hawk.kvflow.exposure import Exposure, check_registration
 from vllm_hawk.kvflow.lifecycle import (

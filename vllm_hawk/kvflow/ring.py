@@ -14,10 +14,11 @@ reservations, so a closing endpoint never waits out a reserve deadline.
 :class:`RingBuffer` is the allocator plus its memory (a uint8 torch tensor on the
 ``device`` it is made for: host memory, or the KV cache's GPU, so that the transform
 writes G' there and the decode's NIC reads it with GPUDirect RDMA) and its registration
-with a transport, under the memory's location (:mod:`~vllm_hawk.kvflow.device`): with ``registration="per_request"`` (default) only
-the ranges of live requests are registered, each from ``reserve`` to ``release``, so a
-transport peer reaches nothing of an idle ring and no range but the live ones
-(:mod:`~vllm_hawk.kvflow.exposure`); ``"whole"`` registers the ring once.
+with a transport, under the memory's location (:mod:`~vllm_hawk.kvflow.device`): with
+``registration="per_request"`` (default) only the ranges of live requests are registered,
+each from ``reserve`` to ``release``, so a transport peer reaches nothing of an idle ring
+and no range but the live ones (:mod:`~vllm_hawk.kvflow.exposure`); ``"whole"`` registers
+the ring once.
 """
 
 from __future__ import annotations

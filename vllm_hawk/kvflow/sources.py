@@ -199,7 +199,9 @@ class RingGatherSource(_VllmStreams):
         sh = share_heads(msg, self.layout.num_kv_heads)
         gather = self._whole if sh is None else self._gathers(*sh)
         n = len(ids)
-        return Prepared(n * rmap.block_nbytes, lambda addr, view: gather(ids, view), lambda off: ring_segments(rmap, n, off))
+        return Prepared(
+            n * rmap.block_nbytes, lambda addr, view: gather(ids, view), lambda off: ring_segments(rmap, n, off)
+        )
 
 
 def spec_from_desc(desc: LayoutDesc, num_blocks: int) -> TTKVCacheSpec:

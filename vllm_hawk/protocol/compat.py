@@ -54,6 +54,11 @@ FIX = {
 }
 
 
+def describe_fields(ours: CompatFields, theirs: CompatFields) -> str:
+    """The differing fields by name only, with what to change (for an unauthenticated peer)."""
+    return "; ".join(f"{f} differs" + (f": {FIX[f]}" if f in FIX else "") for f in compat_diff(ours, theirs))
+
+
 def describe_diff(ours: CompatFields, theirs: CompatFields) -> str:
     """E.g. ``"block_size differs (ours 64, peer 128): start both engines with ...; dtype differs (...)"``."""
     return "; ".join(

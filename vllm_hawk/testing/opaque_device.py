@@ -196,8 +196,14 @@ def _run(func, args, kwargs):
         else:
             _state["busy"] = True
     if func._schema.is_mutable:  # in place / out=: return the caller's own tensors
-        mutated = [a for a, s in zip(args, func._schema.arguments, strict=False) if s.alias_info and s.alias_info.is_write]
-        mutated += [kwargs[s.name] for s in func._schema.arguments if s.alias_info and s.alias_info.is_write and s.name in kwargs]
+        mutated = [
+            a for a, s in zip(args, func._schema.arguments, strict=False) if s.alias_info and s.alias_info.is_write
+        ]
+        mutated += [
+            kwargs[s.name]
+            for s in func._schema.arguments
+            if s.alias_info and s.alias_info.is_write and s.name in kwargs
+        ]
         if len(mutated) == 1:
             return mutated[0]
     if to_host:

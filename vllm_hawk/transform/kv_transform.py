@@ -323,4 +323,6 @@ def transform_source(
             kernel_transform(kv, src, src_block_size, plan, out, layer_range, args)
             return out
     layers, ids = source.select(src)
-    return transform_kv(layers, ids, src_block_size, plan, out, impl, layer_range=layer_range, src_token_offset=src_token_offset)
+    return transform_kv(
+        layers, ids, src_block_size, plan, out, impl, layer_range=layer_range, src_token_offset=src_token_offset
+    )
