@@ -18,7 +18,6 @@ import threading
 
 import numpy as np
 import torch
-from kvflow_helpers import RecordingTransport
 
 from vllm_hawk.kvflow import PrefillEndpoint, RingGatherSource, TileTransformSource, VllmBlockSource
 from vllm_hawk.kvflow.device import synchronize
@@ -29,6 +28,7 @@ from vllm_hawk.layout.formats import tile_format
 from vllm_hawk.layout.vllm_kv import FlashAttnKVLayout, TransformSource, block_byte_ranges, make_layer_caches
 from vllm_hawk.protocol import KVReady, KVRequest, LayoutDesc, Release, make_compat
 from vllm_hawk.testing import opaque_device
+from vllm_hawk.testing.recording_transport import RecordingTransport
 from vllm_hawk.transport import make_transport
 
 L, H, D, BLOCKS = 2, 2, 64, 24
