@@ -182,7 +182,14 @@ class RingGatherSource(_VllmStreams):
     name = "ring-gather"
     uses_ring = True
 
-    def __init__(self, region_map, layout, storages, heads=None, caches=()) -> None:
+    def __init__(
+        self,
+        region_map: KVRegionMap,
+        layout: LayoutDesc,
+        storages: Sequence[tuple[int, int]],
+        heads: Callable[[int, int], KVRegionMap] | None = None,
+        caches: Sequence[torch.Tensor] = (),
+    ) -> None:
         super().__init__(region_map, layout, storages, heads, caches)
         if not self.caches:
             raise ValueError("RingGatherSource gathers from the cache tensors: pass caches")
@@ -300,7 +307,7 @@ class TileTransformSource(KVSource):
         L = self.layout.num_layers
         views = self.share_views(msg)
 
-        def fill_layers(addr: int, view, lo: int, hi: int) -> None:  # CPU: every layout read in place
+        def fill_layers(addr: int, view, lo: int, hi: int) -> None:  # on the cache's device, into ``view``
             transform_source(
                 views,
                 src_blocks,
