@@ -29,6 +29,7 @@ from __future__ import annotations
 import argparse
 import importlib.util
 import json
+import os
 import statistics
 import sys
 import tempfile
@@ -69,13 +70,15 @@ def _timed(fn, sync) -> float:
 
 
 def cpu_reference(host, src_blocks, block_size, plan, out, notes: list) -> None:
-    """G' from the CPU kernel (numba), or the torch path on the CPU where numba fails here."""
+    """G' from the CPU kernel (numba), or the torch path on the CPU where numba fails here
+    (then for the rest of the run: HAWK_TRANSFORM_IMPL=torch)."""
     from vllm_hawk.transform import transform_source
 
     try:
         transform_source(host, src_blocks, block_size, plan, out)
     except Exception as e:  # noqa: BLE001 - another numba than ours: the torch path is the reference
         notes.append(f"CPU reference: torch path (the numba kernel failed: {type(e).__name__}: {str(e)[:200]})")
+        os.environ["HAWK_TRANSFORM_IMPL"] = "torch"
         transform_source(host, src_blocks, block_size, plan, out, impl="torch")
 
 
