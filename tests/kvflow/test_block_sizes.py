@@ -108,3 +108,31 @@ def test_gg_pairs_with_different_block_sizes_are_refused_naming_both_and_the_set
         pre.close()
         tp.close()
         td.close()
+
+
+@pytest.mark.parametrize("src_bs,offset", [(16, 0), (64, 32)])
+def test_layer_groups_of_a_regrouped_request_add_up_to_the_whole(src_bs, offset):
+    """Layer groups (the prefill transforms group i+1 while the decode reads group i) write
+    disjoint bytes that add up to the whole G', for 16-token sources (gathered into the
+    decode's blocks per group) and for a span starting inside a source block."""
+    from vllm_hawk.layout.device_profiles import load_profile
+    from vllm_hawk.layout.formats import tile_format
+    from vllm_hawk.layout.tt_kv_cache import TTKVCacheLayout
+    from vllm_hawk.layout.vllm_kv import TransformSource
+    from vllm_hawk.transform import make_plan, transform_source
+
+    layers = 3
+    cache = PagedKVCache(layers, 12, H, src_bs, D).fill_random(9)
+    src = TransformSource.of_views(cache.kv_views())
+    prof, tb = load_profile("p150a"), tile_format("bfloat8_b").tile_nbytes
+    spec = TTKVCacheSpec(layers, 6, H, 64, D, "bfloat8_b")
+    plan = make_plan(
+        TTKVCacheLayout(spec, prof.num_banks, prof.aligned_page(tb), ((0, 0),) * layers), [4, 1, 5], "staged"
+    )
+    ids = [3, 7, 0, 9, 2, 11, 5, 8, 1, 10, 4, 6][: -(-(3 * 64 + offset) // src_bs)]
+    whole = torch.zeros(plan.total_nbytes, dtype=torch.uint8)
+    transform_source(src, ids, src_bs, plan, whole, src_token_offset=offset)
+    groups = torch.full_like(whole, 0xAB)
+    for lo, hi in ((0, 1), (1, 3)):
+        transform_source(src, ids, src_bs, plan, groups, (lo, hi), src_token_offset=offset)
+    assert torch.equal(groups, whole)
