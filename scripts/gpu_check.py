@@ -1,42 +1,64 @@
-"""The prefill transform on a CUDA GPU: its bytes against the CPU kernel's, its speed
-against a plain ``torch.cuda`` copy. One prepared script for a lent GPU machine (< 3 min).
+"""The prefill side on a CUDA GPU: its bytes against the CPU path's, its speed against a
+plain device copy, KVRequest -> KVReady. One prepared script for a lent GPU machine
+(about 3 minutes there; nothing but torch, numpy and PyYAML is needed, the rest travels).
 
+    bash scripts/gpu_wheels.sh            # here: msgspec + pyzmq wheels for the GPU machine's Python
     python scripts/gpu_check.py [--device cuda] [--size-mb 160] [--out gpu_check.json]
 
-The torch path of :func:`vllm_hawk.transform.transform_source` is what a GPU prefill
-runs (the numba kernel is CPU-only). For each target dtype (bfloat16, bfloat8_b):
+Two steps, for Llama-3.1-70B at TP=4 onto a p150a chip (2 KV heads, 80 layers, block 64)
+by default, over a random bf16 FlashAttention (NHD) cache on the device:
 
-1. bytes: a random bf16 FlashAttention (NHD) cache on the device, the request's blocks
-   scattered; G' from the torch path on the device equals, byte for byte, G' from the
-   CPU kernel over a copy of the same cache in host memory;
-2. speed: the transform (end to end, as ``TileTransformSource`` runs it) against a copy
-   of the same source bytes on the same device, as a ratio within each repeat (copy time /
-   transform time, median; CUDA synchronised around each), plus GB/s of source bytes.
+1. ``transform``: G' from the torch transform on the device equals, byte for byte, G'
+   from the CPU kernel over a host copy of the cache (bf16 and bfloat8_b tiles); its
+   speed against a device copy of the same source bytes (ratio copy time / transform
+   time within each repeat, median; CUDA synchronised around each);
+2. ``prefill``: a PrefillEndpoint per source (TileTransformSource into bf16 and
+   bfloat8_b tiles, RingGatherSource) with its ring on the device, real KVRequests over
+   its side channel (:mod:`vllm_hawk.bench.prefill_check`): the ring's bytes equal the
+   same endpoint's over the host copy; where the ring is and under which location it is
+   registered (``cuda:0``); produce GB/s against a device copy; KVRequest -> KVReady ms.
 
-Prints a table, writes JSON, exits 1 if any bytes differ. ``--device cpu`` runs the same
-comparison with the torch path on the CPU (what a machine without a GPU can check).
-Llama-3.1-70B at TP=4 onto a p150a chip (2 KV heads, 80 layers, block 64) by default.
+msgspec and pyzmq (the side channel) are imported from ``--wheels`` (unpacked into a
+temporary directory) when the machine lacks them; without them step 2 is skipped and the
+output says so. Prints a table per step, writes JSON, exits 1 if any bytes differ.
+``--device cpu`` runs the same steps on the CPU (CI runs it: tests/transform/test_gpu_check_script.py).
 """
 
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import json
+import os
 import statistics
 import sys
+import tempfile
 import time
+import zipfile
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
 
 import numpy as np  # noqa: E402
 import torch  # noqa: E402
 
-from vllm_hawk.bench.transform_bench import make_source  # noqa: E402
-from vllm_hawk.layout.model_shapes import load_model_shape  # noqa: E402
-from vllm_hawk.layout.vllm_kv import TransformSource  # noqa: E402
-from vllm_hawk.layout_report import build_layout  # noqa: E402
-from vllm_hawk.transform import make_plan, transform_source  # noqa: E402
+
+def unpack_wheels(wheels: Path) -> list[str]:
+    """Make msgspec and zmq importable from the wheels in ``wheels`` where they are not
+    installed; returns those still missing."""
+    missing = [m for m in ("msgspec", "zmq") if importlib.util.find_spec(m) is None]
+    if missing and wheels.is_dir():
+        site = Path(tempfile.mkdtemp(prefix="gpu-check-site-"))
+        for whl in sorted(wheels.glob("*.whl")):
+            with zipfile.ZipFile(whl) as z:
+                z.extractall(site)
+        for so in site.rglob("*.so*"):
+            so.chmod(0o755)
+        sys.path.insert(0, str(site))
+        importlib.invalidate_caches()
+        missing = [m for m in ("msgspec", "zmq") if importlib.util.find_spec(m) is None]
+    return missing
 
 
 def _timed(fn, sync) -> float:
@@ -45,6 +67,96 @@ def _timed(fn, sync) -> float:
     fn()
     sync()
     return time.perf_counter() - t0
+
+
+def cpu_reference(host, src_blocks, block_size, plan, out, notes: list) -> None:
+    """G' from the CPU kernel (numba), or the torch path on the CPU where numba fails here
+    (then for the rest of the run: HAWK_TRANSFORM_IMPL=torch)."""
+    from vllm_hawk.transform import transform_source
+
+    try:
+        transform_source(host, src_blocks, block_size, plan, out)
+    except Exception as e:  # noqa: BLE001 - another numba than ours: the torch path is the reference
+        notes.append(f"CPU reference: torch path (the numba kernel failed: {type(e).__name__}: {str(e)[:200]})")
+        os.environ["HAWK_TRANSFORM_IMPL"] = "torch"
+        transform_source(host, src_blocks, block_size, plan, out, impl="torch")
+
+
+def transform_rows(a, dev, sync, notes: list) -> list[dict]:
+    from vllm_hawk.bench.transform_bench import make_source
+    from vllm_hawk.layout.model_shapes import load_model_shape
+    from vllm_hawk.layout.vllm_kv import TransformSource
+    from vllm_hawk.layout_report import build_layout
+    from vllm_hawk.transform import make_plan, transform_source
+
+    shape = load_model_shape(a.model)
+    heads, per_token = shape.kv_heads_per_rank(a.tp), shape.kv_bytes_per_token(a.tp, 2)
+    n_blocks = max(1, round(a.size_mb * 1e6 / per_token / a.block_size))
+    cache_blocks = 2 * n_blocks + 2
+    rng = np.random.default_rng(0)
+    src_blocks, dst_blocks = rng.permutation(cache_blocks)[:n_blocks], rng.permutation(cache_blocks)[:n_blocks]
+    source = make_source("flash", shape.num_layers, cache_blocks, heads, a.block_size, shape.head_dim, dev)
+    host = TransformSource(source.adapters, [c.cpu() for c in source.caches])  # the same bytes in host memory
+    nbytes = int(n_blocks * a.block_size * per_token)
+    src_copy = torch.empty(nbytes, dtype=torch.uint8, device=dev).random_(0, 255)
+    dst_copy = torch.zeros_like(src_copy)
+    rows = []
+    for dtype in ("bfloat16", "bfloat8_b"):
+        layout = build_layout(a.model, a.tp, a.device_profile, dtype, a.block_size, cache_blocks)
+        plan = make_plan(layout, dst_blocks, "staged")
+        out = torch.zeros(plan.total_nbytes, dtype=torch.uint8, device=dev)
+        transform_source(source, src_blocks, a.block_size, plan, out, impl="torch")
+        sync()
+        want = torch.zeros(plan.total_nbytes, dtype=torch.uint8)
+        cpu_reference(host, src_blocks, a.block_size, plan, want, notes)
+        copy_s, tr_s = [], []
+        for _ in range(a.repeats):
+            copy_s.append(_timed(lambda: dst_copy.copy_(src_copy), sync))
+            tr_s.append(
+                _timed(lambda: transform_source(source, src_blocks, a.block_size, plan, out, impl="torch"), sync)
+            )
+        rows.append(
+            {
+                "dtype": dtype,
+                "source_mb": nbytes / 1e6,
+                "gprime_mb": plan.total_nbytes / 1e6,
+                "bytes_equal_cpu_kernel": bool(torch.equal(out.cpu(), want)),
+                "copy_gbps": nbytes / statistics.median(copy_s) / 1e9,
+                "transform_gbps": nbytes / statistics.median(tr_s) / 1e9,
+                "ratio": statistics.median(c / t for c, t in zip(copy_s, tr_s, strict=False)),
+            }
+        )
+    return rows
+
+
+def print_transform(rows: list[dict]) -> None:
+    print(f"{'dtype':<10} {'src MB':>8} {'Gp MB':>8} {'bytes':>6} {'copy GB/s':>10} {'xform GB/s':>10} {'ratio':>6}")
+    for r in rows:
+        same = "equal" if r["bytes_equal_cpu_kernel"] else "DIFF"
+        print(
+            f"{r['dtype']:<10} {r['source_mb']:8.1f} {r['gprime_mb']:8.1f} {same:>6} "
+            f"{r['copy_gbps']:10.1f} {r['transform_gbps']:10.1f} {r['ratio']:6.2f}"
+        )
+    print("Gp: G' in the target dtype; ratio: copy time / transform time of the same source bytes (1 = copy speed)")
+
+
+def print_prefill(rows: list[dict]) -> None:
+    print(
+        f"{'source':<15} {'dtype':<12} {'src MB':>8} {'bytes':>6} {'ring':>8} {'registered':>12} "
+        f"{'copy GB/s':>10} {'prod GB/s':>10} {'ratio':>6} {'KVReady ms':>11}"
+    )
+    for r in rows:
+        same = "equal" if r["bytes_equal_host"] else "DIFF"
+        print(
+            f"{r['source']:<15} {r['dtype']:<12} {r['source_mb']:8.1f} {same:>6} {r['ring']:>8} "
+            f"{','.join(r['registered']):>12} {r['copy_gbps']:10.1f} {r['produce_gbps']:10.1f} {r['ratio']:6.2f} "
+            f"{r['kvready_ms']:11.2f}"
+        )
+    print(
+        "bytes: the device ring against the same endpoint over a host copy; prod: source bytes / the "
+        "endpoint's produce time (stream synchronisation included); KVReady ms: KVRequest sent to "
+        "KVReady received over the side channel, median"
+    )
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -56,75 +168,41 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--block-size", type=int, default=64)
     ap.add_argument("--size-mb", type=float, default=160.0, help="the request's bf16 KV (source bytes)")
     ap.add_argument("--repeats", type=int, default=10)
+    ap.add_argument("--wheels", default=str(ROOT / "build" / "gpu-wheels"), help="msgspec/pyzmq wheels to use")
     ap.add_argument("--out", default="gpu_check.json")
     a = ap.parse_args(argv)
     dev = torch.device(a.device)
-    sync = torch.cuda.synchronize if dev.type == "cuda" else (lambda: None)
-    shape = load_model_shape(a.model)
-    heads, per_token = shape.kv_heads_per_rank(a.tp), shape.kv_bytes_per_token(a.tp, 2)
-    n_blocks = max(1, round(a.size_mb * 1e6 / per_token / a.block_size))
-    cache_blocks = 2 * n_blocks + 2
-    rng = np.random.default_rng(0)
-    src_blocks = rng.permutation(cache_blocks)[:n_blocks]
-    dst_blocks = rng.permutation(cache_blocks)[:n_blocks]
+    sync = (lambda: getattr(torch, dev.type).synchronize(dev)) if dev.type != "cpu" else (lambda: None)
+    name = torch.cuda.get_device_name(dev) if dev.type == "cuda" else str(dev)
+    report = {"device": name, "torch": torch.__version__, "model": a.model, "tp": a.tp, "skipped": [], "notes": []}
+    missing = unpack_wheels(Path(a.wheels))
     t0 = time.monotonic()
-    source = make_source("flash", shape.num_layers, cache_blocks, heads, a.block_size, shape.head_dim, dev)
-    host = TransformSource(source.adapters, [c.cpu() for c in source.caches])  # the same bytes in host memory
-    nbytes = int(n_blocks * a.block_size * per_token)
-    src_copy = torch.empty(nbytes, dtype=torch.uint8, device=dev).random_(0, 255)
-    dst_copy = torch.zeros_like(src_copy)
-    rows, ok = [], True
-    for dtype in ("bfloat16", "bfloat8_b"):
-        layout = build_layout(a.model, a.tp, a.device_profile, dtype, a.block_size, cache_blocks)
-        plan = make_plan(layout, dst_blocks, "staged")
-        out = torch.zeros(plan.total_nbytes, dtype=torch.uint8, device=dev)
-        transform_source(source, src_blocks, a.block_size, plan, out, impl="torch")
-        sync()
-        want = torch.zeros(plan.total_nbytes, dtype=torch.uint8)
-        transform_source(host, src_blocks, a.block_size, plan, want)  # the CPU kernel (numba) where it runs
-        same = bool(torch.equal(out.cpu(), want))
-        ok &= same
-        copy_s, tr_s = [], []
-        for _ in range(a.repeats):
-            copy_s.append(_timed(lambda: dst_copy.copy_(src_copy), sync))
-            tr_s.append(
-                _timed(
-                    lambda: transform_source(
-                        source, src_blocks, a.block_size, make_plan(layout, dst_blocks, "staged"), out, impl="torch"
-                    ),
-                    sync,
-                )
-            )
-        rows.append(
-            {
-                "dtype": dtype,
-                "source_mb": nbytes / 1e6,
-                "gprime_mb": plan.total_nbytes / 1e6,
-                "bytes_equal_cpu_kernel": same,
-                "copy_gbps": nbytes / statistics.median(copy_s) / 1e9,
-                "transform_gbps": nbytes / statistics.median(tr_s) / 1e9,
-                "ratio": statistics.median(c / t for c, t in zip(copy_s, tr_s, strict=False)),
-            }
-        )
-    name = torch.cuda.get_device_name(dev) if dev.type == "cuda" else "cpu"
+    report["transform"] = transform_rows(a, dev, sync, report["notes"])
     print(
-        f"transform (torch path) on {name} vs the CPU kernel's bytes, {a.model} TP={a.tp} -> {a.device_profile}, "
-        f"{n_blocks} blocks of {a.block_size} tokens, {a.repeats} repeats, {time.monotonic() - t0:.1f} s"
+        f"== transform (torch path) on {name} vs the CPU kernel, {a.model} TP={a.tp} -> {a.device_profile}, "
+        f"block {a.block_size}, {a.repeats} repeats, {time.monotonic() - t0:.1f} s"
     )
-    print(f"{'dtype':<10} {'src MB':>8} {'Gp MB':>8} {'bytes':>6} {'copy GB/s':>10} {'xform GB/s':>10} {'ratio':>6}")
-    for r in rows:
-        same = "equal" if r["bytes_equal_cpu_kernel"] else "DIFF"
-        print(
-            f"{r['dtype']:<10} {r['source_mb']:8.1f} {r['gprime_mb']:8.1f} {same:>6} "
-            f"{r['copy_gbps']:10.1f} {r['transform_gbps']:10.1f} {r['ratio']:6.2f}"
+    print_transform(report["transform"])
+    ok = all(r["bytes_equal_cpu_kernel"] for r in report["transform"])
+    if missing:
+        report["skipped"].append(
+            f"prefill: {', '.join(missing)} not importable (run scripts/gpu_wheels.sh, carry build/gpu-wheels)"
         )
-    print(
-        "Gp: the transformed G' in the target dtype; ratio: copy time / transform time of the same source "
-        "bytes, median within repeats (1 = copy speed)"
-    )
+    else:
+        from vllm_hawk.bench.prefill_check import prefill_rows
+        from vllm_hawk.layout.model_shapes import load_model_shape
+
+        t1 = time.monotonic()
+        shape = load_model_shape(a.model)
+        report["prefill"] = prefill_rows(dev, shape, a.tp, a.device_profile, a.block_size, a.size_mb, a.repeats)
+        print(f"== prefill endpoint on {name}: real KVRequests, ring on the device, {time.monotonic() - t1:.1f} s")
+        print_prefill(report["prefill"])
+        ok &= all(r["bytes_equal_host"] for r in report["prefill"])
+    for line in report["skipped"] + report["notes"]:
+        print(f"note: {line}")
     Path(a.out).parent.mkdir(parents=True, exist_ok=True)
-    Path(a.out).write_text(json.dumps({"device": name, "model": a.model, "tp": a.tp, "rows": rows}, indent=1))
-    print(f"wrote {a.out}")
+    Path(a.out).write_text(json.dumps(report, indent=1))
+    print(f"wrote {a.out} ({time.monotonic() - t0:.1f} s)")
     return 0 if ok else 1
 
 

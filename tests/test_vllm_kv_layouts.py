@@ -21,8 +21,10 @@ from vllm_hawk.layout.vllm_kv import (
     KV_CACHE_LAYOUTS,
     CpuAttnKVLayout,
     FlashAttnKVLayout,
+    FlashInferKVLayout,
     SourceKVLayout,
     TransformSource,
+    TritonAttnKVLayout,
     block_byte_ranges,
     detect_cpu_attn_isa,
     make_layer_caches,
@@ -232,8 +234,11 @@ def test_factory():
     assert isinstance(lay, FlashAttnKVLayout) and isinstance(lay, SourceKVLayout)
     lay = source_layout_for("CPU_ATTN", num_kv_heads=H, block_size=N, head_dim=D, isa="vec")
     assert isinstance(lay, CpuAttnKVLayout) and isinstance(lay, SourceKVLayout)
-    with pytest.raises(NotImplementedError, match="FLASHINFER.*supported: CPU_ATTN, FLASH_ATTN"):
-        source_layout_for("FLASHINFER", num_kv_heads=H, block_size=N, head_dim=D)
+    for name, cls in (("FLASHINFER", FlashInferKVLayout), ("TRITON_ATTN", TritonAttnKVLayout)):
+        lay = source_layout_for(name, num_kv_heads=H, block_size=N, head_dim=D)
+        assert type(lay) is cls and lay.name == name and lay.strided
+    with pytest.raises(NotImplementedError, match="XFORMERS.*supported: CPU_ATTN, FLASH_ATTN, FLASHINFER, TRITON_ATTN"):
+        source_layout_for("XFORMERS", num_kv_heads=H, block_size=N, head_dim=D)
 
 
 def test_shape_mismatch_is_reported():

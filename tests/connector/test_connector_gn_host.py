@@ -33,6 +33,7 @@ def _prefill_kv(cache: PagedKVCache, compat) -> LocalKV:
         cache.storages,
         cache.kv_views(),
         wire=wire_layout_of(cache.adapter, cache.layers[0]),
+        caches=cache.layers,
     )
 
 
@@ -85,7 +86,12 @@ def test_gn_host_and_gn_hawk_sides_are_refused_naming_both(prefill_fix, decode_f
     t, td = make_transport("inprocess"), make_transport("inprocess")
     secret = b"0123456789abcdef-gn-host"  # authenticated peers are told the values, not just the fields
     pre = PrefillEndpoint(
-        RingGatherSource(src.region_map, src.desc, src.storages), t, cp, ring_nbytes=1 << 20, secret=secret, auth="hmac"
+        RingGatherSource(src.region_map, src.desc, src.storages, caches=src.layers),
+        t,
+        cp,
+        ring_nbytes=1 << 20,
+        secret=secret,
+        auth="hmac",
     )
     try:
         with pytest.raises(IncompatiblePeer) as e:

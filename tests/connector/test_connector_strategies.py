@@ -50,7 +50,7 @@ DST_BLOCKS = 24
 
 
 def _vllm_kv(cache: PagedKVCache, compat) -> LocalKV:
-    return LocalKV(compat, cache.desc, cache.region_map, cache.storages, cache.kv_views())
+    return LocalKV(compat, cache.desc, cache.region_map, cache.storages, cache.kv_views(), caches=cache.layers)
 
 
 class _Counting:
@@ -223,7 +223,7 @@ def test_prefill_refuses_destinations_it_cannot_serve():
         assert "head_dim" in why(head_dim=32)
         assert "dtype" in why(dtype="float16")
         assert "page" in why(page_nbytes=4096)
-        assert "block_size" in why(block_size=64)
+        assert "block_size 48 is not a multiple of 32" in why(block_size=48, dst_block_ids=[1])
         assert "num_tokens" in why(num_tokens=65)
         assert "distinct" in why(dst_block_ids=[1, 1])
         assert "do not end" in why(dst_block_ids=[1, 2, 3])

@@ -52,6 +52,19 @@ def greedy_divergence(got: list[int], ref_choice: dict) -> tuple[int, float] | N
     return i, top2_gap(ref_choice, i)
 
 
+def regrouped(x, n_dst: int, got):
+    """The prefill's K or V of the blocks sent (``[n_src, H, src_block_size, D]``) as the
+    decode's ``n_dst`` blocks (their size read off the landed tiles ``got``): tokens in
+    order, zero padded (the GN-HAWK transform regroups them the same way)."""
+    import torch
+
+    n, h, sbs, d = x.shape
+    dbs = got.shape[0] // (n_dst * h * (d // 32)) * 32
+    tok = x.permute(1, 0, 2, 3).reshape(h, n * sbs, d)[:, : n_dst * dbs]
+    tok = torch.cat([tok, tok.new_zeros(h, n_dst * dbs - tok.shape[1], d)], dim=1)
+    return tok.reshape(h, n_dst, dbs, d).transpose(0, 1)
+
+
 def check_new_transfers(c) -> list[dict]:
     """Every transfer not checked yet: decode bank bytes == tilize_pack(prefill K/V).
 
@@ -74,7 +87,8 @@ def check_new_transfers(c) -> list[dict]:
         assert len(d["bytes"]) == len(p["kv"])
         for layer, ((k, v), (kb, vb)) in enumerate(zip(p["kv"], d["bytes"], strict=False)):
             for name, x, got in (("K", k, kb), ("V", v, vb)):
-                want = tilize_pack(x.to(torch.float32), d["dtype"]).reshape(got.shape)
+                want = tilize_pack(regrouped(x.to(torch.float32), len(d["dst_blocks"]), got), d["dtype"])
+                want = want.reshape(got.shape)
                 assert torch.equal(want, got), f"{key}: layer {layer} {name} bytes differ"
         c.hawk_checked.add(key)
         out.append({"key": key, "blocks": len(d["dst_blocks"])})

@@ -7,6 +7,9 @@ One cluster per configuration (module-scoped, one after the other, ~45 s to star
 * ``p150a-bf16-staged``: Blackhole, 8 banks, bf16 tiles, per-bank receive buffers then
   intra-bank copies;
 * ``n150-bfp8-direct``: Wormhole, 12 banks, bfloat8_b tiles, READs straight into the KV pages;
+* ``p150a-bf16-direct-32to64``: the decode's blocks hold 64 tokens, the prefill's 32 (the
+  CPU engine's smallest: vLLM 0.32's CPU attention takes multiples of 32 only); the
+  prefill's transform regroups two of its blocks into each of the decode's;
 * with ``HAWK_GN_E2E_FULL=1`` also ``n150-bf16-direct`` and ``p150a-bfp8-staged``.
 
 Checked for every transfer: the decode's KV blocks hold exactly ``tilize_pack`` of the
@@ -58,6 +61,8 @@ CONFIGS = {
     # layer_groups: the prefill transforms layer group i+1 while the decode reads group i
     "p150a-bf16-staged": dict(device="p150a", kv_dtype="bfloat16", mode="staged", layer_groups=2),
     "n150-bfp8-direct": dict(device="n150", kv_dtype="bfloat8_b", mode="direct"),
+    # the decode's blocks hold 64 tokens, the prefill's 32: the transform regroups them
+    "p150a-bf16-direct-32to64": dict(device="p150a", kv_dtype="bfloat16", mode="direct", decode_block_size=64),
 }
 if os.environ.get("HAWK_GN_E2E_FULL"):  # the other two corners (about 50 s each)
     CONFIGS.update(
@@ -86,6 +91,7 @@ def gn(request, tmp_path_factory):
         work,
         dtype="bfloat16",
         block_size=BLOCK,
+        decode_block_size=cfg.get("decode_block_size"),
         max_model_len=1024,
         decode_tt={"device": cfg["device"], "kv_dtype": cfg["kv_dtype"]},
         extra_config={
@@ -113,7 +119,7 @@ def test_outputs_and_kv_bytes(gn, record_property):
         d = complete(gn.proxy_url, p, max_tokens=GN_MAX_TOKENS)
         checked = check_new_transfers(gn)  # right after this request's transfer
         assert len(checked) == 1, f"expected one transfer for a {len(p)}-token prompt: {checked}"
-        assert checked[0]["blocks"] == -(-len(p) // BLOCK)
+        assert checked[0]["blocks"] == -(-len(p) // gn.hawk_cfg.get("decode_block_size", BLOCK))
         fig = (d["kv_transfer_params"] or {}).get("hawk_transfer") or {}
         assert fig.get("ok") and fig.get("banks") == (12 if gn.hawk_cfg["device"] == "n150" else 8)
         groups = gn.hawk_cfg.get("layer_groups", 1)

@@ -39,7 +39,9 @@ def assert_pool_holds(dec: TTDecode, cache, src_blocks, num_tokens, dst_blocks):
     """Every layer's K and V in ``dst_blocks`` of the decode's pool equal :func:`reference`."""
     for layer in range(L):
         for kv in range(2):
-            want = reference(cache, layer, kv, src_blocks, num_tokens, dec.layout.spec.dtype)
+            want = reference(
+                cache, layer, kv, src_blocks, num_tokens, dec.layout.spec.dtype, dec.layout.spec.block_size
+            )
             assert torch.equal(dec.read_blocks(layer, kv, dst_blocks), want), (layer, kv)
 
 

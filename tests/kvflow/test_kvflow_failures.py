@@ -269,8 +269,8 @@ def test_prefill_endpoint_that_cannot_bind_leaves_nothing_behind():
 @pytest.mark.parametrize(
     "field,value,match",
     [
-        ("block_size", 2**31, "block_size 2147483648 differs"),
-        ("block_size", 128, "block_size 128 differs"),
+        ("block_size", 2**31, "block_size 2147483648 is over"),
+        ("block_size", 80, "block_size 80 is not a multiple of 32"),
         ("num_banks", 1024, "1024 banks"),
         ("page_nbytes", 2**31, "page of 2147483648 bytes"),
     ],
@@ -307,7 +307,7 @@ def test_kv_pool_is_registered_only_while_a_fetch_lands_in_it():
     with endpoints() as (cache, pre, dec, dev, td, _finished):
         seen = []
         real = td.register
-        td.register = lambda a, n: (seen.append((a, n)), real(a, n))[1]
+        td.register = lambda a, n, *where: (seen.append((a, n)), real(a, n, *where))[1]
         assert len(td._regions) == 0
         pre.add_request("s", [1], BS)
         dec.fetch("s", BS, [2], "staged")

@@ -46,7 +46,7 @@ class VllmCache:
 
     def source(self, kind: str):
         cls = RingGatherSource if kind == "staged" else VllmBlockSource
-        return cls(self.region_map, self.desc, self.storages)
+        return cls(self.region_map, self.desc, self.storages, caches=self.layers)
 
 
 def _adapters():

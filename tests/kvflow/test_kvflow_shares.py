@@ -39,7 +39,7 @@ class _Prefill:
             src = TileTransformSource(c.kv_views(), c.desc, load_profile("p150a"))
         else:
             cls = RingGatherSource if kind == "staged" else VllmBlockSource
-            src = cls(c.region_map, c.desc, c.storages, head_maps(c.layers))
+            src = cls(c.region_map, c.desc, c.storages, head_maps(c.layers), c.layers)
         self.finished: list = []
         self.done = threading.Event()
 
@@ -209,7 +209,7 @@ def test_a_share_needing_too_many_segments_is_refused_at_once():
     cache = PagedKVCache(L, 70, 2, BS, D).fill_random(1)
     done = threading.Event()
     pre = PrefillEndpoint(
-        VllmBlockSource(cache.region_map, cache.desc, cache.storages, head_maps(cache.layers)),
+        VllmBlockSource(cache.region_map, cache.desc, cache.storages, head_maps(cache.layers), cache.layers),
         tp,
         COMPAT,
         ring_nbytes=1 << 20,

@@ -81,6 +81,31 @@ def test_staged_gather_then_pull_through_receive_buffer():
         torch.testing.assert_close(d[[3, 4, 5]], s[[1, 2, 9]], rtol=0, atol=0)
 
 
+@pytest.mark.parametrize("layout", sorted(KV_CACHE_LAYOUTS))
+@pytest.mark.parametrize("heads", [None, (1, 1)])
+def test_torch_gather_writes_the_stream_gather_copies_describes(layout, heads):
+    """The staged gather with torch (kvflow.gather, what the prefill runs on any device)
+    writes the bytes the stream's copy list describes (memmove here, on host memory), for
+    every KV cache layout, whole and for a head range (one run per token or per head)."""
+    from vllm_hawk.kvflow.gather import BlockGather
+
+    src, smap = _caches(layout)
+    if heads is not None:
+        src = [c[:, heads[0] : heads[0] + heads[1]] for c in src]
+        smap = region_map_from_caches(src, [block_byte_ranges(c, 0) for c in src])
+    blocks = [7, 1, 2, 9, 10]
+    want = torch.zeros(len(blocks) * smap.block_nbytes, dtype=torch.uint8)
+    _copy(gather_copies(smap, blocks, want.data_ptr()))
+    got = torch.full_like(want, 0xAB)
+    BlockGather.of_caches(src)(blocks, got)
+    assert torch.equal(got, want)
+    got.fill_(0xAB)  # the region map's templates give the same runs
+    BlockGather(src, [r.template for r in smap.layers])(blocks, got)
+    assert torch.equal(got, want)
+    with pytest.raises(ValueError, match="uint8"):
+        BlockGather.of_caches(src)(blocks, got[:-1])
+
+
 def test_pairing_refuses_short_or_mismatched_streams():
     src, smap = _caches()
     _, dmap = _caches(num_blocks=8, fill=False)

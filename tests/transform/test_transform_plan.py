@@ -1,5 +1,7 @@
 """Applying a transfer plan with plain memcpy into the emulated device yields exactly the
-bytes a tilize-and-pack of the request's logical KV gives (staged and direct modes)."""
+bytes a tilize-and-pack of the request's logical KV gives (staged and direct modes), for
+source blocks of 16 tokens (a GPU's) to 128 and for the caches of vLLM's GPU attention
+backends (FLASHINFER, TRITON_ATTN) written as their kernels write them."""
 
 import ctypes
 
@@ -10,8 +12,9 @@ from hypothesis import strategies as st
 
 from vllm_hawk.layout.formats import tilize_pack
 from vllm_hawk.layout.tt_kv_cache import TTKVCacheSpec
+from vllm_hawk.layout.vllm_kv import TransformSource, make_layer_caches, source_layout_for
 from vllm_hawk.npu.emulated import EmulatedDevice
-from vllm_hawk.transform import make_plan, transform_kv
+from vllm_hawk.transform import make_plan, transform_kv, transform_source
 
 NUM_LAYERS = 2
 
@@ -51,7 +54,7 @@ def apply_plan(dev, plan, g: torch.Tensor):
 def cases(draw):
     profile = draw(st.sampled_from(["p100", "p150a", "n150"]))
     bs = draw(st.sampled_from([32, 64, 128]))
-    src_bs = draw(st.sampled_from([32, 64, 128]))
+    src_bs = draw(st.sampled_from([16, 32, 64, 128]))
     head_dim = draw(st.sampled_from([64, 128]))
     heads = draw(st.integers(1, 8))
     dtype = draw(st.sampled_from(["bfloat16", "bfloat8_b"]))
@@ -122,3 +125,51 @@ def test_plan_rejects_bad_blocks():
         make_plan(layout, [3, 3])
     with pytest.raises(ValueError, match="mode"):
         make_plan(layout, [1], "scatter")
+
+
+def write_as_vllm_kernels(cache: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
+    """Store K, V ``[blocks, H, N, D]`` as vLLM 0.32's FLASHINFER / TRITON_ATTN code does:
+    ``kv_cache.transpose(1, 2).split(head_size, dim=-1)`` gives the ``[B, N, H, D]`` caches
+    that ``reshape_and_cache_flash`` writes slot by slot."""
+    k_cache, v_cache = cache.transpose(1, 2).split(k.shape[-1], dim=-1)
+    k_cache.copy_(k.transpose(1, 2))
+    v_cache.copy_(v.transpose(1, 2))
+
+
+@pytest.mark.parametrize(
+    "backend,layout",
+    [("FLASHINFER", "LBNHC"), ("FLASHINFER", "LBHNC"), ("FLASHINFER", "BLHNC"), ("TRITON_ATTN", "LBNHC")],
+)
+@pytest.mark.parametrize("dtype", ["bfloat16", "bfloat8_b"])
+@pytest.mark.parametrize("src_bs", [16, 64])
+def test_gpu_backend_caches_transform_to_tilize_and_pack(backend, layout, dtype, src_bs):
+    heads, head_dim, bs, blocks, tokens = 2, 64, 64, 12, 150
+    g = torch.Generator().manual_seed(len(backend) + src_bs)
+    adapter = source_layout_for(backend, num_kv_heads=heads, block_size=src_bs, head_dim=head_dim)
+    caches = make_layer_caches(NUM_LAYERS, blocks, heads, src_bs, 2 * head_dim, layout=layout)
+    logical = []
+    for c in caches:
+        k, v = (torch.randn(blocks, heads, src_bs, head_dim, generator=g).to(torch.bfloat16) for _ in range(2))
+        write_as_vllm_kernels(c, k, v)
+        logical.append((k, v))
+    src_blocks = [9, 2, 5, 0, 7, 11, 3, 8, 1, 10][: -(-tokens // src_bs)]
+    dst_blocks = [3, 0, 2]
+    dev = EmulatedDevice("p150a", 16 << 20)
+    layout_tt, _bufs = dev.allocate_kv_cache(TTKVCacheSpec(NUM_LAYERS, 4, heads, bs, head_dim, dtype))
+    plan = make_plan(layout_tt, dst_blocks, "staged")
+    gp = torch.zeros(plan.total_nbytes, dtype=torch.uint8)
+    transform_source(TransformSource([adapter] * NUM_LAYERS, caches), src_blocks, src_bs, plan, gp)
+    apply_plan(dev, plan, gp)
+    for layer in range(NUM_LAYERS):
+        for kv in range(2):
+            want = tilize_pack(reference_blocks(logical[layer][kv].float(), src_blocks, src_bs, 3, bs), dtype)
+            assert torch.equal(dev.read_tiles(layout_tt, layer, kv, layout_tt.block_tiles(dst_blocks)), want)
+
+
+def test_gpu_backend_caches_that_are_not_k_v_channels_are_refused():
+    with pytest.raises(NotImplementedError, match="NVFP4"):
+        source_layout_for("FLASHINFER", num_kv_heads=2, block_size=16, head_dim=64, dtype=torch.uint8)
+    adapter = source_layout_for("TRITON_ATTN", num_kv_heads=2, block_size=16, head_dim=64)
+    padded = torch.zeros(4, 2, 16, 2 * (64 + 2), dtype=torch.bfloat16)  # per-token-head quantized: scales padded in
+    with pytest.raises(ValueError, match="not \\[num_blocks, 2, 16, 128\\]"):
+        adapter.kv_views(padded)

@@ -53,10 +53,8 @@ def make_source(kind: str, num_layers: int, num_blocks: int, heads: int, bs: int
     else:
         adapter, order = CpuAttnKVLayout(heads, bs, dim, isa="vec" if kind == "cpu" else "amx"), "LBHNC"
     caches = make_layer_caches(num_layers, num_blocks, heads, bs, 2 * dim, layout=order, device=device)
-    flat = torch.empty(0, dtype=torch.bfloat16, device=device).set_(
-        caches[0].untyped_storage(), 0, (caches[0].untyped_storage().nbytes() // 2,)
-    )
-    flat.copy_(torch.randn(flat.numel(), device=device))
+    for c in caches:  # layer by layer, tensor operations only (any device)
+        c.copy_(torch.randn(c.shape, device=device))
     return TransformSource([adapter] * num_layers, caches)
 
 

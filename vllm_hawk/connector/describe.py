@@ -44,6 +44,7 @@ class LocalKV:
     wire: object = None  # GN-Host (layout_fix 'decode'): the WireLayout of the prefill's blocks
     heads: Callable[[int, int], KVRegionMap] | None = None  # vLLM caches: (start, count) -> map of those heads
     num_kv_heads: int = 0  # the model's KV heads, all ranks together
+    caches: list = field(default_factory=list)  # vLLM caches: per-layer tensors [num_blocks, H, N, C], in layer order
 
 
 def total_kv_heads(vllm_config) -> int:
@@ -66,12 +67,14 @@ def tt_compat(
     model: str, dtype: str, block_size: int, profile: str, layout_fix: str = "prefill", src_layout: str = SRC_ANY
 ) -> CompatFields:
     """Compatibility fields of both sides of a pair with a Tenstorrent decode (device
-    profile ``profile``): GN-HAWK (``layout_fix`` 'prefill', any vLLM source layout) or
-    GN-Host ('decode': ``src_layout`` names the blocks' wire layout, which the decode reads)."""
+    profile ``profile``): GN-HAWK (``layout_fix`` 'prefill', any vLLM source layout and
+    block size: the transform regroups tokens into the decode's blocks, so the fields
+    carry block size 0) or GN-Host ('decode': ``src_layout`` names the blocks' wire
+    layout, which the decode reads, in blocks of ``block_size`` on both sides)."""
     return make_compat(
         model=model[:256],
         dtype=dtype,
-        block_size=block_size,
+        block_size=0 if layout_fix == "prefill" else block_size,
         src_layout=src_layout[:256],
         dst_layout=f"tt-paged/{profile}/layout_fix={layout_fix}"[:256],
         device_profile=profile,
@@ -132,7 +135,17 @@ def describe_vllm_caches(kv_caches: dict, vllm_config, cfg: HawkConfig) -> Local
             device_profile=cfg.device_profile,
         )
     layout = vllm_layout_desc(region_map, f"vllm-paged/{a0.name}", dtype, a0.block_size, a0.num_kv_heads, a0.head_dim)
-    return LocalKV(compat, layout, region_map, sorted(seen.items()), views, wire=wire, heads=heads, num_kv_heads=total)
+    return LocalKV(
+        compat,
+        layout,
+        region_map,
+        sorted(seen.items()),
+        views,
+        wire=wire,
+        heads=heads,
+        num_kv_heads=total,
+        caches=caches,
+    )
 
 
 def describe_tt_cache(cache, vllm_config, cfg: HawkConfig) -> LocalKV:

@@ -154,8 +154,8 @@ def make_source(cfg: HawkConfig, kv: LocalKV):
         _compile_then_load(lambda: src.warm(src.profile), "prefill transform", cpu=_on_cpu(src.views))
         return src
     if cfg.mode == "staged":  # also GN-Host (layout_fix 'decode'): plain vLLM blocks, the decode fixes them
-        return RingGatherSource(kv.region_map, kv.layout, kv.storages, kv.heads)
-    return VllmBlockSource(kv.region_map, kv.layout, kv.storages, kv.heads)
+        return RingGatherSource(kv.region_map, kv.layout, kv.storages, kv.heads, kv.caches)
+    return VllmBlockSource(kv.region_map, kv.layout, kv.storages, kv.heads, kv.caches)
 
 
 def make_prefill(

@@ -13,6 +13,7 @@ from dataclasses import dataclass, field
 from typing import ClassVar
 
 import numpy as np
+import torch
 
 from vllm_hawk.protocol import KVReady, KVRequest, LayoutDesc, Segment
 
@@ -54,11 +55,14 @@ class Prepared:
 
 
 class KVSource:
-    """What a :class:`~vllm_hawk.kvflow.prefill.PrefillEndpoint` serves from."""
+    """What a :class:`~vllm_hawk.kvflow.prefill.PrefillEndpoint` serves from: a KV cache
+    of ``layout`` (its block size is the request's source blocks') on ``device``."""
 
     name: ClassVar[str]
     uses_ring: ClassVar[bool]  # True: bytes are produced into a ring range per request
     caps: ClassVar[Capabilities] = Capabilities()
+    layout: LayoutDesc
+    device: torch.device = torch.device("cpu")  # where the cache is; the ring goes there too
 
     def exports(self) -> list[tuple[int, int]]:
         """``(addr, nbytes)`` regions to register when ``uses_ring`` is False."""

@@ -84,10 +84,11 @@ def coarsened(runs: list[tuple[int, int]], domains, max_ranges: int | None) -> l
 
 
 class Exposure:
-    """Reference-counted registration of byte ranges with ``transport`` (thread-safe)."""
+    """Reference-counted registration of byte ranges with ``transport`` (thread-safe), all
+    of the memory at ``location`` (``"cpu"``, or a device such as ``"cuda:0"``)."""
 
-    def __init__(self, transport) -> None:
-        self.transport = transport
+    def __init__(self, transport, location: str = "cpu") -> None:
+        self.transport, self.location = transport, location
         self._lock = threading.Lock()
         self._starts: list[int] = []  # registered runs, sorted by start
         self._runs: dict[int, list[int]] = {}  # start -> [end, refcount]
@@ -144,7 +145,7 @@ class Exposure:
                 i += 1
                 continue
             gap_end = min(end, self._starts[i]) if i < len(self._starts) else end
-            self.transport.register(pos, gap_end - pos)
+            self.transport.register(pos, gap_end - pos, self.location)
             self.registrations += 1
             self._starts.insert(i, pos)
             self._runs[pos] = [gap_end, 1]

@@ -95,6 +95,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
+from vllm_hawk.kvflow.device import memory_location
 from vllm_hawk.kvflow.early import (
     EARLY_RELEASE_S,
     EARLY_REQUEST_WAIT_S,
@@ -115,7 +116,7 @@ from vllm_hawk.kvflow.lifecycle import (
     share_key,
 )
 from vllm_hawk.kvflow.ring import RingBuffer
-from vllm_hawk.kvflow.sources import KVSource
+from vllm_hawk.kvflow.sources import KVSource, src_block_span
 from vllm_hawk.protocol import (
     Ack,
     CompatFields,
@@ -129,6 +130,7 @@ from vllm_hawk.protocol import (
 )
 from vllm_hawk.protocol.messages import MAX_SEGMENTS
 from vllm_hawk.security import RateLimitedLog, Refusals
+from vllm_hawk.transport.base import check_location
 
 __all__ = [
     "EARLY_RELEASE_S",
@@ -222,7 +224,7 @@ class PrefillEndpoint:
         self.ring: RingBuffer | None = None
         self._exported: list[int] = []
         self.registration = check_registration(registration)
-        self.exposure = Exposure(transport)  # per-request registrations of a source served in place
+        self.exposure = Exposure(transport, memory_location(source.device))  # a source served in place
         self._export_regions: list[tuple[int, int]] = []
         self._stop = threading.Event()
         self._pool: cf.ThreadPoolExecutor | None = None
@@ -230,9 +232,12 @@ class PrefillEndpoint:
         self.server: ProtocolServer | None = None
         try:
             if source.uses_ring:
-                self.ring = RingBuffer(ring_nbytes, transport, registration=registration)
+                self.ring = RingBuffer(
+                    ring_nbytes, transport, registration=registration, device=ring_device(source, transport)
+                )
                 self.export_base, self.export_nbytes = self.ring.base_addr, self.ring.capacity
             else:
+                check_location(transport, memory_location(source.device), f"transport {transport.endpoint}")
                 regions = source.exports()
                 self._export_regions = list(regions)
                 for a, n in regions if registration == "whole" else ():
@@ -253,10 +258,11 @@ class PrefillEndpoint:
     def add_request(self, req_id: str, src_blocks, num_tokens: int, lease_expiry: float | None = None) -> None:
         """The engine finished prefill of ``req_id``: its KV is in ``src_blocks`` (cache block
         ids, in token order), held until Release or ``lease_expiry`` (unix s, the end of its
-        hand-over hold; default now + ``handover_s``). KVRequests parked for it are served now, in arrival order (layer
-        groups: the first one opens the stream); a Release that came first frees it at once."""
+        hand-over hold; default now + ``handover_s``). KVRequests parked for it are served
+        now, in arrival order (layer groups: the first one opens the stream); a Release that
+        came first frees it at once."""
         src = np.asarray(src_blocks, dtype=np.int64).reshape(-1)
-        bs = self.compat.block_size
+        bs = self.source.layout.block_size
         if num_tokens <= 0 or num_tokens > src.size * bs:
             raise ValueError(f"add_request {req_id!r}: {num_tokens} tokens do not fit {src.size} blocks of {bs}")
         if src.size and src.min() < 0:
@@ -561,7 +567,10 @@ class PrefillEndpoint:
         if rec is None or rec.state is ShareState.EXPIRED:
             raise _Refuse("unknown_request", "request dropped by the engine")
         self._raise_if_cancelled(rec)
-        src = req.src_blocks[msg.first_block : msg.first_block + len(msg.dst_block_ids)]
+        first, end, _ = src_block_span(
+            msg.first_block, msg.dst_layout.block_size, msg.num_tokens, self.source.layout.block_size
+        )
+        src = req.src_blocks[first:end]
         st = rec.stream
         prep, off, planned = self._plan(msg, st, src, rec.key)
         if prep.nbytes:
@@ -576,6 +585,7 @@ class PrefillEndpoint:
                 prep.fill(self.ring.base_addr + off, view)  # P4 + P6
             else:
                 prep.fill_layers(self.ring.base_addr + off, view, lo, hi)
+            self.ring.synchronize()  # on a GPU: the bytes are in the ring before KVReady announces them
             self._note_produce(msg.req_id, time.perf_counter() - t0, add=not st.whole or rec.key != msg.req_id)
         segs = prep.segments(off) if st.whole else prep.segments_layers(off, lo, hi)
         if len(segs) > MAX_SEGMENTS:  # a KVReady the decode would drop: refuse now, naming why
@@ -711,12 +721,7 @@ class PrefillEndpoint:
         """'' when the request's token and block counts can be served, else why not."""
         if msg.num_tokens <= 0 or msg.num_tokens > req.num_tokens:
             return f"num_tokens {msg.num_tokens} not in [1, {req.num_tokens}] (the prefill's length)"
-        if msg.dst_layout.block_size != self.compat.block_size:
-            return (
-                f"destination block_size {msg.dst_layout.block_size} differs from the handshake's "
-                f"{self.compat.block_size}"
-            )
-        n_req = -(-msg.num_tokens // self.compat.block_size)
+        n_req = -(-msg.num_tokens // msg.dst_layout.block_size)  # destination blocks (the source checks the sizes)
         ids = msg.dst_block_ids
         if not ids or msg.first_block + len(ids) != n_req:
             return (
@@ -847,6 +852,20 @@ def _refuse_unknown(late) -> None:
     for rid, parked in late:
         for _m, reply, _p in parked.arrivals:
             reply(ErrorMsg(code="unknown_request", detail="no finished prefill with this id", req_id=rid))
+
+
+def ring_device(source: KVSource, transport):
+    """Where the ring goes: on the source's device (the KV cache's GPU: G' stays there and
+    the decode's NIC reads it with GPUDirect RDMA) when the transport reaches memory there,
+    else host memory (the host-staged baselines: the gather is then the GPU -> host copy)."""
+    if transport is None or transport.accepts_memory(memory_location(source.device)):
+        return source.device
+    logger.info(
+        "prefill: the ring is in host memory: transport %s cannot reach %s memory",
+        type(transport).__name__,
+        memory_location(source.device),
+    )
+    return "cpu"
 
 
 class _Cancelled(Exception):

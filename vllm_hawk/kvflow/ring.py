@@ -11,11 +11,14 @@ request is larger than the ring; it never overwrites a live range. ``abort`` (ca
 when the owner closes) wakes every waiter with :class:`RingClosed` and refuses later
 reservations, so a closing endpoint never waits out a reserve deadline.
 
-:class:`RingBuffer` is the allocator plus its host memory (a uint8 torch tensor) and
-its registration with a transport: with ``registration="per_request"`` (default) only
-the ranges of live requests are registered, each from ``reserve`` to ``release``, so a
-transport peer reaches nothing of an idle ring and no range but the live ones
-(:mod:`~vllm_hawk.kvflow.exposure`); ``"whole"`` registers the ring once.
+:class:`RingBuffer` is the allocator plus its memory (a uint8 torch tensor on the
+``device`` it is made for: host memory, or the KV cache's GPU, so that the transform
+writes G' there and the decode's NIC reads it with GPUDirect RDMA) and its registration
+with a transport, under the memory's location (:mod:`~vllm_hawk.kvflow.device`): with
+``registration="per_request"`` (default) only the ranges of live requests are registered,
+each from ``reserve`` to ``release``, so a transport peer reaches nothing of an idle ring
+and no range but the live ones (:mod:`~vllm_hawk.kvflow.exposure`); ``"whole"`` registers
+the ring once.
 """
 
 from __future__ import annotations
@@ -27,6 +30,7 @@ import time
 
 import torch
 
+from vllm_hawk.kvflow.device import memory_location, synchronize
 from vllm_hawk.kvflow.errors import BufferFull, RingClosed
 from vllm_hawk.kvflow.exposure import check_registration
 
@@ -156,35 +160,44 @@ class RingAllocator:
 
 
 class RingBuffer:
-    """The registered ring: ``capacity`` bytes of host memory plus a :class:`RingAllocator`.
+    """The registered ring: ``capacity`` bytes on ``device`` plus a :class:`RingAllocator`.
 
     ``transport`` (optional): ``registration="per_request"`` registers each reserved range
     until its release; ``"whole"`` registers ``(base_addr, capacity)`` now and
-    unregisters it at :meth:`close`. ``view(offset, nbytes)`` is a uint8 tensor over ring
-    bytes (no copy) that the transform writes G' into.
+    unregisters it at :meth:`close`; both under :attr:`location`. ``view(offset, nbytes)``
+    is a uint8 tensor over ring bytes (no copy, on ``device``) that the transform writes
+    G' into; :meth:`synchronize` waits for what this thread queued there.
     """
 
     def __init__(
-        self, capacity: int, transport=None, align: int = DEFAULT_ALIGN, registration: str = "per_request"
+        self,
+        capacity: int,
+        transport=None,
+        align: int = DEFAULT_ALIGN,
+        registration: str = "per_request",
+        device: torch.device | str = "cpu",
     ) -> None:
         self.alloc = RingAllocator(capacity, align)
         self.capacity = self.alloc.capacity
-        self.memory = torch.empty(self.capacity, dtype=torch.uint8)
-        self.memory.fill_(0)  # first touch now: page faults stay out of the transform and the transfers
-        self.base_addr = self.memory.data_ptr()
+        # zeroed now: the first touch (host page faults) stays out of the transform and the transfers
+        self.memory = torch.zeros(self.capacity, dtype=torch.uint8, device=device)
+        self.device = self.memory.device
+        self.location = memory_location(self.device)
+        synchronize(self.device)
+        self.base_addr = self.memory.data_ptr()  # an address in the device's space, for the transport only
         self._transport = transport
         self.registration = check_registration(registration)
         self._ranges: dict[str, int] = {}  # key -> registered address (per_request)
         self._rlock = threading.Lock()
         if transport is not None and registration == "whole":
-            transport.register(self.base_addr, self.capacity)
+            transport.register(self.base_addr, self.capacity, self.location)
 
     def reserve(self, key: str, nbytes: int, timeout_s: float = 0.0) -> int:
         off = self.alloc.reserve(key, nbytes, timeout_s)
         if self._transport is not None and self.registration == "per_request":
             addr = self.base_addr + off
             try:
-                self._transport.register(addr, nbytes)
+                self._transport.register(addr, nbytes, self.location)
             except BaseException:
                 self.alloc.release(key)
                 raise
@@ -202,6 +215,10 @@ class RingBuffer:
 
     def abort(self) -> None:
         self.alloc.abort()
+
+    def synchronize(self) -> None:
+        """Block until the writes this thread queued into the ring have run (device rings)."""
+        synchronize(self.device)
 
     def view(self, offset: int, nbytes: int) -> torch.Tensor:
         if not self.alloc.contains(offset, nbytes):

@@ -6,7 +6,7 @@ replies; a source only knows its bytes. Three sources:
 * :class:`VllmBlockSource` (GG-Direct): the vLLM cache is exported as it is; KVReady
   lists the source blocks' per-layer byte runs in place (``bank`` = layer). No ring.
 * :class:`RingGatherSource` (staged, GG-Host): the blocks' layer streams are gathered
-  into a ring range, one segment per layer.
+  into a ring range, one segment per layer (:mod:`~vllm_hawk.kvflow.gather`).
 * :class:`TileTransformSource` (GN-HAWK): the blocks are transformed into G'
   ``[N_ch, -1, tile_chunk]`` for the decode's Tenstorrent layout, straight into a ring
   range, one segment per destination bank.
@@ -18,13 +18,21 @@ range) and checks the destination layout against them.
 
 A source's ``check`` bounds everything sized from the peer's layout before any plan;
 ``prepare`` returns a :class:`Prepared` (ring bytes needed, 0 = served in place) whose
-``fill(addr, view)`` writes the bytes at a ring range and ``segments(offset)`` lists
-them (offsets from the export base).
+``fill(addr, view)`` writes the bytes into ``view`` (a ring range; ``addr`` its address,
+for information) and ``segments(offset)`` lists them (offsets from the export base).
+
+Memory: a source's ``device`` is its KV cache's (``cpu``, ``cuda:0``); every byte it
+produces is written with torch operations on that device into a ``view`` there, never
+through a host pointer (:mod:`~vllm_hawk.kvflow.device`).
+
+Block sizes: the decode names its own in ``dst_layout.block_size``; destination block
+``first_block + j`` holds the request's tokens ``[(first_block + j) * dst_block_size, ...)``
+(:func:`src_block_span` finds the source blocks that hold them). GN-HAWK regroups tokens
+into the decode's blocks whatever the two sizes; the vLLM-layout sources need equal ones.
 """
 
 from __future__ import annotations
 
-import ctypes
 from collections.abc import Callable, Sequence
 
 import msgspec
@@ -32,7 +40,8 @@ import numpy as np
 import torch
 
 from vllm_hawk.kvflow.base import Capabilities, KVSource, Prepared
-from vllm_hawk.kvflow.streams import KVRegionMap, PerHeadRange, gather_copies, ring_segments, source_segments
+from vllm_hawk.kvflow.gather import BlockGather
+from vllm_hawk.kvflow.streams import KVRegionMap, PerHeadRange, ring_segments, source_segments
 from vllm_hawk.layout.device_profiles import DeviceProfile
 from vllm_hawk.layout.formats import tile_format
 from vllm_hawk.layout.tt_kv_cache import KV_DTYPES, TTKVCacheLayout, TTKVCacheSpec
@@ -42,6 +51,7 @@ from vllm_hawk.transform import make_plan, transform_source
 
 MAX_BANKS = 64  # bound on a peer's num_banks when its device profile is unknown here
 MAX_PAGE_NBYTES = 1 << 20  # likewise for page_nbytes
+MAX_BLOCK_SIZE = 4096  # tokens per destination block (vLLM's largest kernel block is 1024)
 
 
 def vllm_layout_desc(
@@ -80,6 +90,15 @@ def share_heads(msg: KVRequest, num_kv_heads: int) -> tuple[int, int] | None:
     return msg.head_start, msg.num_heads
 
 
+def src_block_span(first_block: int, dst_block_size: int, num_tokens: int, src_block_size: int) -> tuple[int, int, int]:
+    """The request's source blocks ``[lo, hi)`` holding its tokens ``[first_block *
+    dst_block_size, num_tokens)`` (destination blocks ``first_block`` to the last one),
+    and the token of the span's start inside source block ``lo`` (0 when the sizes match)."""
+    t0 = first_block * dst_block_size
+    lo = t0 // src_block_size
+    return lo, -(-num_tokens // src_block_size), t0 - lo * src_block_size
+
+
 def _shape_mismatch(mine: LayoutDesc, theirs: LayoutDesc, fields: Sequence[str]) -> str:
     for f in fields:
         if getattr(mine, f) != getattr(theirs, f):
@@ -89,7 +108,9 @@ def _shape_mismatch(mine: LayoutDesc, theirs: LayoutDesc, fields: Sequence[str])
 
 class _VllmStreams(KVSource):
     """Shared by the two vLLM-layout sources: the decode must have the same block bytes.
-    ``heads(start, count)``: the region map of those KV heads only (None: no shares)."""
+    ``heads(start, count)``: the region map of those KV heads only (None: no shares);
+    ``caches``: the per-layer cache tensors (their device is the source's; the ring
+    gather reads them)."""
 
     def __init__(
         self,
@@ -97,9 +118,11 @@ class _VllmStreams(KVSource):
         layout: LayoutDesc,
         storages: Sequence[tuple[int, int]],
         heads: Callable[[int, int], KVRegionMap] | None = None,
+        caches: Sequence[torch.Tensor] = (),
     ) -> None:
         self.region_map, self.layout, self.storages = region_map, layout, list(storages)
-        self.heads = heads
+        self.heads, self.caches = heads, list(caches)
+        self.device = self.caches[0].device if self.caches else torch.device("cpu")
         self._maps = PerHeadRange(heads) if heads is not None else None
 
     def share_map(self, msg: KVRequest) -> KVRegionMap:
@@ -117,13 +140,19 @@ class _VllmStreams(KVSource):
         if err:
             return err
         mine = self.layout
+        if d.block_size != mine.block_size:
+            return (
+                f"destination block_size {d.block_size} differs from this prefill's {mine.block_size}: a pair "
+                f"of vLLM caches needs equal block sizes (start both engines with --block-size "
+                f"{mine.block_size}, or use a Tenstorrent decode, whose GN-HAWK transform regroups tokens)"
+            )
         if share_heads(msg, mine.num_kv_heads) is not None:
             if self.heads is None:
                 return "this prefill serves whole requests only (no head ranges)"
             mine = msgspec.structs.replace(
                 mine, num_kv_heads=msg.num_heads, tile_nbytes=self.share_map(msg).layers[0].block_nbytes
             )
-        err = _shape_mismatch(mine, d, ("num_layers", "num_kv_heads", "head_dim", "block_size", "dtype", "tile_nbytes"))
+        err = _shape_mismatch(mine, d, ("num_layers", "num_kv_heads", "head_dim", "dtype", "tile_nbytes"))
         if err:
             return err
         if d.num_banks != 1:
@@ -147,10 +176,25 @@ class VllmBlockSource(_VllmStreams):
 
 
 class RingGatherSource(_VllmStreams):
-    """Staged: the blocks' layer streams are copied into a ring range (P6)."""
+    """Staged: the blocks' layer streams are copied into a ring range (P6), by torch
+    operations on the caches' device (``caches`` is required)."""
 
     name = "ring-gather"
     uses_ring = True
+
+    def __init__(
+        self,
+        region_map: KVRegionMap,
+        layout: LayoutDesc,
+        storages: Sequence[tuple[int, int]],
+        heads: Callable[[int, int], KVRegionMap] | None = None,
+        caches: Sequence[torch.Tensor] = (),
+    ) -> None:
+        super().__init__(region_map, layout, storages, heads, caches)
+        if not self.caches:
+            raise ValueError("RingGatherSource gathers from the cache tensors: pass caches")
+        self._gathers = PerHeadRange(lambda s, c: BlockGather.of_caches([x[:, s : s + c] for x in self.caches]))
+        self._whole = BlockGather(self.caches, [r.template for r in region_map.layers])
 
     def exports(self) -> list[tuple[int, int]]:
         return []
@@ -159,13 +203,12 @@ class RingGatherSource(_VllmStreams):
         ids = src_blocks.tolist()
         rmap = self.share_map(msg)
         rmap.check_blocks(ids)
+        sh = share_heads(msg, self.layout.num_kv_heads)
+        gather = self._whole if sh is None else self._gathers(*sh)
         n = len(ids)
-
-        def fill(addr: int, view) -> None:
-            for dst, src, nb in gather_copies(rmap, ids, addr):
-                ctypes.memmove(dst, src, nb)
-
-        return Prepared(n * rmap.block_nbytes, fill, lambda off: ring_segments(rmap, n, off))
+        return Prepared(
+            n * rmap.block_nbytes, lambda addr, view: gather(ids, view), lambda off: ring_segments(rmap, n, off)
+        )
 
 
 def spec_from_desc(desc: LayoutDesc, num_blocks: int) -> TTKVCacheSpec:
@@ -207,6 +250,7 @@ class TileTransformSource(KVSource):
 
     def __init__(self, views, layout: LayoutDesc, profile: DeviceProfile | None) -> None:
         self.views, self.layout, self.profile = as_transform_source(views), layout, profile
+        self.device = self.views.device
         self._shares = PerHeadRange(self.views.heads)  # head-sliced TransformSources
 
     def exports(self) -> list[tuple[int, int]]:
@@ -225,13 +269,17 @@ class TileTransformSource(KVSource):
         mine = self.layout
         if share_heads(msg, mine.num_kv_heads) is not None:
             mine = msgspec.structs.replace(mine, num_kv_heads=msg.num_heads)
-        err = _shape_mismatch(mine, d, ("num_layers", "num_kv_heads", "head_dim", "block_size"))
+        err = _shape_mismatch(mine, d, ("num_layers", "num_kv_heads", "head_dim"))
         if err:
             return err
         if d.dtype not in KV_DTYPES or tile_format(d.dtype).tile_nbytes != d.tile_nbytes:
             return f"destination dtype {d.dtype!r} with {d.tile_nbytes}-byte tiles is not supported"
-        if d.page_nbytes < d.tile_nbytes or d.block_size % 32 or d.head_dim % 32:
-            return "destination page/block/head_dim do not describe a TILE layout"
+        if d.block_size > MAX_BLOCK_SIZE:
+            return f"destination block_size {d.block_size} is over {MAX_BLOCK_SIZE} tokens"
+        if d.block_size % 32:
+            return f"destination block_size {d.block_size} is not a multiple of 32 (a TILE layout's)"
+        if d.page_nbytes < d.tile_nbytes or d.head_dim % 32:
+            return "destination page/head_dim do not describe a TILE layout"
         p = self.profile
         if p is not None:
             if d.num_banks != p.num_banks:
@@ -252,20 +300,23 @@ class TileTransformSource(KVSource):
         d = msg.dst_layout
         dst = np.asarray(msg.dst_block_ids, dtype=np.int64)
         plan = make_plan(tt_layout_of(d, int(dst.max()) + 1), dst, "staged")
+        bs = self.layout.block_size
+        offset = src_block_span(msg.first_block, d.block_size, msg.num_tokens, bs)[2]
 
         memo: dict = {}  # per-tile kernel arguments, shared by the request's layer groups
         L = self.layout.num_layers
         views = self.share_views(msg)
 
-        def fill_layers(addr: int, view, lo: int, hi: int) -> None:  # CPU: every layout read in place
+        def fill_layers(addr: int, view, lo: int, hi: int) -> None:  # on the cache's device, into ``view``
             transform_source(
                 views,
                 src_blocks,
-                self.layout.block_size,
+                bs,
                 plan,
                 view,
                 None if (lo, hi) == (0, L) else (lo, hi),
                 memo=memo,
+                src_token_offset=offset,
             )
 
         def segments_layers(off: int, lo: int, hi: int) -> list[Segment]:
@@ -282,13 +333,13 @@ class TileTransformSource(KVSource):
     def warm(self, profile: DeviceProfile) -> None:
         """Compile the transform kernels (numba: seconds on first use, under a second from
         its cache) and build the cache's kernel views before the first request: one block
-        of each tile dtype into a scratch buffer."""
+        of each tile dtype into a scratch buffer on the cache's device."""
         for dtype in KV_DTYPES:
             tb = tile_format(dtype).tile_nbytes
             d = LayoutDesc(
                 name="tt-paged",
                 dtype=dtype,
-                block_size=self.layout.block_size,
+                block_size=-(-self.layout.block_size // 32) * 32,  # a TILE layout's (16-token sources too)
                 num_layers=self.layout.num_layers,
                 num_kv_heads=self.layout.num_kv_heads,
                 head_dim=self.layout.head_dim,
@@ -297,6 +348,5 @@ class TileTransformSource(KVSource):
                 page_nbytes=profile.aligned_page(tb),
             )
             plan = make_plan(tt_layout_of(d, 1), [0], "staged")
-            transform_source(
-                self.views, [0], self.layout.block_size, plan, torch.empty(plan.total_nbytes, dtype=torch.uint8)
-            )
+            out = torch.empty(plan.total_nbytes, dtype=torch.uint8, device=self.device)
+            transform_source(self.views, [0], self.layout.block_size, plan, out)

@@ -14,6 +14,17 @@ depends on the backend:
   ``kv_cache.transpose(1, 2).split(head_size, -1)`` in ``FlashAttentionImpl.forward``.
   FlashAttention declares no layout, so vLLM picks LBNHC ("NHD") unless
   ``VLLM_KV_CACHE_LAYOUT`` or a connector asks for another of the six.
+* ``FLASHINFER`` (``FlashInferKVLayout``): the same C = [K | V] (``flashinfer.py``:
+  ``kv_cache.transpose(1, 2).split(self.head_size, dim=-1)`` before
+  ``reshape_and_cache_flash``; ``forward`` permutes the view by
+  ``kv_cache_layout.layer_view_order`` and splits C the same way). On Blackwell (SM 10.x)
+  it asks for LBHNC or BLHNC ("HND": its trtllm-gen kernels read head-major blocks),
+  elsewhere it takes the resolved layout. NVFP4 caches (uint8, K and V as separate head
+  groups) are refused.
+* ``TRITON_ATTN`` (``TritonAttnKVLayout``): the same C = [K | V] for ``auto``/bf16/fp16
+  caches (``triton_attn.py``: ``kv_cache.transpose(1, 2).split(hs, dim=-1)``), any
+  layout (it declares none). Its per-token-head quantized caches (int8/fp8/int4 with a
+  float32 scale padded into each half) are refused.
 
 Every adapter exposes the same interface (``SourceKVLayout``): ``read_blocks`` /
 ``write_blocks`` give K and V as ``[n_blocks, num_kv_heads, block_size, head_dim]`` in
@@ -44,6 +55,8 @@ __all__ = [
     "as_transform_source",
     "CpuAttnKVLayout",
     "FlashAttnKVLayout",
+    "FlashInferKVLayout",
+    "TritonAttnKVLayout",
     "CPU_ATTN_ISAS",
     "KV_CACHE_LAYOUTS",
     "block_byte_ranges",
@@ -336,6 +349,11 @@ class TransformSource:
         return len(self.views) if self.views is not None else len(self.caches)
 
     @property
+    def device(self) -> torch.device:
+        """Where the caches are (every layer on one device)."""
+        return (self.views[0][0] if self.views is not None else self.caches[0]).device
+
+    @property
     def num_blocks(self) -> int:
         return int(self.views[0][0].shape[0] if self.views is not None else self.caches[0].shape[0])
 
@@ -414,6 +432,30 @@ class FlashAttnKVLayout(_Base):
         layer_cache[ids] = torch.cat([k.to(self.dtype), v.to(self.dtype)], dim=-1)
 
 
+@dataclass
+class FlashInferKVLayout(FlashAttnKVLayout):
+    """vLLM 0.32 ``FLASHINFER`` layout: logically the same ``[num_blocks, H, N, 2*D]`` with
+    K in channels ``[:D]`` and V in ``[D:]`` (see the module doc), any ``KVCacheLayout``:
+    HND (LBHNC/BLHNC) on Blackwell, the resolved default elsewhere."""
+
+    name: ClassVar[str] = "FLASHINFER"
+
+    def __post_init__(self) -> None:
+        if self.dtype == torch.uint8:  # FlashInfer's NVFP4 cache: K and V heads, not channels
+            raise NotImplementedError(
+                "FLASHINFER NVFP4 KV cache (uint8) is not a source layout; serve with --kv-cache-dtype auto"
+            )
+
+
+@dataclass
+class TritonAttnKVLayout(FlashAttnKVLayout):
+    """vLLM 0.32 ``TRITON_ATTN`` layout: logically the same ``[num_blocks, H, N, 2*D]`` with
+    K in channels ``[:D]`` and V in ``[D:]`` (see the module doc), any ``KVCacheLayout``.
+    A per-token-head quantized cache (C = 2 * (D + scale padding)) fails the shape check."""
+
+    name: ClassVar[str] = "TRITON_ATTN"
+
+
 def make_layer_caches(
     num_layers: int,
     num_blocks: int,
@@ -442,7 +484,12 @@ def make_layer_caches(
 
 # --------------------------------------------------------------------------- factory
 
-_BACKENDS = {"CPU_ATTN": CpuAttnKVLayout, "FLASH_ATTN": FlashAttnKVLayout}
+_BACKENDS = {
+    "CPU_ATTN": CpuAttnKVLayout,
+    "FLASH_ATTN": FlashAttnKVLayout,
+    "FLASHINFER": FlashInferKVLayout,
+    "TRITON_ATTN": TritonAttnKVLayout,
+}
 
 
 def source_layout_for(
@@ -454,8 +501,8 @@ def source_layout_for(
     dtype: torch.dtype = torch.bfloat16,
     **kwargs,
 ) -> SourceKVLayout:
-    """The adapter for vLLM attention backend ``backend_name`` (``AttentionBackend.get_name()``,
-    e.g. ``"CPU_ATTN"``, ``"FLASH_ATTN"``). Extra kwargs go to the adapter (``isa=`` for
+    """The adapter for vLLM attention backend ``backend_name`` (``AttentionBackend.get_name()``:
+    ``"CPU_ATTN"``, ``"FLASH_ATTN"``, ``"FLASHINFER"``, ``"TRITON_ATTN"``). Extra kwargs go to the adapter (``isa=`` for
     CPU_ATTN). Raises ``NotImplementedError`` naming the supported backends otherwise."""
     cls = _BACKENDS.get(backend_name.upper())
     if cls is None:

@@ -47,8 +47,21 @@ def compat_diff(ours: CompatFields, theirs: CompatFields) -> list[str]:
     return [f for f in COMPAT_FIELDS if getattr(ours, f) != getattr(theirs, f)]
 
 
+#: What to change when a field differs (appended to the handshake's refusal).
+FIX = {
+    "block_size": "start both engines with the same --block-size (a GN-HAWK pair, whose prefill regroups "
+    "tokens, may differ)",
+}
+
+
+def describe_fields(ours: CompatFields, theirs: CompatFields) -> str:
+    """The differing fields by name only, with what to change (for an unauthenticated peer)."""
+    return "; ".join(f"{f} differs" + (f": {FIX[f]}" if f in FIX else "") for f in compat_diff(ours, theirs))
+
+
 def describe_diff(ours: CompatFields, theirs: CompatFields) -> str:
-    """E.g. ``"block_size differs (ours 64, peer 128); dtype differs (...)"``."""
+    """E.g. ``"block_size differs (ours 64, peer 128): start both engines with ...; dtype differs (...)"``."""
     return "; ".join(
-        f"{f} differs (ours {getattr(ours, f)!r}, peer {getattr(theirs, f)!r})" for f in compat_diff(ours, theirs)
+        f"{f} differs (ours {getattr(ours, f)!r}, peer {getattr(theirs, f)!r})" + (f": {FIX[f]}" if f in FIX else "")
+        for f in compat_diff(ours, theirs)
     )

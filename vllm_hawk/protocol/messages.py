@@ -119,11 +119,14 @@ class LayoutDesc(_Base):
 
 
 class CompatFields(_Base):
-    """What two peers must agree on; hashed by :func:`vllm_hawk.protocol.compat.compat_hash`."""
+    """What two peers must agree on; hashed by :func:`vllm_hawk.protocol.compat.compat_hash`.
+    block_size: the tokens per block both sides must share, or 0 where the two may differ
+    (GN-HAWK: the prefill regroups tokens into the decode's blocks, which every
+    KVRequest's ``dst_layout.block_size`` names)."""
 
     model: Name
     dtype: Name
-    block_size: Pos32
+    block_size: U32
     src_layout: Name
     dst_layout: Name
     device_profile: Name

@@ -51,7 +51,7 @@ from typing import Protocol
 import zmq
 from zmq.utils.monitor import parse_monitor_message  # imported now: opening files may fail under fd floods
 
-from vllm_hawk.protocol.compat import compat_diff, compat_hash, describe_diff
+from vllm_hawk.protocol.compat import compat_hash, describe_diff, describe_fields
 from vllm_hawk.protocol.envelope import (
     DEFAULT_MAX_MESSAGE_NBYTES,
     AuthError,
@@ -460,7 +460,7 @@ class ProtocolServer:
                 self._rlog(
                     "compat", "protocol server: refused an incompatible peer: %s", describe_diff(self._compat, theirs)
                 )
-                detail = "incompatible peer: " + "; ".join(f"{f} differs" for f in compat_diff(self._compat, theirs))
+                detail = "incompatible peer: " + describe_fields(self._compat, theirs)
             else:
                 detail = "incompatible peer: " + describe_diff(self._compat, theirs)
             return ErrorMsg(code="layout_mismatch", detail=detail[:1000])

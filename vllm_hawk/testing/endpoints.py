@@ -40,9 +40,9 @@ def make_source(cache, kind: str, device_profile: str | None = "p150a"):
             cache.kv_views(), cache.desc, load_profile(device_profile) if device_profile else None
         )
     if kind == "staged":
-        return RingGatherSource(cache.region_map, cache.desc, cache.storages, head_maps(cache.layers))
+        return RingGatherSource(cache.region_map, cache.desc, cache.storages, head_maps(cache.layers), cache.layers)
     if kind == "vllm":
-        return VllmBlockSource(cache.region_map, cache.desc, cache.storages, head_maps(cache.layers))
+        return VllmBlockSource(cache.region_map, cache.desc, cache.storages, head_maps(cache.layers), cache.layers)
     raise ValueError(f"source kind must be one of {SOURCE_KINDS}, got {kind!r}")
 
 

@@ -314,6 +314,7 @@ class LocalCluster:
     workdir: str | os.PathLike
     dtype: str = "float32"
     block_size: int = 32
+    decode_block_size: int | None = None  # the decode's --block-size when it differs (GN-HAWK regroups)
     max_model_len: int = 1024
     max_num_seqs: int = 8
     extra_config: dict = field(default_factory=dict)  # both sides
@@ -467,7 +468,7 @@ class LocalCluster:
             "--max-model-len",
             str(self.max_model_len),
             "--block-size",
-            str(self.block_size),
+            str(self.decode_block_size if role == "decode" and self.decode_block_size else self.block_size),
             "--max-num-seqs",
             str(self.max_num_seqs),
             "--chat-template",

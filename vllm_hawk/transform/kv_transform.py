@@ -30,13 +30,22 @@ from vllm_hawk.transform import cpu_kernel
 from vllm_hawk.transform.plan import TransferPlan, block_runs
 
 
-def source_tile_index(plan: TransferPlan, src_blocks, src_block_size: int) -> tuple[np.ndarray, ...]:
+def tile_aligned(src_block_size: int, src_token_offset: int = 0) -> bool:
+    """True when every 32-token tile row lies inside one source block."""
+    return src_block_size % TILE == 0 and src_token_offset % TILE == 0
+
+
+def source_tile_index(
+    plan: TransferPlan, src_blocks, src_block_size: int, src_token_offset: int = 0
+) -> tuple[np.ndarray, ...]:
     """For each request tile in G' order: (src block, head, src token-tile, dim-tile, valid).
 
-    int64 arrays of length ``plan.tiles_per_tensor``."""
+    int64 arrays of length ``plan.tiles_per_tensor``; needs :func:`tile_aligned`."""
     spec = plan.layout.spec
-    if src_block_size % TILE:
-        raise ValueError(f"source block_size must be a multiple of {TILE}, got {src_block_size}")
+    if not tile_aligned(src_block_size, src_token_offset):
+        raise ValueError(
+            f"source block_size and token offset must be multiples of {TILE}, got {src_block_size}, {src_token_offset}"
+        )
     src = np.asarray(src_blocks, dtype=np.int64).reshape(-1)
     tr_per_blk, tc_per = spec.block_size // TILE, spec.head_dim // TILE
     j = plan.bank_order
@@ -44,7 +53,7 @@ def source_tile_index(plan: TransferPlan, src_blocks, src_block_size: int) -> tu
     head = u // (tr_per_blk * tc_per)
     tr = (u // tc_per) % tr_per_blk
     tc = u % tc_per
-    token0 = (i * tr_per_blk + tr) * TILE  # first token of this token-tile in the request
+    token0 = (i * tr_per_blk + tr) * TILE + src_token_offset  # first token of this token-tile
     sidx = token0 // src_block_size
     valid = sidx < src.size
     sblk = src[np.minimum(sidx, max(src.size - 1, 0))] if src.size else np.zeros_like(sidx)
@@ -69,6 +78,31 @@ def bank_digit_split(heads: int, tr: int, tc: int, num_banks: int) -> list[tuple
         else:
             return None
     return None if remaining != 1 else out[::-1]  # (head, tr, tc) order
+
+
+def regroup_tokens(
+    layers, src: np.ndarray, src_block_size: int, src_token_offset: int, block_size: int, lo: int, hi: int
+) -> tuple[list[tuple[torch.Tensor, torch.Tensor]], np.ndarray]:
+    """Layers lo..hi-1 of the span (from ``src_token_offset`` in ``src``'s blocks) gathered
+    into new blocks of ``block_size`` tokens, zero-padded: per layer (K, V) ``[m, H,
+    block_size, D]`` on the views' device, and their ids ``0..m-1``. The other layers'
+    entries repeat layer ``lo``'s (never read: the transform's ``layer_range`` is lo..hi)."""
+    device = layers[lo][0].device
+    idx = torch.from_numpy(src).to(device)
+    out: list[tuple[torch.Tensor, torch.Tensor]] = []
+    m = 0
+    for layer in range(lo, hi):
+        pair = []
+        for x in layers[layer]:
+            t = x.index_select(0, idx)  # [n, H, src_block_size, D]
+            n, h, sbs, d = t.shape
+            t = t.permute(1, 0, 2, 3).reshape(h, n * sbs, d)[:, src_token_offset:]
+            m = max(1, -(-t.shape[1] // block_size))
+            t = torch.cat([t, t.new_zeros(h, m * block_size - t.shape[1], d)], dim=1)
+            pair.append(t.view(h, m, block_size, d).permute(1, 0, 2, 3))
+        out.append((pair[0], pair[1]))
+    full = [out[0]] * lo + out + [out[0]] * (len(layers) - hi)
+    return full, np.arange(m, dtype=np.int64)
 
 
 class _FusedTilizer:
@@ -102,6 +136,7 @@ def transform_kv(
     *,
     layer_range: tuple[int, int] | None = None,
     kernel_views: cpu_kernel.KernelViews | None = None,
+    src_token_offset: int = 0,
 ) -> torch.Tensor:
     """Build G' for one request. ``layers[l] = (K, V)`` logical views (see module doc).
 
@@ -109,17 +144,24 @@ def transform_kv(
     ``layer_range=(a, b)``: write only layers a..b-1 (their bytes in every bank's segment;
     the rest of ``out`` is untouched), for layer-group pipelining. ``kernel_views``: the
     CPU kernel's view of ``layers``, built once (:class:`~vllm_hawk.transform.cpu_kernel.KernelViews`).
+    ``src_token_offset``: the span's first token inside ``src_blocks[0]``.
     Returns ``out`` (allocated if None): uint8 [plan.total_nbytes] on the views' device."""
     lo, hi, src, out = _checked(layers, src_blocks, src_block_size, plan, out, layer_range)
     impl = impl or envs.transform_impl()
     if impl not in ("auto", "cpu_kernel", "torch"):
         raise ValueError(f"transform impl must be auto, cpu_kernel or torch, got {impl!r}")
+    if not 0 <= src_token_offset < max(1, src_block_size):
+        raise ValueError(f"transform_kv: token offset {src_token_offset} not inside a {src_block_size}-token block")
+    if not tile_aligned(src_block_size, src_token_offset):
+        bs = plan.layout.spec.block_size
+        grouped, ids = regroup_tokens(layers, src, src_block_size, src_token_offset, bs, lo, hi)
+        return transform_kv(grouped, ids, bs, plan, out, "torch", layer_range=layer_range)
     k0 = layers[0][0]
     if impl == "cpu_kernel" or (impl == "auto" and cpu_kernel.available(k0) and out.device.type == "cpu"):
         kv = kernel_views if kernel_views is not None else cpu_kernel.KernelViews.of_views(layers)
-        kernel_transform(kv, src, src_block_size, plan, out, (lo, hi))
+        kernel_transform(kv, src, src_block_size, plan, out, (lo, hi), src_token_offset=src_token_offset)
         return out
-    _torch_transform(layers, src, src_block_size, plan, out, lo, hi)
+    _torch_transform(layers, src, src_block_size, plan, out, lo, hi, src_token_offset)
     return out
 
 
@@ -149,10 +191,11 @@ def _checked(layers, src_blocks, src_block_size: int, plan: TransferPlan, out, l
 
 
 def _torch_transform(
-    layers, src: np.ndarray, src_block_size: int, plan: TransferPlan, out: torch.Tensor, lo: int, hi: int
+    layers, src: np.ndarray, src_block_size: int, plan: TransferPlan, out: torch.Tensor, lo: int, hi: int, offset: int
 ) -> None:
     """The torch transform of layers lo..hi-1 into ``out``: a fused tilizer when every
-    bank holds the same tiles per block and block sizes match, else a gather by tile index."""
+    bank holds the same tiles per block and block sizes match, else a gather by tile
+    index (``offset``: the span's first token in ``src[0]``, a multiple of 32)."""
     spec = plan.layout.spec
     device = layers[0][0].device
     counts = plan.bank_counts
@@ -162,6 +205,7 @@ def _torch_transform(
     fused = idx = invalid = None
     if (
         src_block_size == spec.block_size
+        and offset == 0
         and src.size >= plan.dst_blocks.size
         and uniform
         and spec.tiles_per_block % nb == 0
@@ -169,7 +213,7 @@ def _torch_transform(
     ):
         fused = _FusedTilizer(plan, src[: plan.dst_blocks.size], split)
     else:
-        sblk, head, s_tr, tc, valid = source_tile_index(plan, src, src_block_size)
+        sblk, head, s_tr, tc, valid = source_tile_index(plan, src, src_block_size, offset)
         idx = [torch.from_numpy(a).to(device) for a in (sblk, head, s_tr, tc)]
         invalid = None if valid.all() else torch.from_numpy(~valid).to(device)
     direct_bf16 = fused is not None and spec.dtype == "bfloat16" and layers[0][0].dtype == torch.bfloat16
@@ -204,12 +248,14 @@ def _scatter_slot(out: torch.Tensor, packed: torch.Tensor, plan: TransferPlan, s
         start += cnt
 
 
-def kernel_tile_args(plan: TransferPlan, src: np.ndarray, src_block_size: int) -> tuple[np.ndarray, ...]:
+def kernel_tile_args(
+    plan: TransferPlan, src: np.ndarray, src_block_size: int, src_token_offset: int = 0
+) -> tuple[np.ndarray, ...]:
     """The CPU kernel's per-tile arguments for one request (:func:`cpu_kernel.tile_args`):
     computed once per request, reused by each layer group."""
     spec = plan.layout.spec
     tb, counts = spec.tile_nbytes, plan.bank_counts
-    idx = source_tile_index(plan, src, src_block_size)
+    idx = source_tile_index(plan, src, src_block_size, src_token_offset)
     bank_of = np.repeat(np.arange(counts.size), counts)
     k_in_bank = np.arange(bank_of.size) - np.repeat(np.cumsum(counts) - counts, counts)
     first = plan.segment_offset[bank_of] + k_in_bank * tb  # byte offset in G' for slot 0
@@ -225,10 +271,11 @@ def kernel_transform(
     out: torch.Tensor,
     layer_range: tuple[int, int] | None = None,
     args=None,
+    src_token_offset: int = 0,
 ) -> None:
     """The CPU kernel's transform: ``kv`` (built once per cache) -> G' in ``out`` (uint8,
-    CPU, ``plan.total_nbytes``); ``layer_range`` as in :func:`transform_kv`; ``args``:
-    :func:`kernel_tile_args` when already computed."""
+    CPU, ``plan.total_nbytes``); ``layer_range`` and ``src_token_offset`` as in
+    :func:`transform_kv`; ``args``: :func:`kernel_tile_args` when already computed."""
     spec = plan.layout.spec
     if (kv.tokens, kv.head_dim, kv.num_slots) != (src_block_size, spec.head_dim, 2 * spec.num_layers):
         raise ValueError(
@@ -236,7 +283,7 @@ def kernel_transform(
             f"{kv.head_dim} dims do not match the plan"
         )
     if args is None:
-        args = kernel_tile_args(plan, src, src_block_size)
+        args = kernel_tile_args(plan, src, src_block_size, src_token_offset)
     cpu_kernel.launch(kv, args, out, spec.dtype, layer_range)
 
 
@@ -249,14 +296,16 @@ def transform_source(
     layer_range: tuple[int, int] | None = None,
     impl: str | None = None,
     memo: dict | None = None,
+    src_token_offset: int = 0,
 ) -> torch.Tensor:
     """:func:`transform_kv` from a :class:`~vllm_hawk.layout.vllm_kv.TransformSource`:
     on the CPU through its kernel views (built once; vLLM's packed AMX layout read in
-    place), elsewhere through ``source.select`` (zero-copy views, or a gather).
-    ``memo``: a dict kept across the layer groups of one request (per-tile arguments)."""
+    place), elsewhere (a device, or blocks that are not tile-aligned) through
+    ``source.select`` (zero-copy views, or a gather). ``memo``: a dict kept across the
+    layer groups of one request (per-tile arguments)."""
     impl = impl or envs.transform_impl()
     src = np.asarray(src_blocks, dtype=np.int64).reshape(-1)
-    if impl != "torch" and out.device.type == "cpu":
+    if impl != "torch" and out.device.type == "cpu" and tile_aligned(src_block_size, src_token_offset):
         kv = cpu_kernel.views_for(source)
         if kv is not None:
             if src.size and (src.min() < 0 or src.max() >= source.num_blocks):
@@ -268,10 +317,12 @@ def transform_source(
                 raise ValueError(f"transform: {source.num_layers} layers given, plan has {spec.num_layers}")
             args = None if memo is None else memo.get("tile_args")
             if args is None:
-                args = kernel_tile_args(plan, src, src_block_size)
+                args = kernel_tile_args(plan, src, src_block_size, src_token_offset)
                 if memo is not None:
                     memo["tile_args"] = args
             kernel_transform(kv, src, src_block_size, plan, out, layer_range, args)
             return out
     layers, ids = source.select(src)
-    return transform_kv(layers, ids, src_block_size, plan, out, impl, layer_range=layer_range)
+    return transform_kv(
+        layers, ids, src_block_size, plan, out, impl, layer_range=layer_range, src_token_offset=src_token_offset
+    )

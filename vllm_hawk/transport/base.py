@@ -1,10 +1,13 @@
 """The one interface every KV transport implements.
 
 A transport moves bytes between this process's registered memory and a peer's
-registered memory. Addresses are raw host virtual addresses (``int``), sizes are
-bytes. A caller holds a :class:`Transport` and never branches on which one it is:
+registered memory. Addresses are virtual addresses (``int``) in the address space of
+the memory's ``location``: ``"cpu"`` (host memory) or a device such as ``"cuda:0"``
+(device memory, read by the NIC over GPUDirect RDMA); sizes are bytes. A caller holds a
+:class:`Transport` and never branches on which one it is:
 
-    t.register(addr, nbytes)                      # once per buffer (ring, bank buffer)
+    t.accepts_memory("cuda:0")                    # can peers reach memory there?
+    t.register(addr, nbytes, location)            # once per buffer (ring, bank buffer)
     h = t.submit("read", peer, [(local, remote, nbytes), ...])   # one batch
     t.wait(h, timeout_s=5.0)                      # TransferFailed / TransferTimeout
     t.unregister(addr); t.close()
@@ -32,6 +35,8 @@ Kind = Literal["read", "write"]
 Entry = tuple[int, int, int]
 
 MAX_ADDR = 2**64 - 1
+#: The location of host memory (torch's name for it); a device's is ``"<type>:<index>"``.
+HOST = "cpu"
 
 
 class TransportError(RuntimeError):
@@ -104,8 +109,13 @@ class Transport(Protocol):
     def endpoint(self) -> str:
         """The name a peer passes as ``peer`` to reach us, e.g. ``"127.0.0.1:15123"``."""
 
-    def register(self, addr: int, nbytes: int) -> None:
-        """Make ``[addr, addr + nbytes)`` usable locally and reachable by peers."""
+    def accepts_memory(self, location: str) -> bool:
+        """True when this transport can register memory at ``location`` (``"cpu"``,
+        ``"cuda:0"``, ...) so that peers reach it."""
+
+    def register(self, addr: int, nbytes: int, location: str = HOST) -> None:
+        """Make ``[addr, addr + nbytes)`` of the memory at ``location`` usable locally and
+        reachable by peers; RegionError where :meth:`accepts_memory` is False."""
 
     def unregister(self, addr: int) -> None:
         """Forget the region registered at ``addr`` (exact start address)."""
@@ -163,6 +173,15 @@ def check_entries(entries: Sequence[Entry], max_entries: int = 1 << 20) -> tuple
             raise ValueError(f"entry {i}: address range overflows 64 bits")
         total += nbytes
     return n, total
+
+
+def check_location(transport, location: str, what: str) -> None:
+    """Raise RegionError naming ``what`` (the transport) unless it accepts ``location``."""
+    if not transport.accepts_memory(location):
+        raise RegionError(
+            f"{what} cannot register memory at {location!r}: it reaches host memory ('cpu') only; "
+            "device memory needs transport mooncake-rdma with Mooncake's CUDA wheel (the [gpu] extra)"
+        )
 
 
 def begin_transfer(regions: RegionTable, kind: str, peer: str, entries: Sequence[Entry]) -> TransferHandle:

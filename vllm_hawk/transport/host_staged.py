@@ -62,12 +62,14 @@ from dataclasses import dataclass
 
 from vllm_hawk.security import RateLimitedLog, Refusals, derive_key
 from vllm_hawk.transport.base import (
+    HOST,
     Entry,
     Kind,
     RegionTable,
     TransferHandle,
     TransferState,
     begin_transfer,
+    check_location,
     closed_transfer,
     wait_handle,
 )
@@ -203,7 +205,11 @@ class HostStagedTransport:
     def endpoint(self) -> str:
         return self._endpoint
 
-    def register(self, addr: int, nbytes: int) -> None:
+    def accepts_memory(self, location: str) -> bool:
+        return location == HOST  # it copies with memmove: host memory only
+
+    def register(self, addr: int, nbytes: int, location: str = HOST) -> None:
+        check_location(self, location, "the host-staged transport")
         self._regions.add(addr, nbytes)
 
     def unregister(self, addr: int) -> None:

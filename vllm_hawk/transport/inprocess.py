@@ -14,12 +14,14 @@ import threading
 from collections.abc import Sequence
 
 from vllm_hawk.transport.base import (
+    HOST,
     Entry,
     Kind,
     RegionTable,
     TransferHandle,
     TransferState,
     begin_transfer,
+    check_location,
     wait_handle,
 )
 
@@ -43,7 +45,11 @@ class InProcessTransport:
     def endpoint(self) -> str:
         return self._endpoint
 
-    def register(self, addr: int, nbytes: int) -> None:
+    def accepts_memory(self, location: str) -> bool:
+        return location == HOST  # it copies with memmove: host memory only
+
+    def register(self, addr: int, nbytes: int, location: str = HOST) -> None:
+        check_location(self, location, "the in-process transport")
         self._regions.add(addr, nbytes)
 
     def unregister(self, addr: int) -> None:

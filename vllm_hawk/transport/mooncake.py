@@ -28,12 +28,21 @@ docs/mooncake.md in the repository):
   turned into TCP; a ``MC_FORCE_TCP`` the user exported is honoured and logged.
   :attr:`MooncakeTransport.effective_protocol` says what the engine really uses; in the
   QEMU guest stage the soft-RoCE packet counters check it (tests/guest).
+* Every registration names its memory's location (``register_memory``'s third argument,
+  a key of the engine's NIC topology): ``cuda:N`` for a GPU's memory, so the NIC reads it
+  with GPUDirect RDMA and the engine prefers the NICs next to that GPU; host memory goes
+  as ``*``, for which the engine looks up the pages' NUMA node itself (its topology names
+  host memory ``cpu:<numa node>``, so a bare ``cpu`` would match no NIC). Only the CUDA
+  wheel (``mooncake-transfer-engine``) can reach device memory: the ``-non-cuda`` build
+  copies TCP transfers with ``memcpy``, which a device address would crash, so
+  :meth:`MooncakeTransport.accepts_memory` refuses ``cuda:*`` there.
 """
 
 from __future__ import annotations
 
 import collections
 import contextlib
+import importlib.metadata
 import logging
 import os
 import queue
@@ -43,6 +52,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 from vllm_hawk.transport.base import (
+    HOST,
     Entry,
     Kind,
     RegionError,
@@ -74,6 +84,23 @@ ENV_DEFAULTS = {
 #: against 21.9-30.6 (docs/mooncake.md).
 POLL_MAX_S = 200e-6
 _BAD_BATCH_IDS = (0, 2**64 - 1, -1)  # the binding returns 0 or (uint64)-1 on failure
+#: Mooncake's CUDA wheel; the CPU one is ``mooncake-transfer-engine-non-cuda`` (same package).
+CUDA_DIST = "mooncake-transfer-engine"
+
+
+def cuda_build() -> bool:
+    """True when the installed Mooncake is the CUDA wheel (it reaches ``cuda:N`` memory)."""
+    try:
+        importlib.metadata.version(CUDA_DIST)
+    except importlib.metadata.PackageNotFoundError:
+        return False
+    return True
+
+
+def engine_location(location: str) -> str:
+    """``register_memory``'s location for ours: ``*`` for host memory (the engine finds its
+    NUMA node), the device name as it is (``cuda:0``)."""
+    return "*" if location == HOST else location
 
 
 @dataclass(eq=False)
@@ -151,6 +178,7 @@ class MooncakeTransport:
                 f" (device {device_name or 'any'})" if protocol == "rdma" else "",
             )
         self._regions = RegionTable()
+        self.reaches_cuda = cuda_build()
         self._max_inflight = max(1, max_inflight)
         self._poll_min = poll_min_s
         self._poll_max = poll_max_s
@@ -163,12 +191,26 @@ class MooncakeTransport:
     def endpoint(self) -> str:
         return self._endpoint
 
-    def register(self, addr: int, nbytes: int) -> None:
+    def accepts_memory(self, location: str) -> bool:
+        return location == HOST or (self.reaches_cuda and location.startswith("cuda:"))
+
+    def register(self, addr: int, nbytes: int, location: str = HOST) -> None:
+        if not self.accepts_memory(location):
+            raise RegionError(
+                f"Mooncake cannot register memory at {location!r}: "
+                + (
+                    "device memory needs Mooncake's CUDA wheel (pip install mooncake-transfer-engine, the [gpu] "
+                    "extra; this is mooncake-transfer-engine-non-cuda)"
+                    if location.startswith("cuda:")
+                    else "it registers host memory ('cpu') and CUDA device memory ('cuda:N') only"
+                )
+            )
         self._regions.add(addr, nbytes)
-        rc = self._engine.register_memory(addr, nbytes)
+        where = engine_location(location)
+        rc = self._engine.register_memory(addr, nbytes, where)
         if rc != 0:
             self._regions.remove(addr)
-            raise RegionError(f"Mooncake register_memory({addr:#x}, {nbytes}) returned {rc}")
+            raise RegionError(f"Mooncake register_memory({addr:#x}, {nbytes}, {where!r}) returned {rc}")
 
     def unregister(self, addr: int) -> None:
         self._regions.remove(addr)

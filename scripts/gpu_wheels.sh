@@ -1,0 +1,17 @@
+#!/usr/bin/env bash
+# Wheels scripts/gpu_check.py needs on a GPU machine that has torch, numpy and PyYAML but
+# not the side channel's msgspec and pyzmq (the lent H200's image: CPython 3.12, no
+# registry reachable). Versions are the main environment's pins (requirements/cpu.txt).
+#   bash scripts/gpu_wheels.sh [PYTHON_VERSION]   # default 3.12; writes build/gpu-wheels (about 1 MB)
+set -euo pipefail
+cd "$(dirname "$0")/.."
+pyver="${1:-3.12}"
+out=build/gpu-wheels
+pins=$(grep -E '^(msgspec|pyzmq)==' requirements/cpu.txt)
+py=$(bash scripts/ensure_env.sh path main 2>/dev/null || command -v python3)
+rm -rf "$out" && mkdir -p "$out"
+# shellcheck disable=SC2086
+"$py" -m pip download --quiet --only-binary=:all: --no-deps --implementation cp --python-version "$pyver" \
+  --platform manylinux_2_28_x86_64 --platform manylinux_2_17_x86_64 --platform manylinux2014_x86_64 \
+  -d "$out" $pins
+ls -l "$out"

@@ -1,0 +1,211 @@
+"""The prefill side over a KV cache in device memory, in a process of its own (the opaque
+device changes torch for the whole process): ``python device_memory_proc.py SCENARIO``
+prints one JSON line of facts that ``test_device_memory.py`` checks.
+
+The device is :mod:`vllm_hawk.testing.opaque_device` (``hawkdev``): real bytes, but host
+code that reads or writes them through a pointer gets a canary-filled decoy instead. Each
+scenario serves real ``KVRequest``s from a :class:`PrefillEndpoint` over a cache on that
+device and the same endpoint over the same cache in host memory, and reports whether the
+ring bytes agree, where the ring is, what was registered under which location, and
+whether the device was idle whenever a KVReady went out.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+import threading
+
+import numpy as np
+import torch
+
+from vllm_hawk.kvflow import PrefillEndpoint, RingGatherSource, TileTransformSource, VllmBlockSource
+from vllm_hawk.kvflow.device import synchronize
+from vllm_hawk.kvflow.sources import vllm_layout_desc
+from vllm_hawk.kvflow.streams import head_maps, region_map_from_caches
+from vllm_hawk.layout.device_profiles import load_profile
+from vllm_hawk.layout.formats import tile_format
+from vllm_hawk.layout.vllm_kv import FlashAttnKVLayout, TransformSource, block_byte_ranges, make_layer_caches
+from vllm_hawk.protocol import KVReady, KVRequest, LayoutDesc, Release, make_compat
+from vllm_hawk.testing import opaque_device
+from vllm_hawk.testing.recording_transport import RecordingTransport
+from vllm_hawk.transport import make_transport
+
+L, H, D, BLOCKS = 2, 2, 64, 24
+PROFILE = "p150a"
+
+
+def caches_on(device, block_size: int, seed: int) -> list[torch.Tensor]:
+    """Per-layer FlashAttention (NHD) caches with seeded values, copied to ``device``."""
+    host = make_layer_caches(L, BLOCKS, H, block_size, 2 * D)
+    g = torch.Generator().manual_seed(seed)
+    for c in host:
+        c.copy_(torch.randn(c.shape, generator=g).to(c.dtype))
+    if torch.device(device).type == "cpu":
+        return host
+    out = make_layer_caches(L, BLOCKS, H, block_size, 2 * D, device=device)
+    for h, d in zip(host, out, strict=True):
+        d.copy_(h.to(device))
+    synchronize(device)  # as after the engine's forward: whatever is queued later is the prefill side's
+    return out
+
+
+def source(kind: str, caches: list[torch.Tensor], block_size: int):
+    region_map = region_map_from_caches(caches, [block_byte_ranges(c, 0) for c in caches])
+    desc = vllm_layout_desc(region_map, "vllm-flash-nhd", "bfloat16", block_size, H, D)
+    if kind == "hawk":
+        lay = FlashAttnKVLayout(H, block_size, D)
+        return TileTransformSource(TransformSource([lay] * L, caches), desc, load_profile(PROFILE))
+    storage = [(caches[0].data_ptr(), L * BLOCKS * desc.tile_nbytes)]
+    cls = RingGatherSource if kind == "staged" else VllmBlockSource
+    return cls(region_map, desc, storage, head_maps(caches), caches)
+
+
+def tt_desc(dtype: str, block_size: int) -> LayoutDesc:
+    prof, tb = load_profile(PROFILE), tile_format(dtype).tile_nbytes
+    return LayoutDesc(
+        name="tt-paged",
+        dtype=dtype,
+        block_size=block_size,
+        num_layers=L,
+        num_kv_heads=H,
+        head_dim=D,
+        num_banks=prof.num_banks,
+        tile_nbytes=tb,
+        page_nbytes=prof.aligned_page(tb),
+    )
+
+
+def serve(src, transport, dst: LayoutDesc, num_tokens: int, src_blocks, dst_blocks) -> dict:
+    """One request through an endpoint: add, KVRequest, KVReady, the bytes, Release."""
+    compat = make_compat("tiny", "bfloat16", 0, "any", "any", PROFILE)
+    ep = PrefillEndpoint(src, transport, compat, ring_nbytes=4 << 20)
+    got, done = {}, threading.Event()
+
+    def reply(msg):
+        got["msg"], got["busy_at_reply"] = msg, opaque_device.busy()
+        done.set()
+
+    try:
+        ep.add_request("r0", src_blocks, num_tokens)
+        msg = KVRequest(req_id="r0", dst_layout=dst, num_tokens=num_tokens, dst_block_ids=list(dst_blocks))
+        out = ep.on_kv_request("decode", msg, reply)
+        if out is not None:
+            reply(out)
+        assert done.wait(120), "no KVReady"
+        ready = got["msg"]
+        assert isinstance(ready, KVReady), ready
+        facts = {"busy_at_reply": got["busy_at_reply"], "segments": len(ready.segments)}
+        if ep.ring is not None:
+            facts["ring_device"] = str(ep.ring.device)
+            facts["bytes"] = ep.ring.view(ready.ring_offset, ready.total_nbytes).cpu().numpy().tobytes().hex()
+        facts["registered_live"] = [list(r) for r in getattr(transport, "live", lambda: [])()]
+        ep.on_release("decode", Release(req_id="r0"), lambda m: None)
+        facts["registered_after_release"] = len(getattr(transport, "live", lambda: [])())
+        return facts
+    finally:
+        ep.close()
+
+
+def run(kind: str, src_bs: int, dst: LayoutDesc, tokens: int) -> dict:
+    dev = opaque_device.enable()
+    rng = np.random.default_rng(3)
+    n_src = -(-tokens // src_bs)
+    src_blocks = rng.permutation(BLOCKS)[:n_src]
+    dst_blocks = rng.permutation(40)[: -(-tokens // dst.block_size)]
+    syncs0 = opaque_device.syncs()
+    on_dev = serve(
+        source(kind, caches_on(dev, src_bs, 5), src_bs),
+        RecordingTransport({"cpu", f"{dev.type}:0"}),
+        dst,
+        tokens,
+        src_blocks,
+        dst_blocks,
+    )
+    t = make_transport("inprocess")
+    try:
+        on_host = serve(source(kind, caches_on("cpu", src_bs, 5), src_bs), t, dst, tokens, src_blocks, dst_blocks)
+    finally:
+        t.close()
+    on_dev["syncs"] = opaque_device.syncs() - syncs0
+    on_dev["equal_to_host"] = on_dev.pop("bytes", None) == on_host.get("bytes")
+    on_dev["decoys_untouched"] = opaque_device.decoys_untouched()
+    return on_dev
+
+
+def host_staged_ring(dst: LayoutDesc) -> dict:
+    """A transport that reaches host memory only: the ring falls back to host memory and
+    the gather copies device -> host with torch."""
+    dev = opaque_device.enable()
+    t = make_transport("inprocess")
+    try:
+        facts = serve(source("staged", caches_on(dev, 32, 5), 32), t, dst, 70, [3, 9, 4], [0, 1, 2])
+        host = serve(source("staged", caches_on("cpu", 32, 5), 32), t, dst, 70, [3, 9, 4], [0, 1, 2])
+    finally:
+        t.close()
+    facts["equal_to_host"] = facts.pop("bytes") == host["bytes"]
+    facts["decoys_untouched"] = opaque_device.decoys_untouched()
+    return facts
+
+
+def host_pointer_copy() -> dict:
+    """The detector itself: a host memmove through a device tensor's data_ptr (what a raw
+    pointer copy of KV memory does) gets the canary, not the bytes."""
+    import ctypes
+
+    dev = opaque_device.enable()
+    x = torch.arange(64, dtype=torch.uint8).to(dev)
+    buf = (ctypes.c_uint8 * 64)()
+    ctypes.memmove(buf, x.data_ptr(), 64)
+    return {"read": list(buf)[:4], "want": x.cpu().tolist()[:4], "numpy_refused": _refused(x.numpy)}
+
+
+def negative(kind: str) -> dict:
+    """The checks have teeth: the prefill with a host-only operation put back (``raw``:
+    the staged gather as ``ctypes.memmove`` over the KV addresses; ``no-sync``: KVReady
+    without waiting for the device) fails them."""
+    import ctypes
+
+    from vllm_hawk.kvflow import RingBuffer
+    from vllm_hawk.kvflow.base import Prepared
+    from vllm_hawk.kvflow.streams import gather_copies, ring_segments
+
+    if kind == "raw":
+
+        def prepare(self, msg, src_blocks, export_base):
+            ids, rmap = src_blocks.tolist(), self.region_map
+
+            def fill(addr, view):
+                for dst, src, nb in gather_copies(rmap, ids, addr):
+                    ctypes.memmove(dst, src, nb)
+
+            return Prepared(len(ids) * rmap.block_nbytes, fill, lambda off: ring_segments(rmap, len(ids), off))
+
+        RingGatherSource.prepare = prepare
+    else:
+        RingBuffer.synchronize = lambda self: None
+    return run("staged", 32, source("staged", caches_on("cpu", 32, 0), 32).layout, 70)
+
+
+def _refused(fn) -> bool:
+    try:
+        fn()
+    except RuntimeError:
+        return True
+    return False
+
+
+SCENARIOS = {
+    "hawk-bf16": lambda: run("hawk", 32, tt_desc("bfloat16", 32), 70),
+    "hawk-bfp8": lambda: run("hawk", 32, tt_desc("bfloat8_b", 32), 70),
+    "hawk-16-to-64": lambda: run("hawk", 16, tt_desc("bfloat8_b", 64), 150),
+    "staged": lambda: run("staged", 32, source("staged", caches_on("cpu", 32, 0), 32).layout, 70),
+    "in-place": lambda: run("vllm", 32, source("vllm", caches_on("cpu", 32, 0), 32).layout, 70),
+    "host-staged-ring": lambda: host_staged_ring(source("staged", caches_on("cpu", 32, 0), 32).layout),
+    "host-pointer-copy": host_pointer_copy,
+    "negative-raw-pointer-gather": lambda: negative("raw"),
+    "negative-no-sync": lambda: negative("no-sync"),
+}
+
+if __name__ == "__main__":
+    print(json.dumps({name: SCENARIOS[name]() for name in sys.argv[1:]}))

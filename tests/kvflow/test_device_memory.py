@@ -1,0 +1,93 @@
+"""The prefill side over a KV cache that host code cannot address: what a CUDA GPU's cache
+is. Each scenario runs in its own process (:mod:`device_memory_proc`) on the opaque test
+device (:mod:`vllm_hawk.testing.opaque_device`: real bytes, a decoy behind every
+pointer, asynchronous work until a stream synchronisation), serving real KVRequests.
+
+Checked for the GN-HAWK transform (bf16, bfloat8_b, 16-token source blocks into a
+64-token decode), the staged gather and blocks served in place:
+
+* the ring (G' or the gathered streams) is on the cache's device and every byte equals
+  what the same endpoint produces from the same cache in host memory;
+* every registration names the device's location (``hawkdev:0``; ``cuda:0`` on a GPU)
+  and is gone after Release;
+* no work queued on the device is outstanding when KVReady goes out;
+* no host code wrote through a device pointer.
+
+A transport that reaches host memory only gets a host ring (the gather copies device ->
+host with torch). Two negative controls show that the checks catch the failures they
+are for: the staged gather as a raw ``ctypes.memmove`` (what the prefill did before)
+produces wrong bytes, and a KVReady without the synchronisation is seen as such.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+HERE = Path(__file__).resolve().parent
+ROOT = HERE.parents[1]
+
+
+POSITIVE = ["hawk-bf16", "hawk-bfp8", "hawk-16-to-64", "staged", "in-place", "host-staged-ring", "host-pointer-copy"]
+
+
+def run_scenarios(*names: str) -> dict:
+    """``{scenario: facts}`` from one process running ``names`` in order."""
+    r = subprocess.run(
+        [sys.executable, str(HERE / "device_memory_proc.py"), *names],
+        capture_output=True,
+        text=True,
+        timeout=600,
+        cwd=HERE,
+        env={**os.environ, "PYTHONPATH": str(ROOT)},
+    )
+    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-6000:]
+    return json.loads(r.stdout.strip().splitlines()[-1])
+
+
+@pytest.fixture(scope="module")
+def facts() -> dict:
+    return run_scenarios(*POSITIVE)
+
+
+@pytest.mark.parametrize("name", ["hawk-bf16", "hawk-bfp8", "hawk-16-to-64", "staged"])
+def test_ring_sources_produce_on_the_device(facts, name):
+    f = facts[name]
+    assert f["ring_device"] == "hawkdev:0"
+    assert f["equal_to_host"], "the device ring's bytes differ from the host path's"
+    assert f["registered_live"] and all(loc == "hawkdev:0" for _a, _n, loc in f["registered_live"])
+    assert f["registered_after_release"] == 0
+    assert not f["busy_at_reply"], "KVReady went out with device work still queued"
+    assert f["syncs"] >= 1 and f["decoys_untouched"]
+
+
+def test_blocks_served_in_place_are_registered_as_device_memory(facts):
+    f = facts["in-place"]
+    assert "ring_device" not in f and f["equal_to_host"]
+    assert len(f["registered_live"]) >= 2 and all(loc == "hawkdev:0" for _a, _n, loc in f["registered_live"])
+    assert f["registered_after_release"] == 0 and not f["busy_at_reply"] and f["decoys_untouched"]
+
+
+def test_a_host_only_transport_gets_a_host_ring(facts):
+    f = facts["host-staged-ring"]
+    assert f["ring_device"] == "cpu" and f["equal_to_host"] and not f["busy_at_reply"]
+
+
+def test_the_device_hides_its_bytes_from_host_pointers(facts):
+    f = facts["host-pointer-copy"]
+    assert f["read"] == [0xA5] * 4 and f["want"] == [0, 1, 2, 3] and f["numpy_refused"]
+
+
+def test_a_raw_pointer_gather_is_caught():
+    f = run_scenarios("negative-raw-pointer-gather")["negative-raw-pointer-gather"]
+    assert not f["equal_to_host"]
+
+
+def test_a_kvready_before_the_device_is_done_is_caught():
+    f = run_scenarios("negative-no-sync")["negative-no-sync"]
+    assert f["busy_at_reply"]

@@ -1,0 +1,77 @@
+"""Staged mode, prefill side (P6): a request's layer streams gathered into a ring range.
+
+The bytes are those :func:`~vllm_hawk.kvflow.streams.gather_copies` describes (layer
+after layer, the request's blocks in order, each block's template runs in template
+order), copied with torch operations on the caches' own device: one ``index_select`` per
+layer and template run from a strided uint8 view of the cache. No address is
+dereferenced by host code, so the same code gathers from a CUDA cache into a ring in
+GPU memory as from a CPU cache into host memory.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+
+from vllm_hawk.layout.vllm_kv import block_byte_ranges
+
+__all__ = ["BlockGather", "byte_runs_view"]
+
+
+def byte_runs_view(cache: torch.Tensor, offset_bytes: int, nbytes: int) -> torch.Tensor:
+    """uint8 ``[num_blocks, nbytes]`` view of bytes ``[offset_bytes, offset_bytes + nbytes)``
+    of every block of ``cache`` (``[num_blocks, ...]``, last dimension dense; offsets from
+    the start of block 0, as :func:`~vllm_hawk.layout.vllm_kv.block_byte_ranges` gives)."""
+    if cache.stride(-1) != 1:
+        raise ValueError("gather: the cache's last dimension must be dense (stride 1)")
+    b = cache.view(torch.uint8)  # the last dimension in bytes; storage offset in bytes
+    return b.as_strided(
+        (cache.shape[0], nbytes), (cache.stride(0) * cache.element_size(), 1), b.storage_offset() + offset_bytes
+    )
+
+
+class BlockGather:
+    """The layer streams of per-layer caches ``[num_blocks, ...]``: per layer, the template
+    runs of one block (``(offset_bytes, nbytes)``) as strided byte views."""
+
+    def __init__(self, caches: Sequence[torch.Tensor], templates: Sequence[Sequence[tuple[int, int]]]) -> None:
+        self.layers = [
+            [(int(o), int(n), byte_runs_view(c, int(o), int(n))) for o, n in tmpl]
+            for c, tmpl in zip(caches, templates, strict=True)
+        ]
+        self.block_nbytes = [sum(n for _o, n, _v in runs) for runs in self.layers]
+        self.device = caches[0].device
+
+    @classmethod
+    def of_caches(cls, caches: Sequence[torch.Tensor]) -> BlockGather:
+        """From the caches alone: each block's byte runs from the caches' strides."""
+        return cls(caches, [block_byte_ranges(c, 0) for c in caches])
+
+    def nbytes(self, num_blocks: int) -> int:
+        return num_blocks * sum(self.block_nbytes)
+
+    def __call__(self, block_ids: Sequence[int], out: torch.Tensor) -> None:
+        """Write the streams of ``block_ids`` into uint8 ``out`` (``nbytes(len(block_ids))``
+        bytes), layer after layer. ``out`` on the caches' device: gathered in place; in host
+        memory (a ring a host-only transport reads): gathered on the device, then one
+        device -> host copy per layer."""
+        n = len(block_ids)
+        if out.dtype != torch.uint8 or out.numel() != self.nbytes(n):
+            raise ValueError(f"gather: out must be uint8 [{self.nbytes(n)}], got {out.dtype} [{out.numel()}]")
+        ids = torch.as_tensor(list(block_ids), dtype=torch.long).to(self.device)
+        here = out.device == self.device
+        pos = 0
+        for runs, bn in zip(self.layers, self.block_nbytes, strict=True):
+            dst = out[pos : pos + n * bn].view(n, bn)
+            stage = dst if here else torch.empty((n, bn), dtype=torch.uint8, device=self.device)
+            col = 0
+            for _o, nb, src in runs:
+                if len(runs) == 1:
+                    torch.index_select(src, 0, ids, out=stage)
+                else:
+                    stage[:, col : col + nb] = src.index_select(0, ids)
+                col += nb
+            if not here:
+                dst.copy_(stage)
+            pos += n * bn
