@@ -294,7 +294,7 @@ class DecodeEndpoint:
         if layer_groups == AUTO_LAYER_GROUPS:
             layer_groups = auto_layer_groups(sink, len(dst))
         groups = split_layers(sink.layout.num_layers, layer_groups)
-        fs.plan = sink.plan(dst)
+        fs.plan = self._plan(fs)
         if len(groups) > 1 and sink.caps.group_landing and time_cap_s is None:
             return self._fetch_groups(fs, groups)
         return self._fetch_whole(fs)
@@ -500,6 +500,19 @@ class DecodeEndpoint:
                 f"end a {num_tokens}-token request ({n_req} blocks of {bs})"
             )
         return dst
+
+    def _plan(self, fs: _Fetch):
+        """The sink's plan; for a sink that regroups (``caps.regroup``), from the prefill's
+        block size in its HelloAck when it differs from the sink's. A pair that does not
+        fit (the handshake refuses it) is Released and raises PeerFailed naming both sizes."""
+        sink, src_bs = fs.sink, self.client.hello.block_size
+        if not sink.caps.regroup or not src_bs or src_bs == sink.layout.block_size:
+            return sink.plan(fs.dst)
+        try:
+            return sink.plan_regroup(fs.dst, src_bs, fs.num_tokens, fs.first_block)
+        except ValueError as e:
+            self._release_quietly(fs.req_id, ok=False, share=fs.share)
+            raise PeerFailed(f"request {fs.req_id}: {e}", fs.req_id) from e
 
     @staticmethod
     def _kv_request(fs: _Fetch) -> KVRequest:

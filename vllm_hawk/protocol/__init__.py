@@ -11,7 +11,7 @@ HMAC-SHA256 envelope per message (replay window, recipient binding): see
 
 from vllm_hawk.protocol.address import MAX_TP_RANKS, side_channel_endpoint
 from vllm_hawk.protocol.client import AuthRefused, IncompatiblePeer, ProtocolClient, ProtocolTimeout, RemoteError
-from vllm_hawk.protocol.compat import compat_diff, compat_hash, describe_diff, make_compat
+from vllm_hawk.protocol.compat import VLLM_PROFILE, compat_diff, compat_hash, describe_diff, make_compat, regroups
 from vllm_hawk.protocol.envelope import AuthError, AuthMismatch, Envelope, FrameError, Header
 from vllm_hawk.protocol.leases import LeaseKeeper
 from vllm_hawk.protocol.messages import (
@@ -75,12 +75,14 @@ __all__ = [
     "RemoteError",
     "Segment",
     "ServerStats",
+    "VLLM_PROFILE",
     "compat_diff",
     "compat_hash",
     "decode",
     "describe_diff",
     "encode",
     "make_compat",
+    "regroups",
     "side_channel_endpoint",
     "validate",
 ]

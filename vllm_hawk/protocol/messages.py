@@ -40,13 +40,17 @@ leases of the requests it still wants alive while they wait in its queue) and
 ``ControlHello`` (the proxy releases the prefill's blocks of a request the decode
 refused before its engine saw it).
 
-Version 6 (this one) adds tensor parallelism (:mod:`vllm_hawk.layout.tp`): ``HelloAck``
+Version 6 added tensor parallelism (:mod:`vllm_hawk.layout.tp`): ``HelloAck``
 says which TP rank the prefill side channel serves and which KV heads it holds;
 ``KVRequest.head_start`` / ``num_heads`` ask for a range of those heads (one *share* of
 the request: a decode rank or chip holding only some of them) and ``consumers`` says how
 many shares of the request all decode targets together will pull from this rank and
 ``share`` which one this is; ``Release`` names the share it ends. The prefill frees a request's blocks when all its
-shares are released. Envelope magic ``HAWK/6``.
+shares are released.
+
+Version 7 (this one): ``HelloAck.block_size`` tells the decode the prefill's tokens per
+block, so that a GG decode with larger blocks regroups the prefill's (see
+:func:`vllm_hawk.protocol.compat.regroups`). Envelope magic ``HAWK/7``.
 """
 
 from __future__ import annotations
@@ -56,7 +60,7 @@ from typing import Annotated, Literal
 import msgspec
 from msgspec import Meta, Struct
 
-PROTOCOL_VERSION = 6
+PROTOCOL_VERSION = 7
 
 MAX_SEGMENTS = 4096  # per KVReady: N_ch banks x layers x K/V stays well below this
 MAX_BLOCK_IDS = 1 << 16
@@ -150,7 +154,9 @@ class ControlHello(_Base, tag="control_hello"):
 class HelloAck(_Base, tag="hello_ack"):
     """transfer_endpoint: the prefill transport's ``endpoint``; export_*: the registered
     region KVReady offsets refer to (host virtual address and size in bytes): the ring,
-    or the exported KV cache when the prefill serves blocks in place (GG-Direct)."""
+    or the exported KV cache when the prefill serves blocks in place (GG-Direct).
+    block_size: the prefill's ``CompatFields.block_size`` (tokens per block of its KV
+    cache; 0 for GN-HAWK, whose prefill regroups tokens into the decode's blocks itself)."""
 
     compat_hash: Hash
     server_id: Name
@@ -162,6 +168,7 @@ class HelloAck(_Base, tag="hello_ack"):
     num_kv_heads: U32 = 0  # the model's KV heads (all ranks); 0 = not told
     head_start: U32 = 0  # global index of this rank's first KV head
     num_heads: U32 = 0  # KV heads this rank holds; 0 = not told
+    block_size: U32 = 0
 
 
 class KVRequest(_Base, tag="kv_request"):
