@@ -29,6 +29,10 @@ names the unsafe destination blocks and carries the batch's ``settled`` event.
 A failed fetch returns at the latest ``pull_timeout_s + RELEASE_TIMEOUT_S`` (+
 ``SETTLE_WAIT_S`` for direct sinks) after it started.
 
+Block sizes. The HelloAck names the prefill's block size; a vLLM sink whose blocks are
+a multiple of it plans the pull as sub-blocks (``plan_regroup``) and regroups them in
+D6-D7 (:mod:`~vllm_hawk.kvflow.regroup`); the prefill serves its own blocks either way.
+
 Tensor parallelism. A fetch may move one :class:`Share` of a request: a range of the
 prefill rank's KV heads (``KVRequest.head_start`` / ``num_heads``), into a sink that
 holds just those heads of this decode rank or chip (see :mod:`vllm_hawk.layout.tp`).
