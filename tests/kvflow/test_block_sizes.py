@@ -167,6 +167,22 @@ def test_gg_decode_regroups_smaller_prefill_blocks(layout, src_bs, dst_bs, mode)
         assert res.entries <= L
 
 
+@pytest.mark.parametrize(
+    "layout,src_bs,unit",
+    [("flash-nhd", 16, None), ("flash-hnd", 16, 16 * 2 * D), ("cpu-vec", 32, 32), ("cpu-amx", 32, 16 * 32)],
+)
+def test_the_regroup_moves_runs_of_elements(layout, src_bs, unit):
+    """The regroup of a layout (found once, through its adapter) moves whole runs: nothing
+    for FlashAttention NHD, a source block's head at a time for HND, a token row of K
+    (vec: K is [D, N]) or a 16-dim group of V token pairs (amx) at the least."""
+    from vllm_hawk.kvflow.regroup import Regroup
+
+    cache = PagedKVCache(L, 4, H, 64, D, **GG_LAYOUTS[layout])
+    m = Regroup([cache.adapter] * L, cache.layers).block_map(0, 64 // src_bs)
+    assert (m.runs is None and unit is None) or m.unit == unit
+    assert sorted(m.token.tolist()) == sorted(list(range(64)) * (H * 2 * D))  # every element is one token's
+
+
 @pytest.mark.parametrize("layout", ["cpu-vec", "flash-hnd"])
 @pytest.mark.parametrize("src_bs", [16, 32])
 def test_gg_regroup_after_a_local_prefix(layout, src_bs):
