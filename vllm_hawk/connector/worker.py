@@ -39,6 +39,7 @@ from vllm_hawk.connector.strategies import (
     make_transport_for,
     tp_rank_and_size,
 )
+from vllm_hawk.connector.vllm_compat import TransferResults
 from vllm_hawk.kvflow import LeaseKeeper, TransferUnsettled
 from vllm_hawk.kvflow.decode import WHOLE, Share
 from vllm_hawk.kvflow.shares import fetch_shares
@@ -59,6 +60,7 @@ class HawkConnectorWorker:
         self._done: set[str] = set()  # prefill: finished_sending
         self._pulls = PullResults(self._lock, self.stats)
         self._figures: dict[str, dict] = {}
+        self._pull_blocks: dict[str, list[int]] = {}  # request -> local blocks its pull fills
         self._counted = {"expired": 0, "released": 0, "refused": 0}
         self.kv: LocalKV | None = None
         self.peers = PeerPool(
@@ -128,19 +130,24 @@ class HawkConnectorWorker:
                     self.keeper.want(ep, spec.remote_request_id)
         if self._pool is not None:
             for rid, spec in meta.reqs_to_recv.items():
+                with self._lock:
+                    self._pull_blocks[rid] = list(spec.local_block_ids)
                 self._pulls.begin(rid)
                 self._pool.submit(self._pull, rid, spec)
             for spec in meta.reqs_to_release.values():
                 self._pool.submit(self._release_only, spec)
 
-    def get_transfer_results(self):
-        from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorTransferResults
-
-        res = KVConnectorTransferResults()
+    def get_transfer_results(self) -> TransferResults:
+        """What ended since the last call (vLLM version independent, see vllm_compat)."""
+        res = TransferResults()
         with self._lock:
             res.finished_sending, self._done = self._done, set()
             res.finished_recving, res.failed_recving, figures = self._pulls.take()
             self._figures.update(figures)
+            for rid in res.finished_recving:
+                blocks = self._pull_blocks.pop(rid, ())
+                if rid in res.failed_recving:
+                    res.failed_blocks.update(blocks)
         return res
 
     def build_worker_meta(self) -> HawkWorkerMeta | None:
