@@ -75,6 +75,13 @@ class TTNNMeshKVCache:
         ttnn = import_ttnn()
         if not chips:
             raise ValueError("TTNNMeshKVCache needs at least one chip")
+        for i, pair in enumerate(kv_cache):
+            if len(pair) != 2 or not all(isinstance(t, ttnn.Tensor) for t in pair):
+                raise ValueError(
+                    f"KV cache layer {i}: expected a [K, V] pair of ttnn tensors, got {type(pair).__name__} "
+                    "(the HAWK sink lands one uniform cache: hybrid per-group caches and several "
+                    "data-parallel submeshes are not supported)"
+                )
         k0 = kv_cache[0][0]
         num_blocks, per_chip, bs, head_dim = (int(x) for x in k0.shape)
         if bs != block_size:

@@ -32,7 +32,6 @@ from vllm.distributed.kv_transfer import (
     has_kv_transfer_group,
 )
 from vllm.distributed.kv_transfer.kv_transfer_state import ensure_kv_transfer_shutdown
-from vllm_tt_plugin.platform import TTPlatform
 from vllm_tt_plugin.worker import TTWorker, close_mesh_device
 
 from vllm_hawk.connector.config import parse_config
@@ -49,21 +48,20 @@ logger = logging.getLogger("vllm.hawk.tt_decode")
 
 def _one_rank_groups(worker) -> None:
     """vLLM's world and model-parallel groups of one rank (gloo), as its CPU worker makes
-    them. vLLM names a group's device after the platform (``tt:0``), which torch only
-    parses once the platform's name is its out-of-tree device type: the plugin never
-    registers one, so the name is given to torch's ``privateuse1`` slot here (no tensor
-    ever lives there)."""
-    import torch
+    them. vLLM names an out-of-tree platform's group device after the platform (``tt:0``),
+    a device type torch does not know (the plugin registers none, and naming torch's
+    ``privateuse1`` slot after it breaks torch.compile'd host sampling); a one-rank group
+    moves no tensor, so its device is the CPU while the groups are built."""
+    from vllm.platforms import current_platform
     from vllm.v1.worker.gpu_worker import init_worker_distributed_environment
 
-    name = TTPlatform.device_name
+    current_platform.is_out_of_tree = lambda: False
     try:
-        torch.device(f"{name}:0")
-    except RuntimeError:
-        torch.utils.rename_privateuse1_backend(name)
-    init_worker_distributed_environment(
-        worker.vllm_config, worker.rank, worker.distributed_init_method, worker.local_rank, "gloo"
-    )
+        init_worker_distributed_environment(
+            worker.vllm_config, worker.rank, worker.distributed_init_method, worker.local_rank, "gloo"
+        )
+    finally:
+        del current_platform.is_out_of_tree
 
 
 class HawkTTWorker(TTWorker):
