@@ -87,3 +87,17 @@ def hf_greedy(model: Path, prompt: list[int], max_tokens: int) -> dict:
             tops.append({str(int(i[k])): float(v[k]) for k in range(2)})
             ids.append(int(i[0]))
     return {"token_ids": ids[len(prompt) :], "logprobs": {"top_logprobs": tops}}
+
+
+def run_on_sim(manifest: dict, device: str, code: str, timeout_s: float = 300.0) -> dict:
+    """Run ``code`` (Python; it prints ``RESULT`` and one JSON object on a line) on the simulated
+    ``device`` in a fresh process of this environment (tt-metal reads the simulator's
+    variables when it starts); returns that object."""
+    env = dict(os.environ, **decode_env(manifest, device), PYTHONPATH=str(REPO))
+    proc = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, timeout=timeout_s, env=env, cwd=REPO
+    )
+    if proc.returncode != 0:
+        pytest.fail(f"simulator job on {device} failed (rc={proc.returncode}):\n{proc.stderr[-4000:]}", pytrace=False)
+    line = next(x for x in proc.stdout.splitlines() if x.startswith("RESULT "))  # ttsim prints its own lines too
+    return json.loads(line.removeprefix("RESULT "))
