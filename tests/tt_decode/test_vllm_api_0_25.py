@@ -48,6 +48,26 @@ def test_this_is_vllm_0_25_1_and_the_connector_is_complete_on_it():
     assert vllm_compat.CacheHitSource is None and "_cache_hit_source" not in HawkConnector.__dict__
     assert "failed_recving" not in KVConnectorOutput.__dataclass_fields__
     assert "get_transfer_results" not in KVConnectorBase_V1.__dict__
+    # 0.32-only hooks: never called here (HawkConnector defines get_loaded_kv_cache_group_ids)
+    for hook in (
+        "get_loaded_kv_cache_group_ids",
+        "get_external_cache_hit_sources",
+        "requires_kv_delivery",
+        "bind_kv_cache_manager",
+        "finish_forward",
+        "has_pending_block_frees",
+    ):
+        assert hook not in KVConnectorBase_V1.__dict__, hook
+    # 0.32 starts asynchronous loads after the forward (has_sync_kv_loads); 0.25.1 before it
+    from vllm.v1.core.sched.output import SchedulerOutput
+
+    assert "has_sync_kv_loads" not in SchedulerOutput.__dataclass_fields__
+    # 0.25.1-only: cross-layer blocks (off: HawkConnector does not override it)
+    assert "prefer_cross_layer_blocks" in KVConnectorBase_V1.__dict__
+    assert "prefer_cross_layer_blocks" not in HawkConnector.__dict__
+    from vllm.distributed.kv_transfer.kv_connector.v1.metrics import KVConnectorStats
+
+    assert not hasattr(KVConnectorStats, "to_dict")  # stats travel as ``data`` on both
     # the constructor and the hooks HawkConnector implements keep their 0.32 signatures here
     assert list(inspect.signature(KVConnectorBase_V1.__init__).parameters) == [
         "self",

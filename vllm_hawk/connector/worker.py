@@ -70,6 +70,7 @@ class HawkConnectorWorker:
         self.transport = self.prefill = self.sink = self._pool = self.keeper = self.planner = None
         self.sinks: list = []  # decode: one per target this worker lands (chips of a mesh), sinks[0] is self.sink
         self._debug = envs.debug_dir()
+        self._scanned = False  # HAWK_DEBUG_DIR: the whole cache was scanned at the first pull
         self.tp_rank, self.tp_size = 0, 1
 
     # ---------------------------------------------------------------- set-up
@@ -214,7 +215,8 @@ class HawkConnectorWorker:
         """``HAWK_DEBUG_DIR``: what a pull landed (Tenstorrent blocks, or the KV of a TP pull)."""
         rid, tag = spec.remote_request_id, f"-r{self.tp_rank}" if self.tp_size > 1 else ""
         if self._debug is not None and self.kv.tt_cache is not None:
-            debug.dump_landed(self._debug, rid, self.kv.tt_cache, spec.local_block_ids)
+            first, self._scanned = not self._scanned, True
+            debug.dump_landed(self._debug, rid, self.kv.tt_cache, spec.local_block_ids, scan=first)
         elif self._debug is not None and self.kv.views is not None and spec.remote_tp_size * self.tp_size > 1:
             debug.dump_landed_kv(self._debug, rid + tag, self.kv.views, spec.local_block_ids)
 
