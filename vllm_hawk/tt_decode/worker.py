@@ -118,6 +118,7 @@ class HawkTTWorker(TTWorker):
     def shutdown(self) -> None:
         """The connector, then the cache description, then the mesh (see module doc)."""
         ensure_kv_transfer_shutdown()
+        logger.info("HAWK Tenstorrent decode: KV connector shut down; closing the mesh")
         if self.hawk_cache is not None:
             registry.unregister(self.vllm_config)
             self.hawk_cache.close()

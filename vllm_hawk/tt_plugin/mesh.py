@@ -186,7 +186,7 @@ class TTMeshKVCache:
         for c in self.chips:
             for layer in range(self.spec.num_layers):
                 for kv in (0, 1):
-                    hit |= c.read_block_bytes(layer, kv, blocks).view(blocks.size, -1).any(dim=1).numpy()
+                    hit |= (c.read_block_bytes(layer, kv, blocks).view(blocks.size, -1) != 0).any(dim=1).numpy()
         return np.nonzero(hit)[0].tolist()
 
     def read_blocks(self, layer: int | str, kv: int, blocks) -> torch.Tensor:
