@@ -16,7 +16,8 @@ block of the cache holds a non-zero byte; the outputs through the proxy equal th
 server's own (the same model decoding alone on that platform), and those equal the tiny
 Llama's reference (transformers, float32) — each except at top-2 ties (GN_TIE_MARGIN); a
 request the decode refuses frees its prefill blocks; with the prefill killed mid-pull the
-request is recomputed or fails as the policy says; afterwards nothing is held on either side.
+request is recomputed or fails as the policy says; afterwards nothing is held on either side,
+and at shutdown the worker stops the connector before it closes the mesh.
 """
 
 from __future__ import annotations
@@ -79,6 +80,8 @@ def gn(request, manifest, prefill_python, tmp_path_factory):
     c.hawk_name, c.hawk_cfg, c.hawk_dump, c.hawk_checked = request.param, cfg, dump, set()
     with running(c, request.param):
         yield c
+    # stopped: the worker shut the connector down (receive buffers freed) before the mesh closed
+    assert "KV connector shut down; closing the mesh" in (work / "decode.log").read_text()
 
 
 def test_kv_bytes_and_outputs(gn):
