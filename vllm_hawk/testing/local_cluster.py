@@ -464,7 +464,16 @@ class LocalCluster:
 
         bf16 = self.decode_tt_plugin.get("kv_dtype", "bfloat8_b") == "bfloat16"
         tt = {"optimizations": "accuracy" if bf16 else "performance", "trace_mode": "none"}
-        return ["--worker-cls", WORKER_CLS, "--additional-config", json.dumps({"tt": tt})]
+        # --shutdown-timeout: vLLM 0.25.1's default (0) kills the engine core at once, before
+        # its worker can stop the connector and close the mesh
+        return [
+            "--worker-cls",
+            WORKER_CLS,
+            "--additional-config",
+            json.dumps({"tt": tt}),
+            "--shutdown-timeout",
+            "10",
+        ]
 
     def start(self, progress: Progress | None = None) -> LocalCluster:
         work = Path(self.workdir)
