@@ -233,6 +233,10 @@ class Server:
     url: str
     proc: subprocess.Popen | None = None
     pgid: int = 0  # kept after stop(), to check that nothing of the group is left
+    #: stop() signals the server process alone first and lets it stop its engine (vLLM's own
+    #: shutdown: one SIGTERM to the engine core, then a grace period); a second SIGTERM that
+    #: reaches the engine core during its teardown kills it before its worker shut down
+    graceful: bool = False
     _log: object = None
 
     def start(self) -> None:
@@ -253,7 +257,10 @@ class Server:
         if p is None:
             return
         if p.poll() is None:
-            _signal_group(p.pid, signal.SIGTERM)
+            if self.graceful:
+                p.send_signal(signal.SIGTERM)
+            else:
+                _signal_group(p.pid, signal.SIGTERM)
             deadline = time.monotonic() + timeout_s
             while p.poll() is None and time.monotonic() < deadline:
                 time.sleep(0.2)
@@ -452,10 +459,11 @@ class LocalCluster:
         ]
         tt = role == "decode" and bool(self.decode_tt)
         env = self._env(cpu, tt)
-        if role == "decode" and self.decode_tt_plugin:
+        graceful = role == "decode" and bool(self.decode_tt_plugin)
+        if graceful:
             argv += self._tt_plugin_args()
             env.update(self.decode_tt_plugin.get("env", {}))
-        return Server(role, argv, env, work / f"{role}.log", f"http://127.0.0.1:{port}")
+        return Server(role, argv, env, work / f"{role}.log", f"http://127.0.0.1:{port}", graceful=graceful)
 
     def _tt_plugin_args(self) -> list[str]:
         """vLLM flags of a decode on vllm-tt-plugin: the HAWK worker, and the plugin's
