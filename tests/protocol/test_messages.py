@@ -170,13 +170,15 @@ def test_compat_hash_and_diff():
     assert COMPAT.protocol_version == PROTOCOL_VERSION
 
 
-def test_protocol_version_is_6_with_renew_control_hello_and_head_shares():
+def test_protocol_version_is_7_with_renew_control_hello_head_shares_and_vllm_versions():
     # 4 = sec's recipient-bound envelope (HAWK/4, auth_failed) + main's layer-group fields;
-    # 5 adds Renew/Renewed (lease heartbeats) and ControlHello (the proxy's Release).
-    from vllm_hawk.protocol import ControlHello, Renew, Renewed
+    # 5 adds Renew/Renewed (lease heartbeats) and ControlHello (the proxy's Release);
+    # 7 adds each side's vLLM version to Hello / HelloAck.
+    from vllm_hawk.protocol import ControlHello, Hello, HelloAck, Renew, Renewed
     from vllm_hawk.protocol.envelope import MAGIC, Header
 
-    assert PROTOCOL_VERSION == 6 and MAGIC == b"HAWK/6"
+    assert PROTOCOL_VERSION == 7 and MAGIC == b"HAWK/7"
+    assert "vllm_version" in Hello.__struct_fields__ and "vllm_version" in HelloAck.__struct_fields__
     assert Renew.__struct_config__.tag == "renew" and "gone" in Renewed.__struct_fields__
     assert ControlHello.__struct_fields__ == ("client_id",)
     assert "recipient" in Header.__struct_fields__

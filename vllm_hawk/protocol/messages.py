@@ -40,13 +40,18 @@ leases of the requests it still wants alive while they wait in its queue) and
 ``ControlHello`` (the proxy releases the prefill's blocks of a request the decode
 refused before its engine saw it).
 
-Version 6 (this one) adds tensor parallelism (:mod:`vllm_hawk.layout.tp`): ``HelloAck``
+Version 6 added tensor parallelism (:mod:`vllm_hawk.layout.tp`): ``HelloAck``
 says which TP rank the prefill side channel serves and which KV heads it holds;
 ``KVRequest.head_start`` / ``num_heads`` ask for a range of those heads (one *share* of
 the request: a decode rank or chip holding only some of them) and ``consumers`` says how
 many shares of the request all decode targets together will pull from this rank and
 ``share`` which one this is; ``Release`` names the share it ends. The prefill frees a request's blocks when all its
-shares are released. Envelope magic ``HAWK/6``.
+shares are released.
+
+Version 7 (this one): ``Hello`` and ``HelloAck`` name each side's vLLM version
+(``vllm_version``); a pair whose versions HawkConnector does not handle together is
+refused at the first handshake, naming both (:func:`vllm_hawk.protocol.compat.check_vllm_pair`).
+Envelope magic ``HAWK/7``.
 """
 
 from __future__ import annotations
@@ -56,7 +61,7 @@ from typing import Annotated, Literal
 import msgspec
 from msgspec import Meta, Struct
 
-PROTOCOL_VERSION = 6
+PROTOCOL_VERSION = 7
 
 MAX_SEGMENTS = 4096  # per KVReady: N_ch banks x layers x K/V stays well below this
 MAX_BLOCK_IDS = 1 << 16
@@ -137,6 +142,7 @@ class Hello(_Base, tag="hello"):
     compat: CompatFields
     compat_hash: Hash
     client_id: Name = ""
+    vllm_version: Name = ""  # the decode engine's vLLM ("" outside an engine: tools, tests)
 
 
 class ControlHello(_Base, tag="control_hello"):
@@ -162,6 +168,7 @@ class HelloAck(_Base, tag="hello_ack"):
     num_kv_heads: U32 = 0  # the model's KV heads (all ranks); 0 = not told
     head_start: U32 = 0  # global index of this rank's first KV head
     num_heads: U32 = 0  # KV heads this rank holds; 0 = not told
+    vllm_version: Name = ""  # the prefill engine's vLLM ("" outside an engine)
 
 
 class KVRequest(_Base, tag="kv_request"):
