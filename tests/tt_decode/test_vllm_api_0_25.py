@@ -131,13 +131,15 @@ def test_scheduler_side_on_vllm_0_25_requests():
     assert c.get_num_new_matched_tokens(r, 0) == (70, True)
     blocks = KVCacheBlocks(([KVCacheBlock(b) for b in (11, 12, 13)],))
     c.update_state_after_alloc(r, blocks, 70)
-    meta = c.build_connector_meta(SimpleNamespace())
-    assert isinstance(meta, HawkConnectorMetadata)
+    from vllm.v1.core.sched.output import SchedulerOutput
+
+    meta = c.build_connector_meta(SchedulerOutput.make_empty())  # a step that computes nothing
+    assert isinstance(meta, HawkConnectorMetadata) and meta.idle
     assert meta.reqs_to_recv["a"].local_block_ids == [11, 12, 13] and "a" in meta.reqs_to_want
     aborted = request("b")
     aborted.status = RequestStatus.FINISHED_ABORTED
     assert c.request_finished(aborted, []) == (False, None)
-    assert "b" in c.build_connector_meta(SimpleNamespace()).reqs_to_release
+    assert "b" in c.build_connector_meta(SchedulerOutput.make_empty()).reqs_to_release
 
 
 @pytest.mark.parametrize("status", ["FINISHED_LENGTH_CAPPED", "FINISHED_STOPPED", "WAITING_FOR_REMOTE_KVS"])
