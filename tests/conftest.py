@@ -7,16 +7,22 @@ timestamped line where each group starts and one for each slow test phase, and a
 or stuck machine still ends with a summary instead of being killed by CI."""
 
 import collections
+import importlib.util
 import os
 import time
 from pathlib import Path
 
 import pytest
-from hypothesis import HealthCheck, settings
 
-settings.register_profile("ci", max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
-settings.register_profile("dev", max_examples=25, deadline=None, suppress_health_check=[HealthCheck.too_slow])
-settings.load_profile(os.environ.get("HAWK_HYPOTHESIS_PROFILE", "ci" if os.environ.get("CI") else "dev"))
+# tests/tt_decode runs in the Tenstorrent decode environment (scripts/ensure_env.sh tt: Python
+# 3.12, vLLM 0.25.1, vllm-tt-plugin, ttnn), every other folder in the main one (vLLM 0.32).
+IN_TT_DECODE_ENV = importlib.util.find_spec("vllm_tt_plugin") is not None
+if not IN_TT_DECODE_ENV:  # the tt environment has no hypothesis and no test that uses it
+    from hypothesis import HealthCheck, settings
+
+    settings.register_profile("ci", max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+    settings.register_profile("dev", max_examples=25, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+    settings.load_profile(os.environ.get("HAWK_HYPOTHESIS_PROFILE", "ci" if os.environ.get("CI") else "dev"))
 
 
 # Folders whose every test needs something heavy: an engine, the simulator, apt, a guest.
@@ -27,8 +33,13 @@ FOLDER_MARKS = {
     "ttsim": "ttsim",
     "kernel_driver": "kernel",
     "guest": "guest",
+    "tt_decode": "tt_decode",
 }
 TESTS = Path(__file__).parent
+if IN_TT_DECODE_ENV:
+    collect_ignore = [p.name for p in TESTS.iterdir() if p.name not in ("tt_decode", "conftest.py", "__pycache__")]
+else:
+    collect_ignore = ["tt_decode"]
 _group_s: collections.Counter = collections.Counter()
 SLOW_PHASE_S = 120.0  # a setup, call or teardown longer than this gets its own line at once
 #: Wall-clock time (epoch s) after which no further test is started (0: none). ``make test``

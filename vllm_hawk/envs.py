@@ -31,8 +31,9 @@ variable                   default                 meaning
                                                    SIGILL), ``on`` (the same probe; start-up
                                                    fails if it does not), ``off`` (never, no
                                                    probe); see :mod:`vllm_hawk.cpu_amx`
-``HAWK_TT_PLATFORM``       unset                   Tenstorrent decode plugin: ``emulated`` |
-                                                   ``ttnn``; unset = plugin off
+``HAWK_TT_PLATFORM``       unset                   emulated Tenstorrent decode plugin:
+                                                   ``emulated``; unset = plugin off (a card is
+                                                   served by vllm-tt-plugin, vllm_hawk.tt_decode)
 ``HAWK_TT_DEVICE``         ``p150a``               device profile name or YAML path
 ``HAWK_TT_CHIPS``          profile's ``chips``     chips the KV heads are sharded over (n300: 2;
                                                    p150a: 1, or 2 / 4 for a Blackhole group)

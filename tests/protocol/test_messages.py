@@ -192,14 +192,16 @@ def test_only_a_gg_decode_with_a_multiple_of_the_prefill_block_size_regroups():
     assert "--block-size" in describe_fields(gg(64), gg(32)) and "ours" not in describe_fields(gg(64), gg(32))
 
 
-def test_protocol_version_is_7_with_renew_control_hello_head_shares_and_block_size():
+def test_protocol_version_is_8_with_renew_control_hello_head_shares_vllm_versions_and_block_size():
     # 4 = sec's recipient-bound envelope (HAWK/4, auth_failed) + main's layer-group fields;
     # 5 adds Renew/Renewed (lease heartbeats) and ControlHello (the proxy's Release);
-    # 6 tensor-parallel shares; 7 HelloAck.block_size (a GG decode regroups smaller blocks).
-    from vllm_hawk.protocol import ControlHello, Renew, Renewed
+    # 6 tensor-parallel shares; 7 each side's vLLM version in Hello / HelloAck;
+    # 8 HelloAck.block_size (a GG decode regroups smaller blocks).
+    from vllm_hawk.protocol import ControlHello, Hello, HelloAck, Renew, Renewed
     from vllm_hawk.protocol.envelope import MAGIC, Header
 
-    assert PROTOCOL_VERSION == 7 and MAGIC == b"HAWK/7"
+    assert PROTOCOL_VERSION == 8 and MAGIC == b"HAWK/8"
+    assert "vllm_version" in Hello.__struct_fields__ and "vllm_version" in HelloAck.__struct_fields__
     assert "block_size" in HelloAck.__struct_fields__
     assert Renew.__struct_config__.tag == "renew" and "gone" in Renewed.__struct_fields__
     assert ControlHello.__struct_fields__ == ("client_id",)

@@ -211,6 +211,32 @@ def test_handshake_mismatch_names_field(server, secret, field, value):
     assert server.stats.handshakes_refused == 1
 
 
+@pytest.mark.parametrize(
+    "prefill,decode,ok",
+    [
+        ("0.32.0", "0.25.1", True),  # a vLLM 0.32 prefill feeding a Tenstorrent decode
+        ("0.32.0", "0.32.0", True),
+        ("0.32.0", "0.24.0", False),  # vllm-tt-plugin's previous pin: not handled
+        ("0.33.0", "0.25.1", False),
+        ("", "0.24.0", True),  # a side outside an engine (a tool) is not checked
+    ],
+)
+def test_handshake_checks_both_vllm_versions(secret, prefill, decode, ok):
+    """The first handshake refuses a pair of vLLM versions the connector does not handle,
+    naming both versions, on either side of the side channel."""
+    with (
+        ProtocolServer(FakePrefill(), COMPAT, secret=secret, vllm_version=prefill) as s,
+        ProtocolClient(s.endpoint, COMPAT, secret=secret, timeout_s=3.0, vllm_version=decode) as c,
+    ):
+        if ok:
+            assert c.handshake().vllm_version == prefill
+            return
+        with pytest.raises(IncompatiblePeer) as e:
+            c.handshake()
+        assert f"vLLM {prefill}" in str(e.value) and f"vLLM {decode}" in str(e.value)
+        assert s.stats.handshakes_refused == 1
+
+
 def _raw_socket(endpoint):
     s = zmq.Context.instance().socket(zmq.DEALER)
     s.setsockopt(zmq.LINGER, 0)

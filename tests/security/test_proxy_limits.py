@@ -241,14 +241,18 @@ def test_gone_or_stuck_clients_release_their_upstream_within_seconds(upstream, c
     upstream.mode = "endless"
 
     async def fn(proxy, port):
+        # The proxy runs on this event loop: the client's socket is driven through the loop
+        # too (a blocking recv here would stop the proxy from ever sending what it waits for).
+        loop = asyncio.get_running_loop()
         sock = socket.create_connection(("127.0.0.1", port))
         sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
-        sock.sendall(_post("/v1/completions", b'{"prompt":"x","stream":true}'))
+        sock.setblocking(False)
+        await loop.sock_sendall(sock, _post("/v1/completions", b'{"prompt":"x","stream":true}'))
         t0 = time.monotonic()
-        while "start" not in upstream.events and time.monotonic() - t0 < 5:
+        while "start" not in upstream.events and time.monotonic() - t0 < 30:
             await asyncio.sleep(0.02)
         if client == "disconnects":
-            sock.recv(1000)
+            await asyncio.wait_for(loop.sock_recv(sock, 1000), 30)
             sock.close()
         t1 = time.monotonic()
         while "released" not in upstream.events and time.monotonic() - t1 < 10:

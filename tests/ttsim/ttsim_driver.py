@@ -71,7 +71,7 @@ def alloc(dev, ttnn, task: dict) -> dict:
             continue
         live[op["id"]] = buf
         out.append(buf.address)
-    mv = ttnn.get_memory_view(dev.device, ttnn.BufferType.DRAM)
+    mv = ttnn.get_memory_view(dev.mesh, ttnn.BufferType.DRAM)
     blocks = sorted((int(b["address"]), int(b["size"]), b["allocated"] == "yes") for b in mv.block_table)
     return {
         "results": out,
@@ -83,8 +83,6 @@ def alloc(dev, ttnn, task: dict) -> dict:
 
 
 def banks(dev, ttnn, task: dict, job: Path) -> dict:
-    from vllm_hawk.tt_plugin.ttnn_backend import tensor_host_bytes
-
     x = np.load(job / task["input"])
     buf = dev.allocate_tile_tensor(x.shape, task["dtype"], x)
     raw = np.stack([dev.read_bank(b, buf.address, buf.size_per_bank) for b in range(dev.num_banks)])
@@ -95,10 +93,49 @@ def banks(dev, ttnn, task: dict, job: Path) -> dict:
     buf2 = dev.allocate_tile_tensor(x.shape, task["dtype"])
     for b in range(dev.num_banks):
         dev.write_bank(b, buf2.address, src[b])
-    back = tensor_host_bytes(dev.tensor(buf2)).reshape(buf2.num_pages, buf2.page_size)
+    back = dev.read_tensor_pages(buf2)
     np.save(job / f"{task['out']}.readback.npy", back)
     dev.free_buffer(buf2)
     return {"address": buf.address, "size_per_bank": buf.size_per_bank, "converse_address": buf2.address}
+
+
+def allocate_kv_cache(dev, spec) -> tuple:
+    """tt_transformers' paged cache through the adapter: per layer K then V, zero-filled
+    TILE tensors in DRAM; (layout, buffers K0, V0, ...)."""
+    from vllm_hawk.layout.tt_kv_cache import TTKVCacheLayout
+
+    zeros = np.zeros(spec.tensor_shape, dtype=np.float32)
+    bufs = [dev.allocate_tile_tensor(spec.tensor_shape, spec.dtype, zeros) for _ in range(2 * spec.num_layers)]
+    addrs = tuple((bufs[2 * i].address, bufs[2 * i + 1].address) for i in range(spec.num_layers))
+    return TTKVCacheLayout(spec, dev.num_banks, dev.profile.aligned_page(spec.tile_nbytes), addrs), bufs
+
+
+def land_gprime(dev, g: np.ndarray, ops: dict, mode: str, recv, kv_bufs) -> dict:
+    """Land G' with the adapter's primitives, as TTSink does, the host standing in for the
+    NIC (``write_host`` into the mapped shadows): staged -> the receive buffer, then
+    ``copy_in_banks``; direct -> the mapped KV pages, then ``dma_written``."""
+    fields = ("src_offset", "bank", "dst_offset", "nbytes")
+    rdma = [ops[f"rdma_{f}"].tolist() for f in fields]
+    if mode == "direct":
+        for b in kv_bufs:
+            dev.map_buffer_dma(b)
+        for s, b, d, n in zip(*rdma, strict=True):
+            buf = next(x for x in kv_bufs if x.address <= d < x.address + x.size_per_bank)
+            dev.write_host(buf, b, d - buf.address, g[s : s + n])
+        moved = dev.dma_written(ops["rdma_bank"], ops["rdma_dst_offset"], ops["rdma_nbytes"])
+        for b in kv_bufs:
+            dev.unmap_buffer_dma(b)
+        return {"direct_bytes": moved}
+    for s, b, d, n in zip(*rdma, strict=True):
+        dev.write_host(recv, b, d, g[s : s + n])
+    intra = [ops[f"intra_{f}"] for f in fields]
+    per_bank = [
+        (b, intra[0][sel] + recv.address, intra[2][sel], intra[3][sel])
+        for b in range(dev.num_banks)
+        if (sel := intra[1] == b).any()
+    ]
+    copies = dev.copy_in_banks(per_bank)
+    return {"rdma_bytes": int(np.sum(ops["rdma_nbytes"])), "intra_bank_ops": copies}
 
 
 def land(dev, ttnn, task: dict, job: Path) -> dict:
@@ -110,15 +147,13 @@ def land(dev, ttnn, task: dict, job: Path) -> dict:
     a receive buffer (staged), map it, land G' with the host as data mover, unmap and free
     it, put the page table on the device and read everything back through ttnn."""
     from vllm_hawk.layout.tt_kv_cache import TTKVCacheSpec
-    from vllm_hawk.tt_plugin.ttnn_backend import NeedsSFPI, ops_from_arrays, paged_decode_attention
 
     spec = TTKVCacheSpec(*task["spec"])
-    layout, bufs = dev.allocate_kv_cache(spec)
+    layout, bufs = allocate_kv_cache(dev, spec)
     res: dict = {"kv_addresses": [list(a) for a in layout.addresses]}
     if res["kv_addresses"] != task["expect_kv"]:
         raise AssertionError(f"KV addresses from ttnn {res['kv_addresses']} != ours {task['expect_kv']}")
-    res["zero_before"] = all(not dev.read_kv_tensor(b).any() for b in bufs)  # landing is what fills it
-    plan = ops_from_arrays(task["mode"], dict(np.load(job / task["ops"])))
+    res["zero_before"] = all(not dev.read_tensor_pages(b).any() for b in bufs)  # landing is what fills it
     g = np.load(job / task["gprime"])
     recv = None
     if task["mode"] == "staged":
@@ -128,19 +163,16 @@ def land(dev, ttnn, task: dict, job: Path) -> dict:
         res["bank_addrs_distinct"] = len({dev.get_buffer_address_bank(recv, b) for b in range(dev.num_banks)})
         res["bank_sizes"] = [dev.get_buffer_size_bank(recv, b) for b in range(dev.num_banks)]
     t0 = time.perf_counter()
-    res["moved"] = dev.land(g, plan, recv)
+    res["moved"] = land_gprime(dev, g, dict(np.load(job / task["ops"])), task["mode"], recv, bufs)
     res["land_s"] = round(time.perf_counter() - t0, 3)
     if recv is not None:
         dev.unmap_buffer_dma(recv)
         dev.free_buffer(recv)
-    pt = dev.page_table_tensor(np.asarray(task["block_table"], dtype=np.int32), len(task["block_table"]))
+    table = np.asarray(task["block_table"], dtype=np.int32)
+    pt = ttnn.Tensor(table, ttnn.int32, dev.mesh, ttnn.ROW_MAJOR_LAYOUT, ttnn.DRAM_MEMORY_CONFIG)
     res["page_table"] = ttnn.from_device(pt).to_numpy().astype(np.int64).tolist()
     for i, b in enumerate(bufs):
-        np.save(job / f"{task['out']}.kv{i}.npy", dev.read_kv_tensor(b))
-    try:
-        paged_decode_attention()
-    except NeedsSFPI as e:
-        res["attention"] = f"NeedsSFPI: {e}"
+        np.save(job / f"{task['out']}.kv{i}.npy", dev.read_tensor_pages(b))
     for b in bufs:
         dev.free_buffer(b)
     res["live_after"] = len(dev.live_buffers())
@@ -153,12 +185,12 @@ def main(argv: list[str]) -> int:
     t0 = time.perf_counter()
     import ttnn
 
-    from vllm_hawk.tt_plugin.ttnn_backend import TTNNDevice
+    from vllm_hawk.tt_decode.device import TTNNChip
 
     results = [{"import_s": round(time.perf_counter() - t0, 3)}]
     for task in spec["tasks"]:
         t1 = time.perf_counter()
-        dev = TTNNDevice(spec["profile"])
+        dev = TTNNChip.open(spec["profile"])
         try:
             fn = {
                 "alloc": lambda: alloc(dev, ttnn, task),

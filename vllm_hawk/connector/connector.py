@@ -10,6 +10,9 @@ Timing contracts (vLLM 0.32): ``on_new_request`` once per request as it enters t
 queue; ``build_connector_meta`` once per scheduler step;
 ``start_load_kv`` once per worker step (also in steps without a forward pass);
 ``get_transfer_results`` once per worker step; ``request_finished`` once per request.
+vLLM 0.25.1 (a Tenstorrent decode) asks ``get_finished`` and then
+``get_block_ids_with_load_errors`` instead of ``get_transfer_results``
+(:mod:`~vllm_hawk.connector.vllm_compat` lists every difference).
 """
 
 from __future__ import annotations
@@ -22,14 +25,13 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     KVConnectorBase_V1,
     KVConnectorMetadata,
     KVConnectorRole,
-    KVConnectorTransferResults,
 )
-from vllm.v1.metrics.cache_hit_source import CacheHitSource
 
 from vllm_hawk.connector.config import parse_config
 from vllm_hawk.connector.metadata import HawkConnectorMetadata
 from vllm_hawk.connector.scheduler import HawkConnectorScheduler
 from vllm_hawk.connector.stats import HawkKVConnectorStats, HawkPromMetrics
+from vllm_hawk.connector.vllm_compat import CacheHitSource, to_vllm_results
 from vllm_hawk.connector.worker import HawkConnectorWorker
 
 if TYPE_CHECKING:
@@ -41,7 +43,8 @@ logger = logging.getLogger("vllm.hawk." + __name__.rsplit(".", 1)[-1])
 
 
 class HawkConnector(KVConnectorBase_V1):
-    _cache_hit_source = CacheHitSource.P2P
+    if CacheHitSource is not None:  # vLLM >= 0.32: external hits are peer-to-peer
+        _cache_hit_source = CacheHitSource.P2P
 
     def __init__(self, vllm_config, role: KVConnectorRole, kv_cache_config=None) -> None:
         super().__init__(vllm_config, role, kv_cache_config)
@@ -55,6 +58,7 @@ class HawkConnector(KVConnectorBase_V1):
         self.engine_id = ktc.engine_id or "hawk"
         self.connector_scheduler: HawkConnectorScheduler | None = None
         self.connector_worker: HawkConnectorWorker | None = None
+        self._load_errors: set[int] = set()  # vLLM 0.25.1: failed pulls' blocks until asked
         if role == KVConnectorRole.SCHEDULER:
             self.connector_scheduler = HawkConnectorScheduler(vllm_config, self.engine_id, self.cfg)
         else:
@@ -100,12 +104,20 @@ class HawkConnector(KVConnectorBase_V1):
     def wait_for_save(self) -> None:
         """Pull design: nothing to flush."""
 
-    def get_transfer_results(self, finished_req_ids: set[str]) -> KVConnectorTransferResults:
-        return self.connector_worker.get_transfer_results()
+    def get_transfer_results(self, finished_req_ids: set[str]):
+        """vLLM >= 0.32: finished sends and receives, failed receives by request."""
+        return to_vllm_results(self.connector_worker.get_transfer_results())
 
     def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str] | None, set[str] | None]:
+        """vLLM 0.25.1: finished sends and receives (failed ones included); the failed
+        receives' blocks go to :meth:`get_block_ids_with_load_errors`, asked in the same step."""
         r = self.connector_worker.get_transfer_results()
+        self._load_errors |= r.failed_blocks
         return r.finished_sending, r.finished_recving
+
+    def get_block_ids_with_load_errors(self) -> set[int]:
+        out, self._load_errors = self._load_errors, set()
+        return out
 
     def build_connector_worker_meta(self):
         return self.connector_worker.build_worker_meta() if self.connector_worker else None

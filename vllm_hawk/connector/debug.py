@@ -61,10 +61,18 @@ def prefill_dumper(d: Path, source, tag: str = "", when=None):
     return observe
 
 
-def dump_landed(d: Path, key: str, cache, dst_blocks) -> None:
+def dump_landed(d: Path, key: str, cache, dst_blocks, scan: bool = False) -> None:
     """Save the bank bytes of ``dst_blocks`` of a Tenstorrent cache after a pull (a mesh:
-    the bytes of all heads, as one chip holding them all would have them)."""
+    the bytes of all heads, as one chip holding them all would have them); with ``scan``
+    also the blocks of the whole cache that hold any non-zero byte (``nonzero_blocks``:
+    the worker asks it at its first pull, when no other request can have written)."""
+    import torch
+
     blocks = [int(b) for b in dst_blocks]
+
+    def read(layer: int, kv: int):
+        return torch.as_tensor(cache.read_block_bytes(layer, kv, blocks)).clone()
+
     _save(
         d,
         f"decode-{_safe(key)}.pt",
@@ -72,10 +80,8 @@ def dump_landed(d: Path, key: str, cache, dst_blocks) -> None:
             "dst_blocks": blocks,
             "dtype": cache.spec.dtype,
             "device": cache.chips[0].device.profile.name,
-            "bytes": [
-                (cache.read_block_bytes(i, 0, blocks).clone(), cache.read_block_bytes(i, 1, blocks).clone())
-                for i in range(cache.spec.num_layers)
-            ],
+            "bytes": [(read(i, 0), read(i, 1)) for i in range(cache.spec.num_layers)],
+            "nonzero_blocks": cache.nonzero_blocks() if scan else None,
         },
     )
 

@@ -48,6 +48,7 @@ from vllm_hawk.connector.strategies import (
     make_transport_for,
     tp_rank_and_size,
 )
+from vllm_hawk.connector.vllm_compat import TransferResults
 from vllm_hawk.kvflow import LeaseKeeper, TransferUnsettled
 from vllm_hawk.kvflow.decode import WHOLE, Share
 from vllm_hawk.kvflow.shares import fetch_shares
@@ -68,6 +69,7 @@ class HawkConnectorWorker:
         self._done: set[str] = set()  # prefill: finished_sending
         self._pulls = PullResults(self._lock, self.stats)
         self._figures: dict[str, dict] = {}
+        self._pull_blocks: dict[str, list[int]] = {}  # request -> local blocks its pull fills
         self._counted = {"expired": 0, "released": 0, "refused": 0}
         self.kv: LocalKV | None = None
         self.peers = PeerPool(
@@ -77,6 +79,7 @@ class HawkConnectorWorker:
         self.transport = self.prefill = self.sink = self._pool = self.keeper = self.planner = None
         self.sinks: list = []  # decode: one per target this worker lands (chips of a mesh), sinks[0] is self.sink
         self._debug = envs.debug_dir()
+        self._scanned = False  # HAWK_DEBUG_DIR: the whole cache was scanned at the first pull
         self.tp_rank, self.tp_size = 0, 1
         self._news = threading.Event()  # set when a request finished sending or a pull ended
         self._idle_wait_s = 0.0  # this step computes nothing: get_transfer_results may wait this long
@@ -141,22 +144,28 @@ class HawkConnectorWorker:
                     self.keeper.want(ep, spec.remote_request_id)
         if self._pool is not None:
             for rid, spec in meta.reqs_to_recv.items():
+                with self._lock:
+                    self._pull_blocks[rid] = list(spec.local_block_ids)
                 self._pulls.begin(rid)
                 self._pool.submit(self._pull, rid, spec)
             for spec in meta.reqs_to_release.values():
                 self._pool.submit(self._release_only, spec)
 
-    def get_transfer_results(self):
-        from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorTransferResults
-
-        res = KVConnectorTransferResults()
+    def get_transfer_results(self) -> TransferResults:
+        """What ended since the last call (vLLM version independent, see vllm_compat); in an
+        idle step it first waits for news (see the module doc)."""
+        res = TransferResults()
         if self._idle_wait_s and not self._has_news():
-            self._news.wait(self._idle_wait_s)  # an idle step: see the module doc
+            self._news.wait(self._idle_wait_s)
         self._news.clear()
         with self._lock:
             res.finished_sending, self._done = self._done, set()
             res.finished_recving, res.failed_recving, figures = self._pulls.take()
             self._figures.update(figures)
+            for rid in res.finished_recving:
+                blocks = self._pull_blocks.pop(rid, ())
+                if rid in res.failed_recving:
+                    res.failed_blocks.update(blocks)
         return res
 
     def _has_news(self) -> bool:
@@ -230,7 +239,8 @@ class HawkConnectorWorker:
         or of one whose prefill blocks were regrouped)."""
         rid, tag = spec.remote_request_id, f"-r{self.tp_rank}" if self.tp_size > 1 else ""
         if self._debug is not None and self.kv.tt_cache is not None:
-            debug.dump_landed(self._debug, rid, self.kv.tt_cache, spec.local_block_ids)
+            first, self._scanned = not self._scanned, True
+            debug.dump_landed(self._debug, rid, self.kv.tt_cache, spec.local_block_ids, scan=first)
         elif (
             self._debug is not None
             and self.kv.views is not None

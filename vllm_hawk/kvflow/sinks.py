@@ -380,7 +380,7 @@ def intra_bank_copies(device, plan, recv_offset: int) -> int:
 
 class TTSink(KVSink):
     """GN-HAWK: a Tenstorrent KV pool (``layout``, ``kv_buffers`` K0, V0, K1, ...) on a
-    device with the bank-buffer API plus ``copy_in_bank`` and ``live_buffers``.
+    device with the bank-buffer API plus ``copy_in_banks``, ``dma_written`` and ``live_buffers``.
 
     mode ``staged``: a :class:`BankBufferPool` of ``recv_nbytes_per_bank`` bytes per bank
     (or ``pool``, shared) is registered; ``direct`` / ``per_tile``: the KV pool's bank
@@ -468,7 +468,7 @@ class TTSink(KVSink):
         entries = list(zip(local, remote, ops.nbytes.tolist(), strict=False))
         return Landing(
             entries,
-            lambda: {},
+            lambda: self._written(ops),
             None,
             tuple(int(b) for b in plan.dst_blocks),
             figures,
@@ -503,6 +503,12 @@ class TTSink(KVSink):
     def land_groups(self, req_id: str, plan, claim_wait_s: float) -> GroupLanding:
         """D2 once for a request fetched by layer groups: claim receive memory (staged)."""
         return GroupLanding(self, req_id, plan, claim_wait_s)
+
+    def _written(self, ops) -> dict:
+        """After a direct batch: the device's ``dma_written`` (a no-op where the READs wrote
+        device memory; on a simulator the host moves the bytes from the mapped shadows)."""
+        self.device.dma_written(ops.bank, ops.dst_offset, ops.nbytes)
+        return {}
 
     def idle(self) -> bool:
         return self.pool is None or self.pool.is_idle()
@@ -572,7 +578,7 @@ class GroupLanding:
     def complete(self) -> dict:
         """D6-D7 once every group has landed (staged: intra-bank copies, then free)."""
         if self.recv is None:
-            return {}
+            return self.sink._written(self._ops)
         sink, t0 = self.sink, time.monotonic()
         try:
             n_copy = intra_bank_copies(sink.device, self.plan, self.recv.device_offset)

@@ -17,7 +17,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-# Tile geometry, restated here so this module needs only numpy: the ttnn backend imports it
+# Tile geometry, restated here so this module needs only numpy: the ttnn device adapter imports it
 # in the Python 3.12 side environment, which has no torch. tests/layout/test_tt_kv_cache.py
 # checks these equal vllm_hawk.layout.tiles / formats.
 TILE = 32  # tile edge (elements)

@@ -110,6 +110,11 @@ class EmulatedDevice:
     def live_buffers(self) -> list[DeviceBuffer]:
         return list(self._buffers.values())
 
+    def dma_written(self, bank, offset, nbytes) -> int:
+        """Ranges a READ batch wrote through mapped regions: nothing to move, the mapped
+        regions ARE the banks here (a simulated device copies them from host shadows)."""
+        return 0
+
     def write_page(self, buf: DeviceBuffer, page: int, data: bytes | np.ndarray) -> None:
         bank, off = self._page(buf, page)
         arr = np.frombuffer(data, dtype=np.uint8) if isinstance(data, bytes) else data.reshape(-1).view(np.uint8)

@@ -27,7 +27,7 @@ import msgspec
 import zmq
 from zmq.utils.monitor import parse_monitor_message  # imported now: opening files may fail under fd floods
 
-from vllm_hawk.protocol.compat import compat_hash, regroups
+from vllm_hawk.protocol.compat import check_vllm_pair, compat_hash, engine_version, regroups
 from vllm_hawk.protocol.envelope import DEFAULT_MAX_MESSAGE_NBYTES, AuthError, Envelope, FrameError
 from vllm_hawk.protocol.messages import (
     CompatFields,
@@ -112,8 +112,10 @@ class ProtocolClient:
         timeout_s: float = 5.0,
         window_s: float = 30.0,
         max_message_nbytes: int = DEFAULT_MAX_MESSAGE_NBYTES,
+        vllm_version: str | None = None,
     ) -> None:
         self.endpoint = endpoint
+        self.vllm_version = engine_version() if vllm_version is None else vllm_version
         self.client_id = client_id or f"{'decode' if compat is not None else 'control'}-{uuid.uuid4().hex[:12]}"
         self.auth = resolve_auth(auth, secret)
         self._compat = compat
@@ -156,7 +158,12 @@ class ProtocolClient:
         if self._compat is None:
             msg = ControlHello(client_id=self.client_id)
         else:
-            msg = Hello(compat=self._compat, compat_hash=compat_hash(self._compat), client_id=self.client_id)
+            msg = Hello(
+                compat=self._compat,
+                compat_hash=compat_hash(self._compat),
+                client_id=self.client_id,
+                vllm_version=self.vllm_version,
+            )
         try:
             ack = self.call(msg, timeout_s, _handshake=True)
         except RemoteError as e:
@@ -179,6 +186,9 @@ class ProtocolClient:
             raise IncompatiblePeer(
                 ErrorMsg(code="layout_mismatch", detail="server acknowledged a different hash"), self.endpoint
             )
+        why = check_vllm_pair(self.vllm_version, ack.vllm_version) if self._compat is not None else ""
+        if why:
+            raise IncompatiblePeer(ErrorMsg(code="layout_mismatch", detail=why[:1000]), self.endpoint)
         self._server_id = ack.server_id
         self._session_epoch = epoch
         self.hello = ack

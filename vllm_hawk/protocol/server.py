@@ -53,7 +53,14 @@ from typing import Protocol
 import zmq
 from zmq.utils.monitor import parse_monitor_message  # imported now: opening files may fail under fd floods
 
-from vllm_hawk.protocol.compat import compat_hash, describe_diff, describe_fields, regroups
+from vllm_hawk.protocol.compat import (
+    check_vllm_pair,
+    compat_hash,
+    describe_diff,
+    describe_fields,
+    engine_version,
+    regroups,
+)
 from vllm_hawk.protocol.envelope import (
     DEFAULT_MAX_MESSAGE_NBYTES,
     AuthError,
@@ -177,9 +184,11 @@ class ProtocolServer:
         max_message_nbytes: int = DEFAULT_MAX_MESSAGE_NBYTES,
         max_sessions: int = 4096,
         handshake_ivl_s: float = HANDSHAKE_IVL_S,
+        vllm_version: str | None = None,
     ) -> None:
         self._handler = handler
         self._compat = compat
+        self.vllm_version = engine_version() if vllm_version is None else vllm_version
         self._hash = compat_hash(compat)
         self.auth = resolve_auth(auth, secret)
         self.server_id = server_id or f"prefill-{uuid.uuid4().hex[:12]}"
@@ -466,6 +475,11 @@ class ProtocolServer:
             else:
                 detail = "incompatible peer: " + describe_diff(self._compat, theirs)
             return ErrorMsg(code="layout_mismatch", detail=detail[:1000])
+        why = check_vllm_pair(self.vllm_version, msg.vllm_version)
+        if why:
+            self.stats.handshakes_refused += 1
+            self._rlog("vllm", "protocol server: refused a peer: %s", why)
+            return ErrorMsg(code="layout_mismatch", detail=("incompatible peer: " + why)[:1000])
         return self._open_session(identity, sender, control=False)
 
     def _open_session(self, identity: bytes, sender: str, control: bool) -> HelloAck:
@@ -484,6 +498,7 @@ class ProtocolServer:
         return HelloAck(
             compat_hash=self._hash,
             server_id=self.server_id,
+            vllm_version=self.vllm_version,
             transfer_endpoint=endpoint,
             export_base_addr=base,
             export_nbytes=nbytes,

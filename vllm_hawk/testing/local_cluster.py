@@ -242,6 +242,10 @@ class Server:
     url: str
     proc: subprocess.Popen | None = None
     pgid: int = 0  # kept after stop(), to check that nothing of the group is left
+    #: stop() signals the server process alone first and lets it stop its engine (vLLM's own
+    #: shutdown: one SIGTERM to the engine core, then a grace period); a second SIGTERM that
+    #: reaches the engine core during its teardown kills it before its worker shut down
+    graceful: bool = False
     _log: object = None
 
     def start(self) -> None:
@@ -262,7 +266,10 @@ class Server:
         if p is None:
             return
         if p.poll() is None:
-            _signal_group(p.pid, signal.SIGTERM)
+            if self.graceful:
+                p.send_signal(signal.SIGTERM)
+            else:
+                _signal_group(p.pid, signal.SIGTERM)
             deadline = time.monotonic() + timeout_s
             while p.poll() is None and time.monotonic() < deadline:
                 time.sleep(0.2)
@@ -325,6 +332,11 @@ class LocalCluster:
     #: ``{"device": "p150a", "kv_dtype": "bfloat16"}`` (sets ``device_profile`` too; ``"chips": 2``
     #: shards the KV heads over a mesh of 2 chips, ``HAWK_TT_CHIPS``)
     decode_tt: dict | None = None
+    #: a decode on vllm-tt-plugin with the HAWK decode worker (vLLM 0.25.1, another Python):
+    #: ``{"python": PATH, "env": {...}, "device": "p150a", "kv_dtype": "bfloat16"|"bfloat8_b"}``;
+    #: ``env`` adds the device's variables (the simulator's, ``EXTRA_MODELS_DIR``), the KV
+    #: dtype picks tt_transformers' precision setting (``accuracy``: bfloat16, else bfloat8_b)
+    decode_tt_plugin: dict | None = None
     extra_args: list = field(default_factory=list)  # vLLM CLI args for both servers
     extra_env: dict = field(default_factory=dict)  # environment of both servers
     auth: str = "curve"  # side-channel authentication of both servers (a fresh secret file unless "none")
@@ -439,7 +451,10 @@ class LocalCluster:
         if kv_role == "kv_consumer":
             ktc["kv_load_failure_policy"] = self.decode_policy
         launcher = ["-m", "vllm_hawk.vllm_launcher"]
-        if role == "decode" and self.decode_tt:
+        python = self.python
+        if role == "decode" and self.decode_tt_plugin:
+            python, launcher = self.decode_tt_plugin["python"], ["-m", "vllm.entrypoints.cli.main"]
+        elif role == "decode" and self.decode_tt:
             launcher = [
                 "-m",
                 "vllm_hawk.tt_plugin",
@@ -452,7 +467,7 @@ class LocalCluster:
                 *(["--tt-chips", str(self.decode_tt["chips"])] if self.decode_tt.get("chips") else []),
             ]
         argv = [
-            self.python,
+            python,
             *launcher,
             "serve",
             str(self.model),
@@ -480,7 +495,30 @@ class LocalCluster:
         ]
         tt = role == "decode" and bool(self.decode_tt)
         name = name or role
-        return Server(name, argv, self._env(cpu, tt), work / f"{name}.log", f"http://127.0.0.1:{port}")
+        env = self._env(cpu, tt)
+        graceful = role == "decode" and bool(self.decode_tt_plugin)
+        if graceful:
+            argv += self._tt_plugin_args()
+            env.update(self.decode_tt_plugin.get("env", {}))
+        return Server(name, argv, env, work / f"{name}.log", f"http://127.0.0.1:{port}", graceful=graceful)
+
+    def _tt_plugin_args(self) -> list[str]:
+        """vLLM flags of a decode on vllm-tt-plugin: the HAWK worker, and the plugin's
+        ``tt`` settings (the KV dtype through tt_transformers' precision setting)."""
+        from vllm_hawk.tt_decode import WORKER_CLS
+
+        bf16 = self.decode_tt_plugin.get("kv_dtype", "bfloat8_b") == "bfloat16"
+        tt = {"optimizations": "accuracy" if bf16 else "performance", "trace_mode": "none"}
+        # --shutdown-timeout: vLLM 0.25.1's default (0) kills the engine core at once, before
+        # its worker can stop the connector and close the mesh
+        return [
+            "--worker-cls",
+            WORKER_CLS,
+            "--additional-config",
+            json.dumps({"tt": tt}),
+            "--shutdown-timeout",
+            "10",
+        ]
 
     def start(self, progress: Progress | None = None) -> LocalCluster:
         work = Path(self.workdir)
@@ -488,7 +526,8 @@ class LocalCluster:
         (work / "chat_template.jinja").write_text(CHAT_TEMPLATE)
         cpus = sorted(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else []
         p_cpu, d_cpu = (str(cpus[0]), str(cpus[1])) if len(cpus) >= 2 else (None, None)
-        tt = {"device_profile": self.decode_tt.get("device", "p150a")} if self.decode_tt else {}
+        tt_decode = self.decode_tt or self.decode_tt_plugin
+        tt = {"device_profile": tt_decode.get("device", "p150a")} if tt_decode else {}
         tt.update(self._auth_config(work))
         p_cfg = {**tt, **self.extra_config, **self.prefill_config}
         d_cfg = {**tt, **self.extra_config, **self.decode_config}

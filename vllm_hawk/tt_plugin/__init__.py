@@ -1,17 +1,16 @@
 """Tenstorrent decode platform for vLLM (``vllm.platform_plugins`` entry point).
 
-Two backends, chosen explicitly with ``HAWK_TT_PLATFORM`` (see :mod:`.config` for all
+One backend, chosen explicitly with ``HAWK_TT_PLATFORM`` (see :mod:`.config` for all
 ``HAWK_TT_*`` variables), never by detection, so a GPU node is unaffected:
 
 * ``emulated``: runs on the CPU (:mod:`.platform`). The KV cache lives in an emulated
   Tenstorrent device's DRAM banks in the device's paged tile layout (bf16 or bfloat8_b)
   and decode attention reads it in that layout (:mod:`.attention`, :mod:`.kv_cache`);
   on several chips (``HAWK_TT_CHIPS``, an n300) the KV heads are sharded over them
-  (:mod:`.mesh`).
-* ``ttnn``: a Tenstorrent device through ttnn, following tt-metal's ``tt_transformers``
-  models (:mod:`.ttnn_backend`). Import-guarded. Its KV-cache side (allocation, page
-  table, bank-buffer API, landing G') runs on Tenstorrent's simulator in CI (tests/ttsim);
-  decode attention needs SFPI-compiled kernels and is not runnable here; not run on hardware.
+  (:mod:`.mesh`). ``make demo`` and machines without ttnn decode this way.
+
+A real (or simulated) Tenstorrent device is served by Tenstorrent's own plugin,
+vllm-tt-plugin, with the HAWK decode worker of :mod:`vllm_hawk.tt_decode` (docs/tenstorrent.md).
 
 KV connectors find the running engine's cache with :func:`get_kv_cache` (see
 :mod:`.registry`). Activation without installing the entry point (tests, a checkout on
@@ -49,10 +48,7 @@ ENTRY_POINT_GROUP = "vllm.platform_plugins"
 ENTRY_POINT_NAME = "hawk_tt"
 ENTRY_POINT_VALUE = "vllm_hawk.tt_plugin:register"
 
-_PLATFORMS = {
-    "emulated": "vllm_hawk.tt_plugin.platform.TTEmulatedPlatform",
-    "ttnn": "vllm_hawk.tt_plugin.ttnn_backend.TTNNPlatform",
-}
+_PLATFORMS = {"emulated": "vllm_hawk.tt_plugin.platform.TTEmulatedPlatform"}
 _MISCONFIGURED = "vllm_hawk.tt_plugin.platform.TTPlatformMisconfigured"
 
 

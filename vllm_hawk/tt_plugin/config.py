@@ -3,7 +3,9 @@
 The plugin is OFF unless ``HAWK_TT_PLATFORM`` names a backend, so installing the package
 never changes what vLLM does on a GPU node. Every variable, its values and its default:
 
-``HAWK_TT_PLATFORM``    ``emulated`` | ``ttnn`` (unset, empty, ``0``, ``off``: plugin inactive)
+``HAWK_TT_PLATFORM``    ``emulated`` (unset, empty, ``0``, ``off``: plugin inactive). A Tenstorrent
+                        device is reached through vllm-tt-plugin with the HAWK decode worker
+                        (:mod:`vllm_hawk.tt_decode`), never through this plugin
 ``HAWK_TT_DEVICE``      device profile name (shipped in ``vllm_hawk/layout/profiles/devices``, or
                         in ``HAWK_CONFIG_DIR``) or YAML path, default ``p150a``
 ``HAWK_TT_CHIPS``       chips of a mesh the KV heads are sharded over, a positive integer; default:
@@ -35,7 +37,7 @@ ENV_KV_DTYPE = "HAWK_TT_KV_DTYPE"
 ENV_BANK_MIB = "HAWK_TT_BANK_MIB"
 ENV_KV_FRACTION = "HAWK_TT_KV_FRACTION"
 
-BACKENDS = ("emulated", "ttnn")
+BACKENDS = ("emulated",)
 #: name and class of the attention backend (registered with vLLM by .platform)
 ATTN_BACKEND_NAME = "HAWK_TT_PAGED"
 ATTN_BACKEND_PATH = "vllm_hawk.tt_plugin.attention.TTPagedAttentionBackend"

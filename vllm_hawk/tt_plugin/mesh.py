@@ -179,6 +179,16 @@ class TTMeshKVCache:
         nblk = np.asarray(blocks).size
         return torch.cat([p.view(nblk, -1, p.shape[1]) for p in parts], dim=1).view(-1, parts[0].shape[1])
 
+    def nonzero_blocks(self) -> list[int]:
+        """Blocks holding a non-zero byte in any layer's K or V, on any chip."""
+        blocks = np.arange(self.spec.num_blocks)
+        hit = np.zeros(blocks.size, dtype=bool)
+        for c in self.chips:
+            for layer in range(self.spec.num_layers):
+                for kv in (0, 1):
+                    hit |= (c.read_block_bytes(layer, kv, blocks).view(blocks.size, -1) != 0).any(dim=1).numpy()
+        return np.nonzero(hit)[0].tolist()
+
     def read_blocks(self, layer: int | str, kv: int, blocks) -> torch.Tensor:
         """Values of whole blocks, all heads: float32 ``[len(blocks), H, block_size, head_dim]``."""
         parts = [self.chips[c].read_blocks(layer, kv, blocks) for c in self._distinct]

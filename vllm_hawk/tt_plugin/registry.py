@@ -1,8 +1,9 @@
 """Where a KV connector finds the running engine's Tenstorrent KV cache.
 
-The platform's model runner registers its :class:`~vllm_hawk.tt_plugin.mesh.TTMeshKVCache`
-here when vLLM initialises the KV cache, BEFORE vLLM calls the connector's
-``register_kv_caches`` (same worker process). The tensors vLLM hands to
+The emulated platform's model runner registers its :class:`~vllm_hawk.tt_plugin.mesh.TTMeshKVCache`
+here when vLLM initialises the KV cache, and the HAWK decode worker on vllm-tt-plugin its
+:class:`~vllm_hawk.tt_decode.kv_cache.TTNNMeshKVCache` (the same interface), BEFORE vLLM
+calls the connector's ``register_kv_caches`` (same worker process). The tensors vLLM hands to
 ``register_kv_caches`` under this platform are placeholders (``[num_blocks, 1]`` uint8,
 no KV in them); a connector uses instead::
 
@@ -27,8 +28,10 @@ the same config finds it). Entries are removed when the worker shuts down.
 from __future__ import annotations
 
 import threading
+from typing import TYPE_CHECKING
 
-from vllm_hawk.tt_plugin.mesh import TTMeshKVCache
+if TYPE_CHECKING:
+    from vllm_hawk.tt_plugin.mesh import TTMeshKVCache
 
 __all__ = ["register", "unregister", "get_kv_cache", "registered_keys", "engine_key"]
 
