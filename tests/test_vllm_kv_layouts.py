@@ -218,6 +218,20 @@ def test_byte_ranges_follow_strides(layout):
             assert torch.equal(got, phys)
 
 
+@pytest.mark.parametrize("heads", [1, 2, 4])
+def test_dim_order_is_the_physical_order_whatever_the_heads_and_block_size(heads):
+    """What a GG pair's handshake names (``src_layout``): the same for every TP rank's share
+    of heads (a rank with one head too) and every block size."""
+    from vllm_hawk.layout.vllm_kv import dim_order
+
+    want = {"LBHNC": "BHNC", "LBNHC": "BNHC", "LHBNC": "HBNC", "BLHNC": "BHNC", "BLNHC": "BNHC", "BHLNC": "BHNC"}
+    for layout, order in want.items():
+        for block in (16, 64):
+            cache = make_layer_caches(2, 5, heads, block, 2 * D, layout=layout)[1]
+            assert dim_order(cache) == order, (layout, heads, block)
+            assert dim_order(cache[:, :1]) == order  # one head of the cache
+
+
 def test_cpu_byte_ranges_one_run_per_block():
     cache = make_layer_caches(2, 8, H, N, 2 * D, layout="LBHNC")[1]
     lay = CpuAttnKVLayout(H, N, D, isa="vec")

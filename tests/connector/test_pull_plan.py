@@ -27,7 +27,7 @@ class _Sink(KVSink):
     def __init__(self, name: str = "sink") -> None:
         self.name, self.views = name, []
 
-    def for_heads(self, region_map, layout):
+    def for_heads(self, region_map, layout, head_start):
         view = (self.name, region_map.heads, layout.num_kv_heads)
         self.views.append(view)
         return view

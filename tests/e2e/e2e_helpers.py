@@ -95,6 +95,34 @@ def check_new_transfers(c) -> list[dict]:
     return out
 
 
+def check_regrouped_kv(dump: Path, checked: set) -> list[dict]:
+    """Every GG pull not in ``checked`` whose prefill blocks the decode regrouped (both sides
+    dump those, ``HAWK_DEBUG_DIR`` = ``dump``): the decode's blocks hold the prefill's K/V
+    of the blocks sent token for token, in order, and zeros past them. Returns, per pull,
+    its key, the prefill's and the decode's block counts and ``first_block`` (the decode
+    blocks it held already)."""
+    import torch
+
+    out = []
+    for dp in sorted(glob.glob(str(dump / "decode-*.pt"))):
+        key = Path(dp).name.removeprefix("decode-")
+        if key in checked:
+            continue
+        d, p = torch.load(dp), torch.load(dump / f"prefill-{key}")
+        for layer, (src, dst) in enumerate(zip(p["kv"], d["kv"], strict=True)):
+            for name, x, g in zip("KV", src, dst, strict=True):
+                want = x.transpose(0, 1).reshape(x.shape[1], -1, x.shape[-1])  # [H, tokens, D]
+                got = g.transpose(0, 1).reshape(g.shape[1], -1, g.shape[-1])
+                n = want.shape[1]
+                assert torch.equal(got[:, :n], want), f"{key}: layer {layer} {name} differs after the pull"
+                assert not got[:, n:].any(), f"{key}: layer {layer} {name} is not zero past the blocks sent"
+        bs = d["kv"][0][0].shape[2]
+        first = -(-p["num_tokens"] // bs) - len(d["dst_blocks"])
+        checked.add(key)
+        out.append({"key": key, "src": len(p["src_blocks"]), "dst": len(d["dst_blocks"]), "first_block": first})
+    return out
+
+
 def stream_events(url: str, body: dict, timeout: float = 120.0) -> tuple[int, list[dict]]:
     """POST ``body`` with ``stream: true``; (status, the decoded ``data:`` events before
     ``[DONE]``), or (status, [{"error": body}]) when the status is not 200."""

@@ -1,11 +1,18 @@
 """Disaggregated serving end to end: prefill vLLM + decode vLLM (HawkConnector, GG-Direct
 over Mooncake TCP) + ``hawk proxy``, one module-scoped trio shared by the tests.
 
+The prefill's blocks hold 32 tokens, the decode's 64 (vLLM's CPU attention takes
+multiples of 32 only): the decode READs two prefill blocks into each of its own and
+regroups them (``vllm_hawk.kvflow.regroup``), so every test here runs that path. GG
+pairs with equal block sizes run in ``test_fronts``, ``test_tp``, ``test_pd_staged_host``
+and ``test_overload``.
+
 The model is the offline tiny Llama in float32 (docs/vllm-cpu.md: bf16 random models have
 exact top-2 ties). The single-engine reference is the decode server itself, asked
 without ``kv_transfer_params``. Where outputs differ, the reference's top-2 logprob
 gap at the first differing position must be below ``GG_TIE_MARGIN`` (a tie), and ties
-are reported.
+are reported. The decode's KV after each pull equals the prefill's K/V of the blocks
+it sent, token for token (both sides dump them, ``HAWK_DEBUG_DIR``).
 """
 
 from __future__ import annotations
@@ -17,12 +24,22 @@ import time
 import urllib.parse
 
 import pytest
-from e2e_helpers import BLOCK, GG_MAX_TOKENS, GG_TIE_MARGIN, complete, gg_prompts, greedy_divergence
+from e2e_helpers import (
+    BLOCK,
+    GG_MAX_TOKENS,
+    GG_TIE_MARGIN,
+    check_regrouped_kv,
+    complete,
+    gg_prompts,
+    greedy_divergence,
+)
 from vllm_fixtures import running
 
 from vllm_hawk.testing.local_cluster import http_post_json
 
 pytestmark = pytest.mark.vllm
+
+DECODE_BLOCK = 2 * BLOCK  # the decode regroups two prefill blocks into each of its own
 
 
 def _stream(url: str, body: dict, timeout: float = 120.0) -> tuple[int, list[dict]]:
@@ -54,13 +71,17 @@ def cluster(tmp_path_factory):
     from vllm_hawk.testing.tiny_model import build_tiny_llama
 
     model = build_tiny_llama(dtype="float32")
+    work = tmp_path_factory.mktemp("pd")
     c = LocalCluster(
         model,
-        tmp_path_factory.mktemp("pd"),
+        work,
         block_size=BLOCK,
+        decode_block_size=DECODE_BLOCK,
         extra_config={"pull_timeout_s": 10.0, "handshake_timeout_s": 3.0},
         prefill_config={"lease_s": 30.0},
+        extra_env={"HAWK_DEBUG_DIR": str(work / "hawk-debug")},
     )
+    c.hawk_dump, c.hawk_checked = work / "hawk-debug", set()
     with running(c):
         yield c
 
@@ -84,6 +105,12 @@ def test_greedy_outputs_match_single_engine(cluster, record_property):
     if ties:
         print(f"top-2 ties (prompt_len, position, gap): {ties}")
     assert not mismatches, f"outputs differ beyond ties (prompt_len, position, gap): {mismatches}"
+    figs = [f for f in ((d["kv_transfer_params"] or {}).get("hawk_transfer") for d in disagg + again) if f]
+    assert len(figs) >= len(prompts) // 2 and all(f["ok"] and f["src_block_size"] == BLOCK for f in figs), figs
+    pulls = check_regrouped_kv(cluster.hawk_dump, cluster.hawk_checked)  # the KV, token for token
+    print(f"regrouped pulls (prefill blocks -> decode blocks from first_block): {pulls}")
+    assert len(pulls) == len(figs)
+    assert any(p["first_block"] > 0 for p in pulls), "no pull started after a local prefix hit"
 
 
 def test_streaming_and_chat_through_proxy(cluster):

@@ -68,7 +68,7 @@ class _Decode:
         m = self.maps(ps.dst_start, ps.count)
         from vllm_hawk.kvflow.sources import vllm_layout_desc
 
-        return self.sink.for_heads(m, vllm_layout_desc(m, "vllm-flash-nhd", "bfloat16", BS, ps.count, D))
+        return self.sink.for_heads(m, vllm_layout_desc(m, "vllm-flash-nhd", "bfloat16", BS, ps.count, D), ps.dst_start)
 
     def close(self):
         for e in self.eps:

@@ -170,15 +170,39 @@ def test_compat_hash_and_diff():
     assert COMPAT.protocol_version == PROTOCOL_VERSION
 
 
-def test_protocol_version_is_7_with_renew_control_hello_head_shares_and_vllm_versions():
+def test_only_a_gg_decode_with_a_multiple_of_the_prefill_block_size_regroups():
+    """:func:`regroups`: the one pair whose fields may differ (block_size only, a vLLM decode
+    whose blocks are a multiple of the prefill's); the refusal names both sizes and --block-size."""
+    from vllm_hawk.protocol import regroups
+
+    def gg(bs, **kw):
+        return make_compat("tiny", "float32", bs, "CPU_ATTN/vec/BHNC", "vllm-paged/CPU_ATTN/vec/BHNC", "vllm", **kw)
+
+    assert regroups(gg(32), gg(64)) and regroups(gg(16), gg(64)) and regroups(gg(16), gg(48))
+    assert not regroups(gg(32), gg(32))  # equal: the hashes match, nothing to regroup
+    assert not regroups(gg(64), gg(32)) and not regroups(gg(32), gg(48))
+    assert not regroups(gg(32), msgspec.structs.replace(gg(64), dtype="bfloat16"))  # another field differs too
+    assert not regroups(gg(0), gg(64))
+    tt = msgspec.structs.replace(gg(32), device_profile="p150a")  # GN-Host: the decode reads the blocks as sent
+    assert not regroups(tt, msgspec.structs.replace(tt, block_size=64))
+    text = describe_diff(gg(64), gg(32))
+    assert "block_size differs (ours 64, peer 32)" in text and "--block-size 32" in text and "--block-size 64" in text
+    from vllm_hawk.protocol.compat import describe_fields
+
+    assert "--block-size" in describe_fields(gg(64), gg(32)) and "ours" not in describe_fields(gg(64), gg(32))
+
+
+def test_protocol_version_is_8_with_renew_control_hello_head_shares_vllm_versions_and_block_size():
     # 4 = sec's recipient-bound envelope (HAWK/4, auth_failed) + main's layer-group fields;
     # 5 adds Renew/Renewed (lease heartbeats) and ControlHello (the proxy's Release);
-    # 7 adds each side's vLLM version to Hello / HelloAck.
+    # 6 tensor-parallel shares; 7 each side's vLLM version in Hello / HelloAck;
+    # 8 HelloAck.block_size (a GG decode regroups smaller blocks).
     from vllm_hawk.protocol import ControlHello, Hello, HelloAck, Renew, Renewed
     from vllm_hawk.protocol.envelope import MAGIC, Header
 
-    assert PROTOCOL_VERSION == 7 and MAGIC == b"HAWK/7"
+    assert PROTOCOL_VERSION == 8 and MAGIC == b"HAWK/8"
     assert "vllm_version" in Hello.__struct_fields__ and "vllm_version" in HelloAck.__struct_fields__
+    assert "block_size" in HelloAck.__struct_fields__
     assert Renew.__struct_config__.tag == "renew" and "gone" in Renewed.__struct_fields__
     assert ControlHello.__struct_fields__ == ("client_id",)
     assert "recipient" in Header.__struct_fields__

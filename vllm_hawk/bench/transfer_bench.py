@@ -511,7 +511,7 @@ class _TransferRun:
                 desc = vllm_layout_desc(
                     m, dcache.desc.name, dcache.desc.dtype, self.block_size, ps.count, self.shape.head_dim
                 )
-                views[(ps.dst_start, ps.count)] = {k: c[k].sink.for_heads(m, desc) for k in self.gg_kinds}
+                views[(ps.dst_start, ps.count)] = {k: c[k].sink.for_heads(m, desc, ps.dst_start) for k in self.gg_kinds}
         return views
 
     # ------------------------------------------------------------------------ measurement

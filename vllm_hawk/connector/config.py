@@ -212,6 +212,7 @@ from typing import Any
 
 from vllm_hawk import envs
 from vllm_hawk.kvflow.decode import AUTO_LAYER_GROUPS
+from vllm_hawk.protocol import VLLM_PROFILE
 
 TRANSPORTS = ("mooncake-tcp", "mooncake-rdma", "host-staged")
 AUTH_MODES = ("curve", "hmac", "none")
@@ -219,7 +220,6 @@ MIN_SECRET_NBYTES = 16
 MAX_SECRET_FILE_NBYTES = 4096
 MODES = ("direct", "staged")
 LAYOUT_FIXES = ("prefill", "decode")
-VLLM_PROFILE = "vllm"
 
 
 class HawkConfigError(ValueError):

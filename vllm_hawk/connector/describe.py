@@ -12,8 +12,10 @@
 
 Both sides derive the handshake's compatibility fields here, so a P/D pair that
 disagrees (model, dtype, block size, source layout, device profile, ``layout_fix``) is
-refused by name. They name the model's KV heads in all (not this rank's) and the block
-template of ONE head, so that pairs with different tensor-parallel sizes agree;
+refused by name. They name the model's KV heads in all (not this rank's) and the
+layout by backend, kernel ISA and dimension order (:func:`~vllm_hawk.layout.vllm_kv.dim_order`),
+so that pairs with different tensor-parallel sizes agree, and GG pairs whose block sizes
+differ as :func:`~vllm_hawk.protocol.compat.regroups` allows differ in ``block_size`` only;
 ``LocalKV.heads`` gives the region map of any range of this rank's heads (the shares
 of :mod:`vllm_hawk.layout.tp`).
 """
@@ -45,6 +47,7 @@ class LocalKV:
     heads: Callable[[int, int], KVRegionMap] | None = None  # vLLM caches: (start, count) -> map of those heads
     num_kv_heads: int = 0  # the model's KV heads, all ranks together
     caches: list = field(default_factory=list)  # vLLM caches: per-layer tensors [num_blocks, H, N, C], in layer order
+    adapters: list = field(default_factory=list)  # vLLM caches: each layer's SourceKVLayout (vllm_hawk.layout.vllm_kv)
 
 
 def total_kv_heads(vllm_config) -> int:
@@ -83,7 +86,7 @@ def tt_compat(
 
 def describe_vllm_caches(kv_caches: dict, vllm_config, cfg: HawkConfig) -> LocalKV:
     """Region map, buffers, views, compatibility fields and layout of vLLM's KV caches."""
-    from vllm_hawk.layout.vllm_kv import TransformSource, source_layout_from_layer
+    from vllm_hawk.layout.vllm_kv import TransformSource, dim_order, source_layout_from_layer
 
     ctx = vllm_config.compilation_config.static_forward_context
     names = sorted(kv_caches, key=_layer_key)
@@ -108,7 +111,8 @@ def describe_vllm_caches(kv_caches: dict, vllm_config, cfg: HawkConfig) -> Local
         seen[st.data_ptr()] = st.nbytes()
     a0 = adapters[0]
     isa = a0.isa
-    src_layout = f"{a0.name}{'/' + isa if isa else ''}/head:{heads(0, 1).signature()}"
+    orders = sorted({dim_order(c) for c in caches})
+    src_layout = f"{a0.name}{'/' + isa if isa else ''}/{'+'.join(orders)}"
     total = total_kv_heads(vllm_config)
     mid = model_id(vllm_config, len(names), total, a0.head_dim)
     dtype = str(a0.dtype).removeprefix("torch.")
@@ -145,6 +149,7 @@ def describe_vllm_caches(kv_caches: dict, vllm_config, cfg: HawkConfig) -> Local
         heads=heads,
         num_kv_heads=total,
         caches=caches,
+        adapters=adapters,
     )
 
 

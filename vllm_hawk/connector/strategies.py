@@ -39,6 +39,7 @@ from vllm_hawk.kvflow import (
 )
 from vllm_hawk.kvflow.gn_host import GNHostSink
 from vllm_hawk.kvflow.pull_plan import PullPlanner, check_targets
+from vllm_hawk.kvflow.regroup import Regroup
 from vllm_hawk.layout.tp import TPMismatch, shard_heads
 from vllm_hawk.transport import make_transport
 
@@ -167,11 +168,12 @@ def make_prefill(
     observer = None
     if debug_dir is not None:
         every = prefill_transforms(cfg) or cfg.layout_fix == "decode" or tp_size > 1
+        bs = kv.layout.block_size  # GG: dump shares of a TP pull and pulls the decode regroups
         observer = debug.prefill_dumper(
             debug_dir,
             kv.views,
             f"-r{tp_rank}" if tp_size > 1 else "",
-            when=None if every else (lambda msg: msg.num_heads > 0),
+            when=None if every else (lambda msg: msg.num_heads > 0 or msg.dst_layout.block_size != bs),
         )
     port = cfg.side_channel_port + tp_rank * port_stride(vllm_config)
     tp_info = (
@@ -259,7 +261,8 @@ def make_sinks(cfg: HawkConfig, kv: LocalKV, transport) -> list:
             f"HawkConnector: device_profile {cfg.device_profile!r} on the decode needs "
             "the Tenstorrent platform plugin (HAWK_TT_PLATFORM)"
         )
-    return [vllm_sink(kv.region_map, kv.layout, transport, cfg.mode, kv.storages, cfg.ring_nbytes)]
+    regroup = Regroup(kv.adapters, kv.caches) if kv.adapters else None  # a prefill with smaller blocks
+    return [vllm_sink(kv.region_map, kv.layout, transport, cfg.mode, kv.storages, cfg.ring_nbytes, regroup=regroup)]
 
 
 def make_planner(cfg: HawkConfig, kv: LocalKV, sinks: list, peer, *, tp_rank: int, tp_size: int) -> PullPlanner:

@@ -217,7 +217,7 @@ class HawkConnectorWorker:
             )
             self._drop_wants(spec)  # released: nothing left to renew
             fig = figures_of(res)
-            self._dump_landed(spec)
+            self._dump_landed(spec, regrouped="src_block_size" in fig)
         except Exception as e:  # noqa: BLE001 - every failure becomes a failed receive
             self._drop_wants(spec)
             fig["error"] = str(e)[:500]
@@ -234,13 +234,18 @@ class HawkConnectorWorker:
         self._pulls.end(rid, fig)
         self._news.set()
 
-    def _dump_landed(self, spec: RecvSpec) -> None:
-        """``HAWK_DEBUG_DIR``: what a pull landed (Tenstorrent blocks, or the KV of a TP pull)."""
+    def _dump_landed(self, spec: RecvSpec, regrouped: bool) -> None:
+        """``HAWK_DEBUG_DIR``: what a pull landed (Tenstorrent blocks, or the KV of a TP pull
+        or of one whose prefill blocks were regrouped)."""
         rid, tag = spec.remote_request_id, f"-r{self.tp_rank}" if self.tp_size > 1 else ""
         if self._debug is not None and self.kv.tt_cache is not None:
             first, self._scanned = not self._scanned, True
             debug.dump_landed(self._debug, rid, self.kv.tt_cache, spec.local_block_ids, scan=first)
-        elif self._debug is not None and self.kv.views is not None and spec.remote_tp_size * self.tp_size > 1:
+        elif (
+            self._debug is not None
+            and self.kv.views is not None
+            and (spec.remote_tp_size * self.tp_size > 1 or regrouped)
+        ):
             debug.dump_landed_kv(self._debug, rid + tag, self.kv.views, spec.local_block_ids)
 
     def _release_only(self, spec: RecvSpec) -> None:

@@ -8,7 +8,8 @@ prefill: :class:`PrefillEndpoint` (P1-P9: leases, ring, cancels) serving from a
 decode: :class:`DecodeEndpoint` (D1-D8: deadlines, READ batch, settle/quarantine,
 Release) landing in a :mod:`sink <vllm_hawk.kvflow.sinks>` — :class:`VllmPagedSink`,
 :class:`VllmStagedSink`, :class:`TTSink` (bank buffers or KV pages), :class:`GNHostSink` (GN-Host: vLLM blocks into
-a receive ring, layout fixed on the decode, :mod:`~vllm_hawk.kvflow.gn_host`);
+a receive ring, layout fixed on the decode, :mod:`~vllm_hawk.kvflow.gn_host`); a vLLM sink
+regroups a prefill's smaller blocks into its own (:mod:`~vllm_hawk.kvflow.regroup`);
 :class:`LeaseKeeper` (heartbeats renewing the prefill's leases of queued requests; it lives in
 :mod:`vllm_hawk.protocol.leases`, next to the Renew it sends).
 

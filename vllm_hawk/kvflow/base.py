@@ -30,12 +30,16 @@ class Capabilities:
     ``check_group``, ``land_groups``) and has a Tenstorrent ``tt_layout``.
     head_shares: a sink gives a sink of a slice of its KV heads (``for_heads``).
     snapshot: a sink's :meth:`KVSink.holds` counts its receive memory and device buffers.
+    regroup: a sink takes the blocks of a prefill whose blocks are smaller than its own
+    and regroups them (``plan_regroup``, :mod:`~vllm_hawk.kvflow.regroup`); sinks without
+    it get source bytes already in their own blocks (equal sizes, or the GN-HAWK transform).
     """
 
     layer_groups: bool = False
     group_landing: bool = False
     head_shares: bool = False
     snapshot: bool = False
+    regroup: bool = False
 
 
 @dataclass
@@ -98,6 +102,12 @@ class KVSink:
 
     def plan(self, dst_blocks: np.ndarray):
         """This sink's transfer plan for destination blocks (raises ValueError on bad ids)."""
+        raise NotImplementedError
+
+    def plan_regroup(self, dst_blocks: np.ndarray, src_block_size: int, num_tokens: int, first_block: int):
+        """With ``caps.regroup``: the plan of a pull from a prefill with ``src_block_size``-token
+        blocks (``num_tokens`` tokens, destination blocks from ``first_block``); raises
+        ValueError naming both sizes when they do not pair."""
         raise NotImplementedError
 
     def check_ready(self, ready: KVReady, plan, export_nbytes: int) -> str:

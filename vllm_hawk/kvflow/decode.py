@@ -29,6 +29,10 @@ names the unsafe destination blocks and carries the batch's ``settled`` event.
 A failed fetch returns at the latest ``pull_timeout_s + RELEASE_TIMEOUT_S`` (+
 ``SETTLE_WAIT_S`` for direct sinks) after it started.
 
+Block sizes. The HelloAck names the prefill's block size; a vLLM sink whose blocks are
+a multiple of it plans the pull as sub-blocks (``plan_regroup``) and regroups them in
+D6-D7 (:mod:`~vllm_hawk.kvflow.regroup`); the prefill serves its own blocks either way.
+
 Tensor parallelism. A fetch may move one :class:`Share` of a request: a range of the
 prefill rank's KV heads (``KVRequest.head_start`` / ``num_heads``), into a sink that
 holds just those heads of this decode rank or chip (see :mod:`vllm_hawk.layout.tp`).
@@ -294,7 +298,7 @@ class DecodeEndpoint:
         if layer_groups == AUTO_LAYER_GROUPS:
             layer_groups = auto_layer_groups(sink, len(dst))
         groups = split_layers(sink.layout.num_layers, layer_groups)
-        fs.plan = sink.plan(dst)
+        fs.plan = self._plan(fs)
         if len(groups) > 1 and sink.caps.group_landing and time_cap_s is None:
             return self._fetch_groups(fs, groups)
         return self._fetch_whole(fs)
@@ -500,6 +504,19 @@ class DecodeEndpoint:
                 f"end a {num_tokens}-token request ({n_req} blocks of {bs})"
             )
         return dst
+
+    def _plan(self, fs: _Fetch):
+        """The sink's plan; for a sink that regroups (``caps.regroup``), from the prefill's
+        block size in its HelloAck when it differs from the sink's. A pair that does not
+        fit (the handshake refuses it) is Released and raises PeerFailed naming both sizes."""
+        sink, src_bs = fs.sink, self.client.hello.block_size
+        if not sink.caps.regroup or not src_bs or src_bs == sink.layout.block_size:
+            return sink.plan(fs.dst)
+        try:
+            return sink.plan_regroup(fs.dst, src_bs, fs.num_tokens, fs.first_block)
+        except ValueError as e:
+            self._release_quietly(fs.req_id, ok=False, share=fs.share)
+            raise PeerFailed(f"request {fs.req_id}: {e}", fs.req_id) from e
 
     @staticmethod
     def _kv_request(fs: _Fetch) -> KVRequest:

@@ -75,3 +75,19 @@ class BlockGather:
             if not here:
                 dst.copy_(stage)
             pos += n * bn
+
+    def scatter(self, block_ids: Sequence[int], src: torch.Tensor) -> None:
+        """The inverse of a call: write uint8 ``src`` (layer streams of ``block_ids``, as a
+        call lays them out, on the caches' device) back into those blocks' byte runs."""
+        n = len(block_ids)
+        if src.dtype != torch.uint8 or src.numel() != self.nbytes(n) or src.device != self.device:
+            raise ValueError(f"scatter: src must be uint8 [{self.nbytes(n)}] on {self.device}")
+        ids = torch.as_tensor(list(block_ids), dtype=torch.long).to(self.device)
+        pos = 0
+        for runs, bn in zip(self.layers, self.block_nbytes, strict=True):
+            rows = src[pos : pos + n * bn].view(n, bn)
+            col = 0
+            for _o, nb, dst in runs:
+                dst.index_copy_(0, ids, rows[:, col : col + nb])
+                col += nb
+            pos += n * bn

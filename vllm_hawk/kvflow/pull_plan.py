@@ -266,4 +266,5 @@ class PullPlanner:
     def _share_sink(self, start: int, count: int):
         """This worker's vLLM sink restricted to its KV heads ``[start, start+count)``."""
         m, lay = self.head_maps(start, count), self.layout
-        return self.sinks[0].for_heads(m, vllm_layout_desc(m, lay.name, lay.dtype, lay.block_size, count, lay.head_dim))
+        desc = vllm_layout_desc(m, lay.name, lay.dtype, lay.block_size, count, lay.head_dim)
+        return self.sinks[0].for_heads(m, desc, start)

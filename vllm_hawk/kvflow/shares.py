@@ -101,6 +101,8 @@ def _summed(req_id: str, planned: list[PlannedShare], results: list[FetchResult]
                 **{k: v for k, v in r.extra.items() if k in ("bytes_per_bank", "banks", "intra_bank_ops")},
             }
         )
+        if "src_block_size" in r.extra:  # the decode regrouped the prefill's smaller blocks
+            total.extra["src_block_size"] = r.extra["src_block_size"]
         if "intra_bank_ops" in r.extra:
             total.extra["intra_bank_ops"] = total.extra.get("intra_bank_ops", 0) + r.extra["intra_bank_ops"]
         if on_result is not None:

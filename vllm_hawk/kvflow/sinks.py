@@ -6,6 +6,10 @@ READ batch and every failure path; a sink only knows its memory. Three sinks:
 * :class:`VllmPagedSink` (GG-Direct): a vLLM paged cache; the READs land in its blocks.
 * :class:`VllmStagedSink` (staged, GG-Host): a vLLM paged cache behind a registered
   receive ring; the READs land in the ring, then copies move the bytes into the blocks.
+
+  Both take a prefill whose blocks are smaller (the decode's a multiple of them): the
+  prefill's blocks land whole as sub-blocks of the decode's, then
+  :class:`~vllm_hawk.kvflow.regroup.Regroup` rearranges them (D6-D7; ``plan_regroup``).
 * :class:`TTSink` (GN-HAWK): a Tenstorrent KV pool through the bank-buffer API: per-bank
   receive buffers then intra-bank copies (``staged``), READs straight into the KV pages
   (``direct``), or one READ per tile (``per_tile``, the design the paper rejects).
@@ -37,6 +41,7 @@ import numpy as np
 from vllm_hawk.kvflow.bank_pool import BankBufferPool
 from vllm_hawk.kvflow.base import Capabilities, Entry, KVSink, Landing
 from vllm_hawk.kvflow.exposure import Exposure, check_registration
+from vllm_hawk.kvflow.regroup import Regroup, SubBlockPlan, sub_block_plan
 from vllm_hawk.kvflow.ring import RingBuffer
 from vllm_hawk.kvflow.streams import KVRegionMap, LayerRegion, pair_stream, ring_segments
 from vllm_hawk.layout.tt_kv_cache import TTKVCacheLayout
@@ -79,21 +84,28 @@ class _Registered:
 # --------------------------------------------------------------------------- vLLM caches
 
 
-def _vllm_check(ready: KVReady, region_map: KVRegionMap, n: int, export_nbytes: int) -> str:
+def _vllm_check(ready: KVReady, region_map: KVRegionMap, plan: SubBlockPlan, export_nbytes: int) -> str:
     if any(s.offset_bytes + s.nbytes > export_nbytes for s in ready.segments):
         return "a segment lies outside the prefill's exported region"
-    want = n * region_map.block_nbytes
+    want = plan.num_src * (region_map.block_nbytes // plan.ratio)
     if ready.total_nbytes != want:
-        return f"KVReady covers {ready.total_nbytes} bytes, {n} blocks need {want}"
+        return f"KVReady covers {ready.total_nbytes} bytes, {plan.num_src} source blocks need {want}"
     return ""
+
+
+def _sub_blocks(plan: SubBlockPlan) -> tuple[int, int] | None:
+    """``pair_stream``'s ``sub_blocks`` for ``plan`` (None: equal block sizes)."""
+    return (plan.num_src, plan.ratio) if plan.ratio > 1 else None
 
 
 class VllmPagedSink(KVSink):
     """GG-Direct: READs into a vLLM paged cache's blocks. region_map: the cache;
-    storages: its buffers ``(addr, nbytes)``, registered with ``transport`` now."""
+    storages: its buffers ``(addr, nbytes)``, registered with ``transport`` now;
+    regroup: the cache's layer tensors and layouts, for a prefill with smaller blocks
+    (None: equal block sizes only)."""
 
     mode = "direct"
-    caps = Capabilities(head_shares=True)
+    caps = Capabilities(head_shares=True, regroup=True)
 
     def __init__(
         self,
@@ -102,8 +114,10 @@ class VllmPagedSink(KVSink):
         transport,
         storages: Sequence[tuple[int, int]],
         registration: str = "per_request",
+        regroup: Regroup | None = None,
     ) -> None:
         self.region_map, self.layout, self.storages = region_map, layout, list(storages)
+        self.regroup = regroup
         self.registration = check_registration(registration)
         self._reg = _Registered(transport)
         self.exposure = Exposure(transport)
@@ -114,35 +128,69 @@ class VllmPagedSink(KVSink):
             self._reg.close()
             raise
 
-    def plan(self, dst_blocks: np.ndarray) -> np.ndarray:
+    def plan(self, dst_blocks: np.ndarray) -> SubBlockPlan:
         self.region_map.check_blocks(dst_blocks.tolist())
-        return dst_blocks
+        return SubBlockPlan(dst_blocks, 1, len(dst_blocks), self.layout.block_size)
+
+    def plan_regroup(
+        self, dst_blocks: np.ndarray, src_block_size: int, num_tokens: int, first_block: int
+    ) -> SubBlockPlan:
+        """The plan of a pull from a prefill with ``src_block_size``-token blocks (raises
+        ValueError naming both sizes unless this sink's are a multiple of them)."""
+        if self.regroup is None:
+            raise ValueError(
+                f"the prefill's blocks hold {src_block_size} tokens, this decode's {self.layout.block_size}, "
+                "and this sink was built without its caches' layouts: start both engines with the same --block-size"
+            )
+        self.region_map.check_blocks(dst_blocks.tolist())
+        return sub_block_plan(dst_blocks, self.layout.block_size, src_block_size, num_tokens, first_block)
 
     def check_ready(self, ready: KVReady, plan, export_nbytes: int) -> str:
-        return _vllm_check(ready, self.region_map, len(plan), export_nbytes)
+        return _vllm_check(ready, self.region_map, plan, export_nbytes)
 
-    def for_heads(self, region_map: KVRegionMap, layout: LayoutDesc) -> VllmPagedSink:
-        """This sink restricted to some KV heads (``region_map``/``layout`` of those heads;
-        a share of a request, see :class:`~vllm_hawk.kvflow.decode.Share`). It shares this
-        sink's registrations and receive memory (keys are share keys) and is closed with it."""
+    def for_heads(self, region_map: KVRegionMap, layout: LayoutDesc, head_start: int) -> VllmPagedSink:
+        """This sink restricted to KV heads ``head_start ..`` (``region_map``/``layout`` of
+        those heads; a share of a request, see :class:`~vllm_hawk.kvflow.decode.Share`). It
+        shares this sink's registrations and receive memory (keys are share keys) and is
+        closed with it."""
         view = copy.copy(self)
         view.region_map, view.layout = region_map, layout
+        if self.regroup is not None:
+            view.regroup = self.regroup.heads(head_start, layout.num_kv_heads)
         view.close = lambda: None  # the parent owns what is registered
         return view
 
+    def _complete_in_place(self, plan: SubBlockPlan) -> Callable[[], dict]:
+        """D6-D7 of a direct landing: nothing, or the regroup of smaller source blocks."""
+        if plan.ratio == 1:
+            return lambda: {}
+
+        def complete() -> dict:
+            t0 = time.monotonic()
+            self.regroup.apply(plan)
+            return {"regroup_s": time.monotonic() - t0, "regrouped": len(plan)}
+
+        return complete
+
     def land(self, req_id, ready, plan, remote_base, claim_wait_s) -> Landing:
-        entries = pair_stream(ready.segments, remote_base, self.region_map, plan.tolist(), 0)
+        entries = pair_stream(ready.segments, remote_base, self.region_map, plan.blocks.tolist(), 0, _sub_blocks(plan))
         return Landing(
             entries,
-            lambda: {},
+            self._complete_in_place(plan),
             None,
-            tuple(int(b) for b in plan),
+            tuple(int(b) for b in plan.blocks),
+            _figures(plan),
             unexpose=_expose(self.exposure, self.registration, req_id, entries, self.storages),
         )
 
     def close(self) -> None:
         self.exposure.close()
         self._reg.close()
+
+
+def _figures(plan: SubBlockPlan) -> dict:
+    """A landing's figures: the prefill's block size when its blocks were regrouped."""
+    return {"src_block_size": plan.src_block_size} if plan.ratio > 1 else {}
 
 
 def _stream_buffer_map(dmap: KVRegionMap, n: int, base: int) -> KVRegionMap:
@@ -168,8 +216,9 @@ class VllmStagedSink(VllmPagedSink):
         transport,
         recv_nbytes: int,
         registration: str = "per_request",
+        regroup: Regroup | None = None,
     ) -> None:
-        super().__init__(region_map, layout, transport, (), registration)
+        super().__init__(region_map, layout, transport, (), registration, regroup)
         self.recv = RingBuffer(recv_nbytes, transport, registration=registration)
 
     def land(self, req_id, ready, plan, remote_base, claim_wait_s) -> Landing:
@@ -177,7 +226,8 @@ class VllmStagedSink(VllmPagedSink):
         off = self.recv.reserve(req_id, n * dmap.block_nbytes, claim_wait_s)
         try:
             base = self.recv.base_addr + off
-            entries = pair_stream(ready.segments, remote_base, _stream_buffer_map(dmap, n, base), list(range(n)), 0)
+            bmap = _stream_buffer_map(dmap, n, base)
+            entries = pair_stream(ready.segments, remote_base, bmap, list(range(n)), 0, _sub_blocks(plan))
         except BaseException:
             self.recv.release(req_id)
             raise
@@ -185,14 +235,28 @@ class VllmStagedSink(VllmPagedSink):
         def complete() -> dict:
             t0 = time.monotonic()
             try:
-                copies = pair_stream(ring_segments(dmap, n, 0), base, dmap, plan.tolist(), 0)
-                for dst, src, nb in copies:
-                    ctypes.memmove(dst, src, nb)
+                if plan.ratio > 1:  # regroup from the ring's layer streams into the blocks
+                    self.regroup.apply(plan, self._streams(off, n))
+                    figures = {"regrouped": n}
+                else:
+                    copies = pair_stream(ring_segments(dmap, n, 0), base, dmap, plan.blocks.tolist(), 0)
+                    for dst, src, nb in copies:
+                        ctypes.memmove(dst, src, nb)
+                    figures = {"copies": len(copies)}
             finally:
                 self.recv.release(req_id)
-            return {"copy_s": time.monotonic() - t0, "copies": len(copies)}
+            return {"copy_s": time.monotonic() - t0, **figures}
 
-        return Landing(entries, complete, lambda: self.recv.release(req_id))
+        return Landing(entries, complete, lambda: self.recv.release(req_id), figures=_figures(plan))
+
+    def _streams(self, off: int, n: int) -> list:
+        """Per layer, the receive ring's stream of ``n`` blocks from ring offset ``off`` as
+        uint8 ``[n, block bytes]``."""
+        out = []
+        for r in self.region_map.layers:
+            out.append(self.recv.view(off, n * r.block_nbytes).view(n, r.block_nbytes))
+            off += n * r.block_nbytes
+        return out
 
     def close(self) -> None:
         self.recv.close()
@@ -207,11 +271,13 @@ def vllm_sink(
     storages,
     recv_nbytes: int,
     registration: str = "per_request",
+    regroup: Regroup | None = None,
 ):
-    """The sink for a vLLM decode cache in ``mode`` (``direct`` | ``staged``)."""
+    """The sink for a vLLM decode cache in ``mode`` (``direct`` | ``staged``); ``regroup``:
+    its caches' layouts, so that it takes a prefill with smaller blocks."""
     if mode == "staged":
-        return VllmStagedSink(region_map, layout, transport, recv_nbytes, registration)
-    return VllmPagedSink(region_map, layout, transport, storages, registration)
+        return VllmStagedSink(region_map, layout, transport, recv_nbytes, registration, regroup)
+    return VllmPagedSink(region_map, layout, transport, storages, registration, regroup)
 
 
 def _expose(exposure: Exposure, registration: str, key: str, entries, domains) -> Callable[[], None] | None:

@@ -28,7 +28,9 @@ through a host pointer (:mod:`~vllm_hawk.kvflow.device`).
 Block sizes: the decode names its own in ``dst_layout.block_size``; destination block
 ``first_block + j`` holds the request's tokens ``[(first_block + j) * dst_block_size, ...)``
 (:func:`src_block_span` finds the source blocks that hold them). GN-HAWK regroups tokens
-into the decode's blocks whatever the two sizes; the vLLM-layout sources need equal ones.
+into the decode's blocks whatever the two sizes; the vLLM-layout sources serve their
+blocks as they are to a decode whose blocks are the same size or a multiple of theirs
+(the decode regroups them, :mod:`~vllm_hawk.kvflow.regroup`).
 """
 
 from __future__ import annotations
@@ -140,18 +142,21 @@ class _VllmStreams(KVSource):
         if err:
             return err
         mine = self.layout
-        if d.block_size != mine.block_size:
+        if d.block_size % mine.block_size or d.block_size > MAX_BLOCK_SIZE:
             return (
-                f"destination block_size {d.block_size} differs from this prefill's {mine.block_size}: a pair "
-                f"of vLLM caches needs equal block sizes (start both engines with --block-size "
-                f"{mine.block_size}, or use a Tenstorrent decode, whose GN-HAWK transform regroups tokens)"
+                f"destination block_size {d.block_size} is not a multiple of this prefill's {mine.block_size}: "
+                f"a vLLM decode regroups the prefill's blocks only into blocks a multiple of theirs (start the "
+                f"decode with --block-size {mine.block_size} or a multiple of it, or use a Tenstorrent decode, "
+                "whose GN-HAWK transform regroups tokens)"
             )
+        ratio = d.block_size // mine.block_size  # the decode regroups `ratio` of our blocks into one of its own
         if share_heads(msg, mine.num_kv_heads) is not None:
             if self.heads is None:
                 return "this prefill serves whole requests only (no head ranges)"
             mine = msgspec.structs.replace(
                 mine, num_kv_heads=msg.num_heads, tile_nbytes=self.share_map(msg).layers[0].block_nbytes
             )
+        mine = msgspec.structs.replace(mine, tile_nbytes=mine.tile_nbytes * ratio)
         err = _shape_mismatch(mine, d, ("num_layers", "num_kv_heads", "head_dim", "dtype", "tile_nbytes"))
         if err:
             return err

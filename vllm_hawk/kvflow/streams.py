@@ -114,14 +114,22 @@ def gather_copies(kv: KVRegionMap, block_ids: Sequence[int], dst_addr: int) -> l
 
 
 def pair_stream(
-    segments: Sequence[Segment], remote_base: int, dst: KVRegionMap, dst_block_ids: Sequence[int], first_block: int
+    segments: Sequence[Segment],
+    remote_base: int,
+    dst: KVRegionMap,
+    dst_block_ids: Sequence[int],
+    first_block: int,
+    sub_blocks: tuple[int, int] | None = None,
 ) -> list[Entry]:
     """Decode side: ``(local_addr, remote_addr, nbytes)`` entries that copy stream blocks
     ``first_block .. first_block + len(dst_block_ids) - 1`` into ``dst_block_ids``.
 
     ``segments`` describe the remote streams (``bank`` = layer, offsets from
     ``remote_base``). A piece is merged with the previous one when it continues it on
-    both sides. Raises ValueError when the segments do not cover the needed bytes.
+    both sides. ``sub_blocks`` ``(num_src, ratio)``: the stream holds ``num_src`` source
+    blocks, each ``1/ratio`` of a destination block; only their bytes are paired, so the
+    last destination block may be filled in part (:mod:`~vllm_hawk.kvflow.regroup`).
+    Raises ValueError when the segments do not cover the needed bytes.
     """
     dst.check_blocks(dst_block_ids)
     by_layer: dict[int, list[Segment]] = {}
@@ -138,6 +146,8 @@ def pair_stream(
             pos += s.nbytes
         bn = region.block_nbytes
         need_end = (first_block + len(dst_block_ids)) * bn
+        if sub_blocks is not None:
+            need_end = first_block * bn + sub_blocks[0] * (bn // sub_blocks[1])
         if need_end > pos:
             raise ValueError(f"layer {layer}: the prefill sent {pos} bytes, {need_end} needed")
         for j, b in enumerate(dst_block_ids):
@@ -145,6 +155,7 @@ def pair_stream(
             base = region.addr + b * region.block_stride_nbytes
             for off, n in region.template:
                 local = base + off
+                n = max(0, min(n, need_end - s_off))
                 while n:
                     i = bisect.bisect_right(starts, s_off) - 1
                     seg = segs[i]

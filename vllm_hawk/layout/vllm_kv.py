@@ -61,6 +61,7 @@ __all__ = [
     "KV_CACHE_LAYOUTS",
     "block_byte_ranges",
     "detect_cpu_attn_isa",
+    "dim_order",
     "make_layer_caches",
     "source_layout_for",
     "source_layout_from_layer",
@@ -137,6 +138,16 @@ def block_byte_ranges(layer_cache: torch.Tensor, block_id: int) -> list[tuple[in
         else:
             runs.append((o * es, run_elems * es))
     return runs
+
+
+def dim_order(layer_cache: torch.Tensor) -> str:
+    """The physical order of a layer cache's logical dims ``[B, H, N, C]``, outermost
+    first, from its strides: ``"BHNC"`` (LBHNC, CPU_ATTN, HND), ``"BNHC"`` (LBNHC, NHD),
+    ``"HBNC"`` (LHBNC, BHLNC). Independent of the block size and of how many heads a TP
+    rank holds: a dimension of size 1 whose stride ties another's is the inner of the two
+    (its stride is the product of the dims inside it)."""
+    dims = sorted(range(4), key=lambda i: (-layer_cache.stride(i), layer_cache.shape[i] == 1, i))
+    return "".join("BHNC"[i] for i in dims)
 
 
 def _as_index(block_ids, device) -> torch.Tensor:

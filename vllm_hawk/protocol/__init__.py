@@ -12,12 +12,14 @@ HMAC-SHA256 envelope per message (replay window, recipient binding): see
 from vllm_hawk.protocol.address import MAX_TP_RANKS, side_channel_endpoint
 from vllm_hawk.protocol.client import AuthRefused, IncompatiblePeer, ProtocolClient, ProtocolTimeout, RemoteError
 from vllm_hawk.protocol.compat import (
+    VLLM_PROFILE,
     check_vllm_pair,
     compat_diff,
     compat_hash,
     describe_diff,
     engine_version,
     make_compat,
+    regroups,
 )
 from vllm_hawk.protocol.envelope import AuthError, AuthMismatch, Envelope, FrameError, Header
 from vllm_hawk.protocol.leases import LeaseKeeper
@@ -82,6 +84,7 @@ __all__ = [
     "RemoteError",
     "Segment",
     "ServerStats",
+    "VLLM_PROFILE",
     "compat_diff",
     "compat_hash",
     "check_vllm_pair",
@@ -90,6 +93,7 @@ __all__ = [
     "describe_diff",
     "encode",
     "make_compat",
+    "regroups",
     "side_channel_endpoint",
     "validate",
 ]

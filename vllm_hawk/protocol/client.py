@@ -23,10 +23,11 @@ import threading
 import time
 import uuid
 
+import msgspec
 import zmq
 from zmq.utils.monitor import parse_monitor_message  # imported now: opening files may fail under fd floods
 
-from vllm_hawk.protocol.compat import check_vllm_pair, compat_hash, engine_version
+from vllm_hawk.protocol.compat import check_vllm_pair, compat_hash, engine_version, regroups
 from vllm_hawk.protocol.envelope import DEFAULT_MAX_MESSAGE_NBYTES, AuthError, Envelope, FrameError
 from vllm_hawk.protocol.messages import (
     CompatFields,
@@ -181,7 +182,7 @@ class ProtocolClient:
             raise RemoteError(
                 ErrorMsg(code="bad_message", detail=f"Hello answered with {type(ack).__name__}"), self.endpoint
             )
-        if self._compat is not None and ack.compat_hash != compat_hash(self._compat):  # the server must agree too
+        if self._compat is not None and not self._agrees(ack):  # the server must agree too
             raise IncompatiblePeer(
                 ErrorMsg(code="layout_mismatch", detail="server acknowledged a different hash"), self.endpoint
             )
@@ -192,6 +193,14 @@ class ProtocolClient:
         self._session_epoch = epoch
         self.hello = ack
         return ack
+
+    def _agrees(self, ack: HelloAck) -> bool:
+        """The server's hash is ours, or that of our fields with its ``block_size`` where
+        :func:`~vllm_hawk.protocol.compat.regroups` allows the two sizes."""
+        if ack.compat_hash == compat_hash(self._compat):
+            return True
+        prefill = msgspec.structs.replace(self._compat, block_size=ack.block_size)
+        return ack.compat_hash == compat_hash(prefill) and regroups(prefill, self._compat)
 
     def ensure_session(self, timeout_s: float | None = None) -> None:
         """Handshake again if the connection was lost since our last handshake (the server

@@ -3,6 +3,14 @@
 Both sides build :class:`CompatFields` from their configuration; the handshake sends
 the fields AND their hash, so a mismatch can be reported by field name rather than as
 two opaque hashes.
+
+Block sizes. The fields of a pair must be equal, with one exception
+(:func:`regroups`): a GG pair (``device_profile`` :data:`VLLM_PROFILE`, the decode a
+plain vLLM engine) whose prefill blocks are smaller than the decode's, the decode's a
+multiple of them. The decode then READs the prefill's blocks as sub-blocks of its own
+and regroups them (:mod:`vllm_hawk.kvflow.regroup`), as vLLM's NIXL connector does
+(``block_size_ratio``). Every other differing ``block_size`` is refused at the
+handshake, naming both sizes and ``--block-size`` (:func:`block_size_fix`).
 """
 
 from __future__ import annotations
@@ -14,6 +22,9 @@ import msgspec
 from vllm_hawk.protocol.messages import PROTOCOL_VERSION, CompatFields
 
 COMPAT_FIELDS = tuple(CompatFields.__struct_fields__)
+
+#: ``device_profile`` of a GG pair: the decode is a plain vLLM engine with vLLM's paged layout
+VLLM_PROFILE = "vllm"
 
 
 def make_compat(
@@ -47,22 +58,53 @@ def compat_diff(ours: CompatFields, theirs: CompatFields) -> list[str]:
     return [f for f in COMPAT_FIELDS if getattr(ours, f) != getattr(theirs, f)]
 
 
-#: What to change when a field differs (appended to the handshake's refusal).
-FIX = {
-    "block_size": "start both engines with the same --block-size (a GN-HAWK pair, whose prefill regroups "
-    "tokens, may differ)",
-}
+def regroups(prefill: CompatFields, decode: CompatFields) -> bool:
+    """True when a pair whose fields differ is still served: a GG pair (both sides
+    :data:`VLLM_PROFILE`) differing in ``block_size`` only, the decode's a multiple of the
+    prefill's (larger). The decode regroups the prefill's blocks into its own."""
+    p, d = prefill.block_size, decode.block_size
+    return (
+        compat_diff(prefill, decode) == ["block_size"]
+        and prefill.device_profile == VLLM_PROFILE
+        and 0 < p < d
+        and d % p == 0
+    )
+
+
+def block_size_fix(prefill: CompatFields, decode: CompatFields | None = None) -> str:
+    """What to change when ``block_size`` differs; with ``decode`` (an authenticated peer)
+    naming both sizes."""
+    if prefill.device_profile != VLLM_PROFILE or (decode is not None and decode.device_profile != VLLM_PROFILE):
+        return (
+            "start both engines with the same --block-size (a GN-HAWK pair, whose prefill regroups tokens, may differ)"
+        )
+    if decode is None:
+        return (
+            "a vLLM decode regroups the prefill's blocks only when its --block-size is a multiple of the "
+            "prefill's (e.g. prefill 16 or 32 -> decode 64): start the engines with such --block-size values"
+        )
+    p, d = prefill.block_size, decode.block_size
+    return (
+        f"a vLLM decode regroups the prefill's blocks only when its --block-size is a multiple of the "
+        f"prefill's: start the prefill with --block-size {d} (or a divisor of it), or the decode with "
+        f"--block-size {p} (or a multiple of it)"
+    )
 
 
 def describe_fields(ours: CompatFields, theirs: CompatFields) -> str:
-    """The differing fields by name only, with what to change (for an unauthenticated peer)."""
-    return "; ".join(f"{f} differs" + (f": {FIX[f]}" if f in FIX else "") for f in compat_diff(ours, theirs))
+    """The differing fields by name only, with what to change (for an unauthenticated peer).
+    ``ours``: the prefill's (the side that answers the handshake)."""
+    return "; ".join(
+        f"{f} differs" + (f": {block_size_fix(ours)}" if f == "block_size" else "") for f in compat_diff(ours, theirs)
+    )
 
 
 def describe_diff(ours: CompatFields, theirs: CompatFields) -> str:
-    """E.g. ``"block_size differs (ours 64, peer 128): start both engines with ...; dtype differs (...)"``."""
+    """E.g. ``"block_size differs (ours 64, peer 32): a vLLM decode regroups ...; dtype differs (...)"``.
+    ``ours``: the prefill's fields, ``theirs``: the decode's."""
     return "; ".join(
-        f"{f} differs (ours {getattr(ours, f)!r}, peer {getattr(theirs, f)!r})" + (f": {FIX[f]}" if f in FIX else "")
+        f"{f} differs (ours {getattr(ours, f)!r}, peer {getattr(theirs, f)!r})"
+        + (f": {block_size_fix(ours, theirs)}" if f == "block_size" else "")
         for f in compat_diff(ours, theirs)
     )
 

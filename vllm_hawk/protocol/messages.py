@@ -48,10 +48,13 @@ many shares of the request all decode targets together will pull from this rank 
 ``share`` which one this is; ``Release`` names the share it ends. The prefill frees a request's blocks when all its
 shares are released.
 
-Version 7 (this one): ``Hello`` and ``HelloAck`` name each side's vLLM version
-(``vllm_version``); a pair whose versions HawkConnector does not handle together is
-refused at the first handshake, naming both (:func:`vllm_hawk.protocol.compat.check_vllm_pair`).
-Envelope magic ``HAWK/7``.
+Version 7: ``Hello`` and ``HelloAck`` name each side's vLLM version (``vllm_version``); a
+pair whose versions HawkConnector does not handle together is refused at the first handshake,
+naming both (:func:`vllm_hawk.protocol.compat.check_vllm_pair`).
+
+Version 8 (this one): ``HelloAck.block_size`` tells the decode the prefill's tokens per
+block, so that a GG decode with larger blocks regroups the prefill's (see
+:func:`vllm_hawk.protocol.compat.regroups`). Envelope magic ``HAWK/8``.
 """
 
 from __future__ import annotations
@@ -61,7 +64,7 @@ from typing import Annotated, Literal
 import msgspec
 from msgspec import Meta, Struct
 
-PROTOCOL_VERSION = 7
+PROTOCOL_VERSION = 8
 
 MAX_SEGMENTS = 4096  # per KVReady: N_ch banks x layers x K/V stays well below this
 MAX_BLOCK_IDS = 1 << 16
@@ -156,7 +159,9 @@ class ControlHello(_Base, tag="control_hello"):
 class HelloAck(_Base, tag="hello_ack"):
     """transfer_endpoint: the prefill transport's ``endpoint``; export_*: the registered
     region KVReady offsets refer to (host virtual address and size in bytes): the ring,
-    or the exported KV cache when the prefill serves blocks in place (GG-Direct)."""
+    or the exported KV cache when the prefill serves blocks in place (GG-Direct).
+    block_size: the prefill's ``CompatFields.block_size`` (tokens per block of its KV
+    cache; 0 for GN-HAWK, whose prefill regroups tokens into the decode's blocks itself)."""
 
     compat_hash: Hash
     server_id: Name
@@ -169,6 +174,7 @@ class HelloAck(_Base, tag="hello_ack"):
     head_start: U32 = 0  # global index of this rank's first KV head
     num_heads: U32 = 0  # KV heads this rank holds; 0 = not told
     vllm_version: Name = ""  # the prefill engine's vLLM ("" outside an engine)
+    block_size: U32 = 0  # the prefill's tokens per block; 0 = not told
 
 
 class KVRequest(_Base, tag="kv_request"):

@@ -29,8 +29,10 @@ Bad input never stops the loop. With a secret, anything that fails authenticatio
 dropped without a reply, except that a message WITHOUT a MAC from a peer we can identify
 (hmac mode) gets one unsigned ``ErrorMsg(auth_failed)`` naming the cause (rate-limited),
 so that a decode with no secret fails its handshake with a clear error instead of a
-timeout. A refused handshake names the differing compatibility fields with both values
-only to an authenticated peer; with auth ``none`` only the field names. Rejected input
+timeout. A handshake is accepted when the compatibility fields are equal, or differ as
+:func:`~vllm_hawk.protocol.compat.regroups` allows (a GG decode with larger blocks); a
+refused one names the differing fields with both values only to an authenticated peer;
+with auth ``none`` only the field names. Rejected input
 is logged at most a few times per 10 s per kind (:class:`~vllm_hawk.security.RateLimitedLog`)
 and counted in ``stats.refusals``.
 """
@@ -57,6 +59,7 @@ from vllm_hawk.protocol.compat import (
     describe_diff,
     describe_fields,
     engine_version,
+    regroups,
 )
 from vllm_hawk.protocol.envelope import (
     DEFAULT_MAX_MESSAGE_NBYTES,
@@ -462,7 +465,7 @@ class ProtocolServer:
         if compat_hash(theirs) != msg.compat_hash:
             self.stats.bad_messages += 1
             return ErrorMsg(code="bad_message", detail="compat_hash does not match the fields")
-        if msg.compat_hash != self._hash:
+        if msg.compat_hash != self._hash and not regroups(self._compat, theirs):
             self.stats.handshakes_refused += 1
             if self.auth == "none":  # the peer is not authenticated: names only, no values
                 self._rlog(
@@ -499,6 +502,7 @@ class ProtocolServer:
             transfer_endpoint=endpoint,
             export_base_addr=base,
             export_nbytes=nbytes,
+            block_size=self._compat.block_size,
             **(tp() if tp is not None else {}),
         )
 

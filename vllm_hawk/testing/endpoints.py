@@ -26,6 +26,7 @@ from vllm_hawk.kvflow import (
     VllmBlockSource,
     vllm_sink,
 )
+from vllm_hawk.kvflow.regroup import Regroup
 from vllm_hawk.kvflow.sinks import layout_desc
 from vllm_hawk.kvflow.streams import head_maps
 from vllm_hawk.layout.device_profiles import load_profile
@@ -188,7 +189,10 @@ class VllmDecode(_Endpoint):
         registration: str = "per_request",
     ) -> None:
         self.cache = cache
-        self.sink = vllm_sink(cache.region_map, cache.desc, transport, mode, cache.storages, recv_nbytes, registration)
+        regroup = Regroup([cache.adapter] * cache.num_layers, cache.layers)  # a prefill with smaller blocks
+        self.sink = vllm_sink(
+            cache.region_map, cache.desc, transport, mode, cache.storages, recv_nbytes, registration, regroup
+        )
         try:
             self.ep = DecodeEndpoint(transport, endpoint, compat, secret=secret, auth=auth, pull_timeout_s=timeout_s)
         except BaseException:

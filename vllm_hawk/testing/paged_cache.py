@@ -7,7 +7,9 @@ Per layer a FlashAttention cache ``[num_blocks, num_kv_heads, block_size, 2*head
 ``LBNHC`` ("NHD") order, via :mod:`vllm_hawk.layout.vllm_kv`. So block ``b`` of layer
 ``l`` is one contiguous byte range ``l * layer_nbytes + b * block_nbytes`` of
 ``block_nbytes`` bytes, and consecutive blocks are adjacent: a run of blocks moves as
-one transfer entry per layer.
+one transfer entry per layer. ``backend="CPU_ATTN"`` (with its kernel ``isa``) gives
+vLLM's CPU cache instead, and ``kv_layout="LBHNC"`` FlashAttention's HND order: the same
+one run per block, in those layouts.
 """
 
 from __future__ import annotations
@@ -16,7 +18,7 @@ import torch
 
 from vllm_hawk.kvflow.sources import vllm_layout_desc
 from vllm_hawk.kvflow.streams import KVRegionMap, LayerRegion
-from vllm_hawk.layout.vllm_kv import FlashAttnKVLayout, make_layer_caches
+from vllm_hawk.layout.vllm_kv import make_layer_caches, source_layout_for
 from vllm_hawk.protocol import LayoutDesc
 
 __all__ = ["LAYOUT_NAME", "PagedKVCache"]
@@ -35,14 +37,31 @@ class PagedKVCache:
         block_size: int,
         head_dim: int,
         dtype: torch.dtype = torch.bfloat16,
+        *,
+        backend: str = "FLASH_ATTN",
+        kv_layout: str | None = None,
+        isa: str | None = None,
     ) -> None:
         self.num_layers, self.num_blocks = num_layers, num_blocks
         self.num_kv_heads, self.block_size, self.head_dim, self.dtype = num_kv_heads, block_size, head_dim, dtype
-        self.adapter = FlashAttnKVLayout(
-            num_kv_heads=num_kv_heads, block_size=block_size, head_dim=head_dim, dtype=dtype
+        self.kv_layout = kv_layout or ("LBHNC" if backend == "CPU_ATTN" else "LBNHC")
+        if self.kv_layout not in ("LBNHC", "LBHNC"):
+            raise ValueError(f"PagedKVCache keeps each block one run: kv_layout LBNHC or LBHNC, not {kv_layout!r}")
+        self.adapter = source_layout_for(
+            backend,
+            num_kv_heads=num_kv_heads,
+            block_size=block_size,
+            head_dim=head_dim,
+            dtype=dtype,
+            **({"isa": isa} if backend == "CPU_ATTN" else {}),
+        )
+        self.name = (
+            LAYOUT_NAME
+            if (backend, self.kv_layout) == ("FLASH_ATTN", "LBNHC")
+            else f"vllm-{backend}-{isa or self.kv_layout}"
         )
         self.layers = make_layer_caches(
-            num_layers, num_blocks, num_kv_heads, block_size, 2 * head_dim, dtype, layout="LBNHC"
+            num_layers, num_blocks, num_kv_heads, block_size, 2 * head_dim, dtype, layout=self.kv_layout
         )
         storage = self.layers[0].untyped_storage()
         self.base_addr = storage.data_ptr()
@@ -68,9 +87,14 @@ class PagedKVCache:
         return self
 
     def kv_views(self) -> list[tuple[torch.Tensor, torch.Tensor]]:
-        """Per layer (K, V) logical views [num_blocks, num_kv_heads, block_size, head_dim] (no copy)."""
-        d = self.head_dim
-        return [(c[..., :d], c[..., d:]) for c in self.layers]
+        """Per layer (K, V) logical views [num_blocks, num_kv_heads, block_size, head_dim] (no copy;
+        not for CPU_ATTN's packed amx layout: :meth:`tokens`)."""
+        return [self.adapter.kv_views(c) for c in self.layers]
+
+    def tokens(self, layer: int, kv: int, block_ids) -> torch.Tensor:
+        """K (``kv`` 0) or V (1) of ``block_ids`` of ``layer``, tokens in order: ``[H, n * block_size, D]``."""
+        x = self.adapter.read_blocks(self.layers[layer], torch.as_tensor(list(block_ids)))[kv]
+        return x.transpose(0, 1).reshape(self.num_kv_heads, -1, self.head_dim)
 
     def block_offset(self, layer: int, block: int) -> int:
         """Byte offset of (layer, block) from ``base_addr``."""
@@ -94,7 +118,7 @@ class PagedKVCache:
     def desc(self) -> LayoutDesc:
         return vllm_layout_desc(
             self.region_map,
-            LAYOUT_NAME,
+            self.name,
             str(self.dtype).removeprefix("torch."),
             self.block_size,
             self.num_kv_heads,
