@@ -35,9 +35,8 @@ def test_failed_pull_reaches_vllm_0_32_as_failed_recving_only():
     )
     c = HawkConnector(cfg, KVConnectorRole.WORKER, None)
     w = c.connector_worker
-    w._pull_blocks["bad"] = [5, 6]
-    w._pulls.begin("bad")
-    w._pulls.end("bad", {"ok": False, "error": "prefill gone", "total_ms": 1.0})
+    w.results.begin("bad", [5, 6])
+    w.results.end("bad", {"ok": False, "error": "prefill gone", "total_ms": 1.0})
     out = vllm_compat.transfer_output(c, set())
     assert out.finished_recving == {"bad"} and out.failed_recving == {"bad"} and out.invalid_block_ids == set()
     assert isinstance(c.get_transfer_results(set()), KVConnectorTransferResults)

@@ -89,12 +89,11 @@ def test_failed_pull_reaches_vllm_0_25_as_invalid_blocks_in_the_same_step():
     c = HawkConnector(_config("kv_consumer"), KVConnectorRole.WORKER, None)
     w = c.connector_worker
     for rid, blocks in (("ok", [3, 4]), ("bad", [7, 8, 9])):
-        w._pull_blocks[rid] = blocks
-        w._pulls.begin(rid)
-    w._pulls.end("bad", {"ok": False, "error": "prefill gone", "total_ms": 1.0})
+        w.results.begin(rid, blocks)
+    w.results.end("bad", {"ok": False, "error": "prefill gone", "total_ms": 1.0})
     out = vllm_compat.transfer_output(c, set())
     assert out.finished_recving == {"bad"} and out.invalid_block_ids == {7, 8, 9}
-    w._pulls.end(
+    w.results.end(
         "ok",
         dict(ok=True, nbytes=1, entries=1, segments=1, request_ms=1.0, transfer_ms=1.0, copy_ms=0.0, total_ms=2.0),
     )
