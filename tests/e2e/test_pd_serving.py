@@ -32,6 +32,7 @@ from e2e_helpers import (
     complete,
     gg_prompts,
     greedy_divergence,
+    stream_events,
 )
 from vllm_fixtures import running
 
@@ -40,24 +41,6 @@ from vllm_hawk.testing.local_cluster import http_post_json
 pytestmark = pytest.mark.vllm
 
 DECODE_BLOCK = 2 * BLOCK  # the decode regroups two prefill blocks into each of its own
-
-
-def _stream(url: str, body: dict, timeout: float = 120.0) -> tuple[int, list[dict]]:
-    u = urllib.parse.urlsplit(url)
-    conn = http.client.HTTPConnection(u.hostname, u.port, timeout=timeout)
-    try:
-        conn.request("POST", u.path, json.dumps({**body, "stream": True}), {"Content-Type": "application/json"})
-        r = conn.getresponse()
-        if r.status != 200:
-            return r.status, [{"error": r.read().decode()}]
-        events = []
-        for line in r:
-            line = line.strip()
-            if line.startswith(b"data: ") and line != b"data: [DONE]":
-                events.append(json.loads(line[6:]))
-        return 200, events
-    finally:
-        conn.close()
 
 
 @pytest.fixture(scope="module")
@@ -116,7 +99,7 @@ def test_greedy_outputs_match_single_engine(cluster, record_property):
 def test_streaming_and_chat_through_proxy(cluster):
     prompt = "The decode engine reads the cache blocks of the prefill engine"
     body = {"model": "tiny", "prompt": prompt, "max_tokens": 12, "temperature": 0, "ignore_eos": True}
-    status, events = _stream(cluster.proxy_url + "/v1/completions", body)
+    status, events = stream_events(cluster.proxy_url + "/v1/completions", body)
     assert status == 200 and len(events) >= 2
     streamed = "".join(e["choices"][0]["text"] for e in events)
     status, whole = http_post_json(cluster.proxy_url + "/v1/completions", body)
@@ -131,7 +114,7 @@ def test_streaming_and_chat_through_proxy(cluster):
     }
     status, out = http_post_json(cluster.proxy_url + "/v1/chat/completions", chat)
     assert status == 200, out
-    status, events = _stream(cluster.proxy_url + "/v1/chat/completions", chat)
+    status, events = stream_events(cluster.proxy_url + "/v1/chat/completions", chat)
     assert status == 200
     text = "".join(e["choices"][0]["delta"].get("content") or "" for e in events if e["choices"])
     assert text == out["choices"][0]["message"]["content"]

@@ -40,6 +40,20 @@ class BankBufferError(RuntimeError):
     """A bank-buffer call was given a buffer or bank it cannot serve."""
 
 
+def check_bank(bank: int, num_banks: int, device: str) -> int:
+    """``bank`` if ``0 <= bank < num_banks``, else BankBufferError naming ``device``'s count."""
+    if not 0 <= bank < num_banks:
+        raise BankBufferError(f"bank {bank} out of range: {device} has {num_banks} banks")
+    return bank
+
+
+def known_buffer(buffers: dict[int, DeviceBuffer], buffer: DeviceBuffer) -> DeviceBuffer:
+    """``buffer`` if ``buffers`` (id -> buffer, the live ones) holds it, else BankBufferError."""
+    if buffers.get(buffer.buffer_id) != buffer:
+        raise BankBufferError(f"unknown or freed buffer id {buffer.buffer_id}")
+    return buffer
+
+
 @runtime_checkable
 class BankBufferAPI(Protocol):
     """Per-bank DMA mapping of interleaved device buffers (paper Table 6)."""

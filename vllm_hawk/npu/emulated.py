@@ -25,7 +25,7 @@ import torch
 from vllm_hawk.layout.device_profiles import DeviceProfile, load_profile
 from vllm_hawk.layout.interleave import LockstepAllocator, page_location, pages_per_bank
 from vllm_hawk.layout.tt_kv_cache import TTKVCacheLayout, TTKVCacheSpec
-from vllm_hawk.npu.bank_buffer import BankBufferError, DeviceBuffer
+from vllm_hawk.npu.bank_buffer import BankBufferError, DeviceBuffer, check_bank, known_buffer
 
 DEFAULT_EMULATED_BANK_BYTES = 256 << 20  # emulated banks are smaller than real ones
 # Copies of 8 banks x 160 runs on 2 threads against one (2 cores): 1.0x at 8 KiB per
@@ -217,14 +217,10 @@ class EmulatedDevice:
 
     # ---- helpers ----------------------------------------------------------------------
     def _check_bank(self, bank: int) -> int:
-        if not 0 <= bank < self.num_banks:
-            raise BankBufferError(f"bank {bank} out of range: {self.profile.name} has {self.num_banks} banks")
-        return bank
+        return check_bank(bank, self.num_banks, self.profile.name)
 
     def _known(self, buffer: DeviceBuffer) -> DeviceBuffer:
-        if self._buffers.get(buffer.buffer_id) != buffer:
-            raise BankBufferError(f"unknown or freed buffer id {buffer.buffer_id}")
-        return buffer
+        return known_buffer(self._buffers, buffer)
 
     def _page(self, buf: DeviceBuffer, page: int) -> tuple[int, int]:
         self._known(buf)

@@ -43,7 +43,7 @@ from vllm_hawk.layout import profiles
 from vllm_hawk.layout.device_profiles import DeviceProfile, load_profile
 from vllm_hawk.layout.interleave import page_location, pages_per_bank
 from vllm_hawk.layout.tt_kv_cache import TILE, TILE_NBYTES, TTKVCacheLayout, TTKVCacheSpec
-from vllm_hawk.npu.bank_buffer import BankBufferError, DeviceBuffer
+from vllm_hawk.npu.bank_buffer import BankBufferError, DeviceBuffer, check_bank, known_buffer
 
 __all__ = ["DEVICE_LOCK", "TTNNUnavailable", "TTNNChip", "import_ttnn", "tensor_host_bytes", "ttnn_dtype"]
 
@@ -378,14 +378,10 @@ class TTNNChip:
         raise BankBufferError(f"bank {bank}: bytes [{offset}, {offset + nbytes}) lie in no mapped buffer")
 
     def _check_bank(self, bank: int) -> int:
-        if not 0 <= bank < self.num_banks:
-            raise BankBufferError(f"bank {bank} out of range: {self.profile.name} has {self.num_banks} banks")
-        return bank
+        return check_bank(bank, self.num_banks, self.profile.name)
 
     def _known(self, buffer: DeviceBuffer) -> DeviceBuffer:
-        if self._buffers.get(buffer.buffer_id) != buffer:
-            raise BankBufferError(f"unknown or freed buffer id {buffer.buffer_id}")
-        return buffer
+        return known_buffer(self._buffers, buffer)
 
     def _mapped(self, buffer: DeviceBuffer, what: str) -> list[np.ndarray]:
         self._known(buffer)

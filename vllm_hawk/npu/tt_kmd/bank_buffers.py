@@ -21,7 +21,7 @@ from __future__ import annotations
 import os
 from dataclasses import dataclass
 
-from vllm_hawk.npu.bank_buffer import BankBufferError, DeviceBuffer
+from vllm_hawk.npu.bank_buffer import BankBufferError, DeviceBuffer, check_bank
 from vllm_hawk.npu.tt_kmd.device import ORDERING_RELAXED, TlbDevice, TlbWindow
 from vllm_hawk.npu.tt_kmd.topology import (
     BLACKHOLE_DEFAULT_DRAM_PORT,
@@ -215,8 +215,7 @@ class TtKmdBankBuffers:
 
     # -- internals --------------------------------------------------------------------------
     def _check_bank(self, bank: int) -> None:
-        if not 0 <= bank < self._num_banks:
-            raise BankBufferError(f"bank {bank} out of range: this device has {self._num_banks} banks")
+        check_bank(bank, self._num_banks, "this device")
 
     def _acquire_window(self, bank: int, window_base: int) -> _BankWindow:
         key = (bank, window_base)
