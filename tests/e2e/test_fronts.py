@@ -227,7 +227,9 @@ def test_streaming_equals_non_streaming(pd, front, idle_after):
     url = _front(pd, front)
     body = {"model": "tiny", "prompt": p, "max_tokens": 12, "temperature": 0, "ignore_eos": True}
     status, events = stream_events(url + "/v1/completions", body)
-    assert status == 200 and len(events) >= 2, events[:2]
+    # One event may carry all 12 tokens: vLLM's API server merges the deltas it has not
+    # sent yet (RequestOutputCollector), which a busy host makes likely.
+    assert status == 200 and events and events[-1]["choices"][0]["finish_reason"] == "length", events[-1:]
     streamed = "".join(e["choices"][0]["text"] for e in events if e.get("choices"))
     whole = complete(url, p, max_tokens=12)
     assert streamed == whole["text"]

@@ -100,7 +100,8 @@ def test_streaming_and_chat_through_proxy(cluster):
     prompt = "The decode engine reads the cache blocks of the prefill engine"
     body = {"model": "tiny", "prompt": prompt, "max_tokens": 12, "temperature": 0, "ignore_eos": True}
     status, events = stream_events(cluster.proxy_url + "/v1/completions", body)
-    assert status == 200 and len(events) >= 2
+    # one event may carry every token: vLLM merges the deltas its API server has not sent yet
+    assert status == 200 and events and events[-1]["choices"][0]["finish_reason"] == "length", events[-1:]
     streamed = "".join(e["choices"][0]["text"] for e in events)
     status, whole = http_post_json(cluster.proxy_url + "/v1/completions", body)
     assert status == 200 and streamed == whole["choices"][0]["text"]

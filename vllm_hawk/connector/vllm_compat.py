@@ -39,7 +39,7 @@ scheduler's handling of a full remote hit (the decode recomputes the last prompt
 
 Nothing here changes what crosses the wire: the side channel is ours
 (:mod:`vllm_hawk.protocol`), and its handshake names both sides' vLLM versions
-(:func:`vllm_hawk.protocol.compat.check_engine_versions`).
+(:func:`vllm_hawk.protocol.compat.check_vllm_pair`).
 """
 
 from __future__ import annotations
