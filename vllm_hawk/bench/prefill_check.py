@@ -28,10 +28,9 @@ import torch
 
 from vllm_hawk.kvflow import PrefillEndpoint, RingGatherSource, TileTransformSource
 from vllm_hawk.kvflow.device import memory_location, synchronize
-from vllm_hawk.kvflow.sources import vllm_layout_desc
+from vllm_hawk.kvflow.sources import tt_paged_desc, vllm_layout_desc
 from vllm_hawk.kvflow.streams import head_maps, region_map_from_caches
 from vllm_hawk.layout.device_profiles import load_profile
-from vllm_hawk.layout.formats import tile_format
 from vllm_hawk.layout.vllm_kv import FlashAttnKVLayout, TransformSource, block_byte_ranges, make_layer_caches
 from vllm_hawk.protocol import KVRequest, LayoutDesc, ProtocolClient, make_compat
 from vllm_hawk.testing.recording_transport import RecordingTransport
@@ -63,21 +62,7 @@ def _source(kind: str, caches, heads: int, bs: int, dim: int, profile: str):
 
 
 def _dst_layout(src, kind: str, dtype: str, profile: str) -> LayoutDesc:
-    if kind != "tile-transform":
-        return src.layout
-    prof, tb = load_profile(profile), tile_format(dtype).tile_nbytes
-    lay = src.layout
-    return LayoutDesc(
-        name="tt-paged",
-        dtype=dtype,
-        block_size=lay.block_size,
-        num_layers=lay.num_layers,
-        num_kv_heads=lay.num_kv_heads,
-        head_dim=lay.head_dim,
-        num_banks=prof.num_banks,
-        tile_nbytes=tb,
-        page_nbytes=prof.aligned_page(tb),
-    )
+    return tt_paged_desc(src.layout, dtype, load_profile(profile)) if kind == "tile-transform" else src.layout
 
 
 class _Served:

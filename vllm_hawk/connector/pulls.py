@@ -116,10 +116,6 @@ class PullResults:
             self.inflight.discard(rid)
         return False
 
-    def has_results(self) -> bool:
-        """A pull ended since the last take; the caller holds the lock."""
-        return bool(self.finished)
-
     def take(self) -> tuple[set[str], set[str], dict[str, dict], set[int]]:
         """(finished, failed, figures, the failed pulls' blocks) since the last take; the
         caller holds the lock."""

@@ -137,7 +137,7 @@ class HawkConnectorWorker:
         """What ended since the last call (vLLM version independent, see vllm_compat); in an
         idle step it first waits for news (see the module doc)."""
         res = TransferResults()
-        if self._idle_wait_s and not self._has_news():
+        if self._idle_wait_s:  # returns at once when news came since the last clear
             self._news.wait(self._idle_wait_s)
         self._news.clear()
         with self._lock:
@@ -145,10 +145,6 @@ class HawkConnectorWorker:
             res.finished_recving, res.failed_recving, figures, res.failed_blocks = self.results.take()
             self._figures.update(figures)
         return res
-
-    def _has_news(self) -> bool:
-        with self._lock:
-            return bool(self._done) or self.results.has_results()
 
     def build_worker_meta(self) -> HawkWorkerMeta | None:
         with self._lock:

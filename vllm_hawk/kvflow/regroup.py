@@ -42,7 +42,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from vllm_hawk.kvflow.gather import BlockGather
+from vllm_hawk.kvflow.gather import BlockGather, byte_runs_view
 from vllm_hawk.kvflow.streams import PerHeadRange
 from vllm_hawk.layout.vllm_kv import block_byte_ranges, dim_order
 
@@ -193,11 +193,9 @@ def _block_elements(cache: torch.Tensor) -> torch.Tensor | None:
     """``[num_blocks, block elements]`` view of a layer cache whose blocks are one run each
     (stream order = memory order), else None."""
     runs = block_byte_ranges(cache, 0)
-    if len(runs) != 1:
+    if len(runs) != 1 or cache.stride(-1) != 1:
         return None
-    es = cache.element_size()
-    off, nbytes = runs[0]
-    return cache.as_strided((cache.shape[0], nbytes // es), (cache.stride(0), 1), cache.storage_offset() + off // es)
+    return byte_runs_view(cache, *runs[0]).view(cache.dtype)
 
 
 @dataclass(frozen=True)

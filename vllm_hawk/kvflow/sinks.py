@@ -252,11 +252,11 @@ class VllmStagedSink(VllmPagedSink):
     def _streams(self, off: int, n: int) -> list:
         """Per layer, the receive ring's stream of ``n`` blocks from ring offset ``off`` as
         uint8 ``[n, block bytes]``."""
-        out = []
-        for r in self.region_map.layers:
-            out.append(self.recv.view(off, n * r.block_nbytes).view(n, r.block_nbytes))
-            off += n * r.block_nbytes
-        return out
+        segments = ring_segments(self.region_map, n, off)
+        return [
+            self.recv.view(s.offset_bytes, s.nbytes).view(n, r.block_nbytes)
+            for s, r in zip(segments, self.region_map.layers, strict=True)
+        ]
 
     def close(self) -> None:
         self.recv.close()

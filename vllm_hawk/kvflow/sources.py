@@ -216,6 +216,23 @@ class RingGatherSource(_VllmStreams):
         )
 
 
+def tt_paged_desc(src: LayoutDesc, dtype: str, profile: DeviceProfile, block_size: int = 0) -> LayoutDesc:
+    """The destination a Tenstorrent decode on ``profile`` names for a source of ``src``'s
+    geometry: tt-paged, ``dtype`` tiles, ``block_size`` tokens per block (0: ``src``'s)."""
+    tb = tile_format(dtype).tile_nbytes
+    return LayoutDesc(
+        name="tt-paged",
+        dtype=dtype,
+        block_size=block_size or src.block_size,
+        num_layers=src.num_layers,
+        num_kv_heads=src.num_kv_heads,
+        head_dim=src.head_dim,
+        num_banks=profile.num_banks,
+        tile_nbytes=tb,
+        page_nbytes=profile.aligned_page(tb),
+    )
+
+
 def spec_from_desc(desc: LayoutDesc, num_blocks: int) -> TTKVCacheSpec:
     return TTKVCacheSpec(desc.num_layers, num_blocks, desc.num_kv_heads, desc.block_size, desc.head_dim, desc.dtype)
 
@@ -340,18 +357,8 @@ class TileTransformSource(KVSource):
         its cache) and build the cache's kernel views before the first request: one block
         of each tile dtype into a scratch buffer on the cache's device."""
         for dtype in KV_DTYPES:
-            tb = tile_format(dtype).tile_nbytes
-            d = LayoutDesc(
-                name="tt-paged",
-                dtype=dtype,
-                block_size=-(-self.layout.block_size // 32) * 32,  # a TILE layout's (16-token sources too)
-                num_layers=self.layout.num_layers,
-                num_kv_heads=self.layout.num_kv_heads,
-                head_dim=self.layout.head_dim,
-                num_banks=profile.num_banks,
-                tile_nbytes=tb,
-                page_nbytes=profile.aligned_page(tb),
-            )
+            tile_block = -(-self.layout.block_size // 32) * 32  # a TILE layout's (16-token sources too)
+            d = tt_paged_desc(self.layout, dtype, profile, tile_block)
             plan = make_plan(tt_layout_of(d, 1), [0], "staged")
             out = torch.empty(plan.total_nbytes, dtype=torch.uint8, device=self.device)
             transform_source(self.views, [0], self.layout.block_size, plan, out)

@@ -175,13 +175,16 @@ def check_entries(entries: Sequence[Entry], max_entries: int = 1 << 20) -> tuple
     return n, total
 
 
-def check_location(transport, location: str, what: str) -> None:
-    """Raise RegionError naming ``what`` (the transport) unless it accepts ``location``."""
+HOST_ONLY = (
+    "it reaches host memory ('cpu') only; device memory needs transport mooncake-rdma with Mooncake's "
+    "CUDA wheel (the [gpu] extra)"
+)
+
+
+def check_location(transport, location: str, what: str, why: str = HOST_ONLY) -> None:
+    """Raise RegionError naming ``what`` (the transport) and ``why`` unless it accepts ``location``."""
     if not transport.accepts_memory(location):
-        raise RegionError(
-            f"{what} cannot register memory at {location!r}: it reaches host memory ('cpu') only; "
-            "device memory needs transport mooncake-rdma with Mooncake's CUDA wheel (the [gpu] extra)"
-        )
+        raise RegionError(f"{what} cannot register memory at {location!r}: {why}")
 
 
 def begin_transfer(regions: RegionTable, kind: str, peer: str, entries: Sequence[Entry]) -> TransferHandle:

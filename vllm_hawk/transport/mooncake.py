@@ -61,6 +61,7 @@ from vllm_hawk.transport.base import (
     TransferState,
     TransportError,
     begin_transfer,
+    check_location,
     closed_transfer,
     wait_handle,
 )
@@ -195,16 +196,13 @@ class MooncakeTransport:
         return location == HOST or (self.reaches_cuda and location.startswith("cuda:"))
 
     def register(self, addr: int, nbytes: int, location: str = HOST) -> None:
-        if not self.accepts_memory(location):
-            raise RegionError(
-                f"Mooncake cannot register memory at {location!r}: "
-                + (
-                    "device memory needs Mooncake's CUDA wheel (pip install mooncake-transfer-engine, the [gpu] "
-                    "extra; this is mooncake-transfer-engine-non-cuda)"
-                    if location.startswith("cuda:")
-                    else "it registers host memory ('cpu') and CUDA device memory ('cuda:N') only"
-                )
-            )
+        why = (
+            "device memory needs Mooncake's CUDA wheel (pip install mooncake-transfer-engine, the [gpu] "
+            "extra; this is mooncake-transfer-engine-non-cuda)"
+            if location.startswith("cuda:")
+            else "it registers host memory ('cpu') and CUDA device memory ('cuda:N') only"
+        )
+        check_location(self, location, "Mooncake", why)
         self._regions.add(addr, nbytes)
         where = engine_location(location)
         rc = self._engine.register_memory(addr, nbytes, where)
