@@ -166,9 +166,11 @@ def negative(kind: str) -> dict:
     without waiting for the device) fails them."""
     import ctypes
 
+    from kvflow_helpers import gather_copies
+
     from vllm_hawk.kvflow import RingBuffer
     from vllm_hawk.kvflow.base import Prepared
-    from vllm_hawk.kvflow.streams import gather_copies, ring_segments
+    from vllm_hawk.kvflow.streams import ring_segments
 
     if kind == "raw":
 

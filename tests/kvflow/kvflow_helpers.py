@@ -9,6 +9,7 @@ import time
 
 import torch
 
+from vllm_hawk.kvflow.streams import KVRegionMap, stream_runs
 from vllm_hawk.layout.formats import tilize_pack
 from vllm_hawk.layout.tt_kv_cache import TTKVCacheSpec
 from vllm_hawk.npu.emulated import EmulatedDevice
@@ -87,3 +88,16 @@ def endpoints(pool_blocks: int = 32, recv: int = 128 << 10, dec_kw: dict | None 
         tp.close()
         td.close()
     assert dev.live_buffers() == []
+
+
+def gather_copies(kv: KVRegionMap, block_ids, dst_addr: int) -> list[tuple[int, int, int]]:
+    """The staged gather by addresses, the reference :class:`~vllm_hawk.kvflow.gather.BlockGather`
+    must equal: copies ``(dst, src, nbytes)`` that lay the layer streams of ``block_ids`` out
+    contiguously from ``dst_addr``, layer after layer."""
+    kv.check_blocks(block_ids)
+    out, pos = [], dst_addr
+    for region in kv.layers:
+        for addr, n in stream_runs(region, block_ids):
+            out.append((pos, addr, n))
+            pos += n
+    return out

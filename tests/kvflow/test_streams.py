@@ -7,11 +7,11 @@ import random
 
 import pytest
 import torch
+from kvflow_helpers import gather_copies
 
 from vllm_hawk.kvflow.streams import (
     KVRegionMap,
     LayerRegion,
-    gather_copies,
     pair_stream,
     region_map_from_caches,
     ring_segments,

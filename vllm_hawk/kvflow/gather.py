@@ -1,11 +1,11 @@
 """Staged mode, prefill side (P6): a request's layer streams gathered into a ring range.
 
-The bytes are those :func:`~vllm_hawk.kvflow.streams.gather_copies` describes (layer
-after layer, the request's blocks in order, each block's template runs in template
-order), copied with torch operations on the caches' own device: one ``index_select`` per
-layer and template run from a strided uint8 view of the cache. No address is
-dereferenced by host code, so the same code gathers from a CUDA cache into a ring in
-GPU memory as from a CPU cache into host memory.
+The bytes are the request's layer streams (layer after layer, the request's blocks in
+order, each block's template runs in template order:
+:func:`~vllm_hawk.kvflow.streams.stream_runs`), copied with torch operations on the
+caches' own device: one ``index_select`` per layer and template run from a strided uint8
+view of the cache. No address is dereferenced by host code, so the same code gathers
+from a CUDA cache into a ring in GPU memory as from a CPU cache into host memory.
 """
 
 from __future__ import annotations

@@ -101,18 +101,6 @@ def ring_segments(kv: KVRegionMap, num_blocks: int, ring_offset: int) -> list[Se
     return out
 
 
-def gather_copies(kv: KVRegionMap, block_ids: Sequence[int], dst_addr: int) -> list[Entry]:
-    """Staged mode, prefill side (P6): copies ``(dst, src, nbytes)`` that lay the layer
-    streams of ``block_ids`` out contiguously from ``dst_addr``, layer after layer."""
-    kv.check_blocks(block_ids)
-    out, pos = [], dst_addr
-    for region in kv.layers:
-        for addr, n in stream_runs(region, block_ids):
-            out.append((pos, addr, n))
-            pos += n
-    return out
-
-
 def pair_stream(
     segments: Sequence[Segment],
     remote_base: int,
