@@ -91,22 +91,17 @@ def block_size_fix(prefill: CompatFields, decode: CompatFields | None = None) ->
     )
 
 
-def describe_fields(ours: CompatFields, theirs: CompatFields) -> str:
-    """The differing fields by name only, with what to change (for an unauthenticated peer).
-    ``ours``: the prefill's (the side that answers the handshake)."""
-    return "; ".join(
-        f"{f} differs" + (f": {block_size_fix(ours)}" if f == "block_size" else "") for f in compat_diff(ours, theirs)
-    )
-
-
-def describe_diff(ours: CompatFields, theirs: CompatFields) -> str:
+def describe_diff(ours: CompatFields, theirs: CompatFields, values: bool = True) -> str:
     """E.g. ``"block_size differs (ours 64, peer 32): a vLLM decode regroups ...; dtype differs (...)"``.
-    ``ours``: the prefill's fields, ``theirs``: the decode's."""
-    return "; ".join(
-        f"{f} differs (ours {getattr(ours, f)!r}, peer {getattr(theirs, f)!r})"
-        + (f": {block_size_fix(ours, theirs)}" if f == "block_size" else "")
-        for f in compat_diff(ours, theirs)
-    )
+    ``ours``: the prefill's fields, ``theirs``: the decode's; ``values`` False: the fields by
+    name only, with what to change (for an unauthenticated peer)."""
+
+    def one(f: str) -> str:
+        vals = f" (ours {getattr(ours, f)!r}, peer {getattr(theirs, f)!r})" if values else ""
+        fix = f": {block_size_fix(ours, theirs if values else None)}" if f == "block_size" else ""
+        return f"{f} differs{vals}{fix}"
+
+    return "; ".join(one(f) for f in compat_diff(ours, theirs))
 
 
 #: vLLM versions whose KV-connector API HawkConnector handles (vllm_hawk/connector/vllm_compat.py):

@@ -57,7 +57,6 @@ from vllm_hawk.protocol.compat import (
     check_vllm_pair,
     compat_hash,
     describe_diff,
-    describe_fields,
     engine_version,
     regroups,
 )
@@ -467,13 +466,11 @@ class ProtocolServer:
             return ErrorMsg(code="bad_message", detail="compat_hash does not match the fields")
         if msg.compat_hash != self._hash and not regroups(self._compat, theirs):
             self.stats.handshakes_refused += 1
-            if self.auth == "none":  # the peer is not authenticated: names only, no values
+            if self.auth == "none":  # an unauthenticated peer gets names only; the values go to the log
                 self._rlog(
                     "compat", "protocol server: refused an incompatible peer: %s", describe_diff(self._compat, theirs)
                 )
-                detail = "incompatible peer: " + describe_fields(self._compat, theirs)
-            else:
-                detail = "incompatible peer: " + describe_diff(self._compat, theirs)
+            detail = "incompatible peer: " + describe_diff(self._compat, theirs, values=self.auth != "none")
             return ErrorMsg(code="layout_mismatch", detail=detail[:1000])
         why = check_vllm_pair(self.vllm_version, msg.vllm_version)
         if why:
