@@ -111,8 +111,8 @@ def _shape_mismatch(mine: LayoutDesc, theirs: LayoutDesc, fields: Sequence[str])
 class _VllmStreams(KVSource):
     """Shared by the two vLLM-layout sources: the decode must have the same block bytes.
     ``heads(start, count)``: the region map of those KV heads only (None: no shares);
-    ``caches``: the per-layer cache tensors (their device is the source's; the ring
-    gather reads them)."""
+    ``caches``: the per-layer cache tensors, required (their device is the source's, so the
+    memory location its ranges are registered under; the ring gather reads them)."""
 
     def __init__(
         self,
@@ -122,10 +122,16 @@ class _VllmStreams(KVSource):
         heads: Callable[[int, int], KVRegionMap] | None = None,
         caches: Sequence[torch.Tensor] = (),
     ) -> None:
+        if not caches:
+            raise ValueError(f"{type(self).__name__} reads the device and the bytes of the cache tensors: pass caches")
         self.region_map, self.layout, self.storages = region_map, layout, list(storages)
         self.heads, self.caches = heads, list(caches)
-        self.device = self.caches[0].device if self.caches else torch.device("cpu")
+        self.device = self.caches[0].device
         self._maps = PerHeadRange(heads) if heads is not None else None
+        self._setup()
+
+    def _setup(self) -> None:
+        """What a subclass builds from the caches once."""
 
     def share_map(self, msg: KVRequest) -> KVRegionMap:
         """The region map of the heads ``msg`` asks for (built once per head range)."""
@@ -182,24 +188,14 @@ class VllmBlockSource(_VllmStreams):
 
 class RingGatherSource(_VllmStreams):
     """Staged: the blocks' layer streams are copied into a ring range (P6), by torch
-    operations on the caches' device (``caches`` is required)."""
+    operations on the caches' device."""
 
     name = "ring-gather"
     uses_ring = True
 
-    def __init__(
-        self,
-        region_map: KVRegionMap,
-        layout: LayoutDesc,
-        storages: Sequence[tuple[int, int]],
-        heads: Callable[[int, int], KVRegionMap] | None = None,
-        caches: Sequence[torch.Tensor] = (),
-    ) -> None:
-        super().__init__(region_map, layout, storages, heads, caches)
-        if not self.caches:
-            raise ValueError("RingGatherSource gathers from the cache tensors: pass caches")
+    def _setup(self) -> None:
         self._gathers = PerHeadRange(lambda s, c: BlockGather.of_caches([x[:, s : s + c] for x in self.caches]))
-        self._whole = BlockGather(self.caches, [r.template for r in region_map.layers])
+        self._whole = BlockGather(self.caches, [r.template for r in self.region_map.layers])
 
     def exports(self) -> list[tuple[int, int]]:
         return []
