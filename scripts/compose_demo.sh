@@ -111,7 +111,7 @@ install_packages() {
     [ ${#need[@]} = 0 ] && return 0
     [ "$(id -u)" = 0 ] || { log "missing ${need[*]}: run as root (apt-get install ${need[*]})"; return 1; }
     log "apt-get install ${need[*]}"
-    apt-get update -qq >&2 && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends "${need[@]}" >&2
+    "$(dirname "${BASH_SOURCE[0]}")/apt_install.sh" "${need[@]}"
 }
 
 start_dockerd() {

@@ -45,7 +45,7 @@ system_pkgs() {
     if ! ldconfig -p | grep -q 'libibverbs.so.1'; then
         if [ "$(id -u)" != 0 ]; then log "missing Debian package libibverbs1 (run as root: apt-get install libibverbs1)"; return 1; fi
         log "apt-get install libibverbs1"
-        apt-get update -qq >&2 && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq libibverbs1 >&2
+        "$(dirname "${BASH_SOURCE[0]}")/apt_install.sh" libibverbs1
     fi
 }
 

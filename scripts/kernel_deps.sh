@@ -53,11 +53,8 @@ if [ "$(id -u)" != 0 ]; then
 fi
 
 start=$(date +%s)
-log "apt-get update"
-apt-get update -q >&2
 log "apt-get install ${need[*]}"
-DEBIAN_FRONTEND=noninteractive INITRD=No apt-get install -y -q --no-install-recommends \
-    -o Dpkg::Options::=--force-confdef -o Dpkg::Options::=--force-confold "${need[@]}" >&2
+"$(dirname "${BASH_SOURCE[0]}")/apt_install.sh" "${need[@]}"
 have_headers 6.1 || { log "6.1 headers still missing"; exit 1; }
 have_headers 6.12 || { log "6.12 headers still missing"; exit 1; }
 log "done in $(( $(date +%s) - start ))s: $(ls -d /usr/src/linux-headers-6.1*-amd64 | xargs -n1 basename | tr '\n' ' ')"
