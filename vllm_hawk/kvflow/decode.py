@@ -278,6 +278,9 @@ class DecodeEndpoint:
     transport: a started transport (shared by every endpoint of a decode); endpoint:
     the prefill's side channel; pull_timeout_s: default deadline of one fetch;
     claim_wait_s: longest wait for receive memory; handshake_timeout_s: the first Hello.
+    It talks to the prefill through a :class:`~vllm_hawk.kvflow.prefill_channel.PrefillChannel`
+    and frees a failed batch's receive memory through a
+    :class:`~vllm_hawk.kvflow.settle.ReceiveFrees`.
     """
 
     def __init__(
