@@ -1,8 +1,9 @@
-"""The runtime package keeps functions short and comments about what the code is.
+"""The runtime package keeps functions and classes short and comments about what the code is.
 
 Functions in ``vllm_hawk/`` stay under :data:`MAX_FUNCTION_LINES` lines (the numba
-kernels, one loop nest each, are the named exceptions), and no comment or docstring in
-the package narrates the project's history.
+kernels, one loop nest each, are the named exceptions), classes under
+:data:`MAX_CLASS_LINES` (no exceptions), and no comment or docstring in the package
+narrates the project's history.
 """
 
 import ast
@@ -12,6 +13,7 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[1]
 PACKAGE = REPO / "vllm_hawk"
 MAX_FUNCTION_LINES = 80
+MAX_CLASS_LINES = 350
 # One prange loop nest each (see the comment above them in cpu_kernel_numba.py).
 LONG_ALLOWED = {("transform/cpu_kernel_numba.py", "transform_bf16"), ("transform/cpu_kernel_numba.py", "transform_f32")}
 HISTORY = re.compile(r"\b(issue|stop|finding) \d+\b|\bas before\b|\bit was \d", re.IGNORECASE)
@@ -27,6 +29,18 @@ def test_no_function_over_the_line_bound():
                 if n > MAX_FUNCTION_LINES and (rel, node.name) not in LONG_ALLOWED:
                     long.append(f"{rel}:{node.lineno} {node.name} ({n} lines)")
     assert not long, f"functions over {MAX_FUNCTION_LINES} lines: {long}"
+
+
+def test_no_class_over_the_line_bound():
+    long = []
+    for p in sorted(PACKAGE.rglob("*.py")):
+        rel = str(p.relative_to(PACKAGE))
+        for node in ast.walk(ast.parse(p.read_text())):
+            if isinstance(node, ast.ClassDef):
+                n = node.end_lineno - node.lineno + 1
+                if n > MAX_CLASS_LINES:
+                    long.append(f"{rel}:{node.lineno} {node.name} ({n} lines)")
+    assert not long, f"classes over {MAX_CLASS_LINES} lines: {long}"
 
 
 def test_no_history_in_comments():

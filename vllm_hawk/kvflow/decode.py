@@ -13,9 +13,9 @@ its HelloAck) and moves requests' KV into a :mod:`sink <vllm_hawk.kvflow.sinks>`
 
 Backpressure. A prefill whose ring stays full for its ``claim_wait_s`` refuses a
 KVRequest with ``no_space``; the decode asks again (backing off from
-:data:`NO_SPACE_BACKOFF_S` to :data:`NO_SPACE_BACKOFF_MAX_S`) until the fetch's deadline,
-so a full ring slows pulls down instead of failing them (``backpressured`` counts the
-retries). Layer-group fetches are not retried.
+:data:`~vllm_hawk.kvflow.prefill_channel.NO_SPACE_BACKOFF_S` to ``NO_SPACE_BACKOFF_MAX_S``)
+until the fetch's deadline, so a full ring slows pulls down instead of failing them
+(``backpressured`` counts the retries). Layer-group fetches are not retried.
 
 Deadlines. ``pull_timeout_s`` bounds a fetch; the READs must also end before the
 prefill's lease on the range (``KVReady.lease_ms`` from its arrival, less a margin).
@@ -42,26 +42,20 @@ are keyed by ``Share.key`` so that shares of one request never collide.
 
 from __future__ import annotations
 
-import logging
-import threading
 import time
 from dataclasses import dataclass, field
 
-import msgspec
 import numpy as np
 
 from vllm_hawk.kvflow.base import KVSink, Landing
 from vllm_hawk.kvflow.errors import BufferFull, KVFlowError, PeerFailed, TransferUnsettled
-from vllm_hawk.protocol import CompatFields, HelloAck, KVReady, KVRequest, ProtocolClient, ProtocolTimeout, RemoteError
+from vllm_hawk.kvflow.prefill_channel import RELEASE_TIMEOUT_S, PrefillChannel
+from vllm_hawk.kvflow.settle import ReceiveFrees
+from vllm_hawk.protocol import CompatFields, HelloAck, KVReady, KVRequest, ProtocolTimeout, RemoteError
 from vllm_hawk.transport import TransferFailed, TransferTimeout
 
-logger = logging.getLogger("vllm.hawk.kvflow.decode")
-
-RELEASE_TIMEOUT_S = 0.5  # Release(ok=False) on a failure path: the prefill's lease frees it anyway
 SETTLE_WAIT_S = 1.0  # after a failed batch into KV pages: wait this long for its READs to drain
 SETTLE_LIMIT_S = 60.0  # background free of receive buffers gives up (quarantines) after this
-NO_SPACE_BACKOFF_S = 0.05  # first wait before asking a full prefill ring again
-NO_SPACE_BACKOFF_MAX_S = 0.5
 LEASE_MARGIN_S = 1.0  # reads end this long before the prefill's lease does (at most a quarter of it)
 
 
@@ -221,6 +215,60 @@ class _Fetch:
         the read deadline."""
         return max(0.0, min(claim_wait_s, self.read_deadline - time.monotonic()))
 
+    def group_ready(self, fut, group: tuple[int, int], client) -> KVReady:
+        """The KVReady of layers ``lo..hi-1`` (``group``), checked against the sink's
+        plan; the READs address ``client``'s HelloAck at its arrival; the first one sets
+        request_s and the read deadline."""
+        req_id, (lo, hi) = self.req_id, group
+        try:
+            ready = fut.result(max(1e-3, self.deadline - time.monotonic()))
+        except Exception as e:  # noqa: BLE001 - timeout or cancelled
+            raise PeerFailed(
+                f"request {req_id}: no KVReady for layers {lo}..{hi - 1} in time ({type(e).__name__})", req_id
+            ) from e
+        if not isinstance(ready, KVReady) or ready.req_id != req_id:
+            raise PeerFailed(f"request {req_id}: prefill answered {ready!r:.300}", req_id)
+        self.hello = client.hello
+        if self.ready is None:
+            self.first_ready(ready)  # request_s: the first group's KVReady
+        err = _chip_error(ready, self.share) or self.sink.check_group(
+            ready, self.plan, self.hello.export_nbytes, lo, hi, self.ready.ring_offset
+        )
+        if err:
+            raise PeerFailed(f"request {req_id}: {err}", req_id)
+        return ready
+
+
+def _check_dst(req_id: str, num_tokens: int, sink: KVSink, dst_blocks, first_block: int) -> np.ndarray:
+    """``dst_blocks`` as int64 block ids; ValueError unless they end the request."""
+    dst = np.asarray(dst_blocks, dtype=np.int64).reshape(-1)
+    bs = sink.layout.block_size
+    n_req = -(-num_tokens // bs)
+    if num_tokens <= 0 or first_block < 0 or dst.size == 0 or first_block + dst.size != n_req:
+        raise ValueError(
+            f"fetch {req_id}: {dst.size} destination blocks from block {first_block} do not "
+            f"end a {num_tokens}-token request ({n_req} blocks of {bs})"
+        )
+    return dst
+
+
+def _kv_request(fs: _Fetch) -> KVRequest:
+    """The D1 KVRequest of fetch ``fs`` (all layers; its share's heads)."""
+    share = fs.share
+    return KVRequest(
+        req_id=fs.req_id,
+        dst_layout=fs.sink.layout,
+        num_tokens=fs.num_tokens,
+        dst_block_ids=[int(b) for b in fs.dst],
+        first_block=fs.first_block,
+        deadline_ms=int((time.time() + fs.timeout) * 1000),
+        head_start=share.head_start,
+        num_heads=share.num_heads,
+        consumers=share.consumers,
+        share=share.index,
+        dst_chip=share.chip,
+    )
+
 
 class DecodeEndpoint:
     """The decode side towards one prefill (see module doc). Thread-safe: fetches may run
@@ -230,6 +278,9 @@ class DecodeEndpoint:
     transport: a started transport (shared by every endpoint of a decode); endpoint:
     the prefill's side channel; pull_timeout_s: default deadline of one fetch;
     claim_wait_s: longest wait for receive memory; handshake_timeout_s: the first Hello.
+    It talks to the prefill through a :class:`~vllm_hawk.kvflow.prefill_channel.PrefillChannel`
+    and frees a failed batch's receive memory through a
+    :class:`~vllm_hawk.kvflow.settle.ReceiveFrees`.
     """
 
     def __init__(
@@ -245,16 +296,22 @@ class DecodeEndpoint:
         handshake_timeout_s: float | None = None,
     ) -> None:
         self.transport, self.pull_timeout_s, self.claim_wait_s = transport, pull_timeout_s, claim_wait_s
-        self._lock = threading.Lock()
-        self._pending_frees = 0
-        self.backpressured = 0  # KVRequests asked again after the prefill's ring was full (no_space)
-        self.quarantined: list[str] = []  # requests whose receive memory stays held (batch never settled)
-        self.client = ProtocolClient(endpoint, compat, secret=secret, auth=auth, timeout_s=pull_timeout_s)
-        try:
-            self.client.handshake(handshake_timeout_s or pull_timeout_s)
-        except Exception:
-            self.client.close()
-            raise
+        self._frees = ReceiveFrees()
+        self.quarantined = self._frees.quarantined  # requests whose receive memory stays held (batch never settled)
+        self._channel = PrefillChannel(
+            endpoint,
+            compat,
+            secret=secret,
+            auth=auth,
+            timeout_s=pull_timeout_s,
+            handshake_timeout_s=handshake_timeout_s or pull_timeout_s,
+        )
+        self.client = self._channel.client
+
+    @property
+    def backpressured(self) -> int:
+        """KVRequests asked again after the prefill's ring was full (``no_space``)."""
+        return self._channel.backpressured
 
     @property
     def hello(self) -> HelloAck:
@@ -293,7 +350,7 @@ class DecodeEndpoint:
         with nothing held."""
         timeout = self.pull_timeout_s if timeout_s is None else timeout_s
         t0 = time.monotonic()
-        dst = self._check_dst(req_id, num_tokens, sink, dst_blocks, first_block)
+        dst = _check_dst(req_id, num_tokens, sink, dst_blocks, first_block)
         fs = _Fetch(req_id, num_tokens, sink, dst, first_block, share, timeout, t0, t0 + timeout, release, time_cap_s)
         if layer_groups == AUTO_LAYER_GROUPS:
             layer_groups = auto_layer_groups(sink, len(dst))
@@ -306,9 +363,9 @@ class DecodeEndpoint:
     def _fetch_whole(self, fs: _Fetch) -> FetchResult:
         """:meth:`fetch` as one KVRequest and (unless time-capped) one READ batch."""
         fs.res = FetchResult(fs.req_id, fs.sink.mode)
-        msg = self._kv_request(fs)
+        msg = _kv_request(fs)
         try:
-            ready = self._request_kv(msg, fs.deadline)  # D1 -> P7
+            ready = self._channel.request_kv(msg, fs.deadline)  # D1 -> P7
         except (ProtocolTimeout, RemoteError) as e:
             self._release_quietly(fs.req_id, ok=False, share=fs.share)  # also cancels a request still being served
             raise PeerFailed(f"request {fs.req_id}: {e}", fs.req_id) from e
@@ -366,7 +423,7 @@ class DecodeEndpoint:
         freed once all settled; KV pages waited for and named if they did not drain)."""
         fs.res = FetchResult(fs.req_id, f"{fs.sink.mode}-layer-groups")
         fs.res.extra["layer_groups"] = len(groups)
-        fs.futs = self._ask_groups(fs, groups)
+        fs.futs = self._channel.ask_layers(fs, _kv_request(fs), groups)
         try:
             self._read_groups(fs, groups)
         except Exception as e:
@@ -382,24 +439,11 @@ class DecodeEndpoint:
         fs.res.extra.update(fs.landing.figures)
         return self._finish(fs, t3)
 
-    def _ask_groups(self, fs: _Fetch, groups: list[tuple[int, int]]) -> list:
-        """D1 for every layer group at once; the futures of their answers."""
-        base = self._kv_request(fs)
-        try:  # call_async does not handshake again itself: after a lost connection, do it now
-            self.client.ensure_session(max(1e-3, fs.deadline - time.monotonic()))
-        except Exception as e:  # noqa: BLE001 - timeout, refusal: nothing asked for yet
-            self._release_quietly(fs.req_id, ok=False, share=fs.share)  # the same Release a failed whole request sends
-            raise PeerFailed(f"request {fs.req_id}: handshake with the prefill again failed: {e}", fs.req_id) from e
-        return [
-            self.client.call_async(msgspec.structs.replace(base, first_layer=lo, num_layers=hi - lo))
-            for lo, hi in groups
-        ]
-
     def _read_groups(self, fs: _Fetch, groups: list[tuple[int, int]]) -> None:
         """Each group's KVReady in turn, checked, then its READ batch (appended to
         ``fs.handles``); then wait for every batch until the read deadline."""
         for (lo, hi), fut in zip(groups, fs.futs, strict=False):
-            ready = self._group_ready(fs, fut, (lo, hi))
+            ready = fs.group_ready(fut, (lo, hi), self.client)
             if fs.landing is None:
                 fs.landing = fs.sink.land_groups(
                     fs.share.key(fs.req_id), fs.plan, fs.claim_wait(self.claim_wait_s)
@@ -411,28 +455,6 @@ class DecodeEndpoint:
             fs.res.segments += len(ready.segments)
         for h in fs.handles:
             self.transport.wait(h, max(0.0, fs.read_deadline - time.monotonic()))
-
-    def _group_ready(self, fs: _Fetch, fut, group: tuple[int, int]) -> KVReady:
-        """The KVReady of layers ``lo..hi-1`` (``group``), checked against the sink's
-        plan; the first one sets the fetch's request_s and read deadline."""
-        req_id, (lo, hi) = fs.req_id, group
-        try:
-            ready = fut.result(max(1e-3, fs.deadline - time.monotonic()))
-        except Exception as e:  # noqa: BLE001 - timeout or cancelled
-            raise PeerFailed(
-                f"request {req_id}: no KVReady for layers {lo}..{hi - 1} in time ({type(e).__name__})", req_id
-            ) from e
-        if not isinstance(ready, KVReady) or ready.req_id != req_id:
-            raise PeerFailed(f"request {req_id}: prefill answered {ready!r:.300}", req_id)
-        fs.hello = self.client.hello
-        if fs.ready is None:
-            fs.first_ready(ready)  # request_s: the first group's KVReady
-        err = _chip_error(ready, fs.share) or fs.sink.check_group(
-            ready, fs.plan, fs.hello.export_nbytes, lo, hi, fs.ready.ring_offset
-        )
-        if err:
-            raise PeerFailed(f"request {req_id}: {err}", req_id)
-        return ready
 
     def _abandon_groups(self, fs: _Fetch, e: Exception) -> KVFlowError | None:
         """A layer-group fetch failed with ``e``: cancel what is still asked for, abandon
@@ -459,26 +481,6 @@ class DecodeEndpoint:
             return PeerFailed(f"request {req_id}: transfer from {self.peer} failed: {e}{fs.note}", req_id)
         return PeerFailed(f"request {req_id}: {type(e).__name__}: {e}", req_id)
 
-    def _request_kv(self, msg: KVRequest, deadline: float) -> KVReady:
-        """D1 -> P7; a ``no_space`` refusal (the prefill's ring is full) is asked again,
-        backing off, until ``deadline`` (see module doc: backpressure)."""
-        delay, refused = NO_SPACE_BACKOFF_S, None
-        while True:
-            try:
-                return self.client.request_kv(msg, timeout_s=max(deadline - time.monotonic(), 1e-3))
-            except ProtocolTimeout:
-                if refused is not None:  # the last try ran into the deadline: the ring stayed full
-                    raise refused from None
-                raise
-            except RemoteError as e:
-                if e.code != "no_space" or time.monotonic() + delay >= deadline:
-                    raise
-                refused = e
-            with self._lock:
-                self.backpressured += 1
-            time.sleep(delay)
-            delay = min(2 * delay, NO_SPACE_BACKOFF_MAX_S)
-
     def renew(self, req_ids, timeout_s: float | None = None):
         """Heartbeat (see :mod:`~vllm_hawk.protocol.leases`): extend the prefill's leases of
         ``req_ids`` (at most ``MAX_RENEW_IDS``); returns its ``Renewed``."""
@@ -493,18 +495,6 @@ class DecodeEndpoint:
         )
 
     # ------------------------------------------------------------------ pieces
-    @staticmethod
-    def _check_dst(req_id: str, num_tokens: int, sink: KVSink, dst_blocks, first_block: int) -> np.ndarray:
-        dst = np.asarray(dst_blocks, dtype=np.int64).reshape(-1)
-        bs = sink.layout.block_size
-        n_req = -(-num_tokens // bs)
-        if num_tokens <= 0 or first_block < 0 or dst.size == 0 or first_block + dst.size != n_req:
-            raise ValueError(
-                f"fetch {req_id}: {dst.size} destination blocks from block {first_block} do not "
-                f"end a {num_tokens}-token request ({n_req} blocks of {bs})"
-            )
-        return dst
-
     def _plan(self, fs: _Fetch):
         """The sink's plan; for a sink that regroups (``caps.regroup``), from the prefill's
         block size in its HelloAck when it differs from the sink's. A pair that does not
@@ -517,23 +507,6 @@ class DecodeEndpoint:
         except ValueError as e:
             self._release_quietly(fs.req_id, ok=False, share=fs.share)
             raise PeerFailed(f"request {fs.req_id}: {e}", fs.req_id) from e
-
-    @staticmethod
-    def _kv_request(fs: _Fetch) -> KVRequest:
-        share = fs.share
-        return KVRequest(
-            req_id=fs.req_id,
-            dst_layout=fs.sink.layout,
-            num_tokens=fs.num_tokens,
-            dst_block_ids=[int(b) for b in fs.dst],
-            first_block=fs.first_block,
-            deadline_ms=int((time.time() + fs.timeout) * 1000),
-            head_start=share.head_start,
-            num_heads=share.num_heads,
-            consumers=share.consumers,
-            share=share.index,
-            dst_chip=share.chip,
-        )
 
     def _land(self, fs: _Fetch) -> Landing:
         """Check KVReady against the sink's plan, then D2-D5 (claim and pair); a failure
@@ -590,77 +563,24 @@ class DecodeEndpoint:
         deadline here); KV pages are waited for until ``settle_end`` and returned as
         unsafe if the batch has not drained."""
         if fs.landing.free is not None:
-            self._free_when_settled(handle, fs.req_id, fs.landing.free, fs.deadline)
+            self._frees.free_when_settled(
+                handle, fs.req_id, fs.landing.free, fs.deadline, SETTLE_WAIT_S, SETTLE_LIMIT_S
+            )
             return []
         if handle.settled.wait(max(0.0, settle_end - time.monotonic())):
             return []
         return [int(b) for b in fs.landing.dst_blocks]
 
-    def _free_when_settled(self, h, req_id: str, free, deadline: float) -> None:
-        """Free receive memory once no entry of ``h`` can still write it: here up to
-        ``deadline`` (and :data:`SETTLE_WAIT_S`), then in a background thread up to
-        :data:`SETTLE_LIMIT_S`. A batch that never settles leaves it held for good."""
-        if h.settled.wait(min(SETTLE_WAIT_S, max(0.0, deadline - time.monotonic()))):
-            free()
-            return
-        with self._lock:
-            self._pending_frees += 1
-
-        def later():
-            try:
-                if h.settled.wait(SETTLE_LIMIT_S):
-                    free()
-                else:
-                    logger.error(
-                        "request %s: its READ batch did not settle within %.1f s; its receive "
-                        "memory stays held (quarantined)",
-                        req_id,
-                        SETTLE_LIMIT_S,
-                    )
-                    with self._lock:
-                        self.quarantined.append(req_id)
-            finally:
-                with self._lock:
-                    self._pending_frees -= 1
-
-        threading.Thread(target=later, daemon=True, name=f"hawk-free-{req_id}").start()
-
     def pending_frees(self) -> int:
         """Receive memory waiting (in the background) for its batch to settle."""
-        with self._lock:
-            return self._pending_frees
+        return self._frees.pending()
 
     def _release_quietly(self, req_id: str, ok: bool, share: Share = WHOLE) -> None:
-        try:
-            self.client.release(req_id, ok=ok, timeout_s=RELEASE_TIMEOUT_S, share=share.index)
-        except Exception as e:  # noqa: BLE001 - the prefill's lease frees it anyway
-            logger.debug("release of %s failed: %s", req_id, e)
+        self._channel.release_quietly(req_id, ok, share.index)
 
     def _release_done(self, fs: _Fetch) -> None:
-        """D8 after the KV is in place. A prefill that no longer knows the request
-        (``unknown_request``: its lease ran out) may have reused the range mid-read."""
-        req_id, ready = fs.req_id, fs.ready
-        try:
-            self.client.release(
-                req_id, ok=True, timeout_s=max(RELEASE_TIMEOUT_S, fs.deadline - time.monotonic()), share=fs.share.index
-            )
-        except RemoteError as e:
-            if e.code == "unknown_request":
-                age = time.monotonic() - fs.t_ready
-                lease = (
-                    f"its lease of {ready.lease_ms} ms ran out ({age:.2f} s since KVReady)"
-                    if ready.lease_ms
-                    else "it dropped the request"
-                )
-                raise PeerFailed(
-                    f"request {req_id}: Release refused ({e}): {lease}, so it may have freed and "
-                    f"reused the range while it was being read; the KV in destination blocks "
-                    f"{[int(b) for b in fs.dst]} may be corrupt",
-                    req_id,
-                ) from e
-            raise PeerFailed(f"request {req_id}: KV is in place but Release failed: {e}", req_id) from e
-        except ProtocolTimeout as e:
-            raise PeerFailed(f"request {req_id}: KV is in place but Release failed: {e}", req_id) from e
+        """D8 after the KV is in place (PeerFailed if refused)."""
+        self._channel.release_read(fs, max(RELEASE_TIMEOUT_S, fs.deadline - time.monotonic()))
 
     def close(self) -> None:
         self.client.close()

@@ -16,7 +16,6 @@ mechanism mismatch); with ``hmac``/``none`` the server answers an unsigned
 from __future__ import annotations
 
 import concurrent.futures as cf
-import contextlib
 import logging
 import queue
 import threading
@@ -25,7 +24,6 @@ import uuid
 
 import msgspec
 import zmq
-from zmq.utils.monitor import parse_monitor_message  # imported now: opening files may fail under fd floods
 
 from vllm_hawk.protocol.compat import check_vllm_pair, compat_hash, engine_version, regroups
 from vllm_hawk.protocol.envelope import DEFAULT_MAX_MESSAGE_NBYTES, AuthError, Envelope, FrameError
@@ -45,6 +43,7 @@ from vllm_hawk.protocol.messages import (
 from vllm_hawk.protocol.server import resolve_auth
 from vllm_hawk.protocol.wakeup import Wakeup
 from vllm_hawk.protocol.zmq_context import shared_context
+from vllm_hawk.protocol.zmtp_watch import ZmtpWatch
 from vllm_hawk.security import RateLimitedLog, curve_keypairs
 
 logger = logging.getLogger(__name__)
@@ -82,16 +81,6 @@ class AuthRefused(RuntimeError):
     """The handshake failed on authentication: secrets or auth modes differ (the message says which)."""
 
 
-ZMTP_ATTEMPTS = 4  # connections closed during the ZMTP handshake, in a row, before a Hello fails
-_MONITOR_EVENTS = (
-    zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL
-    | zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL
-    | zmq.EVENT_HANDSHAKE_FAILED_AUTH
-    | zmq.EVENT_HANDSHAKE_SUCCEEDED
-    | zmq.EVENT_DISCONNECTED
-)
-
-
 class ProtocolClient:
     """Client of one prefill's :class:`~vllm_hawk.protocol.server.ProtocolServer`.
 
@@ -126,14 +115,7 @@ class ProtocolClient:
         self._server_id = ""  # recipient of our signed messages, from HelloAck
         self._pending: dict[int, cf.Future] = {}
         self._hellos: set[int] = set()  # seqs of pending Hellos
-        self._auth_failure = ""  # set by the monitor: why the ZMTP handshake failed
-        self._epoch = 0  # connections lost after a handshake (the monitor counts them)
-        self._session_epoch = 0  # the epoch our current session (HelloAck) was asked for in
-        self._zmtp_up = False  # the current connection finished its ZMTP handshake
-        self._zmtp_failures = 0  # connections in a row closed during the handshake
-        self._zmtp_closed = ""  # the last handshake-failure event, for the error message
-        self._zmtp_refused = False  # the handshake was refused outright (auth, mechanism)
-        self._refused = ""  # why, once a refusal ended the connection for good
+        self._session_epoch = 0  # the ZMTP watch's epoch our current session (HelloAck) was asked for in
         self._lock = threading.Lock()
         self._outbox: queue.SimpleQueue = queue.SimpleQueue()
         self._ctx = shared_context()
@@ -144,7 +126,15 @@ class ProtocolClient:
             (spub, _ssec), (cpub, csec) = curve_keypairs(secret)
             self._sock.curve_serverkey = spub
             self._sock.curve_publickey, self._sock.curve_secretkey = cpub, csec
-        self._monitor = self._sock.get_monitor_socket(_MONITOR_EVENTS)
+        self._zmtp = ZmtpWatch(
+            self._sock,
+            endpoint=endpoint,
+            auth=self.auth,
+            lock=self._lock,
+            rlog=self._rlog,
+            in_session=lambda: self.hello is not None,
+            fail_hellos=self._fail_hellos,
+        )
         self._sock.connect(endpoint)
         self._wakeup = Wakeup(self._ctx, "hawk-client-wake")
         self._stop = threading.Event()
@@ -154,7 +144,7 @@ class ProtocolClient:
     # ---------------------------------------------------------------- API
     def handshake(self, timeout_s: float | None = None) -> HelloAck:
         """Send Hello; return the server's HelloAck or raise IncompatiblePeer."""
-        epoch = self._epoch  # read before the Hello is queued: a loss after it asks for another
+        epoch = self._zmtp.epoch  # read before the Hello is queued: a loss after it asks for another
         if self._compat is None:
             msg = ControlHello(client_id=self.client_id)
         else:
@@ -175,8 +165,10 @@ class ProtocolClient:
                 ) from None
             raise
         except ProtocolTimeout as e:
-            if self._auth_failure:
-                raise AuthRefused(f"side-channel handshake with {self.endpoint} failed: {self._auth_failure}") from None
+            if self._zmtp.auth_failure:
+                raise AuthRefused(
+                    f"side-channel handshake with {self.endpoint} failed: {self._zmtp.auth_failure}"
+                ) from None
             raise e
         if not isinstance(ack, HelloAck):
             raise RemoteError(
@@ -210,7 +202,7 @@ class ProtocolClient:
             self.handshake(timeout_s)
 
     def _session_lost(self) -> bool:
-        return self.hello is not None and self._epoch != self._session_epoch
+        return self.hello is not None and self._zmtp.epoch != self._session_epoch
 
     def request_kv(self, msg: KVRequest, timeout_s: float | None = None) -> KVReady:
         """D1 -> P7. Checks that every segment lies inside the server's exported region."""
@@ -281,8 +273,10 @@ class ProtocolClient:
         # sequence number lower than one it has seen, so messages must leave in order.
         with self._lock:
             hello = isinstance(msg, (Hello, ControlHello))
-            if hello and self._refused:  # the refusal came before this Hello
-                fut.set_exception(AuthRefused(f"side-channel handshake with {self.endpoint} failed: {self._refused}"))
+            if hello and self._zmtp.refused:  # the refusal came before this Hello
+                fut.set_exception(
+                    AuthRefused(f"side-channel handshake with {self.endpoint} failed: {self._zmtp.refused}")
+                )
                 return fut
             if not hello and self._session_lost():  # would name a lost connection's server
                 fut.set_exception(Reconnected(f"connection to {self.endpoint} lost since the last handshake"))
@@ -291,7 +285,7 @@ class ProtocolClient:
             self._pending[seq] = fut
             if hello:
                 self._hellos.add(seq)
-            self._outbox.put((frames, seq, None if hello else self._epoch))
+            self._outbox.put((frames, seq, None if hello else self._zmtp.epoch))
         fut.add_done_callback(lambda _f, s=seq: self._forget(s))
         self._wakeup.wake()
         return fut
@@ -337,20 +331,20 @@ class ProtocolClient:
         poller = zmq.Poller()
         poller.register(self._sock, zmq.POLLIN)
         poller.register(self._wakeup.rx, zmq.POLLIN)
-        poller.register(self._monitor, zmq.POLLIN)
+        poller.register(self._zmtp.monitor, zmq.POLLIN)
         try:
             while not self._stop.is_set():
                 events = dict(poller.poll(timeout=500))
                 if self._wakeup.rx in events:
                     self._wakeup.drain()
-                if self._monitor in events:
+                if self._zmtp.monitor in events:
                     self._drain_monitor()
                 while True:
                     try:
                         frames, seq, epoch = self._outbox.get_nowait()
                     except queue.Empty:
                         break
-                    if epoch is not None and epoch != self._epoch:  # addressed to a lost connection's server
+                    if epoch is not None and epoch != self._zmtp.epoch:  # addressed to a lost connection's server
                         self._fail_unsent(seq)
                         continue
                     try:
@@ -365,83 +359,12 @@ class ProtocolClient:
                             break
                         self._on_frames(frames)
         finally:
-            with contextlib.suppress(zmq.ZMQError):
-                self._sock.disable_monitor()
-            self._monitor.close(0)
+            self._zmtp.close(self._sock)
             self._sock.close()
             self._wakeup.close_receiver()
 
     def _drain_monitor(self) -> None:
-        for _ in range(256):
-            try:
-                ev = parse_monitor_message(self._monitor.recv_multipart(zmq.NOBLOCK))
-            except zmq.Again:
-                return
-            kind, value = ev["event"], ev["value"]
-            if kind == zmq.EVENT_HANDSHAKE_SUCCEEDED:
-                self._auth_failure = self._zmtp_closed = self._refused = ""
-                self._zmtp_up, self._zmtp_failures = True, 0
-                continue
-            if kind == zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL:  # the DISCONNECTED that follows decides
-                self._zmtp_closed = f"{zmq.Event(kind).name}, errno {value}"
-                continue
-            if kind == zmq.EVENT_DISCONNECTED:
-                if self.hello is not None:
-                    with self._lock:  # messages queued from now on are numbered for the new epoch
-                        self._epoch += 1
-                if self._zmtp_up or self._zmtp_refused:  # an established connection was lost (libzmq
-                    self._zmtp_up = self._zmtp_refused = False  # reconnects), or the refusal below ended it
-                    continue
-                self._on_handshake_closed()
-                continue
-            if kind == zmq.EVENT_HANDSHAKE_FAILED_AUTH:
-                why = (
-                    f"the prefill's ZAP handler refused this decode's CURVE key (status {value}): the shared "
-                    "secrets differ"
-                )
-            elif kind == zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL and value == zmq.PROTOCOL_ERROR_ZMTP_MECHANISM_MISMATCH:
-                why = (
-                    f"ZMTP security mechanism mismatch: this decode has auth {self.auth!r} and the prefill does "
-                    "not (with a shared secret both sides need the same 'auth'; without one both need "
-                    "auth 'none')"
-                )
-            else:
-                why = (
-                    f"the ZMTP handshake failed ({zmq.Event(kind).name}, value {value}): the shared secrets "
-                    f"or the auth modes differ (this side: auth {self.auth!r})"
-                )
-            self._auth_failure, self._zmtp_refused = why, True
-            with self._lock:  # libzmq does not reconnect after a refusal: later Hellos fail at once
-                self._refused = why
-            self._rlog("zmtp", "protocol client %s: %s", self.endpoint, why)
-            self._fail_hellos(why)
-
-    def _on_handshake_closed(self) -> None:
-        """A connection closed before its ZMTP handshake finished. A prefill that cannot
-        open our CURVE HELLO (a different secret) closes it at once; so does one whose
-        1 s ``HANDSHAKE_IVL`` ran out because it was starved of CPU (4-6 vLLM processes
-        on 2 cores). libzmq reconnects, and the queued Hello goes out on the next
-        connection; the pending Hellos fail after :data:`ZMTP_ATTEMPTS` such closes in a
-        row (0.5 s for a wrong secret here, with libzmq's 100 ms reconnect interval)."""
-        self._zmtp_failures += 1
-        if self.auth == "curve":
-            why = (
-                "the prefill closed the connection during the CURVE handshake: the shared secrets differ, "
-                "or the prefill has auth 'hmac'/'none'"
-            )
-        else:
-            why = (
-                f"the prefill closed the connection during the ZMTP handshake: the auth modes differ "
-                f"(this side: auth {self.auth!r})"
-            )
-        why += f" ({self._zmtp_failures} connection(s) in a row; {self._zmtp_closed or 'no handshake event'})"
-        self._zmtp_closed = ""
-        self._auth_failure = why
-        if self._zmtp_failures < ZMTP_ATTEMPTS:
-            self._rlog("zmtp-retry", "protocol client %s: %s; reconnecting", self.endpoint, why)
-            return
-        self._rlog("zmtp", "protocol client %s: %s", self.endpoint, why)
-        self._fail_hellos(why)
+        self._zmtp.drain()
 
     def _fail_unsent(self, seq: int) -> None:
         with self._lock:
