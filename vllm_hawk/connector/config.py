@@ -322,7 +322,8 @@ def _unset(name: str, out: dict) -> Any:
     """The value of field ``name`` when it is not given: its declared ``unset`` expression
     over the fields parsed so far (the same text ``docs/configuration.md`` shows)."""
     expr = FIELDS[name].metadata["unset"]
-    return eval(expr, {"__builtins__": {}, "min": min, "max": max}, dict(out))  # noqa: S307 (our own constant)
+    # expr is a constant of HawkConfig's declarations, never user input; no builtins but min/max
+    return eval(expr, {"__builtins__": {}, "min": min, "max": max}, dict(out))
 
 
 def port_stride(vllm_config) -> int:
@@ -336,6 +337,8 @@ def parse_config(extra: Mapping[str, Any] | None, *, dp_rank: int = 0, side: str
     ``side``: ``prefill`` or ``decode`` where the caller knows (``None``: checks that need
     it are skipped). Fields are checked in a fixed order, so the first error is always the
     same one."""
+    if side not in (None, *SIDES):
+        raise ValueError(f"side must be one of {list(SIDES)} or None, got {side!r}")
     extra = dict(extra or {})
     _check_names(extra)
     out: dict[str, Any] = {name: f.default for name, f in FIELDS.items()}
