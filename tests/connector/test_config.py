@@ -242,6 +242,8 @@ def test_a_gn_pair_needs_the_tenstorrent_device():
         parse_config({"auth": "none", "pair": "gn-host"})
     with pytest.raises(HawkConfigError, match="pair='gg-ring'.*gg-direct"):
         parse_config({"auth": "none", "pair": "gg-ring"})
+    with pytest.raises(HawkConfigError, match="pair=\\['gg-host'\\]"):
+        parse_config({"auth": "none", "pair": ["gg-host"]})
 
 
 @pytest.mark.parametrize(

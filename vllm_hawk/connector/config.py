@@ -373,7 +373,7 @@ def _expand_pair(extra: dict, side: str | None) -> dict[str, Any]:
     if "pair" not in extra:
         return {}
     pair = extra["pair"]
-    if pair not in PAIRS:
+    if not isinstance(pair, str) or pair not in PAIRS:
         raise _err("pair", pair, f"choose one of {list(PAIRS)}")
     implied: dict[str, Any] = {}
     for name, allowed in PAIRS[pair].items():
