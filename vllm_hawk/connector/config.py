@@ -118,7 +118,7 @@ class HawkConfig:
         """address the side channel (ZMQ) binds and advertises in ``kv_transfer_params``, and
         ``transfer_engine_host``'s default (on the decode, only that). In the example configs it is the
         node's own address that peers reach, on both sides""",
-        side="prefill",
+        side="both",
         limits="not empty",
     )
     side_channel_port: int = setting(

@@ -1,7 +1,8 @@
-"""The field table of ``docs/configuration.md``, rendered from :class:`HawkConfig`'s
-field declarations (:func:`vllm_hawk.connector.config.setting`).
+"""The pair and field tables of ``docs/configuration.md``, rendered from
+:data:`~vllm_hawk.connector.config.PAIRS` and :class:`HawkConfig`'s field declarations
+(:func:`vllm_hawk.connector.config.setting`).
 
-``python -m vllm_hawk.connector.config_doc`` prints the table; ``--write [PATH]``
+``python -m vllm_hawk.connector.config_doc`` prints the tables; ``--write [PATH]``
 (``make config-doc``) replaces the part of ``docs/configuration.md`` between
 :data:`BEGIN` and :data:`END` with it.
 """
@@ -13,7 +14,7 @@ import sys
 from dataclasses import MISSING
 from pathlib import Path
 
-from vllm_hawk.connector.config import FIELDS
+from vllm_hawk.connector.config import FIELDS, PAIRS, TENSTORRENT
 
 BEGIN = "<!-- fields: generated from vllm_hawk/connector/config.py by `make config-doc`; do not edit here -->"
 END = "<!-- end of fields -->"
@@ -39,9 +40,21 @@ def _markdown(doc: str) -> str:
     return re.sub(r"``(.+?)``", r"`\1`", doc)
 
 
+def _implied(pair: str, name: str) -> str:
+    allowed = PAIRS[pair].get(name, ())
+    if allowed is TENSTORRENT:
+        return "a Tenstorrent profile, given"
+    if not allowed:
+        return "the decode's (`direct`, `staged`); none on the prefill"
+    return " or ".join(f"`{v}`" for v in allowed)
+
+
 def render() -> str:
-    """The table, one row per field in declaration order."""
-    rows = ["| field | default | limits | read by | meaning |", "|---|---|---|---|---|"]
+    """What each pair sets, then one row per field in declaration order."""
+    strategy = ("transport", "mode", "device_profile", "layout_fix")
+    rows = ["| `pair` | " + " | ".join(f"`{n}`" for n in strategy) + " |", "|---" * (1 + len(strategy)) + "|"]
+    rows += [f"| `{p}` | " + " | ".join(_implied(p, n) for n in strategy) + " |" for p in PAIRS]
+    rows += ["", "| field | default | limits | read by | meaning |", "|---|---|---|---|---|"]
     for name, f in FIELDS.items():
         m = f.metadata
         rows.append(f"| `{name}` | {_default(f)} | {m['limits']} | {m['side']} | {_markdown(m['doc'])} |")
