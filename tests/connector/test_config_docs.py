@@ -58,3 +58,12 @@ def test_documented_unset_defaults_are_what_the_parser_computes(name):
 def test_max_hold_default_follows_a_long_hand_over():
     assert parse_config({"auth": "none", "handover_s": 900.0}).max_hold_s == 900.0
     assert "`max(600.0, lease_s, handover_s)`" in config_doc.render()
+
+
+def test_the_command_writes_the_committed_page(tmp_path, capsys):
+    page = tmp_path / "configuration.md"
+    stale = committed().replace("the **pull deadline**", "the **deadline**", 1)
+    page.write_text(stale)
+    assert config_doc.main(["--write", str(page)]) == 0 and page.read_text() == committed()
+    assert config_doc.main([]) == 0 and capsys.readouterr().out == config_doc.render()
+    assert config_doc.main(["--check"]) == 2
