@@ -20,7 +20,7 @@ endif
 export HAWK_SUITE_DEADLINE
 endif
 
-.PHONY: demo compose-demo layout test test-fast test-security test-ttsim test-tt-decode test-amx-refused lint env ttnn-env tt-env tt-env-background ttsim-env kernel-deps which-python bench-transform bench-serve clean-env
+.PHONY: demo compose-demo layout config-doc test test-fast test-security test-ttsim test-tt-decode test-amx-refused lint env ttnn-env tt-env tt-env-background ttsim-env kernel-deps which-python bench-transform bench-serve clean-env
 
 which-python:  ## the interpreter every target uses
 	@echo $(PY)
@@ -60,6 +60,9 @@ compose-demo: env
 
 layout: env  ## how a Llama-3.1-70B request maps onto a p150a's DRAM banks
 	$(PY) -m vllm_hawk.cli layout
+
+config-doc: env  ## regenerate docs/configuration.md's field table from vllm_hawk/connector/config.py
+	$(PY) -m vllm_hawk.connector.config_doc --write
 
 lint: env  ## ruff format --check and ruff check, configured in pyproject.toml
 	@$(STAGE) lint bash -c '$(dir $(PY))ruff format --check . && $(dir $(PY))ruff check .'

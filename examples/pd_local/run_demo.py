@@ -39,6 +39,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
+from vllm_hawk.connector.config import VLLM_PROFILE, pair_of  # noqa: E402
 from vllm_hawk.testing.local_cluster import LocalCluster, scrape_metrics  # noqa: E402
 
 PROMPTS = [
@@ -148,7 +149,8 @@ def run_gn(args, workdir: Path, gg_ttft: dict) -> bool:
         dtype="bfloat16",
         prefill_tp=args.gn_prefill_tp,
         decode_tt={"device": args.tt_device, "kv_dtype": args.tt_kv_dtype, "chips": args.tt_chips},
-        extra_config={"transport": transport, "mode": args.mode, "pull_timeout_s": 60.0, "handshake_timeout_s": 30.0},
+        extra_config={"pair": "gn-hawk", "transport": transport, "pull_timeout_s": 60.0, "handshake_timeout_s": 30.0},
+        decode_config={"mode": args.mode},  # GN-HAWK: the decode's landing; the prefill transforms into its ring
     )
     progress, tty = _progress_printer()
     t_start = time.monotonic()
@@ -226,6 +228,15 @@ def transfer_figures(url: str, body: dict) -> dict:
     return (out.get("kv_transfer_params") or {}).get("hawk_transfer") or {}
 
 
+def _gg_config(args) -> dict:
+    """The connector fields of the GG run: its ``pair`` where the flags make one (GG-Direct,
+    GG-Host), else the two fields as given (Mooncake with ``--mode staged``, ``host-staged``
+    with ``--mode direct``)."""
+    strategy = {"transport": args.transport, "mode": args.mode}
+    pair = pair_of({**strategy, "device_profile": VLLM_PROFILE, "layout_fix": "prefill"})
+    return {"pair": pair, "transport": args.transport} if pair else strategy
+
+
 def run_gg(args, workdir: Path) -> tuple[bool, dict]:
     """GG-Direct (or GG-Host with --transport host-staged): two CPU vLLM engines."""
 
@@ -233,7 +244,7 @@ def run_gg(args, workdir: Path) -> tuple[bool, dict]:
 
     print("building the tiny float32 Llama (offline; cached after the first run) ...", flush=True)
     model = build_tiny_llama(dtype="float32")
-    cluster = LocalCluster(model, workdir, extra_config={"transport": args.transport, "mode": args.mode})
+    cluster = LocalCluster(model, workdir, extra_config=_gg_config(args))
     rows: list = []
     t_start = time.monotonic()
     progress, tty = _progress_printer()

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from vllm_hawk.connector.config import HawkConfig, HawkConfigError, parse_config
+from vllm_hawk.connector.config import FIELDS, HawkConfig, HawkConfigError, parse_config
 from vllm_hawk.kvflow.decode import AUTO_LAYER_GROUPS
 
 SECRET = "0123456789abcdef-secret"
@@ -20,11 +20,8 @@ def test_defaults_are_documented_and_valid():
     cfg = parse_config({"shared_secret": SECRET})
     assert cfg == HawkConfig(shared_secret=SECRET) and cfg.auth == "curve" and cfg.secret_bytes == SECRET.encode()
     assert SECRET not in repr(cfg)
-    import vllm_hawk.connector.config as mod
-
-    for name in HawkConfig.__dataclass_fields__:
-        if name != "secret_bytes":
-            assert f"``{name}``" in mod.__doc__, f"field {name} is not documented"
+    for name, f in FIELDS.items():
+        assert f.metadata["doc"], f"field {name} is not documented"
 
 
 def test_authentication_is_on_by_default():
@@ -171,3 +168,118 @@ def test_prefill_tp_pairing_is_checked_at_start_up():
     assert parse_config({"prefill_tp": 2, "auth": "none"}).prefill_tp == 2
     with pytest.raises(HawkConfigError, match="prefill_tp"):
         parse_config({"prefill_tp": -1, "auth": "none"})
+
+
+def _tt(pair: str) -> dict:
+    return {"device_profile": "p150a"} if pair.startswith("gn-") else {}
+
+
+@pytest.mark.parametrize(
+    "pair,transport,mode,profile,fix",
+    [
+        ("gg-direct", "mooncake-tcp", "direct", "vllm", "prefill"),
+        ("gg-host", "host-staged", "staged", "vllm", "prefill"),
+        ("gn-host", "host-staged", "staged", "p150a", "decode"),
+        ("gn-hawk", "mooncake-tcp", "direct", "p150a", "prefill"),
+    ],
+)
+def test_each_pair_expands_to_its_fields(pair, transport, mode, profile, fix, caplog):
+    for side in ("prefill", "decode", None):
+        cfg = parse_config({"auth": "none", "pair": pair, **_tt(pair)}, side=side)
+        assert (cfg.pair, cfg.transport, cfg.mode, cfg.device_profile, cfg.layout_fix) == (
+            pair,
+            transport,
+            mode,
+            profile,
+            fix,
+        )
+    spelled = {"transport": transport, "mode": mode, "device_profile": profile, "layout_fix": fix}
+    assert parse_config({"auth": "none", "pair": pair, **spelled}, side="decode").pair == pair  # consistent: fine
+    assert "set pair" not in caplog.text
+
+
+def test_rdma_fits_the_mooncake_pairs():
+    for pair in ("gg-direct", "gn-hawk"):
+        cfg = parse_config({"auth": "none", "pair": pair, "transport": "mooncake-rdma", **_tt(pair)})
+        assert cfg.transport == "mooncake-rdma"
+
+
+@pytest.mark.parametrize(
+    "pair,name,value",
+    [
+        ("gg-direct", "transport", "host-staged"),
+        ("gg-direct", "mode", "staged"),
+        ("gg-direct", "device_profile", "p150a"),
+        ("gg-host", "transport", "mooncake-tcp"),
+        ("gg-host", "mode", "direct"),
+        ("gg-host", "layout_fix", "decode"),
+        ("gn-host", "transport", "mooncake-rdma"),
+        ("gn-host", "mode", "direct"),
+        ("gn-host", "layout_fix", "prefill"),
+        ("gn-host", "device_profile", "vllm"),
+        ("gn-hawk", "transport", "host-staged"),
+        ("gn-hawk", "layout_fix", "decode"),
+        ("gn-hawk", "device_profile", "vllm"),
+    ],
+)
+def test_a_field_that_contradicts_the_pair_is_refused_naming_both(pair, name, value):
+    extra = {"auth": "none", "pair": pair, **_tt(pair), name: value}
+    with pytest.raises(HawkConfigError) as e:
+        parse_config(extra)
+    assert f"pair={pair!r}" in str(e.value) and f"{name}={value!r}" in str(e.value)
+
+
+def test_a_gn_hawk_prefill_refuses_a_mode_its_decode_takes_one():
+    extra = {"auth": "none", "pair": "gn-hawk", "device_profile": "p150a", "mode": "staged"}
+    with pytest.raises(HawkConfigError) as e:
+        parse_config(extra, side="prefill")
+    assert "pair='gn-hawk'" in str(e.value) and "mode='staged'" in str(e.value)
+    assert parse_config(extra, side="decode").mode == "staged"
+
+
+def test_a_gn_pair_needs_the_tenstorrent_device():
+    with pytest.raises(HawkConfigError, match="pair='gn-host'.*device_profile"):
+        parse_config({"auth": "none", "pair": "gn-host"})
+    with pytest.raises(HawkConfigError, match="pair='gg-ring'.*gg-direct"):
+        parse_config({"auth": "none", "pair": "gg-ring"})
+    with pytest.raises(HawkConfigError, match="pair=\\['gg-host'\\]"):
+        parse_config({"auth": "none", "pair": ["gg-host"]})
+
+
+@pytest.mark.parametrize(
+    "extra,pair",
+    [
+        ({"transport": "host-staged", "mode": "staged"}, "gg-host"),
+        ({"transport": "mooncake-rdma", "mode": "direct", "device_profile": "vllm"}, "gg-direct"),
+        ({"transport": "host-staged", "mode": "staged", "device_profile": "p150a", "layout_fix": "decode"}, "gn-host"),
+        ({"transport": "mooncake-tcp", "device_profile": "p150a"}, "gn-hawk"),
+    ],
+)
+def test_old_keys_parse_as_before_and_warn_naming_pair(extra, pair, caplog):
+    cfg = parse_config({"auth": "none", **extra})
+    assert cfg.pair is None and all(getattr(cfg, k) == v for k, v in extra.items())
+    assert f"set pair={pair!r}" in caplog.text
+
+
+def test_old_keys_that_make_no_pair_parse_without_a_warning(caplog):
+    assert parse_config({"auth": "none", "transport": "host-staged"}).mode == "direct"  # GG over host-staged, direct
+    assert parse_config({"auth": "none"}).transport == "mooncake-tcp"
+    assert "set pair" not in caplog.text
+
+
+def test_an_old_gn_hawk_prefill_warns_that_it_ignores_mode(caplog):
+    cfg = parse_config({"auth": "none", "device_profile": "p150a", "mode": "staged"}, side="prefill")
+    assert cfg.mode == "staged" and "set pair='gn-hawk'" in caplog.text and "ignores mode" in caplog.text
+
+
+def test_transfer_engine_host_defaults_to_the_side_channel_host():
+    cfg = parse_config({"auth": "none", "side_channel_host": "10.0.0.10"})
+    assert cfg.transfer_engine_host == "10.0.0.10"
+    assert cfg.transport_kind_and_options()[1]["local_host"] == "10.0.0.10"
+    cfg = parse_config({"auth": "none", "side_channel_host": "10.0.0.10", "transfer_engine_host": "192.168.7.2"})
+    assert cfg.side_channel_host == "10.0.0.10" and cfg.transfer_engine_host == "192.168.7.2"
+    assert cfg.transport_kind_and_options()[1]["local_host"] == "192.168.7.2"
+    cfg = parse_config({"auth": "none", "transport": "host-staged", "transfer_engine_host": "192.168.7.2"})
+    assert cfg.transport_kind_and_options()[1]["bind_host"] == "192.168.7.2"
+    with pytest.raises(HawkConfigError, match="transfer_engine_host=''"):
+        parse_config({"auth": "none", "transfer_engine_host": ""})

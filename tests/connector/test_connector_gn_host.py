@@ -110,12 +110,7 @@ def test_local_cluster_starts_every_configuration_alike(tmp_path):
     assert sorted(CONFIGURATIONS) == ["GG-Direct", "GG-Host", "GN-HAWK", "GN-Host"]
     c = LocalCluster.configured("GN-Host", "m", tmp_path, kv_dtype="bfloat8_b", extra_config={"ring_nbytes": 1 << 20})
     assert c.decode_tt == {"device": "p150a", "kv_dtype": "bfloat8_b"}
-    assert c.extra_config == {
-        "transport": "host-staged",
-        "mode": "staged",
-        "layout_fix": "decode",
-        "ring_nbytes": 1 << 20,
-    }
+    assert c.extra_config == {"pair": "gn-host", "ring_nbytes": 1 << 20}
     assert LocalCluster.configured("GG-Host", "m", tmp_path).decode_tt is None
     with pytest.raises(ValueError, match="GN-Host"):
         LocalCluster.configured("gn-staged", "m", tmp_path)

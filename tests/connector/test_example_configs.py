@@ -1,9 +1,11 @@
-"""The example files under configs/ stay valid: each connector JSON passes the connector's
-own validation, prefill/decode pairs agree, and the env file names variables the code reads."""
+"""The example files under configs/ and examples/compose/config/ stay valid: each connector
+JSON passes the connector's own validation on its side and names its ``pair`` (no warning),
+prefill/decode pairs agree, and the env file names variables the code reads."""
 
 from __future__ import annotations
 
 import json
+import os
 import re
 from pathlib import Path
 
@@ -13,6 +15,7 @@ from vllm_hawk.connector.config import HawkConfigError, parse_config
 
 REPO = Path(__file__).resolve().parents[2]
 CONFIGS = REPO / "configs"
+COMPOSE_CONFIGS = REPO / "examples" / "compose" / "config"
 PAIRS = ["gg-direct", "gn-hawk", "gn-host"]
 
 
@@ -26,7 +29,7 @@ def test_every_example_is_a_listed_pair():
 
 
 @pytest.mark.parametrize("pair", PAIRS)
-def test_pair_is_valid_and_consistent(pair, monkeypatch):
+def test_pair_is_valid_and_consistent(pair, monkeypatch, caplog):
     monkeypatch.delenv("HAWK_CONFIG_DIR", raising=False)
     monkeypatch.delenv("HAWK_SHARED_SECRET", raising=False)
     monkeypatch.delenv("HAWK_SHARED_SECRET_FILE", raising=False)
@@ -37,11 +40,25 @@ def test_pair_is_valid_and_consistent(pair, monkeypatch):
     assert (pre["kv_connector"], pre["kv_role"]) == ("HawkConnector", "kv_producer")
     assert (dec["kv_connector"], dec["kv_role"]) == ("HawkConnector", "kv_consumer")
     assert dec.get("kv_load_failure_policy", "fail") in ("fail", "recompute")
-    p, d = parse_config(pre["kv_connector_extra_config"]), parse_config(dec["kv_connector_extra_config"])
+    p = parse_config(pre["kv_connector_extra_config"], side="prefill")
+    d = parse_config(dec["kv_connector_extra_config"], side="decode")
+    assert p.pair == d.pair == pair and "set pair" not in caplog.text
     assert p.device_profile == d.device_profile and p.transport == d.transport
     assert p.auth == d.auth == "curve" and p.secret_bytes == b"0123456789abcdef"
     assert (p.device_profile == "vllm") == (pair == "gg-direct")
     assert p.layout_fix == d.layout_fix == ("decode" if pair == "gn-host" else "prefill")
+
+
+@pytest.mark.parametrize("setup", ["emulated", "hardware"])
+def test_compose_configs_name_gn_hawk(setup, monkeypatch, caplog):
+    monkeypatch.setenv("HAWK_SHARED_SECRET", "0123456789abcdef")
+    monkeypatch.setenv("HAWK_NODE_IP", "192.0.2.10")
+    monkeypatch.setenv("HAWK_RDMA_DEVICE", "mlx5_0")
+    for side in ("prefill", "decode"):
+        text = os.path.expandvars((COMPOSE_CONFIGS / f"{setup}-{side}.json").read_text())
+        cfg = parse_config(json.loads(text)["kv_connector_extra_config"], side=side)
+        assert cfg.pair == "gn-hawk" and cfg.device_profile == "p150a"
+    assert "set pair" not in caplog.text
 
 
 def test_env_example_names_variables_the_code_reads():

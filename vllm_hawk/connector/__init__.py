@@ -8,7 +8,7 @@ Use it by module path::
 
 or, with the ``vllm.general_plugins`` entry point installed (``hawk_connector =
 vllm_hawk.connector:register``), by name alone (``"kv_connector": "HawkConnector"``).
-Settings: :mod:`vllm_hawk.connector.config`. Modules: ``connector`` (facade),
+Settings: :mod:`vllm_hawk.connector.config` (its field table: ``config_doc``). Modules: ``connector`` (facade),
 ``scheduler``, ``worker``, ``metadata``, ``describe`` (what the KV caches are), ``debug``
 (``HAWK_DEBUG_DIR``), ``stats``;
 Algorithm 1 itself is :mod:`vllm_hawk.kvflow`.

@@ -1,209 +1,21 @@
 """HawkConnector settings: ``kv_transfer_config.kv_connector_extra_config``.
 
-Every field, its default and its meaning (units in the name):
+Every field is declared once, in :class:`HawkConfig`: its type, its default (or the
+expression the parser computes it from when unset), the side that reads it, its limits
+and its meaning. ``docs/configuration.md``'s field table is generated from those
+declarations (``python -m vllm_hawk.connector.config_doc --write``, ``make config-doc``)
+and a test fails when the two differ. What happens at each limit under overload:
+``docs/configuration.md``; who may reach each port: ``docs/security.md``.
 
-=====================  ==================  ==================================================
-field                  default             meaning
-=====================  ==================  ==================================================
-``transport``          ``"mooncake-tcp"``  how KV bytes move: ``mooncake-tcp``,
-                                           ``mooncake-rdma`` (GG-Direct / HAWK) or
-                                           ``host-staged`` (GG-Host baseline: a host copy
-                                           on each side plus a plain TCP stream)
-``rdma_device``        ``""``              RDMA device filter for ``mooncake-rdma``, e.g.
-                                           ``"mlx5_0"``; ``""`` = every device found
-``side_channel_host``  ``"127.0.0.1"``     prefill: address the side channel (ZMQ) binds and
-                                           advertises in ``kv_transfer_params``; also the
-                                           address the transfer engine advertises
-``side_channel_port``  ``17600``           prefill: side-channel TCP port (decode: unused);
-                                           data-parallel rank *d*, tensor-parallel rank *t*
-                                           uses port + *d* + *t* x data_parallel_size
-``mode``               ``"direct"``        ``direct``: the decode READs the prefill's KV
-                                           block runs straight into its own KV blocks;
-                                           ``staged``: the prefill gathers the request's
-                                           blocks into its registered ring (Algorithm 1
-                                           P5-P6), the decode READs the ring into a
-                                           receive buffer and copies into its blocks (D6-D7)
-``device_profile``     ``"vllm"``          the decode side's KV destination, set the SAME on
-                                           both sides: ``vllm`` (a plain vLLM engine, same
-                                           layout as the prefill) or a Tenstorrent profile
-                                           name (``p150a``, ``n150``...: GN-HAWK; the decode
-                                           runs the ``vllm_hawk.tt_plugin`` platform with that
-                                           device; the prefill transforms each request's
-                                           blocks into the decode's tile layout in its ring,
-                                           whatever its ``mode``; the decode's ``mode``
-                                           picks per-bank receive buffers + intra-bank copies
-                                           (``staged``) or READs into the KV pages
-                                           (``direct``); see :mod:`vllm_hawk.kvflow.sinks`)
-``layout_fix``         ``"prefill"``       who fixes the KV layout for a Tenstorrent decode,
-                                           set the SAME on both sides: ``prefill`` (GN-HAWK:
-                                           the prefill transforms into the tile layout) or
-                                           ``decode`` (GN-Host, the paper's baseline: the
-                                           prefill serves plain vLLM blocks, the decode
-                                           READs them into a host receive ring and
-                                           tilizes/packs them into its KV pool, see
-                                           :mod:`vllm_hawk.kvflow.gn_host`). ``decode``
-                                           needs a Tenstorrent ``device_profile`` and
-                                           ``layer_groups`` 1 or auto; the prefill's ``mode`` picks
-                                           ring gather (``staged``) or blocks in place; the
-                                           decode always lands in its receive ring
-                                           (``ring_nbytes``). The paper's baseline: with
-                                           ``transport: host-staged``, ``mode: staged``.
-                                           The decode reads the blocks as vLLM's CPU
-                                           attention lays them out on a host like its own
-                                           (CPU_ATTN, the ISA vLLM picks there); a prefill
-                                           with another layout (e.g. a GPU's FlashAttention)
-                                           is refused at the handshake, naming both
-``auth``               ``"curve"``         side-channel authentication, set the SAME on both
-                                           sides: ``curve`` (CurveZMQ + ZAP at connection
-                                           time, then the HMAC envelope per message),
-                                           ``hmac`` (the envelope only), ``none`` (nothing
-                                           authenticated: a private, trusted network only).
-                                           ``curve``/``hmac`` need a shared secret and
-                                           start-up fails without one; see "Security"
-``shared_secret``      ``None``            the shared secret (>= 16 bytes), inline; keys the
-                                           side channel (CurveZMQ keys, HMAC) and the
-                                           host-staged transport's connection check
-``shared_secret_file`` ``None``            a file holding the secret instead (its bytes,
-                                           trailing newline stripped); exactly one of the
-                                           two, else ``HAWK_SHARED_SECRET`` or
-                                           ``HAWK_SHARED_SECRET_FILE`` from the environment
-``lease_s``            ``60.0``            prefill (the **lease**): a finished request's
-                                           KV is held this long for its decode after each
-                                           decode heartbeat for it (``renew_interval_s``)
-                                           and after its KVReady; without a Release it is
-                                           freed (expired lease)
-``handover_s``         ``lease_s``         prefill (the **hand-over hold**): a finished
-                                           request's KV is held this long after the
-                                           hand-over before any decode heartbeat: the
-                                           time the front (``hawk proxy``, vLLM's router)
-                                           and the decode's API server may take to bring
-                                           it to a decode engine, and the time a request
-                                           the decode refused holds the KV (``hawk
-                                           proxy`` releases those at once); <=
-                                           ``max_hold_s``
-``renew_interval_s``   ``1.0``             decode (the **heartbeat**): every this many
-                                           seconds, one ``Renew`` per prefill names every
-                                           request this decode accepted but has not pulled
-                                           yet (queued), so a queue longer than
-                                           ``lease_s`` fails nothing; at most
-                                           ``lease_s / 2``; unset: ``min(1, lease_s / 4)``
-``max_hold_s``         ``600.0``           both (the **hold bound**): renewals never hold
-                                           a request's KV longer than this after the
-                                           hand-over (prefill) or after the decode got it
-                                           (decode); a request queued longer loses its KV
-                                           (failed pull); >= ``lease_s``; unset:
-                                           ``max(600, lease_s)``
-``pull_timeout_s``     ``20.0``            decode (the **pull deadline**): one pull, side
-                                           channel round trips + READ batch + copies
-``claim_wait_s``       ``5.0``             both (the **claim wait**): longest wait for
-                                           buffer space (prefill ring, decode receive
-                                           buffers) before a request is refused; a decode
-                                           refused for a full prefill ring asks again
-                                           until its ``pull_timeout_s`` (backpressure)
-``handshake_timeout_s`` ``5.0``            decode: deadline for the first Hello to a prefill
-``ring_nbytes``        ``64 MiB``          prefill ring (staged, GN-HAWK) and decode receive
-                                           buffers (staged), bytes
-``max_pulls``          ``2``               decode: pulls running at once (worker threads)
-``layer_groups``       ``"auto"``          decode, GN-HAWK: split each pull into this many
-                                           layer groups (1-64); the prefill transforms group
-                                           i+1 while the decode READs group i (one KVRequest
-                                           and KVReady per group, one Release); 1 = off;
-                                           ``"auto"``: 2 for a direct-mode pull of >= 84 MiB
-                                           of tiles, else 1 (measured, see
-                                           ``kvflow.decode.AUTO_GROUPS_MIN_NBYTES``)
-``idle_step_wait_ms``  ``20``              both: in an engine step that computes nothing (the
-                                           engine steps only to poll the connector while it
-                                           holds KV for a decode, or waits for a pull), the
-                                           worker waits this long for a Release or a pull to
-                                           end before it returns; 0 = return at once. Without
-                                           it such steps spin every worker and the engine
-                                           core (a TP=2 prefill holding one request: 1.9 of 2
-                                           cores), starving the side channel on small hosts.
-                                           A request that arrives meanwhile starts at most
-                                           this much later
-``prefill_tp``         ``0``               decode: the prefills' tensor_parallel_size; checked
-                                           at start-up against this decode's TP (or chips)
-                                           and the model's KV heads, and against each
-                                           request's ``remote_tp_size``; 0 = any (each pull
-                                           checks its own pairing)
-=====================  ==================  ==================================================
-
+``pair`` names the pair a user deploys and expands to the four fields that make it
+(:data:`PAIRS`); a field given next to it that contradicts it is refused.
 Validated once at start-up; an error names the field, the bad value and what is allowed
 (a secret's value is never shown).
-
-Limits under overload
----------------------
-What happens when each limit is reached (nothing fails a request on a healthy pair
-except where it says "failed pull"; a failed pull is recomputed by the decode under
-``kv_load_failure_policy: recompute``, or fails the request under ``fail``):
-
-* **prefill KV cache full** (blocks held for decodes): vLLM's prefill scheduler queues
-  new requests until blocks are released (backpressure to the proxy and clients).
-* **prefill ring full** (``ring_nbytes``; staged and GN-HAWK): a KVRequest waits up to
-  ``claim_wait_s`` for space, then is refused ``no_space``; the decode asks again,
-  backing off up to 0.5 s, until its ``pull_timeout_s`` ends: a failed pull only then.
-* **decode receive buffers full** (staged sinks, ``ring_nbytes``): a pull waits up to
-  ``claim_wait_s`` (within the lease of its KVReady), then fails (failed pull; the
-  prefill's range is released at once).
-* **max_pulls**: further pulls queue in the decode's worker (no bound beyond the
-  engine's own ``max_num_seqs`` and KV blocks); their leases are renewed meanwhile.
-* **hand-over hold** (``handover_s``): from the hand-over until the decode engine's
-  first heartbeat for it (the front's queue, the decode's API server) the prefill holds a
-  request by itself, whatever front forwards it; one that no decode engine takes up
-  within it (the front died, the decode refused it) is freed then.
-* **lease** (``lease_s``): a request the decode still wants is renewed every
-  ``renew_interval_s``; one whose decode stopped wanting it (the decode died) is freed
-  ``lease_s`` after its last renewal; a served range without Release ``lease_s`` after
-  its KVReady (the decode's READs must end before).
-* **hold bound** (``max_hold_s``): see the table; failed pull beyond it.
-* **pull deadline** (``pull_timeout_s``): failed pull.
-* **side-channel tables** (:mod:`vllm_hawk.kvflow.prefill`): at most 1024
-  early KVRequests / Releases, 4096 sessions, 65,536 ids renewed per decode; beyond
-  them the oldest is evicted or the new one refused (counted in the refusals).
-* **refused at the decode's API server** (bad ``max_tokens``, prompt longer than the
-  decode's ``max_model_len``): ``hawk proxy``, which has the shared secret, sends the
-  prefill a ``Release`` at once (the request was never claimed, so no decode owns it);
-  behind a front that does not (vLLM's router), the hand-over hold frees it
-  ``handover_s`` after the hand-over.
-
-Security
---------
-Who may reach each port and what it exposes (threat model: docs/security.md):
-
-* side channel (``side_channel_host:side_channel_port``, ZMQ). CurveZMQ + ZAP against the
-  HMAC envelope alone, measured (``tests/security/test_idle_floods.py``: a prefill limited
-  to 256 fds, 400 connections held and reopened as they are dropped):
-
-  - ``auth: curve`` (default): a peer without the secret cannot finish the ZMTP handshake
-    (its CURVE key is derived from the secret; pyzmq's ZAP handler admits only that key);
-    libzmq drops it after 1 s (``HANDSHAKE_IVL``) whether it talks or idles, and none of
-    our code runs for it. New decodes were served in 1.0-1.1 s (silent flood) and
-    0.02-0.1 s (a flood speaking ZMTP/NULL); RSS +1 MiB. While the flood holds every fd,
-    libzmq retries ``accept`` in a busy loop (2-4 CPU seconds over the 3 s test): keep the
-    fd limit high (vLLM raises it to 65,535) so that this takes more than a second's worth
-    of connections.
-  - ``auth: hmac``: every message is checked (forgeries, replays and messages for another
-    prefill are dropped) but any peer completes the NULL handshake and HOLDS its
-    connection; 400 idle ZMQ peers lock new decodes out (not served within 2 s), as the
-    review's 4,100 did at 4,096 fds. Use it only where ``curve`` cannot be (no libsodium).
-
-  Both keep the message-level envelope: HMAC-SHA256, 30 s replay window, the recipient's
-  id. When one side has a secret and the other none (or another, or a different
-  ``auth``), the decode's handshake fails at once with an error that says so.
-* transfer engine (Mooncake): listens on two ports on EVERY interface, whatever
-  ``side_channel_host`` says, without authentication (Mooncake has no setting for
-  either; ``MC_MIN_RPC_PORT``/``MC_MAX_RPC_PORT`` only pick the port range). Anyone who
-  reaches them can READ/WRITE memory registered at that moment. HAWK therefore
-  registers only what a transfer needs while it needs it (a request's ring range, the
-  receive buffers of a pull in flight) and the ports must be firewalled to the peer
-  nodes; ``hawk doctor`` says so.
-* host-staged transport (``side_channel_host``, ephemeral port): every connection proves
-  the shared secret (HMAC challenge-response) before any request is read; ranges are
-  checked before anything is allocated; connections are bounded and idle ones dropped.
 """
 
 from __future__ import annotations
 
+import logging
 import os
 import stat
 from collections.abc import Mapping
@@ -215,52 +27,281 @@ from vllm_hawk.kvflow.decode import AUTO_LAYER_GROUPS
 from vllm_hawk.protocol import VLLM_PROFILE
 
 TRANSPORTS = ("mooncake-tcp", "mooncake-rdma", "host-staged")
+MOONCAKE = ("mooncake-tcp", "mooncake-rdma")
 AUTH_MODES = ("curve", "hmac", "none")
 MIN_SECRET_NBYTES = 16
 MAX_SECRET_FILE_NBYTES = 4096
 MODES = ("direct", "staged")
 LAYOUT_FIXES = ("prefill", "decode")
+SIDES = ("prefill", "decode")
+#: ``device_profile`` in :data:`PAIRS`: a Tenstorrent profile, given explicitly
+TENSTORRENT = None
+
+#: What each ``pair`` implies: field -> the values it allows, the first filled in when the
+#: field is unset (:data:`TENSTORRENT`: any Tenstorrent profile, which must be given).
+#: GN-HAWK leaves ``mode`` to the decode (its landing); the prefill always transforms into
+#: its ring, so a GN-HAWK prefill refuses a ``mode``.
+PAIRS: dict[str, dict[str, tuple[str, ...] | None]] = {
+    "gg-direct": {
+        "transport": MOONCAKE,
+        "mode": ("direct",),
+        "device_profile": (VLLM_PROFILE,),
+        "layout_fix": ("prefill",),
+    },
+    "gg-host": {
+        "transport": ("host-staged",),
+        "mode": ("staged",),
+        "device_profile": (VLLM_PROFILE,),
+        "layout_fix": ("prefill",),
+    },
+    "gn-host": {
+        "transport": ("host-staged",),
+        "mode": ("staged",),
+        "device_profile": TENSTORRENT,
+        "layout_fix": ("decode",),
+    },
+    "gn-hawk": {"transport": MOONCAKE, "device_profile": TENSTORRENT, "layout_fix": ("prefill",)},
+}
+#: The names the paper and ``LocalCluster.configured`` use for each pair
+PAIR_NAMES = {"gg-direct": "GG-Direct", "gg-host": "GG-Host", "gn-host": "GN-Host", "gn-hawk": "GN-HAWK"}
+
+logger = logging.getLogger("vllm.hawk.config")
 
 
 class HawkConfigError(ValueError):
     """A ``kv_connector_extra_config`` field is missing, unknown or out of range."""
 
 
+def setting(default: Any, doc: str, *, side: str, limits: str = "", unset: str | None = None, **kw) -> Any:
+    """A field of :class:`HawkConfig` with its documentation. ``side``: who reads it
+    (``prefill``, ``decode``, ``both``); ``unset``: the expression over the other fields
+    that the parser computes the value from when the field is not given (``default`` is
+    then that expression over the defaults)."""
+    meta = {"doc": " ".join(doc.split()), "side": side, "limits": limits, "unset": unset}
+    return field(default=default, metadata=meta, **kw)
+
+
 @dataclass(frozen=True)
 class HawkConfig:
-    transport: str = "mooncake-tcp"
-    rdma_device: str = ""
-    side_channel_host: str = "127.0.0.1"
-    side_channel_port: int = 17600
-    mode: str = "direct"
-    device_profile: str = VLLM_PROFILE
-    layout_fix: str = "prefill"
-    auth: str = "curve"
-    shared_secret: str | None = field(default=None, repr=False)
-    shared_secret_file: str | None = None
-    lease_s: float = 60.0
-    handover_s: float = 60.0
-    renew_interval_s: float = 1.0
-    max_hold_s: float = 600.0
-    pull_timeout_s: float = 20.0
-    claim_wait_s: float = 5.0
-    handshake_timeout_s: float = 5.0
-    ring_nbytes: int = 64 << 20
-    max_pulls: int = 2
-    layer_groups: int = AUTO_LAYER_GROUPS  # "auto" in kv_connector_extra_config (0 once parsed)
-    prefill_tp: int = 0
-    idle_step_wait_ms: int = 20
+    """The parsed settings; each field's metadata is its documentation (see module doc)."""
+
+    pair: str | None = setting(
+        None,
+        """the pair this engine is part of, the same on both sides: ``gg-direct`` (GPU -> GPU, the
+        decode READs the prefill's KV blocks in place over Mooncake), ``gg-host`` (GPU -> GPU over
+        ``host-staged``: a host copy on each side plus a plain TCP stream), ``gn-host`` (GPU ->
+        Tenstorrent over ``host-staged``, the decode tilizes the plain blocks: the paper's baseline),
+        ``gn-hawk`` (GPU -> Tenstorrent over Mooncake, the prefill transforms into the decode's tile
+        layout). It sets ``transport``, ``mode``, ``device_profile`` and ``layout_fix``; one of them
+        given as well must agree with it (``transport`` may pick ``mooncake-rdma`` for
+        ``gg-direct``/``gn-hawk``; the ``gn-*`` pairs need ``device_profile`` naming the Tenstorrent
+        device; under ``gn-hawk`` only the decode takes a ``mode``). Unset: those four fields as given,
+        with a warning naming the pair they make""",
+        side="both",
+        limits="`gg-direct`, `gg-host`, `gn-host`, `gn-hawk`",
+    )
+    transport: str = setting(
+        "mooncake-tcp",
+        """how KV bytes move: Mooncake (GG-Direct, GN-HAWK), or ``host-staged`` (the GG-Host / GN-Host
+        baselines: a host copy on each side plus a plain TCP stream)""",
+        side="both",
+        limits="`mooncake-tcp`, `mooncake-rdma`, `host-staged`",
+    )
+    rdma_device: str = setting(
+        "",
+        """RDMA device filter, e.g. ``"mlx5_0"``; ``""`` = every device found""",
+        side="both",
+        limits="only with `mooncake-rdma`",
+    )
+    side_channel_host: str = setting(
+        "127.0.0.1",
+        """address the side channel (ZMQ) binds and advertises in ``kv_transfer_params``, and
+        ``transfer_engine_host``'s default (on the decode, only that). In the example configs it is the
+        node's own address that peers reach, on both sides""",
+        side="both",
+        limits="not empty",
+    )
+    side_channel_port: int = setting(
+        17600,
+        """side-channel TCP port (decode: unused); data-parallel rank *d*, tensor-parallel rank
+        *t* uses port + *d* + *t* × data_parallel_size""",
+        side="prefill",
+        limits="1-65535",
+    )
+    transfer_engine_host: str = setting(
+        "127.0.0.1",
+        """the address this engine's KV transport advertises to its peer: Mooncake's transfer engine
+        (which listens on every interface whatever this says, [security.md](security.md)) or the
+        ``host-staged`` stream, which binds it; a node whose KV link is not its side-channel address
+        sets it""",
+        side="both",
+        limits="not empty",
+        unset="side_channel_host",
+    )
+    mode: str = setting(
+        "direct",
+        """``direct``: the decode READs the prefill's KV block runs straight into its own KV blocks;
+        ``staged``: the prefill gathers the request's blocks into its registered ring (Algorithm 1
+        P5-P6), the decode READs the ring into a receive buffer and copies into its blocks (D6-D7).
+        GN-HAWK: the decode's only (per-bank receive buffers + intra-bank copies, ``staged``, or READs
+        into the KV pages, ``direct``, ``vllm_hawk/kvflow/sinks.py``); the prefill always transforms
+        into its ring and refuses a ``mode`` with ``pair: gn-hawk``. GN-Host: the prefill's ring
+        gather (``staged``) or blocks in place; its decode always lands in its receive ring""",
+        side="both",
+        limits="`direct`, `staged`",
+    )
+    device_profile: str = setting(
+        VLLM_PROFILE,
+        """the decode side's KV destination, the same on both sides: ``vllm`` (a plain vLLM engine, same
+        layout as the prefill and a ``--block-size`` equal to the prefill's or a multiple of it: the
+        decode regroups the prefill's blocks, [gpu-prefill.md](gpu-prefill.md#block-sizes)) or a
+        Tenstorrent profile (``p150a``, ``n150``...: GN-HAWK, GN-Host). GN-HAWK's prefill transforms each
+        request's blocks into the decode's tile layout in its ring, whatever the two block sizes (e.g. a
+        GPU's 16 into 64)""",
+        side="both",
+        limits="`vllm` or a profile name",
+    )
+    layout_fix: str = setting(
+        "prefill",
+        """who fixes the KV layout for a Tenstorrent decode, the same on both sides: ``prefill``
+        (GN-HAWK) or ``decode`` (GN-Host: the prefill serves plain vLLM blocks, the decode READs them
+        into a host receive ring (``ring_nbytes``) and tilizes/packs them into its KV pool,
+        ``vllm_hawk/kvflow/gn_host.py``). ``decode`` needs a Tenstorrent ``device_profile`` and
+        ``layer_groups`` 1 or auto. The decode reads the blocks as vLLM's CPU attention lays them out
+        on a host like its own; a prefill with another layout (e.g. a GPU's FlashAttention) is refused
+        at the handshake, naming both""",
+        side="both",
+        limits="`prefill`, `decode`",
+    )
+    auth: str = setting(
+        "curve",
+        """side-channel authentication, the same on both sides ([security.md](security.md)): ``curve``
+        (CurveZMQ + ZAP at connection time, then the HMAC envelope per message), ``hmac`` (the envelope
+        only), ``none`` (nothing authenticated: a private, trusted network only); ``curve``/``hmac``
+        need a shared secret and start-up fails without one""",
+        side="both",
+        limits="`curve`, `hmac`, `none`",
+    )
+    shared_secret: str | None = setting(
+        None,
+        """the shared secret, inline; keys the side channel (CurveZMQ keys, HMAC) and the host-staged
+        transport's connection check""",
+        side="both",
+        limits=">= 16 bytes",
+        repr=False,
+    )
+    shared_secret_file: str | None = setting(
+        None,
+        """a file holding the secret instead (trailing newline stripped); exactly one of the two, else
+        ``HAWK_SHARED_SECRET`` or ``HAWK_SHARED_SECRET_FILE`` from the environment""",
+        side="both",
+        limits="regular file, <= 4,096 bytes",
+    )
+    lease_s: float = setting(
+        60.0,
+        """the **lease**: a finished request's KV is held this long for its decode after each decode
+        heartbeat for it and after its KVReady; without a Release it is freed (expired lease)""",
+        side="prefill",
+        limits=">= 0.1",
+    )
+    handover_s: float = setting(
+        60.0,
+        """the **hand-over hold**: a finished request's KV is held this long after the hand-over before
+        any decode heartbeat: the time the front (``hawk proxy``, vLLM's router) and the decode's API
+        server may take to bring it to a decode engine, whose first heartbeat ends the hold. Also how
+        long a request the decode refused holds the KV behind a front that does not release it (vLLM's
+        router; ``hawk proxy`` releases it at once)""",
+        side="prefill",
+        limits="0.1 to `max_hold_s`",
+        unset="lease_s",
+    )
+    renew_interval_s: float = setting(
+        1.0,
+        """the **heartbeat**: every this many seconds, one ``Renew`` per prefill names every request
+        this decode accepted but has not pulled yet, so a queue longer than ``lease_s`` fails nothing""",
+        side="decode",
+        limits="0.01 to `lease_s / 2`",
+        unset="min(1.0, lease_s / 4)",
+    )
+    max_hold_s: float = setting(
+        600.0,
+        """the **hold bound**: renewals never hold a request's KV longer than this after the hand-over
+        (prefill) or after the decode got it (decode); a request queued longer loses its KV (failed
+        pull)""",
+        side="both",
+        limits=">= `lease_s`, `handover_s`",
+        unset="max(600.0, lease_s, handover_s)",
+    )
+    pull_timeout_s: float = setting(
+        20.0,
+        """the **pull deadline**: one pull, side-channel round trips + READ batch + copies""",
+        side="decode",
+        limits=">= 0.1",
+    )
+    claim_wait_s: float = setting(
+        5.0,
+        """the **claim wait**: longest wait for buffer space (prefill ring, decode receive buffers)
+        before a request is refused; a decode refused for a full prefill ring asks again until its
+        ``pull_timeout_s`` (backpressure)""",
+        side="both",
+        limits=">= 0.1",
+    )
+    handshake_timeout_s: float = setting(
+        5.0, """deadline for the first Hello to a prefill""", side="decode", limits=">= 0.1"
+    )
+    ring_nbytes: int = setting(
+        64 << 20,
+        """prefill ring (staged, GN-HAWK) and decode receive buffers (staged), bytes. The prefill's ring
+        is on its KV cache's device (GPU memory on a GPU node with Mooncake's CUDA wheel; host memory
+        with ``host-staged``): [gpu-prefill.md](gpu-prefill.md)""",
+        side="both",
+        limits=">= 64 KiB",
+    )
+    max_pulls: int = setting(2, """pulls running at once (worker threads)""", side="decode", limits="1-64")
+    layer_groups: int = setting(
+        AUTO_LAYER_GROUPS,
+        """GN-HAWK: split each pull into this many layer groups; the prefill transforms group i+1 while
+        the decode READs group i (one KVRequest and KVReady per group, one Release); 1 = off;
+        ``"auto"``: 2 for a direct-mode pull of >= 84 MiB of tiles, else 1 (measured,
+        ``vllm_hawk.kvflow.decode.AUTO_GROUPS_MIN_NBYTES``)""",
+        side="decode",
+        limits='1-64 or `"auto"`',
+        unset="'auto'",
+    )
+    prefill_tp: int = setting(
+        0,
+        """the prefills' tensor_parallel_size, checked at start-up against this decode's TP (or chips)
+        and the model's KV heads, and against each request's ``remote_tp_size``; 0 = any (each pull
+        checks its own pairing)""",
+        side="decode",
+        limits="0-64",
+    )
+    idle_step_wait_ms: int = setting(
+        20,
+        """in an engine step that computes nothing (vLLM keeps stepping an engine only to poll the
+        connector while it holds KV for a decode or waits for a pull), the worker waits this long for a
+        Release or a pull's end, and returns as soon as one comes; 0 = at once. Spinning, a TP=2 prefill
+        holding one request used 1.9 of 2 cores and starved its own side channel; a request that
+        arrives meanwhile starts at most this much later""",
+        side="both",
+        limits="0-1000",
+    )
     secret_bytes: bytes | None = field(default=None, repr=False, compare=False)  # resolved, not a field
 
     def transport_kind_and_options(self) -> tuple[str, dict[str, Any]]:
         """Arguments for :func:`vllm_hawk.transport.make_transport`."""
         if self.transport == "host-staged":
-            return "host_staged", {"bind_host": self.side_channel_host, "secret": self.secret_bytes}
+            return "host_staged", {"bind_host": self.transfer_engine_host, "secret": self.secret_bytes}
         protocol = "rdma" if self.transport == "mooncake-rdma" else "tcp"
-        return "mooncake", {"local_host": self.side_channel_host, "protocol": protocol, "device_name": self.rdma_device}
+        return "mooncake", {
+            "local_host": self.transfer_engine_host,
+            "protocol": protocol,
+            "device_name": self.rdma_device,
+        }
 
 
-_KNOWN = {f.name: f for f in fields(HawkConfig) if f.name != "secret_bytes"}
+#: Every field the user may set, by name, in declaration order
+FIELDS = {f.name: f for f in fields(HawkConfig) if f.name != "secret_bytes"}
 _RENAMED = {"transfer_timeout_s": "pull_timeout_s"}
 
 
@@ -277,23 +318,37 @@ def _number(name: str, value: Any, *, integer: bool, low: float, high: float | N
     return value
 
 
+def _unset(name: str, out: dict) -> Any:
+    """The value of field ``name`` when it is not given: its declared ``unset`` expression
+    over the fields parsed so far (the same text ``docs/configuration.md`` shows)."""
+    expr = FIELDS[name].metadata["unset"]
+    # expr is a constant of HawkConfig's declarations, never user input; no builtins but min/max
+    return eval(expr, {"__builtins__": {}, "min": min, "max": max}, dict(out))
+
+
 def port_stride(vllm_config) -> int:
     """Side-channel ports between tensor-parallel ranks: the prefill's TP rank ``r`` of
     data-parallel rank ``d`` listens on ``side_channel_port + d + r * data_parallel_size``."""
     return max(1, int(getattr(vllm_config.parallel_config, "data_parallel_size", 1) or 1))
 
 
-def parse_config(extra: Mapping[str, Any] | None, *, dp_rank: int = 0) -> HawkConfig:
+def parse_config(extra: Mapping[str, Any] | None, *, dp_rank: int = 0, side: str | None = None) -> HawkConfig:
     """Validate ``kv_connector_extra_config`` and return the settings (see module doc).
-    Fields are checked in a fixed order, so the first error is always the same one."""
+    ``side``: ``prefill`` or ``decode`` where the caller knows (``None``: checks that need
+    it are skipped). Fields are checked in a fixed order, so the first error is always the
+    same one."""
+    if side not in (None, *SIDES):
+        raise ValueError(f"side must be one of {list(SIDES)} or None, got {side!r}")
     extra = dict(extra or {})
     _check_names(extra)
-    cfg = HawkConfig()
-    out: dict[str, Any] = {f: getattr(cfg, f) for f in _KNOWN}
+    out: dict[str, Any] = {name: f.default for name, f in FIELDS.items()}
+    out.update(_expand_pair(extra, side))
     out.update(extra)
-    _check_strategy(out)
+    _check_strategy(out, extra)
     _check_numbers(out, extra, dp_rank)
     _check_layout_fix(out)
+    if "pair" not in extra:
+        _warn_old_keys(out, extra, side)
     if out["auth"] not in AUTH_MODES:
         raise _err("auth", out["auth"], f"choose one of {list(AUTH_MODES)}")
     out["secret_bytes"] = _resolve_secret(out)
@@ -302,18 +357,89 @@ def parse_config(extra: Mapping[str, Any] | None, *, dp_rank: int = 0) -> HawkCo
 
 def _check_names(extra: dict) -> None:
     """Renamed and unknown fields are refused, naming the field to use instead."""
-    unknown = sorted(set(extra) - set(_KNOWN))
+    unknown = sorted(set(extra) - set(FIELDS))
     for old, new in _RENAMED.items():
         if old in extra:
             raise HawkConfigError(f"kv_connector_extra_config.{old} was renamed to {new!r}")
     if unknown:
         raise HawkConfigError(
-            f"kv_connector_extra_config has unknown field(s) {unknown}; known fields: {sorted(_KNOWN)}"
+            f"kv_connector_extra_config has unknown field(s) {unknown}; known fields: {sorted(FIELDS)}"
         )
 
 
-def _check_strategy(out: dict) -> None:
-    """transport, mode and the string fields."""
+def _expand_pair(extra: dict, side: str | None) -> dict[str, Any]:
+    """The fields ``pair`` implies and ``extra`` does not give; a given one that contradicts
+    the pair is refused, naming both."""
+    if "pair" not in extra:
+        return {}
+    pair = extra["pair"]
+    if not isinstance(pair, str) or pair not in PAIRS:
+        raise _err("pair", pair, f"choose one of {list(PAIRS)}")
+    implied: dict[str, Any] = {}
+    for name, allowed in PAIRS[pair].items():
+        if name not in extra:
+            if allowed is TENSTORRENT:
+                raise _err("pair", pair, "needs device_profile naming the Tenstorrent device (e.g. 'p150a')")
+            implied[name] = allowed[0]
+            continue
+        given = extra[name]
+        if allowed is TENSTORRENT and given == VLLM_PROFILE:
+            raise HawkConfigError(
+                f"kv_connector_extra_config.pair={pair!r} (a Tenstorrent decode) contradicts "
+                f"{name}={given!r}: set device_profile to the decode's Tenstorrent device (e.g. 'p150a')"
+            )
+        if allowed is not TENSTORRENT and given not in allowed:
+            want = repr(allowed[0]) if len(allowed) == 1 else f"one of {list(allowed)}"
+            raise HawkConfigError(
+                f"kv_connector_extra_config.pair={pair!r} contradicts {name}={given!r}: the pair sets "
+                f"{name} to {want}; drop {name} or choose the pair it belongs to"
+            )
+    if pair == "gn-hawk" and side == "prefill" and "mode" in extra:
+        raise HawkConfigError(
+            f"kv_connector_extra_config.pair='gn-hawk' contradicts mode={extra['mode']!r} on the prefill: a "
+            "GN-HAWK prefill always transforms into its ring; mode picks the decode's landing, set it there only"
+        )
+    return implied
+
+
+def pair_of(out: Mapping[str, Any]) -> str | None:
+    """The pair that ``transport``, ``mode``, ``device_profile`` and ``layout_fix`` make, or
+    None when they make none of :data:`PAIRS`."""
+    for pair, implied in PAIRS.items():
+        if all(
+            out[name] != VLLM_PROFILE if allowed is TENSTORRENT else out[name] in allowed
+            for name, allowed in implied.items()
+        ):
+            return pair
+    return None
+
+
+def _warn_old_keys(out: dict, extra: dict, side: str | None) -> None:
+    """Without ``pair``: a warning naming the pair the strategy fields make (and that a
+    GN-HAWK prefill ignores ``mode``)."""
+    given = [n for n in ("transport", "mode", "device_profile", "layout_fix") if n in extra]
+    pair = pair_of(out)
+    if not given or pair is None:
+        return
+    implied = PAIRS[pair]
+    ignored = pair == "gn-hawk" and side == "prefill" and "mode" in extra
+    replaced = [
+        n
+        for n in given
+        if (n == "mode" and ignored) or (implied.get(n) not in (None, TENSTORRENT) and extra[n] == implied[n][0])
+    ]
+    text = f"set pair={pair!r} ({PAIR_NAMES[pair]})"
+    if replaced:
+        text += " instead of " + " + ".join(f"{n}={extra[n]!r}" for n in replaced)
+    if kept := [f"{n}={extra[n]!r}" for n in given if n not in replaced]:
+        text += ", keeping " + ", ".join(kept)
+    if ignored:
+        text += "; a GN-HAWK prefill ignores mode (it always transforms into its ring)"
+    logger.warning("kv_connector_extra_config: %s", text)
+
+
+def _check_strategy(out: dict, extra: dict) -> None:
+    """transport, mode and the string fields; transfer_engine_host unset: side_channel_host."""
     if out["transport"] not in TRANSPORTS:
         raise _err("transport", out["transport"], f"choose one of {list(TRANSPORTS)}")
     if out["mode"] not in MODES:
@@ -323,33 +449,35 @@ def _check_strategy(out: dict) -> None:
             raise _err(name, out[name], "expected a string")
     if not out["side_channel_host"]:
         raise _err("side_channel_host", "", "must not be empty")
+    if "transfer_engine_host" not in extra:
+        out["transfer_engine_host"] = _unset("transfer_engine_host", out)
+    if not isinstance(out["transfer_engine_host"], str) or not out["transfer_engine_host"]:
+        raise _err("transfer_engine_host", out["transfer_engine_host"], "expected a host name or address")
     if out["rdma_device"] and out["transport"] != "mooncake-rdma":
         raise _err("rdma_device", out["rdma_device"], "only meaningful with transport='mooncake-rdma'")
 
 
 def _check_numbers(out: dict, extra: dict, dp_rank: int) -> None:
-    """Ports, times (s), sizes (bytes) and counts, in place; defaults derived from lease_s."""
+    """Ports, times (s), sizes (bytes) and counts, in place; unset ones from their ``unset``."""
     out["side_channel_port"] = (
         _number("side_channel_port", out["side_channel_port"], integer=True, low=1, high=65535 - dp_rank) + dp_rank
     )
     for name in ("lease_s", "pull_timeout_s", "claim_wait_s", "handshake_timeout_s"):
         out[name] = float(_number(name, out[name], integer=False, low=0.1))
-    if "renew_interval_s" not in extra:
-        out["renew_interval_s"] = min(1.0, out["lease_s"] / 4)
+
+    def value(name: str) -> Any:
+        return out[name] if name in extra else _unset(name, out)
+
     out["renew_interval_s"] = float(
-        _number("renew_interval_s", out["renew_interval_s"], integer=False, low=0.01, high=out["lease_s"] / 2)
+        _number("renew_interval_s", value("renew_interval_s"), integer=False, low=0.01, high=out["lease_s"] / 2)
     )
-    if "handover_s" not in extra:
-        out["handover_s"] = out["lease_s"]
-    out["handover_s"] = float(_number("handover_s", out["handover_s"], integer=False, low=0.1))
-    if "max_hold_s" not in extra:
-        out["max_hold_s"] = max(600.0, out["lease_s"], out["handover_s"])
-    out["max_hold_s"] = float(
-        _number("max_hold_s", out["max_hold_s"], integer=False, low=max(out["lease_s"], out["handover_s"]))
-    )
+    out["handover_s"] = float(_number("handover_s", value("handover_s"), integer=False, low=0.1))
+    low = max(out["lease_s"], out["handover_s"])
+    out["max_hold_s"] = float(_number("max_hold_s", value("max_hold_s"), integer=False, low=low))
+    out["layer_groups"] = value("layer_groups")
     out["ring_nbytes"] = _number("ring_nbytes", out["ring_nbytes"], integer=True, low=1 << 16)
     out["max_pulls"] = _number("max_pulls", out["max_pulls"], integer=True, low=1, high=64)
-    if "layer_groups" not in extra or out["layer_groups"] == "auto":
+    if out["layer_groups"] == "auto":
         out["layer_groups"] = AUTO_LAYER_GROUPS
     elif isinstance(out["layer_groups"], str):
         raise _err("layer_groups", out["layer_groups"], "expected an integer in [1, 64] or 'auto'")
@@ -400,11 +528,7 @@ def _read_secret_file(name: str, path: Any) -> bytes:
     except OSError as e:
         raise _err(name, path, f"cannot be read: {e.strerror}") from None
     if st.st_mode & stat.S_IROTH:
-        import logging
-
-        logging.getLogger("vllm.hawk.config").warning(
-            "%s %s is readable by every user on this host: chmod o-r it", name, path
-        )
+        logger.warning("%s %s is readable by every user on this host: chmod o-r it", name, path)
     return data
 
 

@@ -54,7 +54,8 @@ class HawkConnector(KVConnectorBase_V1):
                 "HawkConnector supports pipeline_parallel_size 1 only (tensor parallelism of any size on both sides)"
             )
         dp_rank = getattr(vllm_config.parallel_config, "data_parallel_index", 0) or 0
-        self.cfg = parse_config(ktc.kv_connector_extra_config, dp_rank=dp_rank)
+        side = "prefill" if ktc.is_kv_producer else "decode"
+        self.cfg = parse_config(ktc.kv_connector_extra_config, dp_rank=dp_rank, side=side)
         self.engine_id = ktc.engine_id or "hawk"
         self.connector_scheduler: HawkConnectorScheduler | None = None
         self.connector_worker: HawkConnectorWorker | None = None

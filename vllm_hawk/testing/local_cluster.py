@@ -57,18 +57,16 @@ CHAT_TEMPLATE = (
 
 Progress = Callable[[str, float], None]  # (what is starting, seconds so far)
 
-#: The paper's serving configurations as :class:`LocalCluster` settings. GG: a vLLM decode;
-#: GN: a decode on the emulated Tenstorrent platform plugin (``decode_tt``). GG-Host and
-#: GN-Host move plain vLLM blocks over the host-staged transport (GN-Host then fixes the
-#: layout on the decode: ``layout_fix: decode``); GG-Direct and GN-HAWK use Mooncake TCP
-#: (GN-HAWK: the prefill transforms into the tile layout, the decode READs into its KV
-#: pages). ``hawk bench serve`` runs every entry, so a configuration added here is
-#: benchmarked too.
+#: The paper's serving configurations as :class:`LocalCluster` settings: each names its
+#: connector ``pair`` (:data:`vllm_hawk.connector.config.PAIRS`). GG: a vLLM decode; GN: a
+#: decode on the emulated Tenstorrent platform plugin (``decode_tt``, which also sets
+#: ``device_profile``). ``hawk bench serve`` runs every entry, so a configuration added here
+#: is benchmarked too.
 CONFIGURATIONS: dict[str, dict] = {
-    "GG-Host": {"extra_config": {"transport": "host-staged", "mode": "staged"}},
-    "GG-Direct": {"extra_config": {"transport": "mooncake-tcp", "mode": "direct"}},
-    "GN-Host": {"extra_config": {"transport": "host-staged", "mode": "staged", "layout_fix": "decode"}, "tt": True},
-    "GN-HAWK": {"extra_config": {"transport": "mooncake-tcp", "mode": "direct"}, "tt": True},
+    "GG-Host": {"extra_config": {"pair": "gg-host"}},
+    "GG-Direct": {"extra_config": {"pair": "gg-direct"}},
+    "GN-Host": {"extra_config": {"pair": "gn-host"}, "tt": True},
+    "GN-HAWK": {"extra_config": {"pair": "gn-hawk"}, "tt": True},
 }
 
 
