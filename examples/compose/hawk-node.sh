@@ -70,7 +70,7 @@ serve() {  # serve ROLE MODEL [ARGS...]
         *) die "$HAWK_KV_CONFIG_FILE: kv_role must be kv_producer or kv_consumer" ;;
     esac
     launcher=vllm_hawk.vllm_launcher
-    [ "$role" = decode ] && [ -n "${HAWK_TT_PLATFORM:-}" ] && launcher=vllm_hawk.tt_plugin
+    [ "$role" = decode ] && [ -n "${HAWK_TT_PLATFORM:-}" ] && launcher=vllm_hawk.tenstorrent.emulated
     echo "hawk-node: $role on $launcher, kv-transfer-config $cfg" >&2
     exec python -m "$launcher" serve "$model" --host 0.0.0.0 --port "${HAWK_PORT:-8000}" \
         --kv-transfer-config "$cfg" "$@"

@@ -40,9 +40,9 @@ from vllm_hawk.layout.formats import tilize_pack
 from vllm_hawk.layout.tt_kv_cache import TTKVCacheSpec
 from vllm_hawk.npu.emulated import EmulatedDevice
 from vllm_hawk.protocol import KVRequest, LayoutDesc, RemoteError, make_compat
+from vllm_hawk.tenstorrent.emulated.kv_cache import TTPagedKVCache
 from vllm_hawk.testing.paged_cache import PagedKVCache
 from vllm_hawk.transport import make_transport
-from vllm_hawk.tt_plugin.kv_cache import TTPagedKVCache
 
 L, H, BS, D = 2, 2, 32, 64
 SRC_BLOCKS = 16
@@ -253,7 +253,7 @@ def test_local_cluster_starts_a_tenstorrent_decode(tmp_path, monkeypatch):
     p = c._vllm("prefill", "kv_producer", tt, None)
     assert d.argv[1:9] == [
         "-m",
-        "vllm_hawk.tt_plugin",
+        "vllm_hawk.tenstorrent.emulated",
         "--tt-platform",
         "emulated",
         "--tt-device",
@@ -274,5 +274,5 @@ def test_local_cluster_starts_a_tenstorrent_decode(tmp_path, monkeypatch):
         for ep in metadata.PathDistribution(info).entry_points
         if ep.group == "vllm.platform_plugins"
     ]
-    assert [ep.value for ep in eps] == ["vllm_hawk.tt_plugin:register"]
+    assert [ep.value for ep in eps] == ["vllm_hawk.tenstorrent.emulated:register"]
     assert json.loads(d.argv[-1])["kv_connector_extra_config"] == tt

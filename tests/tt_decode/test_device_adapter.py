@@ -10,8 +10,8 @@ from tt_decode_helpers import run_on_sim
 
 JOB = r"""
 import json, torch, ttnn
-from vllm_hawk.tt_decode.device import TTNNChip
-from vllm_hawk.tt_decode.kv_cache import TTNNMeshKVCache
+from vllm_hawk.npu.ttnn_chip import TTNNChip
+from vllm_hawk.tenstorrent.vllm_tt.kv_cache import TTNNMeshKVCache
 
 out = {}
 try:

@@ -27,7 +27,7 @@ field                  default             meaning
                                            both sides: ``vllm`` (a plain vLLM engine, same
                                            layout as the prefill) or a Tenstorrent profile
                                            name (``p150a``, ``n150``...: GN-HAWK; the decode
-                                           runs the ``vllm_hawk.tt_plugin`` platform with that
+                                           runs the ``vllm_hawk.tenstorrent.emulated`` platform with that
                                            device; the prefill transforms each request's
                                            blocks into the decode's tile layout in its ring,
                                            whatever its ``mode``; the decode's ``mode``

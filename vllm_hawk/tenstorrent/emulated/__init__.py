@@ -10,12 +10,13 @@ One backend, chosen explicitly with ``HAWK_TT_PLATFORM`` (see :mod:`.config` for
   (:mod:`.mesh`). ``make demo`` and machines without ttnn decode this way.
 
 A real (or simulated) Tenstorrent device is served by Tenstorrent's own plugin,
-vllm-tt-plugin, with the HAWK decode worker of :mod:`vllm_hawk.tt_decode` (docs/tenstorrent.md).
+vllm-tt-plugin, with the HAWK decode worker of :mod:`vllm_hawk.tenstorrent.vllm_tt` (docs/tenstorrent.md).
 
 KV connectors find the running engine's cache with :func:`get_kv_cache` (see
-:mod:`.registry`). Activation without installing the entry point (tests, a checkout on
-``PYTHONPATH``): :func:`ensure_entry_point`, or the launcher
-``python -m vllm_hawk.tt_plugin --tt-platform emulated [--tt-device n150] serve MODEL ...``.
+:mod:`vllm_hawk.tenstorrent.registry`). Activation without installing the entry point (tests, a
+checkout on ``PYTHONPATH``): :func:`ensure_entry_point`, or the launcher
+``hawk vllm --tt-platform emulated [--tt-device n150] serve MODEL ...``
+(:mod:`vllm_hawk.tenstorrent.launcher`).
 
 This module imports neither vLLM nor torch: vLLM loads it during platform detection
 (``register`` imports torch, for the AMX policy).
@@ -31,7 +32,7 @@ import sys
 from pathlib import Path
 
 from vllm_hawk import envs
-from vllm_hawk.tt_plugin.config import TTPluginConfig, TTPluginConfigError
+from vllm_hawk.tenstorrent.emulated.config import TTPluginConfig, TTPluginConfigError
 
 __all__ = [
     "register",
@@ -46,10 +47,10 @@ logger = logging.getLogger("vllm.hawk.tt_plugin")
 
 ENTRY_POINT_GROUP = "vllm.platform_plugins"
 ENTRY_POINT_NAME = "hawk_tt"
-ENTRY_POINT_VALUE = "vllm_hawk.tt_plugin:register"
+ENTRY_POINT_VALUE = "vllm_hawk.tenstorrent.emulated:register"
 
-_PLATFORMS = {"emulated": "vllm_hawk.tt_plugin.platform.TTEmulatedPlatform"}
-_MISCONFIGURED = "vllm_hawk.tt_plugin.platform.TTPlatformMisconfigured"
+_PLATFORMS = {"emulated": "vllm_hawk.tenstorrent.emulated.platform.TTEmulatedPlatform"}
+_MISCONFIGURED = "vllm_hawk.tenstorrent.emulated.platform.TTPlatformMisconfigured"
 
 
 def register() -> str | None:
@@ -70,8 +71,8 @@ def register() -> str | None:
 
 
 def get_kv_cache(vllm_config=None):
-    """The running engine's Tenstorrent KV cache (see :mod:`.registry`)."""
-    from vllm_hawk.tt_plugin.registry import get_kv_cache as _get
+    """The running engine's Tenstorrent KV cache (see :mod:`vllm_hawk.tenstorrent.registry`)."""
+    from vllm_hawk.tenstorrent.registry import get_kv_cache as _get
 
     return _get(vllm_config)
 
@@ -110,7 +111,7 @@ def _declared() -> bool:
 
 
 def ensure_entry_point() -> bool:
-    """Make ``vllm_hawk.tt_plugin:register`` visible to vLLM's plugin loader in this
+    """Make ``vllm_hawk.tenstorrent.emulated:register`` visible to vLLM's plugin loader in this
     process (and processes that import this package first), when no installed
     distribution declares it. Idempotent; returns True if it had to add it. Activation
     still needs ``HAWK_TT_PLATFORM``."""

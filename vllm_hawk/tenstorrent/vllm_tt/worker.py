@@ -1,4 +1,4 @@
-"""The HAWK decode worker on vllm-tt-plugin: ``--worker-cls vllm_hawk.tt_decode.worker.HawkTTWorker``.
+"""The HAWK decode worker on vllm-tt-plugin: ``--worker-cls vllm_hawk.tenstorrent.vllm_tt.worker.HawkTTWorker``.
 
 vllm-tt-plugin's ``TTWorker`` never initialises KV transfer (its platform sets the worker
 class only when it is ``"auto"``, so this one is chosen with vLLM's ``--worker-cls``). On
@@ -7,13 +7,13 @@ top of it, as vLLM's own GPU and CPU workers do:
 * ``init_device``: the plugin opens the mesh and builds its runner; then a one-rank
   distributed environment (world and tensor-parallel groups of size 1, gloo): the
   connector's factory reads the TP group. The runner becomes
-  :class:`~vllm_hawk.tt_decode.model_runner.HawkTTModelRunner` (the connector's per-step hooks);
+  :class:`~vllm_hawk.tenstorrent.vllm_tt.model_runner.HawkTTModelRunner` (the connector's per-step hooks);
 * ``initialize_from_config``: the KV connector is created (``ensure_kv_transfer_initialized``),
   the plugin's runner allocates the cache through the model (``allocate_kv_cache``), then
   the cache the model returned is described per chip by the addresses of its ttnn tensors
-  (:class:`~vllm_hawk.tt_decode.kv_cache.TTNNMeshKVCache`, every chip checked against the
+  (:class:`~vllm_hawk.tenstorrent.vllm_tt.kv_cache.TTNNMeshKVCache`, every chip checked against the
   connector's ``device_profile``: a mismatch names the profile field), registered for the
-  connector (:mod:`vllm_hawk.tt_plugin.registry`) and handed to it (``register_kv_caches``):
+  connector (:mod:`vllm_hawk.tenstorrent.registry`) and handed to it (``register_kv_caches``):
   its sink allocates the per-bank receive buffers now, before ``compile_or_warm_up_model``
   captures any trace;
 * ``shutdown``: the connector first (it frees its receive buffers and stops its threads),
@@ -35,11 +35,11 @@ from vllm.distributed.kv_transfer.kv_transfer_state import ensure_kv_transfer_sh
 from vllm_tt_plugin.worker import TTWorker, close_mesh_device
 
 from vllm_hawk.connector.config import parse_config
-from vllm_hawk.tt_decode import WORKER_CLS
-from vllm_hawk.tt_decode.device import TTNNChip
-from vllm_hawk.tt_decode.kv_cache import TTNNMeshKVCache
-from vllm_hawk.tt_decode.model_runner import HawkTTModelRunner
-from vllm_hawk.tt_plugin import registry
+from vllm_hawk.npu.ttnn_chip import TTNNChip
+from vllm_hawk.tenstorrent import registry
+from vllm_hawk.tenstorrent.vllm_tt import WORKER_CLS
+from vllm_hawk.tenstorrent.vllm_tt.kv_cache import TTNNMeshKVCache
+from vllm_hawk.tenstorrent.vllm_tt.model_runner import HawkTTModelRunner
 
 __all__ = ["HawkTTWorker", "WORKER_CLS"]
 
