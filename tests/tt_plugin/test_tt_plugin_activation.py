@@ -64,7 +64,7 @@ def test_launcher_flags():
 
 
 def test_device_adapter_is_import_guarded():
-    from vllm_hawk.tenstorrent.vllm_tt import device
+    from vllm_hawk.npu import ttnn_chip as device
 
     try:
         device.import_ttnn()
