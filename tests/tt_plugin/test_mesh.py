@@ -1,4 +1,4 @@
-"""The KV cache sharded over the chips of a mesh (tt_plugin.mesh), without vLLM."""
+"""The KV cache sharded over the chips of a mesh (tenstorrent.emulated.mesh), without vLLM."""
 
 from __future__ import annotations
 
