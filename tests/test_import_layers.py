@@ -1,5 +1,5 @@
 """The folders tell the data flow: layout -> transform -> kvflow -> transport / protocol,
-with connector, tt_plugin and proxy as adapters on top. No module imports a layer above
+with connector, tenstorrent and proxy as adapters on top. No module imports a layer above
 its own (checked on the source, so a lazy import inside a function counts too)."""
 
 from __future__ import annotations
@@ -16,7 +16,12 @@ ALLOWED = {
     "transport": set(),
     "protocol": set(),
     "kvflow": {"layout", "transform", "npu", "transport", "protocol"},
+    # the engine integrations: they read the connector's configuration, the connector finds
+    # their cache through tenstorrent.registry
+    "tenstorrent": {"layout", "npu", "protocol", "connector", "cpu_amx"},
 }
+#: the two Tenstorrent engine integrations (vllm_hawk/tenstorrent/<name>), siblings
+TT_ENGINE_INTEGRATIONS = ("emulated", "vllm_tt")
 
 
 def _imports(path: Path) -> set[str]:
@@ -35,6 +40,28 @@ def test_no_import_runs_upward():
         for f in sorted((PKG / pkg).rglob("*.py")):
             for target in _imports(f) - allowed - {pkg, "envs", "security"}:
                 bad.append(f"{f.relative_to(PKG.parent)} imports vllm_hawk.{target}")
+    assert not bad, "\n".join(bad)
+
+
+def _imported_modules(path: Path) -> set[str]:
+    """Full dotted names of the vllm_hawk modules ``path`` imports (lazy imports too)."""
+    out = set()
+    for node in ast.walk(ast.parse(path.read_text(), str(path))):
+        if isinstance(node, ast.ImportFrom) and node.module and node.module.startswith("vllm_hawk."):
+            out |= {node.module} | {f"{node.module}.{a.name}" for a in node.names}
+        elif isinstance(node, ast.Import):
+            out |= {a.name for a in node.names if a.name.startswith("vllm_hawk.")}
+    return out
+
+
+def test_neither_tenstorrent_engine_integration_imports_the_other():
+    bad = []
+    for pkg in TT_ENGINE_INTEGRATIONS:
+        for other in set(TT_ENGINE_INTEGRATIONS) - {pkg}:
+            prefix = f"vllm_hawk.tenstorrent.{other}"
+            for f in sorted((PKG / "tenstorrent" / pkg).rglob("*.py")):
+                hits = sorted(m for m in _imported_modules(f) if m == prefix or m.startswith(prefix + "."))
+                bad += [f"{f.relative_to(PKG.parent)} imports {m}" for m in hits]
     assert not bad, "\n".join(bad)
 
 

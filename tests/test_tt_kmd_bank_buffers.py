@@ -12,6 +12,7 @@ import errno
 import mmap
 import os
 
+import numpy as np
 import pytest
 
 from vllm_hawk.npu.bank_buffer import BankBufferAPI, BankBufferError, DeviceBuffer
@@ -274,3 +275,36 @@ def test_dmabuf_mr_path_without_pyverbs_says_how_to_install() -> None:
     with pytest.raises(RuntimeError, match="apt-get install python3-pyverbs"):
         register_bank_dmabuf_mr(object(), bb.bank_mapping(buf, 0))
     bb.close()
+
+
+def test_receive_buffers_allocate_copy_and_free_through_the_windows() -> None:
+    """What the sinks call beyond Table 6: allocate_bank_buffers from the backend's own
+    lockstep allocator, copy_in_banks by memmove inside a bank's mapped window, free_buffer
+    (unmapping first), live_buffers, and a dma_written with nothing to move."""
+    dev = FakeTlbDevice()
+    bb = TtKmdBankBuffers(dev, window_map_bytes=MAP_BYTES)
+    assert bb.num_banks == bb.get_device_num_bank() == 8 and bb.profile.name == "p150a"
+    buf = bb.allocate_bank_buffers(8192)
+    assert buf.address >= bb.profile.dram_unreserved_base and buf.size_per_bank >= 8192
+    bb.map_buffer_dma(buf)
+    assert bb.live_buffers() == [buf] and bb.dma_written([0], [buf.address], [16]) == 0
+    for bank in (0, 7):
+        a = bb.get_buffer_address_bank(buf, bank)
+        ctypes.memmove(a, bytes(range(bank, bank + 64)), 64)
+    src, dst, n = np.array([buf.address]), np.array([buf.address + 4096]), np.array([64])
+    assert bb.copy_in_banks([(0, src, dst, n), (7, src, dst, n)]) == 2
+    for bank in (0, 7):
+        a = bb.get_buffer_address_bank(buf, bank)
+        assert ctypes.string_at(a + 4096, 64) == bytes(range(bank, bank + 64))
+    with pytest.raises(BankBufferError, match="no mapped TLB window"):
+        bb.copy_in_banks([(1, np.array([MAP_BYTES]), dst, n)])
+    bb.free_buffer(buf)
+    assert bb.live_buffers() == [] and bb.live_windows == 0 and not dev.mapped
+    with pytest.raises(BankBufferError, match="unknown or freed"):
+        bb.free_buffer(buf)
+
+
+def test_profile_must_have_the_devices_bank_count() -> None:
+    assert TtKmdBankBuffers(FakeTlbDevice(), harvest_mask=1 << 2, window_map_bytes=MAP_BYTES).profile.name == "p100"
+    with pytest.raises(ValueError, match="'p150a' has 8 banks; this device has 7"):
+        TtKmdBankBuffers(FakeTlbDevice(), harvest_mask=1 << 2, window_map_bytes=MAP_BYTES, profile="p150a")

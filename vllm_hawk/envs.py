@@ -33,7 +33,7 @@ variable                   default                 meaning
                                                    probe); see :mod:`vllm_hawk.cpu_amx`
 ``HAWK_TT_PLATFORM``       unset                   emulated Tenstorrent decode plugin:
                                                    ``emulated``; unset = plugin off (a card is
-                                                   served by vllm-tt-plugin, vllm_hawk.tt_decode)
+                                                   served by vllm-tt-plugin, vllm_hawk.tenstorrent.vllm_tt)
 ``HAWK_TT_DEVICE``         ``p150a``               device profile name or YAML path
 ``HAWK_TT_CHIPS``          profile's ``chips``     chips the KV heads are sharded over (n300: 2;
                                                    p150a: 1, or 2 / 4 for a Blackhole group)
@@ -43,7 +43,7 @@ variable                   default                 meaning
 ``HAWK_TT_KV_FRACTION``    ``0.5``                 share of each bank for the KV cache
 =========================  ======================  ============================================
 
-The ``HAWK_TT_*`` values are validated by :class:`vllm_hawk.tt_plugin.config.TTPluginConfig`
+The ``HAWK_TT_*`` values are validated by :class:`vllm_hawk.tenstorrent.emulated.config.TTPluginConfig`
 (errors name the variable). Internal, set by vllm_hawk for the processes it and vLLM
 start: ``HAWK_CPU_AMX_DECIDED`` carries the AMX decision of the first process of a tree
 to the processes it spawns, so the probe runs once per tree.

@@ -14,6 +14,10 @@ Usage::
 
     python -m vllm_hawk.vllm_launcher serve MODEL --enforce-eager ...
     python -m vllm_hawk.vllm_launcher --version
+    hawk vllm --tt-platform emulated [--tt-device n150] serve MODEL ...   # Tenstorrent decode
+
+Leading ``--tt-*`` flags choose the emulated Tenstorrent platform
+(:mod:`vllm_hawk.tenstorrent.launcher`).
 
 In-process (before ``from vllm import LLM``)::
 
@@ -128,15 +132,20 @@ def ensure_vllm_dist() -> str | None:
 def main(argv: Sequence[str] | None = None) -> int:
     """Run the ``vllm`` CLI with ``argv`` (default ``sys.argv[1:]``); returns its exit code.
 
+    Leading ``--tt-*`` flags are the Tenstorrent platform's (:mod:`vllm_hawk.tenstorrent.launcher`).
     Exit code 2 without starting vLLM when ``HAWK_CPU_AMX`` is invalid or ``on`` cannot be
     honoured (the message names the variable)."""
+    args = list(sys.argv[1:] if argv is None else argv)
+    from vllm_hawk.tenstorrent.launcher import apply_tt_flags, has_tt_flags
+
+    if has_tt_flags(args):
+        args = apply_tt_flags(args)
     ensure_vllm_dist()
     try:
         apply_cpu_amx_policy()  # before vLLM spawns anything: they inherit the decision
     except (HawkEnvError, AmxUnavailableError) as e:
         print(f"hawk vllm: {e}", file=sys.stderr)
         return 2
-    args = list(sys.argv[1:] if argv is None else argv)
     sys.argv = ["vllm", *args]  # vLLM's CLI parses sys.argv itself
     from vllm.entrypoints.cli.main import main as vllm_main
 

@@ -69,11 +69,11 @@ serve() {  # serve ROLE MODEL [ARGS...]
         *'"kv_role": "kv_consumer"'*) [ "$role" = decode ] || die "$HAWK_KV_CONFIG_FILE is a kv_consumer config, not a $role one" ;;
         *) die "$HAWK_KV_CONFIG_FILE: kv_role must be kv_producer or kv_consumer" ;;
     esac
-    launcher=vllm_hawk.vllm_launcher
-    [ "$role" = decode ] && [ -n "${HAWK_TT_PLATFORM:-}" ] && launcher=vllm_hawk.tt_plugin
-    echo "hawk-node: $role on $launcher, kv-transfer-config $cfg" >&2
-    exec python -m "$launcher" serve "$model" --host 0.0.0.0 --port "${HAWK_PORT:-8000}" \
-        --kv-transfer-config "$cfg" "$@"
+    set -- serve "$model" --host 0.0.0.0 --port "${HAWK_PORT:-8000}" --kv-transfer-config "$cfg" "$@"
+    # a decode with HAWK_TT_PLATFORM runs the Tenstorrent platform (checked before vLLM starts)
+    [ "$role" = decode ] && [ -n "${HAWK_TT_PLATFORM:-}" ] && set -- --tt-platform "$HAWK_TT_PLATFORM" "$@"
+    echo "hawk-node: $role, vllm_hawk.vllm_launcher $1, kv-transfer-config $cfg" >&2
+    exec python -m vllm_hawk.vllm_launcher "$@"
 }
 
 cmd=${1:-}; [ $# -gt 0 ] && shift

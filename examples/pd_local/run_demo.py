@@ -17,7 +17,7 @@ Second phase (``--gn-hawk both``, the default): GN-HAWK, the paper's configurati
 miniature: a tensor-parallel prefill (``--gn-prefill-tp``, default 2 ranks) on the CPU
 engine (vLLM's paged layout, the GPU stand-in) and a decode on a mesh of emulated
 Tenstorrent Blackhole chips (``--tt-chips``, default 2 x p150a, 8 DRAM banks each; the
-vLLM platform plugin ``vllm_hawk.tt_plugin``), with the tiny Llama in bf16 (4 KV heads:
+vLLM platform plugin ``vllm_hawk.tenstorrent.emulated``), with the tiny Llama in bf16 (4 KV heads:
 2 per prefill rank, 2 per chip). Each prefill rank transforms its heads of each request
 into its chip's tile layout, one segment per bank, and the decode READs every chip's
 segments at once into per-bank receive buffers (``--mode staged``) or straight into the

@@ -18,9 +18,9 @@ from vllm_hawk.layout.formats import tilize_pack
 from vllm_hawk.layout.tt_kv_cache import TTKVCacheSpec
 from vllm_hawk.npu.emulated import EmulatedDevice
 from vllm_hawk.protocol import IncompatiblePeer
+from vllm_hawk.tenstorrent.emulated.kv_cache import TTPagedKVCache
 from vllm_hawk.testing.paged_cache import PagedKVCache
 from vllm_hawk.transport import make_transport
-from vllm_hawk.tt_plugin.kv_cache import TTPagedKVCache
 
 L, H, BS, D = 2, 2, 32, 64
 

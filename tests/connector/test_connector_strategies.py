@@ -40,9 +40,9 @@ from vllm_hawk.layout.formats import tilize_pack
 from vllm_hawk.layout.tt_kv_cache import TTKVCacheSpec
 from vllm_hawk.npu.emulated import EmulatedDevice
 from vllm_hawk.protocol import KVRequest, LayoutDesc, RemoteError, make_compat
+from vllm_hawk.tenstorrent.emulated.kv_cache import TTPagedKVCache
 from vllm_hawk.testing.paged_cache import PagedKVCache
 from vllm_hawk.transport import make_transport
-from vllm_hawk.tt_plugin.kv_cache import TTPagedKVCache
 
 L, H, BS, D = 2, 2, 32, 64
 SRC_BLOCKS = 16
@@ -237,7 +237,7 @@ def test_prefill_refuses_destinations_it_cannot_serve():
 
 
 def test_local_cluster_starts_a_tenstorrent_decode(tmp_path, monkeypatch):
-    """``LocalCluster(decode_tt=...)``: the decode runs the plugin's launcher and sees the
+    """``LocalCluster(decode_tt=...)``: the decode runs ``hawk vllm`` with ``--tt-*`` flags and sees the
     platform entry point through PYTHONPATH (vLLM's spawned workers too); the prefill does
     not; both sides get the device profile."""
     import json
@@ -253,7 +253,7 @@ def test_local_cluster_starts_a_tenstorrent_decode(tmp_path, monkeypatch):
     p = c._vllm("prefill", "kv_producer", tt, None)
     assert d.argv[1:9] == [
         "-m",
-        "vllm_hawk.tt_plugin",
+        "vllm_hawk.vllm_launcher",
         "--tt-platform",
         "emulated",
         "--tt-device",
@@ -266,7 +266,7 @@ def test_local_cluster_starts_a_tenstorrent_decode(tmp_path, monkeypatch):
     ep_dir = d.env["PYTHONPATH"].split(":")[1]
     assert ep_dir not in p.env["PYTHONPATH"]
     # read the files themselves: an in-memory finder installed by another test in this
-    # process (tt_plugin.ensure_entry_point) would also answer metadata.distributions()
+    # process (tenstorrent.emulated.ensure_entry_point) would also answer metadata.distributions()
     infos = list(Path(ep_dir).glob("*.dist-info"))
     eps = [
         ep
@@ -274,5 +274,5 @@ def test_local_cluster_starts_a_tenstorrent_decode(tmp_path, monkeypatch):
         for ep in metadata.PathDistribution(info).entry_points
         if ep.group == "vllm.platform_plugins"
     ]
-    assert [ep.value for ep in eps] == ["vllm_hawk.tt_plugin:register"]
+    assert [ep.value for ep in eps] == ["vllm_hawk.tenstorrent.emulated:register"]
     assert json.loads(d.argv[-1])["kv_connector_extra_config"] == tt

@@ -150,7 +150,7 @@ def test_wheel_ships_the_profiles_and_entry_points(installed):
     assert not any(n.startswith(("tests/", "configs/", "examples/")) for n in names)
     assert "hawk = vllm_hawk.cli:main" in eps
     assert "hawk_connector = vllm_hawk.connector:register" in eps
-    assert "hawk_tt = vllm_hawk.tt_plugin:register" in eps
+    assert "hawk_tt = vllm_hawk.tenstorrent.emulated:register" in eps
 
 
 def test_hawk_layout_and_doctor_run_outside_the_checkout(installed):
@@ -220,7 +220,7 @@ def test_entry_points_are_visible_and_load(installed):
     assert out["own"] == [
         "console_scripts:hawk=vllm_hawk.cli:main",
         "vllm.general_plugins:hawk_connector=vllm_hawk.connector:register",
-        "vllm.platform_plugins:hawk_tt=vllm_hawk.tt_plugin:register",
+        "vllm.platform_plugins:hawk_tt=vllm_hawk.tenstorrent.emulated:register",
     ]
     assert "hawk" in out["visible"]["console_scripts"]
     assert "hawk_connector" in out["visible"]["vllm.general_plugins"]

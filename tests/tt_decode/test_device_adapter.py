@@ -10,8 +10,10 @@ from tt_decode_helpers import run_on_sim
 
 JOB = r"""
 import json, torch, ttnn
-from vllm_hawk.tt_decode.device import TTNNChip
-from vllm_hawk.tt_decode.kv_cache import TTNNMeshKVCache
+from vllm_hawk.npu.bank_buffer import BankBufferAPI
+from vllm_hawk.npu.ttnn_chip import TTNNChip
+from vllm_hawk.tenstorrent.kv_cache import ChipKVCache, MeshKVCache
+from vllm_hawk.tenstorrent.vllm_tt.kv_cache import TTNNMeshKVCache
 
 out = {}
 try:
@@ -24,6 +26,7 @@ host = ttnn.as_tensor(torch.zeros((24, 4, 32, 32)), mesh_mapper=ttnn.ReplicateTe
 kv = [[ttnn.to_device(host, chip.mesh, memory_config=ttnn.DRAM_MEMORY_CONFIG) for _ in "kv"] for _ in range(2)]
 cache = TTNNMeshKVCache([chip], kv, num_kv_heads=4, block_size=32)
 c0 = cache.chips[0]
+out["protocols"] = [isinstance(chip, BankBufferAPI), isinstance(cache, MeshKVCache), isinstance(c0, ChipKVCache)]
 out["addresses"] = [list(a) for a in c0.layout.addresses]
 out["tensor_addresses"] = [[t.buffer_address() for t in pair] for pair in kv]
 out["size_per_bank"] = [b.size_per_bank for b in c0.buffers]
@@ -43,6 +46,7 @@ print("RESULT " + json.dumps(out))
 def test_adapter_describes_the_models_cache_and_refuses_mismatches(manifest):
     r = run_on_sim(manifest, "p150a", JOB)
     assert "field 'num_banks'" in r["mismatch"] and "n150" in r["mismatch"], r["mismatch"]
+    assert r["protocols"] == [True, True, True]  # the chip and its caches implement their protocols
     assert r["addresses"] == r["tensor_addresses"]
     assert r["addresses"][0][0] == 0x100080  # tt-metal's first DRAM allocation on Blackhole
     # 24 blocks x 4 heads x 1 tile = 96 bfloat8_b tiles (1088 B, 1088 aligned to 64 B = 1088) over 8 banks

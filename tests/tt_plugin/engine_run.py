@@ -92,8 +92,8 @@ def run_tt(model: str, device: str, kv_dtype: str, abort: bool, chips: str | Non
     import torch
     from vllm_fixtures import engine_core, inprocess_llm
 
-    from vllm_hawk.tt_plugin import registry
-    from vllm_hawk.tt_plugin.attention import TTPagedAttentionImpl
+    from vllm_hawk.tenstorrent import registry
+    from vllm_hawk.tenstorrent.emulated.attention import TTPagedAttentionImpl
 
     os.environ["HAWK_TT_DEVICE"] = device
     os.environ["HAWK_TT_KV_DTYPE"] = kv_dtype
@@ -220,7 +220,7 @@ def main() -> None:
         os.environ.pop("HAWK_TT_PLATFORM", None)
         data = run_reference(model)
     else:
-        from vllm_hawk.tt_plugin import ensure_entry_point
+        from vllm_hawk.tenstorrent.emulated import ensure_entry_point
 
         ensure_entry_point()
         os.environ["HAWK_TT_PLATFORM"] = "emulated"

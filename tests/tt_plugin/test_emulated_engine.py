@@ -127,7 +127,7 @@ def test_shutdown_frees_device_and_registry(tt_runs, config):
     assert run["registered_after_shutdown"] == [] and run["device_buffers_after_shutdown"] == 0
 
 
-# ---- meshes: KV heads sharded over the chips (tt_plugin.mesh) --------------------------
+# ---- meshes: KV heads sharded over the chips (tenstorrent.emulated.mesh) --------------------------
 #: multi-chip run -> the single-chip run it must reproduce (same KV dtype)
 MESHES = {"n300:bfloat8_b": "p150a:bfloat8_b", "p150a:bfloat16:chips=2": "p150a:bfloat16"}
 

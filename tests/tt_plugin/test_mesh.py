@@ -1,4 +1,4 @@
-"""The KV cache sharded over the chips of a mesh (tt_plugin.mesh), without vLLM."""
+"""The KV cache sharded over the chips of a mesh (tenstorrent.emulated.mesh), without vLLM."""
 
 from __future__ import annotations
 
@@ -10,9 +10,9 @@ from vllm_hawk.layout.formats import tilize_pack
 from vllm_hawk.layout.tp import HeadShard, TPMismatch
 from vllm_hawk.layout.tt_kv_cache import TTKVCacheSpec
 from vllm_hawk.npu.emulated import EmulatedDevice
-from vllm_hawk.tt_plugin.config import TTPluginConfig, TTPluginConfigError
-from vllm_hawk.tt_plugin.kv_cache import TTPagedKVCache, paged_attention
-from vllm_hawk.tt_plugin.mesh import TTMeshKVCache
+from vllm_hawk.tenstorrent.emulated.config import TTPluginConfig, TTPluginConfigError
+from vllm_hawk.tenstorrent.emulated.kv_cache import TTPagedKVCache, paged_attention
+from vllm_hawk.tenstorrent.emulated.mesh import TTMeshKVCache
 
 BS, D = 32, 64
 

@@ -8,7 +8,7 @@ import torch
 from vllm_hawk.layout.formats import tilize_pack
 from vllm_hawk.layout.tt_kv_cache import TTKVCacheSpec
 from vllm_hawk.npu.emulated import EmulatedDevice
-from vllm_hawk.tt_plugin.kv_cache import TTPagedKVCache, kv_budget_blocks, paged_attention
+from vllm_hawk.tenstorrent.emulated.kv_cache import TTPagedKVCache, kv_budget_blocks, paged_attention
 
 
 def _cache(profile: str, dtype: str, blocks: int = 10, heads: int = 4, bs: int = 64, dim: int = 64):

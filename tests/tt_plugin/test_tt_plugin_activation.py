@@ -6,9 +6,9 @@ import importlib.metadata as md
 
 import pytest
 
-import vllm_hawk.tt_plugin as tt
-from vllm_hawk.tt_plugin.__main__ import split_tt_flags
-from vllm_hawk.tt_plugin.config import TTPluginConfig, TTPluginConfigError, kv_dtype_for
+import vllm_hawk.tenstorrent.emulated as tt
+from vllm_hawk.tenstorrent.emulated.config import TTPluginConfig, TTPluginConfigError, kv_dtype_for
+from vllm_hawk.tenstorrent.launcher import split_tt_flags
 
 
 def test_plugin_is_off_unless_asked(monkeypatch):
@@ -18,8 +18,8 @@ def test_plugin_is_off_unless_asked(monkeypatch):
     monkeypatch.setenv("HAWK_TT_PLATFORM", "off")
     assert tt.register() is None
     monkeypatch.setenv("HAWK_TT_PLATFORM", "emulated")
-    assert tt.register() == "vllm_hawk.tt_plugin.platform.TTEmulatedPlatform"
-    # a Tenstorrent device is reached through vllm-tt-plugin and vllm_hawk.tt_decode only
+    assert tt.register() == "vllm_hawk.tenstorrent.emulated.platform.TTEmulatedPlatform"
+    # a Tenstorrent device is reached through vllm-tt-plugin and vllm_hawk.tenstorrent.vllm_tt only
     monkeypatch.setenv("HAWK_TT_PLATFORM", "ttnn")
     assert tt.register().endswith("TTPlatformMisconfigured")
 
@@ -64,7 +64,7 @@ def test_launcher_flags():
 
 
 def test_device_adapter_is_import_guarded():
-    from vllm_hawk.tt_decode import device
+    from vllm_hawk.npu import ttnn_chip as device
 
     try:
         device.import_ttnn()

@@ -1,4 +1,4 @@
-"""The Tenstorrent decode's device adapter (:class:`vllm_hawk.tt_decode.device.TTNNChip`) on
+"""The Tenstorrent decode's device adapter (:class:`vllm_hawk.npu.ttnn_chip.TTNNChip`) on
 simulated p150a / n150: the paged KV cache allocated through ttnn (tt_transformers'
 per-layer K/V ``[num_blocks, n_kv_heads, block_size, head_dim]``, TILE, DRAM), a receive
 buffer through ttnn exposed with the bank-buffer API, a request's G' landed staged (NIC ->

@@ -185,7 +185,7 @@ def main(argv: list[str]) -> int:
     t0 = time.perf_counter()
     import ttnn
 
-    from vllm_hawk.tt_decode.device import TTNNChip
+    from vllm_hawk.npu.ttnn_chip import TTNNChip
 
     results = [{"import_s": round(time.perf_counter() - t0, 3)}]
     for task in spec["tasks"]:

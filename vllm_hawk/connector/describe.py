@@ -6,7 +6,7 @@
   (where each block's bytes are), the buffers to register, and zero-copy logical K/V
   views ``[num_blocks, heads, block_size, head_dim]`` for the GN-HAWK transform;
 * an engine on the Tenstorrent platform plugin (GN-HAWK / GN-Host decode): the plugin's
-  device KV cache (:mod:`vllm_hawk.tt_plugin.registry`; the tensors vLLM passes are
+  device KV cache (:mod:`vllm_hawk.tenstorrent.registry`; the tensors vLLM passes are
   placeholders). GN-Host (``layout_fix: decode``): both sides also derive the blocks'
   wire layout (:mod:`vllm_hawk.kvflow.gn_host`) and name it in ``src_layout``.
 
@@ -25,7 +25,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
-from vllm_hawk.connector.config import VLLM_PROFILE, HawkConfig, HawkConfigError
+from vllm_hawk.connector.config import VLLM_PROFILE, HawkConfig
 from vllm_hawk.kvflow.sources import vllm_layout_desc
 from vllm_hawk.kvflow.streams import KVRegionMap, head_maps, region_map_from_caches
 from vllm_hawk.protocol import CompatFields, LayoutDesc, make_compat
@@ -159,13 +159,7 @@ def describe_tt_cache(cache, vllm_config, cfg: HawkConfig) -> LocalKV:
     from vllm_hawk.kvflow.sinks import layout_desc
 
     s = cache.spec  # all heads; each chip of a mesh holds its share of them (cache.chips)
-    chip = cache.chips[0]
-    dev = chip.device.profile.name
-    if dev != cfg.device_profile:
-        raise HawkConfigError(
-            f"kv_connector_extra_config.device_profile={cfg.device_profile!r} but "
-            f"this engine's Tenstorrent device is {dev!r}"
-        )
+    chip = cache.chips[0]  # its device is cfg.device_profile's (vllm_hawk.tenstorrent.device)
     dtype = str(vllm_config.model_config.dtype).removeprefix("torch.")
     mid = model_id(vllm_config, s.num_layers, total_kv_heads(vllm_config), s.head_dim)
     if cfg.layout_fix == "decode":  # GN-Host: this side reads the prefill's vLLM blocks
@@ -183,7 +177,7 @@ def describe_tt_cache(cache, vllm_config, cfg: HawkConfig) -> LocalKV:
 def tt_cache_of(vllm_config):
     """The engine's Tenstorrent KV cache when it runs the platform plugin, else None."""
     try:
-        from vllm_hawk.tt_plugin import registry
+        from vllm_hawk.tenstorrent import registry
     except Exception:  # noqa: BLE001 - plugin not importable: not a Tenstorrent engine
         return None
     try:

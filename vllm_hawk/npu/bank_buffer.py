@@ -6,15 +6,22 @@ and ``size_per_bank`` bytes in each. ``map_buffer_dma`` makes each bank's region
 buffer reachable by the NIC and by this process (a host virtual address a transport can
 register); the per-bank address and size are then queried one bank at a time.
 
-Every device backend implements :class:`BankBufferAPI`: the emulated device
-(``vllm_hawk.npu.emulated``) and the real one over tt-kmd (``vllm_hawk.npu.tt_kmd``).
-Callers never branch on which one they hold.
+Every device backend implements :class:`BankBufferAPI`, which declares every call the
+connector's sinks (:mod:`vllm_hawk.kvflow.sinks`) and receive-buffer pool
+(:mod:`vllm_hawk.kvflow.bank_pool`) make: the emulated device (:mod:`vllm_hawk.npu.emulated`),
+one chip of a ttnn mesh (:mod:`vllm_hawk.npu.ttnn_chip`) and a Blackhole over tt-kmd
+(:mod:`vllm_hawk.npu.tt_kmd`). Callers never branch on which one they hold.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Protocol, runtime_checkable
+from typing import TYPE_CHECKING, Protocol, runtime_checkable
+
+if TYPE_CHECKING:
+    import numpy as np
+
+    from vllm_hawk.layout.device_profiles import DeviceProfile
 
 
 @dataclass(frozen=True)
@@ -56,10 +63,28 @@ def known_buffer(buffers: dict[int, DeviceBuffer], buffer: DeviceBuffer) -> Devi
 
 @runtime_checkable
 class BankBufferAPI(Protocol):
-    """Per-bank DMA mapping of interleaved device buffers (paper Table 6)."""
+    """Per-bank DMA mapping of interleaved device buffers (paper Table 6), plus the
+    receive-buffer allocation and data movement the sinks need. Units: bytes; offsets are
+    device (lockstep) addresses inside a bank."""
+
+    profile: DeviceProfile  # bank count, DRAM alignment (the receive pool's allocator reads it)
+
+    @property
+    def num_banks(self) -> int:
+        """Number of DRAM banks (== :meth:`get_device_num_bank`)."""
 
     def get_device_num_bank(self) -> int:
         """Number of DRAM banks that interleaved buffers span (p150a: 8, n150: 12)."""
+
+    def allocate_bank_buffers(self, size_per_bank: int) -> DeviceBuffer:
+        """One ``size_per_bank``-byte region per bank, the same address in every bank (a
+        receive buffer)."""
+
+    def free_buffer(self, buffer: DeviceBuffer) -> None:
+        """Release a buffer (BankBufferError if unknown)."""
+
+    def live_buffers(self) -> list[DeviceBuffer]:
+        """The buffers this backend holds now (allocated or adopted, not yet freed)."""
 
     def map_buffer_dma(self, buffer: DeviceBuffer) -> None:
         """Make every bank's region of ``buffer`` reachable for RDMA and host access.
@@ -75,3 +100,12 @@ class BankBufferAPI(Protocol):
 
     def unmap_buffer_dma(self, buffer: DeviceBuffer) -> None:
         """Undo ``map_buffer_dma``; the buffer itself stays allocated."""
+
+    def dma_written(self, bank: np.ndarray, offset: np.ndarray, nbytes: np.ndarray) -> int:
+        """After a READ batch wrote ranges ``(bank, offset, nbytes)`` (one entry per range)
+        through mapped regions: make them device memory. Returns the bytes moved (0 where
+        the mapped regions are the device's DRAM)."""
+
+    def copy_in_banks(self, ops: list[tuple[int, np.ndarray, np.ndarray, np.ndarray]]) -> int:
+        """Intra-bank copies (the staged mode's D6-D7): ``ops`` holds ``(bank, src_offset,
+        dst_offset, nbytes)`` per bank. Returns the number of copies."""

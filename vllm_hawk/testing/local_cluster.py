@@ -402,7 +402,7 @@ class LocalCluster:
     def _tt_entry_point_dir(self) -> str | None:
         """Where a metadata-only ``.dist-info`` declares the Tenstorrent platform entry
         point, so every process vLLM spawns sees the plugin (None: installed already)."""
-        from vllm_hawk.tt_plugin import entry_point_path
+        from vllm_hawk.tenstorrent.emulated import entry_point_path
 
         saved = os.environ.get("PYTHONPATH")
         try:
@@ -455,7 +455,7 @@ class LocalCluster:
         elif role == "decode" and self.decode_tt:
             launcher = [
                 "-m",
-                "vllm_hawk.tt_plugin",
+                "vllm_hawk.vllm_launcher",
                 "--tt-platform",
                 "emulated",
                 "--tt-device",
@@ -503,7 +503,7 @@ class LocalCluster:
     def _tt_plugin_args(self) -> list[str]:
         """vLLM flags of a decode on vllm-tt-plugin: the HAWK worker, and the plugin's
         ``tt`` settings (the KV dtype through tt_transformers' precision setting)."""
-        from vllm_hawk.tt_decode import WORKER_CLS
+        from vllm_hawk.tenstorrent.vllm_tt import WORKER_CLS
 
         bf16 = self.decode_tt_plugin.get("kv_dtype", "bfloat8_b") == "bfloat16"
         tt = {"optimizations": "accuracy" if bf16 else "performance", "trace_mode": "none"}

@@ -32,7 +32,7 @@ import numpy as np
 import torch
 
 from vllm_hawk.layout.formats import tilize_pack, unpack_untilize
-from vllm_hawk.tt_decode.device import DEVICE_LOCK, TTNNChip, import_ttnn
+from vllm_hawk.npu.ttnn_chip import DEVICE_LOCK, TTNNChip, import_ttnn
 
 __all__ = ["TinyLlamaTTTestModel", "BUNDLES_DIR", "ARCH_PROFILES"]
 

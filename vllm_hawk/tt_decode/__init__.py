@@ -1,17 +1,8 @@
-"""The HAWK decode on Tenstorrent's own vLLM platform plugin (vllm-tt-plugin, vLLM 0.25.1).
+"""Deprecated alias of :mod:`vllm_hawk.tenstorrent.vllm_tt` (``--worker-cls
+vllm_hawk.tt_decode.worker.HawkTTWorker`` keeps working)."""
 
-A Tenstorrent decode node serves its model with vllm-tt-plugin and HawkConnector; this
-package is what joins them (docs/tenstorrent.md):
+import warnings
 
-* :mod:`.worker`: ``HawkTTWorker``, the plugin's worker with KV transfer (select it with
-  ``--worker-cls`` :data:`WORKER_CLS`);
-* :mod:`.model_runner`: the plugin's model runner with the connector's per-step hooks;
-* :mod:`.kv_cache`: the model's paged KV cache described per chip for the connector's sink;
-* :mod:`.device`: the device adapter, one chip of a ttnn mesh with the bank-buffer API (the
-  only way vllm_hawk reaches a Tenstorrent device).
+from vllm_hawk.tenstorrent.vllm_tt import WORKER_CLS  # noqa: F401
 
-Only :mod:`.device` and :mod:`.kv_cache` import without vllm-tt-plugin (numpy and ttnn).
-"""
-
-#: the value of vLLM's ``--worker-cls`` on a Tenstorrent decode node
-WORKER_CLS = "vllm_hawk.tt_decode.worker.HawkTTWorker"
+warnings.warn("vllm_hawk.tt_decode is deprecated: use vllm_hawk.tenstorrent.vllm_tt", DeprecationWarning, stacklevel=2)

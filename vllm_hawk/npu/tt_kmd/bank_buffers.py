@@ -14,14 +14,25 @@ windows as BAR4 holds (at most 8, one per bank). Each buffer additionally gets i
 EXPORT_TLB_DMABUF over its page-rounded range (optional). The host address of bank b's
 region is ``window VA + (buffer.address mod 4 GiB)``. ``unmap_buffer_dma`` closes the
 buffer's dma-bufs; the last buffer out of a window munmaps it and frees it.
+
+What the sinks need beyond Table 6, through the same windows: ``allocate_bank_buffers``
+takes receive buffers from a lockstep allocator of its own over ``[dram_unreserved_base,
+min(bank_size, window_map_bytes))`` (tt-kmd allocates no DRAM, so no tt-metal process may
+use that range on this device meanwhile); ``copy_in_banks`` copies inside a bank by host
+``memmove`` between two addresses of that bank's mapped window; ``dma_written`` has nothing
+to move (the NIC wrote DRAM through the windows).
 """
 
 from __future__ import annotations
 
+import ctypes
+import itertools
 import os
 from dataclasses import dataclass
 
-from vllm_hawk.npu.bank_buffer import BankBufferError, DeviceBuffer, check_bank
+from vllm_hawk.layout.device_profiles import DeviceProfile, load_profile
+from vllm_hawk.layout.interleave import LockstepAllocator
+from vllm_hawk.npu.bank_buffer import BankBufferError, DeviceBuffer, check_bank, known_buffer
 from vllm_hawk.npu.tt_kmd.device import ORDERING_RELAXED, TlbDevice, TlbWindow
 from vllm_hawk.npu.tt_kmd.topology import (
     BLACKHOLE_DEFAULT_DRAM_PORT,
@@ -90,6 +101,8 @@ class TtKmdBankBuffers:
     translation on, the Blackhole default) or noc0. export_dmabuf: also export each
     buffer's per-bank range as a dma-buf (the pyverbs path and tt_peermem need it).
     window_map_bytes: how much of each 4 GiB window to mmap (bytes, from its start).
+    profile: the device profile (name or loaded; default ``p150a``, ``p100`` when harvested
+    to 7 banks); its bank count must be this device's.
     """
 
     def __init__(
@@ -104,6 +117,7 @@ class TtKmdBankBuffers:
         write_combined: bool = True,
         ordering: int = ORDERING_RELAXED,
         window_map_bytes: int = BLACKHOLE_DRAM_BANK_BYTES,
+        profile: DeviceProfile | str | None = None,
     ) -> None:
         require_blackhole(device.arch, "RDMA bank buffers (map_buffer_dma)")
         if (
@@ -124,6 +138,10 @@ class TtKmdBankBuffers:
         self._map_bytes = window_map_bytes
         self._windows: dict[tuple[int, int], _BankWindow] = {}
         self._mapped: dict[int, tuple[DeviceBuffer, list[BankMapping]]] = {}
+        self.profile = _profile_for(profile, self._num_banks)
+        self._alloc = LockstepAllocator.for_device(self.profile, min(self.profile.bank_size_bytes, window_map_bytes))
+        self._allocated: dict[int, DeviceBuffer] = {}
+        self._ids = itertools.count(1 << 32)  # apart from ids of buffers other allocators made
 
     # -- BankBufferAPI --------------------------------------------------------------------
     def get_device_num_bank(self) -> int:
@@ -191,6 +209,57 @@ class TtKmdBankBuffers:
         if errors:
             raise BankBufferError(f"unmapping buffer {buffer.buffer_id}: {errors[0]}") from errors[0]
 
+    # -- receive buffers and data movement (what the sinks call) -----------------------------
+    @property
+    def num_banks(self) -> int:
+        return self._num_banks
+
+    def allocate_bank_buffers(self, size_per_bank: int) -> DeviceBuffer:
+        """One ``size_per_bank``-byte region per bank at one address (see module doc)."""
+        alloc = self._alloc.allocate(self._num_banks, size_per_bank)
+        buf = DeviceBuffer(
+            next(self._ids),
+            alloc.address,
+            alloc.size_per_bank,
+            size_per_bank,
+            self._num_banks,
+            self.profile.aligned_page(size_per_bank),
+            self._num_banks,
+        )
+        self._allocated[buf.buffer_id] = buf
+        return buf
+
+    def free_buffer(self, buffer: DeviceBuffer) -> None:
+        """Release a buffer :meth:`allocate_bank_buffers` made (unmapping it first if mapped)."""
+        known_buffer(self._allocated, buffer)
+        if buffer.buffer_id in self._mapped:
+            self.unmap_buffer_dma(buffer)
+        del self._allocated[buffer.buffer_id]
+        self._alloc.free(buffer.address)
+
+    def live_buffers(self) -> list[DeviceBuffer]:
+        """Buffers allocated here or mapped here (each once)."""
+        live = dict(self._allocated)
+        live.update((bid, buf) for bid, (buf, _) in self._mapped.items())
+        return list(live.values())
+
+    def dma_written(self, bank, offset, nbytes) -> int:
+        """Nothing to move: the NIC's writes went to DRAM through the TLB windows."""
+        return 0
+
+    def copy_in_banks(self, ops) -> int:
+        """Intra-bank copies ``(bank, src_offset, dst_offset, nbytes)`` per bank, byte offsets
+        inside the bank, each range inside a mapped window of that bank; host ``memmove``
+        through the window (a data-movement kernel would keep them on the device). Returns
+        the number of copies."""
+        count = 0
+        for bank, src, dst, nbytes in ops:
+            self._check_bank(bank)
+            for s, d, n in zip(*(list(map(int, x)) for x in (src, dst, nbytes)), strict=True):
+                ctypes.memmove(self._window_address(bank, d, n), self._window_address(bank, s, n), n)
+                count += 1
+        return count
+
     # -- extras -----------------------------------------------------------------------------
     def bank_mapping(self, buffer: DeviceBuffer, bank: int) -> BankMapping:
         """The :class:`BankMapping` of a mapped buffer's bank (dma-buf fd, window, plan)."""
@@ -216,6 +285,16 @@ class TtKmdBankBuffers:
     # -- internals --------------------------------------------------------------------------
     def _check_bank(self, bank: int) -> None:
         check_bank(bank, self._num_banks, "this device")
+
+    def _window_address(self, bank: int, offset: int, nbytes: int) -> int:
+        """Host address of device bytes ``[offset, offset + nbytes)`` of ``bank`` in a mapped window."""
+        for (b, base), win in self._windows.items():
+            if b == bank and base <= offset and offset + nbytes <= base + win.length:
+                return win.va + offset - base
+        raise BankBufferError(
+            f"bank {bank}: bytes [{offset:#x}, {offset + nbytes:#x}) lie in no mapped TLB window "
+            "(map_buffer_dma a buffer there first)"
+        )
 
     def _acquire_window(self, bank: int, window_base: int) -> _BankWindow:
         key = (bank, window_base)
@@ -264,3 +343,14 @@ class TtKmdBankBuffers:
                 os.close(mapping.dmabuf_fd)
         finally:
             self._drop_window(mapping.bank, mapping.plan.window_base)
+
+
+def _profile_for(profile: DeviceProfile | str | None, num_banks: int) -> DeviceProfile:
+    """The device profile, checked against the bank count the harvest mask leaves."""
+    if isinstance(profile, DeviceProfile):
+        loaded = profile
+    else:
+        loaded = load_profile(profile or ("p150a" if num_banks == 8 else "p100"))
+    if loaded.num_banks != num_banks:
+        raise ValueError(f"device profile {loaded.name!r} has {loaded.num_banks} banks; this device has {num_banks}")
+    return loaded

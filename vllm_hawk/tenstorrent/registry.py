@@ -1,19 +1,20 @@
 """Where a KV connector finds the running engine's Tenstorrent KV cache.
 
-The emulated platform's model runner registers its :class:`~vllm_hawk.tt_plugin.mesh.TTMeshKVCache`
+The emulated platform's model runner registers its :class:`~vllm_hawk.tenstorrent.emulated.mesh.TTMeshKVCache`
 here when vLLM initialises the KV cache, and the HAWK decode worker on vllm-tt-plugin its
-:class:`~vllm_hawk.tt_decode.kv_cache.TTNNMeshKVCache` (the same interface), BEFORE vLLM
+:class:`~vllm_hawk.tenstorrent.vllm_tt.kv_cache.TTNNMeshKVCache` (both a
+:class:`~vllm_hawk.tenstorrent.kv_cache.MeshKVCache`), BEFORE vLLM
 calls the connector's ``register_kv_caches`` (same worker process). The tensors vLLM hands to
 ``register_kv_caches`` under this platform are placeholders (``[num_blocks, 1]`` uint8,
 no KV in them); a connector uses instead::
 
-    from vllm_hawk.tt_plugin import registry
+    from vllm_hawk.tenstorrent import registry
     cache = registry.get_kv_cache(vllm_config)     # or registry.get_kv_cache() if one engine
     cache.num_kv_heads      # the model's KV heads (all chips)
     cache.heads_of(c)       # HeadShard: global KV heads [start, stop) chip c holds
     cache.layer_names       # vLLM layer names, in layer-index order
-    chip = cache.chips[c]   # chip c's TTMeshKVCache:
-    chip.device             # its EmulatedDevice: bank-buffer API (map_buffer_dma, ...)
+    chip = cache.chips[c]   # chip c's ChipKVCache:
+    chip.device             # its bank-buffer backend (BankBufferAPI: map_buffer_dma, ...)
     chip.layout             # TTKVCacheLayout: spec, num_banks, aligned_page, addresses
     chip.spec               # TTKVCacheSpec; num_kv_heads = the heads on that chip
     chip.buffer(layer, kv)  # the DeviceBuffer of one layer's K (0) or V (1)
@@ -31,12 +32,12 @@ import threading
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
-    from vllm_hawk.tt_plugin.mesh import TTMeshKVCache
+    from vllm_hawk.tenstorrent.kv_cache import MeshKVCache
 
 __all__ = ["register", "unregister", "get_kv_cache", "registered_keys", "engine_key"]
 
 _lock = threading.Lock()
-_caches: dict[str, TTMeshKVCache] = {}
+_caches: dict[str, MeshKVCache] = {}
 
 
 def engine_key(vllm_config) -> str:
@@ -49,7 +50,7 @@ def engine_key(vllm_config) -> str:
     return key
 
 
-def register(vllm_config, cache: TTMeshKVCache) -> str:
+def register(vllm_config, cache: MeshKVCache) -> str:
     """Record ``cache`` as the KV cache of the engine; returns its key."""
     key = engine_key(vllm_config)
     with _lock:
@@ -59,13 +60,13 @@ def register(vllm_config, cache: TTMeshKVCache) -> str:
     return key
 
 
-def unregister(vllm_config) -> TTMeshKVCache | None:
+def unregister(vllm_config) -> MeshKVCache | None:
     """Forget the engine's cache (does not free it); returns it, or None."""
     with _lock:
         return _caches.pop(engine_key(vllm_config), None)
 
 
-def get_kv_cache(vllm_config=None) -> TTMeshKVCache:
+def get_kv_cache(vllm_config=None) -> MeshKVCache:
     """The KV cache of the engine ``vllm_config`` (a VllmConfig or its key).
 
     Without an argument: the only registered cache of this process; raises LookupError

@@ -56,7 +56,8 @@ def kv_budget_blocks(
 
 
 class TTPagedKVCache:
-    """K/V of ``spec.num_layers`` layers in ``device``'s banks (see module docstring).
+    """K/V of ``spec.num_layers`` layers in ``device``'s banks (see module docstring);
+    implements :class:`~vllm_hawk.tenstorrent.kv_cache.ChipKVCache`.
 
     ``device`` implements the emulated device API (``allocate_kv_cache``,
     ``bank_tensor``, the bank-buffer calls); ``layer_names`` maps vLLM layer names to

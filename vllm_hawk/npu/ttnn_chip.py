@@ -1,10 +1,10 @@
-"""The device adapter of the Tenstorrent decode: one chip of a ttnn mesh with the bank-buffer API.
+"""One chip of a ttnn mesh as a bank-buffer backend (:class:`~vllm_hawk.npu.bank_buffer.BankBufferAPI`).
 
 This is the only way vllm_hawk reaches a Tenstorrent device through ttnn: the HAWK decode
-worker (:mod:`.worker`) wraps the mesh vllm-tt-plugin opened, the connector's sink
-(:class:`~vllm_hawk.kvflow.TTSink`) lands KV through it, and tests/ttsim checks it on
-Tenstorrent's simulator. Numpy and ttnn only (no torch, no vLLM): the ttsim checks run it
-in the 3.12 ttnn environment too. Importing it never needs ttnn.
+worker on vllm-tt-plugin (:mod:`vllm_hawk.tenstorrent.vllm_tt.worker`) wraps the mesh the
+plugin opened, the connector's sink (:class:`~vllm_hawk.kvflow.TTSink`) lands KV through
+it, and tests/ttsim checks it on Tenstorrent's simulator. Numpy and ttnn only (no torch, no
+vLLM): the ttsim checks run it in the 3.12 ttnn environment too. Importing it never needs ttnn.
 
 What runs where:
 
@@ -102,10 +102,8 @@ def tensor_host_bytes(tensor) -> np.ndarray:
 
 
 class TTNNChip:
-    """Chip ``chip`` of a ttnn ``MeshDevice`` (hardware or ttsim) with the bank-buffer API
-    (:class:`~vllm_hawk.npu.bank_buffer.BankBufferAPI`) plus what
-    :class:`~vllm_hawk.kvflow.TTSink` needs (``copy_in_banks``, ``dma_written``,
-    ``allocate_bank_buffers``, ``free_buffer``, ``live_buffers``).
+    """Chip ``chip`` of a ttnn ``MeshDevice`` (hardware or ttsim) implementing
+    :class:`~vllm_hawk.npu.bank_buffer.BankBufferAPI`.
 
     On construction the chip is checked against the device profile (bank count, bank
     offsets and sizes, DRAM alignment, unreserved base); a mismatch names the profile file

@@ -5,9 +5,11 @@ never changes what vLLM does on a GPU node. Every variable, its values and its d
 
 ``HAWK_TT_PLATFORM``    ``emulated`` (unset, empty, ``0``, ``off``: plugin inactive). A Tenstorrent
                         device is reached through vllm-tt-plugin with the HAWK decode worker
-                        (:mod:`vllm_hawk.tt_decode`), never through this plugin
+                        (:mod:`vllm_hawk.tenstorrent.vllm_tt`), never through this plugin
 ``HAWK_TT_DEVICE``      device profile name (shipped in ``vllm_hawk/layout/profiles/devices``, or
-                        in ``HAWK_CONFIG_DIR``) or YAML path, default ``p150a``
+                        in ``HAWK_CONFIG_DIR``) or YAML path, for serving without HawkConnector;
+                        default ``p150a``. With HawkConnector its ``device_profile`` names the
+                        device and this one, if set, must agree (:mod:`vllm_hawk.tenstorrent.device`)
 ``HAWK_TT_CHIPS``       chips of a mesh the KV heads are sharded over, a positive integer; default:
                         the profile's ``chips`` (n300: 2 Wormhole chips; p150a: 1; ``p150a`` with
                         2 or 4 is a Blackhole group). Chip ``c`` holds KV heads ``[c*H/n,
@@ -40,7 +42,7 @@ ENV_KV_FRACTION = "HAWK_TT_KV_FRACTION"
 BACKENDS = ("emulated",)
 #: name and class of the attention backend (registered with vLLM by .platform)
 ATTN_BACKEND_NAME = "HAWK_TT_PAGED"
-ATTN_BACKEND_PATH = "vllm_hawk.tt_plugin.attention.TTPagedAttentionBackend"
+ATTN_BACKEND_PATH = "vllm_hawk.tenstorrent.emulated.attention.TTPagedAttentionBackend"
 KV_DTYPES = ("bfloat16", "bfloat8_b")
 _OFF = ("", "0", "off", "none", "false", "no")
 
@@ -54,7 +56,7 @@ class TTPluginConfig:
     """What the platform was asked for. ``backend`` is None when the plugin is off."""
 
     backend: str | None
-    device: str = "p150a"
+    device: str | None = None  # HAWK_TT_DEVICE; None: not set (see vllm_hawk.tenstorrent.device)
     kv_dtype: str = "bfloat16"
     bank_mib: int = 256
     kv_fraction: float = 0.5
@@ -77,7 +79,7 @@ class TTPluginConfig:
         kv_dtype = env.get(ENV_KV_DTYPE, "").strip() or "bfloat16"
         if kv_dtype not in KV_DTYPES:
             raise TTPluginConfigError(f"{ENV_KV_DTYPE}={kv_dtype!r}: expected one of {KV_DTYPES}")
-        device = env.get(ENV_DEVICE, "").strip() or "p150a"
+        device = env.get(ENV_DEVICE, "").strip() or None
         try:
             bank_mib = int(env.get(ENV_BANK_MIB, "").strip() or 256)
             kv_fraction = float(env.get(ENV_KV_FRACTION, "").strip() or 0.5)

@@ -1,7 +1,7 @@
 """A KV cache sharded over the chips of a Tenstorrent mesh (n300, a Blackhole group).
 
 Each chip is its own :class:`~vllm_hawk.npu.emulated.EmulatedDevice` (own banks, own
-allocator) and holds a :class:`~vllm_hawk.tt_plugin.kv_cache.TTPagedKVCache` of its KV
+allocator) and holds a :class:`~vllm_hawk.tenstorrent.emulated.kv_cache.TTPagedKVCache` of its KV
 heads, as tt_transformers shards a decode's cache over a mesh: with ``H`` KV heads and
 ``n`` chips, chip ``c`` holds heads ``[c*H/n, (c+1)*H/n)`` (one head replicated on
 ``n/H`` chips when ``H < n``; :func:`vllm_hawk.layout.tp.shard_heads`), so each chip's
@@ -27,7 +27,7 @@ import torch
 
 from vllm_hawk.layout.tp import HeadShard, TPMismatch, shard_heads
 from vllm_hawk.layout.tt_kv_cache import TTKVCacheSpec
-from vllm_hawk.tt_plugin.kv_cache import TTPagedKVCache, paged_attention
+from vllm_hawk.tenstorrent.emulated.kv_cache import TTPagedKVCache, paged_attention
 
 __all__ = ["TTMeshKVCache", "TPMismatch", "chip_shards"]
 
@@ -40,7 +40,8 @@ def chip_shards(num_kv_heads: int, num_chips: int, who: str = CHIPS_NAME) -> lis
 
 
 class TTMeshKVCache:
-    """K/V of ``spec.num_layers`` layers sharded by KV head over ``devices`` (one per chip).
+    """K/V of ``spec.num_layers`` layers sharded by KV head over ``devices`` (one per chip);
+    implements :class:`~vllm_hawk.tenstorrent.kv_cache.MeshKVCache`.
 
     ``spec`` is the model's (global) cache: ``spec.num_kv_heads`` heads; chip ``c`` gets
     ``dataclasses.replace(spec, num_kv_heads=heads_of(c).count)``. ``chips[c]`` is chip
@@ -148,7 +149,7 @@ class TTMeshKVCache:
         scale: float,
         out: torch.Tensor,
     ) -> torch.Tensor:
-        """:func:`~vllm_hawk.tt_plugin.kv_cache.paged_attention` on each chip over its
+        """:func:`~vllm_hawk.tenstorrent.emulated.kv_cache.paged_attention` on each chip over its
         query heads (``[c*Hq/n, (c+1)*Hq/n)``, those of its KV heads), then the gather of
         the chips' outputs into ``out`` ``[num_tokens, Hq, head_dim]``."""
         n = self.num_chips

@@ -1,6 +1,6 @@
 """``HAWK_TT_PAGED``: a vLLM attention backend whose KV cache is the emulated device's
-tiled, bank-interleaved paged cache (:class:`~vllm_hawk.tt_plugin.kv_cache.TTPagedKVCache`),
-one per chip, KV heads sharded over the chips (:class:`~vllm_hawk.tt_plugin.mesh.TTMeshKVCache`).
+tiled, bank-interleaved paged cache (:class:`~vllm_hawk.tenstorrent.emulated.kv_cache.TTPagedKVCache`),
+one per chip, KV heads sharded over the chips (:class:`~vllm_hawk.tenstorrent.emulated.mesh.TTMeshKVCache`).
 
 * KV update (``do_kv_cache_update``, called by vLLM before ``forward``): the new tokens'
   K/V are packed to the tile format (bf16 or bfloat8_b) and written into the banks.
@@ -37,8 +37,8 @@ from vllm.v1.attention.backend import (
 from vllm.v1.kv_cache_interface import AttentionSpec, KVCacheLayout
 
 from vllm_hawk.layout.formats import tile_format
-from vllm_hawk.tt_plugin.config import ATTN_BACKEND_NAME, ATTN_BACKEND_PATH, TTPluginConfig, kv_dtype_for
-from vllm_hawk.tt_plugin.mesh import TTMeshKVCache
+from vllm_hawk.tenstorrent.emulated.config import ATTN_BACKEND_NAME, ATTN_BACKEND_PATH, TTPluginConfig, kv_dtype_for
+from vllm_hawk.tenstorrent.emulated.mesh import TTMeshKVCache
 
 BACKEND_NAME, BACKEND_PATH = ATTN_BACKEND_NAME, ATTN_BACKEND_PATH
 

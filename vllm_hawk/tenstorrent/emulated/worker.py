@@ -13,8 +13,8 @@ host) with the KV cache moved into an :class:`~vllm_hawk.npu.emulated.EmulatedDe
   ``VLLM_CPU_KVCACHE_SPACE`` when one is set. A chip count that cannot split the
   model's heads fails here, at start-up, naming ``HAWK_TT_CHIPS``.
 * ``initialize_kv_cache_tensors``: allocates K and V per layer on every chip
-  (:class:`~vllm_hawk.tt_plugin.mesh.TTMeshKVCache`), attaches it to each
-  attention layer, registers it for connectors (:mod:`.registry`) and gives vLLM one
+  (:class:`~vllm_hawk.tenstorrent.emulated.mesh.TTMeshKVCache`), attaches it to each
+  attention layer, registers it for connectors (:mod:`vllm_hawk.tenstorrent.registry`) and gives vLLM one
   ``[num_blocks, 1]`` uint8 placeholder per layer instead of a KV view, so that code
   which copies "block i" by position moves nothing instead of corrupting tiles.
 * block zeroing and copy-on-write copies, which vLLM does on its own views, are done
@@ -33,11 +33,12 @@ from vllm.v1.worker.cpu_worker import CPUWorker
 from vllm_hawk.layout.device_profiles import load_profile
 from vllm_hawk.layout.tt_kv_cache import TTKVCacheSpec
 from vllm_hawk.npu.emulated import EmulatedDevice
-from vllm_hawk.tt_plugin import registry
-from vllm_hawk.tt_plugin.attention import TTPagedAttentionBackend, tt_kv_dtype
-from vllm_hawk.tt_plugin.config import ENV_CHIPS, TTPluginConfig
-from vllm_hawk.tt_plugin.kv_cache import kv_budget_blocks
-from vllm_hawk.tt_plugin.mesh import TPMismatch, TTMeshKVCache, chip_shards
+from vllm_hawk.tenstorrent import registry
+from vllm_hawk.tenstorrent.device import decode_device
+from vllm_hawk.tenstorrent.emulated.attention import TTPagedAttentionBackend, tt_kv_dtype
+from vllm_hawk.tenstorrent.emulated.config import ENV_CHIPS, ENV_DEVICE, TTPluginConfig
+from vllm_hawk.tenstorrent.emulated.kv_cache import kv_budget_blocks
+from vllm_hawk.tenstorrent.emulated.mesh import TPMismatch, TTMeshKVCache, chip_shards
 
 logger = logging.getLogger("vllm.hawk.tt_plugin")
 
@@ -64,7 +65,7 @@ class TTEmulatedModelRunner(CPUModelRunner):
         ``chips``), each with its own banks and allocator."""
         if self.hawk_tt_devices is None:
             cfg = TTPluginConfig.from_env()
-            profile = load_profile(cfg.device)
+            profile = load_profile(decode_device(self.vllm_config, cfg.device, ENV_DEVICE))
             n = cfg.num_chips(profile.chips)
             self.hawk_tt_devices = [EmulatedDevice(profile, bank_size_bytes=cfg.bank_size_bytes) for _ in range(n)]
             logger.info(
@@ -92,7 +93,7 @@ class TTEmulatedModelRunner(CPUModelRunner):
             for s in specs
         ):
             raise NotImplementedError("the emulated Tenstorrent platform needs uniform attention layers")
-        where = f"device {cfg.device}, {'set' if cfg.chips is not None else 'the profile default'}"
+        where = f"device {dev.profile.name}, {'set' if cfg.chips is not None else 'the profile default'}"
         try:
             shards = chip_shards(s0.num_kv_heads, len(devs), ENV_CHIPS)
         except TPMismatch as e:

@@ -3,7 +3,7 @@
 :class:`TTEmulatedPlatform` subclasses vLLM's ``CpuPlatform``: the model runs in torch
 on the host (vLLM's CPU worker and runner), while the KV cache lives in an emulated
 Tenstorrent device in the device's paged tile layout and attention reads it there
-(:mod:`.attention`, :mod:`.worker`). It is selected by :func:`vllm_hawk.tt_plugin.register`
+(:mod:`.attention`, :mod:`.worker`). It is selected by :func:`vllm_hawk.tenstorrent.emulated.register`
 (the ``vllm.platform_plugins`` entry point) only when ``HAWK_TT_PLATFORM=emulated``.
 
 Importing this module registers the attention backend name ``HAWK_TT_PAGED`` with vLLM,
@@ -23,14 +23,15 @@ import logging
 from vllm.platforms.cpu import CpuPlatform
 from vllm.v1.attention.backends.registry import AttentionBackendEnum, register_backend
 
-from vllm_hawk.tt_plugin.config import ATTN_BACKEND_NAME as BACKEND_NAME
-from vllm_hawk.tt_plugin.config import ATTN_BACKEND_PATH as BACKEND_PATH
-from vllm_hawk.tt_plugin.config import TTPluginConfig, kv_dtype_for
+from vllm_hawk.tenstorrent.device import decode_device
+from vllm_hawk.tenstorrent.emulated.config import ATTN_BACKEND_NAME as BACKEND_NAME
+from vllm_hawk.tenstorrent.emulated.config import ATTN_BACKEND_PATH as BACKEND_PATH
+from vllm_hawk.tenstorrent.emulated.config import ENV_DEVICE, TTPluginConfig, kv_dtype_for
 
 logger = logging.getLogger("vllm.hawk.tt_plugin")
 
 DEFAULT_BLOCK_SIZE = 64
-WORKER_CLS = "vllm_hawk.tt_plugin.worker.TTEmulatedWorker"
+WORKER_CLS = "vllm_hawk.tenstorrent.emulated.worker.TTEmulatedWorker"
 
 if BACKEND_NAME not in AttentionBackendEnum.__members__:
     register_backend(BACKEND_NAME, BACKEND_PATH)
@@ -41,7 +42,8 @@ class TTEmulatedPlatform(CpuPlatform):
 
     @classmethod
     def get_device_name(cls, device_id: int = 0) -> str:
-        return f"tt-emulated-{TTPluginConfig.from_env().device}"
+        device = TTPluginConfig.from_env().device
+        return f"tt-emulated-{device}" if device else "tt-emulated"
 
     @classmethod
     def get_attn_backend_cls(cls, selected_backend, attn_selector_config, num_heads=None) -> str:
@@ -56,6 +58,7 @@ class TTEmulatedPlatform(CpuPlatform):
     @classmethod
     def check_and_update_config(cls, vllm_config) -> None:
         cfg = TTPluginConfig.from_env()
+        device = decode_device(vllm_config, cfg.device, ENV_DEVICE)  # refuses two names for it
         cache = vllm_config.cache_config
         kv_dtype_for(cache.cache_dtype, cfg)  # refuses fp8 & co. with a clear message
         if not cache.user_specified_block_size:
@@ -76,7 +79,7 @@ class TTEmulatedPlatform(CpuPlatform):
         super().check_and_update_config(vllm_config)
         logger.info(
             "HAWK Tenstorrent platform (emulated %s, chips %s, KV %s, block %d tokens)",
-            cfg.device,
+            device,
             cfg.chips or "from the profile",
             cfg.kv_dtype,
             cache.block_size,
@@ -86,7 +89,7 @@ class TTEmulatedPlatform(CpuPlatform):
     def pack_kv_cache(cls, kv_cache, indices) -> None:
         raise NotImplementedError(
             "the Tenstorrent KV cache is tiled and interleaved over DRAM banks; blocks cannot be "
-            "repacked by position. Write through vllm_hawk.tt_plugin.registry.get_kv_cache()."
+            "repacked by position. Write through vllm_hawk.tenstorrent.registry.get_kv_cache()."
         )
 
 

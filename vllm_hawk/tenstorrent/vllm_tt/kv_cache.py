@@ -7,13 +7,13 @@ TILE layout, DRAM interleaved. :class:`TTNNMeshKVCache` describes those tensors,
 the mesh, by the addresses ttnn gives them (no copy, no allocation of its own):
 
     cache.spec              the model's cache (all KV heads)
-    cache.chips[c].device   chip c's :class:`~vllm_hawk.tt_decode.device.TTNNChip`
+    cache.chips[c].device   chip c's :class:`~vllm_hawk.npu.ttnn_chip.TTNNChip`
     cache.chips[c].layout   TTKVCacheLayout (addresses from ``buffer_address()``)
     cache.chips[c].buffers  DeviceBuffers K0, V0, K1, ... of chip c's part of each tensor
     cache.heads_of(c)       global KV heads ``[start, stop)`` chip c holds
 
-the interface of the emulated platform's mesh cache (:mod:`vllm_hawk.tt_plugin.mesh`), which
-the connector reaches through :mod:`vllm_hawk.tt_plugin.registry`. Numpy and ttnn only.
+the :mod:`vllm_hawk.tenstorrent.kv_cache` protocols, which the connector reaches through
+:mod:`vllm_hawk.tenstorrent.registry`. Numpy and ttnn only.
 """
 
 from __future__ import annotations
@@ -25,13 +25,14 @@ import numpy as np
 
 from vllm_hawk.layout.tp import HeadShard, shard_heads
 from vllm_hawk.layout.tt_kv_cache import TTKVCacheSpec
-from vllm_hawk.tt_decode.device import TTNNChip, dtype_name, import_ttnn
+from vllm_hawk.npu.ttnn_chip import TTNNChip, dtype_name, import_ttnn
 
 __all__ = ["TTNNChipKVCache", "TTNNMeshKVCache"]
 
 
 class TTNNChipKVCache:
-    """One chip's part of the model's paged cache (``spec``: that chip's heads)."""
+    """One chip's part of the model's paged cache (``spec``: that chip's heads); implements
+    :class:`~vllm_hawk.tenstorrent.kv_cache.ChipKVCache`."""
 
     def __init__(self, device: TTNNChip, spec: TTKVCacheSpec, kv_cache, layer_names: Sequence[str]) -> None:
         self.device, self.spec, self.layer_names = device, spec, list(layer_names)
@@ -67,7 +68,8 @@ class TTNNChipKVCache:
 
 
 class TTNNMeshKVCache:
-    """The model's cache on every chip of the mesh (see module doc). ``kv_cache``: the
+    """The model's cache on every chip of the mesh (see module doc), a
+    :class:`~vllm_hawk.tenstorrent.kv_cache.MeshKVCache`. ``kv_cache``: the
     model's ``[[K, V], ...]``; ``chips``: one :class:`TTNNChip` per mesh chip. Chip ``c``
     holds KV heads ``[c*H/n, (c+1)*H/n)`` (tt_transformers' split over a mesh)."""
 
