@@ -17,7 +17,7 @@ from pathlib import Path
 
 import pytest
 
-from vllm_hawk.testing.local_cluster import http_post_json
+from vllm_hawk.bench.local_cluster import http_post_json
 
 #: Environment for an in-process engine on these 2-core CPU machines (docs/vllm-cpu.md).
 INPROC_ENV = {
@@ -39,7 +39,7 @@ def require_vllm() -> None:
 
 def tiny_model_path(**params) -> Path:
     """The cached tiny Llama (built on first use, ~6 s)."""
-    from vllm_hawk.testing.tiny_model import build_tiny_llama
+    from vllm_hawk.bench.tiny_model import build_tiny_llama
 
     return build_tiny_llama(**params)
 
@@ -172,7 +172,7 @@ def token_prompts(seed: int, lengths) -> list[list[int]]:
 
 @contextlib.contextmanager
 def running(cluster, label: str | None = None) -> Iterator:
-    """Start a :class:`~vllm_hawk.testing.local_cluster.LocalCluster` (printing its start-up
+    """Start a :class:`~vllm_hawk.bench.local_cluster.LocalCluster` (printing its start-up
     time under ``label``, kept as ``cluster.start_s``), yield it, stop it, and fail if any
     of its processes is left."""
     t0 = time.monotonic()

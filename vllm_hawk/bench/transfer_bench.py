@@ -94,9 +94,9 @@ DEFAULT_SIZES = (10, 40, 160, 640)
 # ---------------------------------------------------------------------------- prefill process
 def _prefill_main(cfg: dict, conn) -> None:
     os.environ.setdefault("MC_FORCE_TCP", "1")
+    from vllm_hawk.bench.endpoints import prefill_endpoint
+    from vllm_hawk.bench.paged_cache import PagedKVCache
     from vllm_hawk.protocol import make_compat
-    from vllm_hawk.testing.endpoints import prefill_endpoint
-    from vllm_hawk.testing.paged_cache import PagedKVCache
     from vllm_hawk.transport import make_transport
 
     cache = PagedKVCache(*cfg["shape"]).fill_random(cfg["seed"])
@@ -414,9 +414,9 @@ class _TransferRun:
 
     def _chip(self, d: int, plan: list) -> dict:
         """Chip ``d``: an emulated device and one decode per row kind, pulling ``plan``'s shares."""
+        from vllm_hawk.bench.paged_cache import PagedKVCache
         from vllm_hawk.layout.tp import shard_heads
         from vllm_hawk.npu.emulated import EmulatedDevice
-        from vllm_hawk.testing.paged_cache import PagedKVCache
 
         shape = self.shape
         eps = self.pre[plan[0].prefill_rank].endpoints  # the decodes' own endpoints: the chip's first share's rank
@@ -441,7 +441,7 @@ class _TransferRun:
     def _add_hawk_decodes(self, c: dict, dev, eps: dict) -> None:
         """``c["hawk"]``: per target dtype a decode into the device's KV pool (the bfloat8_b
         one shares the bfloat16 one's device pool)."""
-        from vllm_hawk.testing.endpoints import TTDecode
+        from vllm_hawk.bench.endpoints import TTDecode
 
         hawk = c["hawk"] = {}
         for dt in ("bfloat16", "bfloat8_b"):
@@ -461,8 +461,8 @@ class _TransferRun:
     def _add_vllm_wire_decodes(self, c: dict, dev, eps: dict, dcache) -> None:
         """The decodes fed from vLLM-layout prefill endpoints: GG-Direct, GG-Host (and
         GG-Staged) into the vLLM-layout cache ``dcache``, GN-Host into the device's KV pool."""
+        from vllm_hawk.bench.endpoints import GNHostDecode, VllmDecode
         from vllm_hawk.kvflow.gn_host import wire_layout_of
-        from vllm_hawk.testing.endpoints import GNHostDecode, VllmDecode
 
         reg, compat = self.registration, self.compat
         c["gg_direct"] = VllmDecode(dcache, self.mc, eps["gg_direct"], compat, timeout_s=600, registration=reg)
