@@ -1,7 +1,7 @@
 """A disaggregated cluster on this machine: prefill vLLM(s) + decode vLLM(s) + ``hawk proxy``
 (+ vLLM's router).
 
-Used by the end-to-end tests and ``examples/pd_local/run_demo.py``. Every server runs
+Used by ``hawk bench serve``, the end-to-end tests and ``examples/pd_local/run_demo.py``. Every server runs
 in its own session (process group), so :meth:`LocalCluster.stop` ends it and every
 process vLLM spawned (engine core, worker) with one signal, and checks none is left.
 
