@@ -43,9 +43,9 @@ from e2e_helpers import (
     stream_events,
     token_prompts,
 )
-from vllm_fixtures import running
+from vllm_fixtures import running, wait_idle
 
-from vllm_hawk.bench.local_cluster import scrape_metrics, wait_idle
+from vllm_hawk.bench.local_cluster import scrape_metrics
 
 pytestmark = pytest.mark.vllm
 

@@ -51,9 +51,7 @@ from e2e_helpers import (
     gn_prompts,
     greedy_divergence,
 )
-from vllm_fixtures import running
-
-from vllm_hawk.bench.local_cluster import http_post_json, kv_usage, wait_idle
+from vllm_fixtures import http_post_json, kv_usage, running, wait_idle
 
 pytestmark = pytest.mark.vllm
 

@@ -22,9 +22,7 @@ from e2e_helpers import (
     gn_prompts,
     greedy_divergence,
 )
-from vllm_fixtures import running
-
-from vllm_hawk.bench.local_cluster import wait_idle
+from vllm_fixtures import running, wait_idle
 
 pytestmark = pytest.mark.vllm
 

@@ -22,10 +22,8 @@ import resource
 import time
 
 import pytest
-from vllm_fixtures import running
-
-from vllm_hawk.bench.local_cluster import RequestNotSent, connector_states, kv_usage, wait_idle
-from vllm_hawk.bench.local_cluster import http_post_json as _post
+from vllm_fixtures import RequestNotSent, connector_states, kv_usage, running, wait_idle
+from vllm_fixtures import http_post_json as _post
 
 pytestmark = pytest.mark.vllm
 

@@ -34,9 +34,7 @@ from e2e_helpers import (
     greedy_divergence,
     stream_events,
 )
-from vllm_fixtures import running
-
-from vllm_hawk.bench.local_cluster import http_post_json
+from vllm_fixtures import http_post_json, running
 
 pytestmark = pytest.mark.vllm
 

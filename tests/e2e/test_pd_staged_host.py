@@ -8,9 +8,7 @@ import time
 
 import pytest
 from e2e_helpers import BLOCK, GG_MAX_TOKENS, GG_TIE_MARGIN, complete, gg_prompts, greedy_divergence
-from vllm_fixtures import running
-
-from vllm_hawk.bench.local_cluster import http_post_json
+from vllm_fixtures import http_post_json, running
 
 pytestmark = pytest.mark.vllm
 

@@ -32,9 +32,7 @@ from pathlib import Path
 import pytest
 import torch
 from e2e_helpers import GG_TIE_MARGIN, GN_TIE_MARGIN, complete, greedy_divergence
-from vllm_fixtures import running, token_prompts
-
-from vllm_hawk.bench.local_cluster import http_post_json, wait_idle
+from vllm_fixtures import http_post_json, running, token_prompts, wait_idle
 
 pytestmark = [pytest.mark.vllm, pytest.mark.tp]
 

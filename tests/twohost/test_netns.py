@@ -22,10 +22,8 @@ import time
 from pathlib import Path
 
 import pytest
-from vllm_fixtures import complete, top2_gap
-
-from vllm_hawk.bench.local_cluster import http_post_json as _post
-from vllm_hawk.bench.local_cluster import wait_idle
+from vllm_fixtures import complete, top2_gap, wait_idle
+from vllm_fixtures import http_post_json as _post
 
 pytestmark = [pytest.mark.vllm, pytest.mark.netns]
 
