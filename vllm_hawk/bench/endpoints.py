@@ -48,7 +48,7 @@ def source_for(cache, kind: str, device_profile: str | None = "p150a"):
         cache.desc,
         cache.region_map,
         cache.storages,
-        cache.kv_views(),
+        cache.kv_views() if kind == "hawk" else None,  # what the transform reads (strided layouts only)
         heads=head_maps(cache.layers),
         caches=cache.layers,
     )
