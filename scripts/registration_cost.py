@@ -15,6 +15,7 @@ os.environ.setdefault("MC_FORCE_TCP", "1")
 
 import numpy as np  # noqa: E402
 
+from vllm_hawk.bench.paged_cache import PagedKVCache  # noqa: E402
 from vllm_hawk.kvflow import BankBufferPool, TTSink  # noqa: E402
 from vllm_hawk.kvflow.exposure import Exposure  # noqa: E402
 from vllm_hawk.kvflow.ring import RingBuffer  # noqa: E402
@@ -23,7 +24,6 @@ from vllm_hawk.layout.model_shapes import load_model_shape  # noqa: E402
 from vllm_hawk.layout.tt_kv_cache import TTKVCacheSpec  # noqa: E402
 from vllm_hawk.npu.emulated import EmulatedDevice  # noqa: E402
 from vllm_hawk.protocol import KVReady, Segment  # noqa: E402
-from vllm_hawk.testing.paged_cache import PagedKVCache  # noqa: E402
 from vllm_hawk.transport import make_transport  # noqa: E402
 
 

@@ -70,13 +70,24 @@ def test_leaf_modules_import_nothing_of_vllm_hawk():
         assert not _imports(PKG / leaf), f"vllm_hawk/{leaf} must stay a leaf (every layer imports it)"
 
 
-def test_runtime_modules_do_not_import_the_testing_package():
-    bad = [
-        str(f.relative_to(PKG.parent))
-        for f in sorted(PKG.rglob("*.py"))
-        if "testing" not in f.relative_to(PKG).parts[:1] and f.parent.name != "bench" and "testing" in _imports(f)
-    ]
-    assert not bad, f"runtime modules import vllm_hawk.testing: {bad}"
+def test_no_module_of_the_package_imports_test_only_code():
+    """Code only tests use lives under tests/ (imported there by its bare module name, or as
+    ``tests.<folder>.<module>``): no module of vllm_hawk imports it, even lazily, and there
+    is no ``vllm_hawk.testing`` package to hold such code."""
+    tests = PKG.parent / "tests"
+    test_only = {"tests"} | {f.stem for f in tests.rglob("*.py")}
+    bad = []
+    for f in sorted(PKG.rglob("*.py")):
+        for node in ast.walk(ast.parse(f.read_text(), str(f))):
+            if isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
+                names = [node.module]
+            elif isinstance(node, ast.Import):
+                names = [a.name for a in node.names]
+            else:
+                continue
+            bad += [f"{f.relative_to(PKG.parent)}:{node.lineno}: {n}" for n in names if n.split(".")[0] in test_only]
+    assert not bad, "modules of vllm_hawk import test-only code:\n" + "\n".join(bad)
+    assert not (PKG / "testing").exists(), "vllm_hawk/testing: code only tests use goes under tests/"
 
 
 def test_every_hawk_variable_is_read_in_envs():

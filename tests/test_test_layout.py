@@ -98,8 +98,8 @@ def test_the_check_sees_every_kind_of_test_module_import(source):
     [
         "from kvflow_helpers import BS, endpoints",
         "import vllm_fixtures",
-        "from vllm_hawk.testing.local_cluster import http_post_json",
-        "from vllm_hawk.testing import endpoints",
+        "from vllm_hawk.bench.local_cluster import scrape_metrics",
+        "from vllm_hawk.bench import endpoints",
         "import importlib.util\nimportlib.util.find_spec('mooncake.engine')",
     ],
 )

@@ -105,7 +105,7 @@ def test_serve_tiny_model_answers_completions(tmp_path, request, host):
     the decision must reach every spawned process before its first bf16 forward."""
     from vllm_fixtures import http_json, require_vllm, tiny_model_path, wait_http_ok
 
-    from vllm_hawk.testing.local_cluster import TP_RANK_ENV, free_port
+    from vllm_hawk.bench.local_cluster import TP_RANK_ENV, free_port
 
     require_vllm()
     model = tiny_model_path()
@@ -190,7 +190,7 @@ def test_tiny_model_is_deterministic_and_cached(tmp_path, monkeypatch):
     pytest.importorskip("transformers")
     from transformers import AutoTokenizer
 
-    from vllm_hawk.testing.tiny_model import build_tiny_llama
+    from vllm_hawk.bench.tiny_model import build_tiny_llama
 
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")
     params = dict(hidden=64, layers=1, heads=2, kv_heads=1, head_dim=32, vocab=512)

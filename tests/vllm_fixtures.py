@@ -1,4 +1,5 @@
-"""Helpers for tests that run a real vLLM (CPU build) on the tiny Llama.
+"""Helpers for tests that run a real vLLM (CPU build) on the tiny Llama: engines, and the
+requests, metrics and connector states of a :class:`~vllm_hawk.bench.local_cluster.LocalCluster`.
 
 Import from a test module (``from vllm_fixtures import ...``; pytest puts ``tests/`` on
 ``sys.path``). Engines are expensive (~15-30 s, ~1.6 GB): build one per module.
@@ -7,17 +8,19 @@ Import from a test module (``from vllm_fixtures import ...``; pytest puts ``test
 from __future__ import annotations
 
 import contextlib
+import http.client
 import json
 import os
 import time
 import urllib.error
+import urllib.parse
 import urllib.request
 from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 
-from vllm_hawk.testing.local_cluster import http_post_json
+from vllm_hawk.bench.local_cluster import scrape_metrics
 
 #: Environment for an in-process engine on these 2-core CPU machines (docs/vllm-cpu.md).
 INPROC_ENV = {
@@ -39,7 +42,7 @@ def require_vllm() -> None:
 
 def tiny_model_path(**params) -> Path:
     """The cached tiny Llama (built on first use, ~6 s)."""
-    from vllm_hawk.testing.tiny_model import build_tiny_llama
+    from vllm_hawk.bench.tiny_model import build_tiny_llama
 
     return build_tiny_llama(**params)
 
@@ -172,7 +175,7 @@ def token_prompts(seed: int, lengths) -> list[list[int]]:
 
 @contextlib.contextmanager
 def running(cluster, label: str | None = None) -> Iterator:
-    """Start a :class:`~vllm_hawk.testing.local_cluster.LocalCluster` (printing its start-up
+    """Start a :class:`~vllm_hawk.bench.local_cluster.LocalCluster` (printing its start-up
     time under ``label``, kept as ``cluster.start_s``), yield it, stop it, and fail if any
     of its processes is left."""
     t0 = time.monotonic()
@@ -185,3 +188,83 @@ def running(cluster, label: str | None = None) -> Iterator:
     finally:
         cluster.stop()
         assert cluster.leftover_processes() == [], "processes left after stop()"
+
+
+class RequestNotSent(ConnectionError):
+    """The server closed the connection before the whole request was sent (EPIPE or
+    ECONNRESET while sending): it cannot have acted on it, so sending it again is safe."""
+
+
+def http_post_json(url: str, body: dict, timeout: float = 120.0) -> tuple[int, dict | str]:
+    """POST ``body`` as JSON; (status, decoded JSON or the raw text when it is not JSON).
+    Raises :class:`RequestNotSent` when the connection broke while the request was sent."""
+    u = urllib.parse.urlsplit(url)
+    conn = http.client.HTTPConnection(u.hostname, u.port, timeout=timeout)
+    try:
+        try:
+            conn.request("POST", u.path, json.dumps(body), {"Content-Type": "application/json"})
+        except (BrokenPipeError, ConnectionResetError) as e:
+            raise RequestNotSent(
+                f"POST {url}: the server closed the connection before the request was sent ({e!s})"
+            ) from e
+        r = conn.getresponse()
+        raw = r.read().decode()
+        try:
+            return r.status, json.loads(raw)
+        except ValueError:
+            return r.status, raw
+    finally:
+        conn.close()
+
+
+def kv_usage(base_url: str) -> float:
+    """vLLM's ``kv_cache_usage_perc`` of a server (-1.0 when it does not report one)."""
+    return scrape_metrics(base_url).get("vllm:kv_cache_usage_perc", -1.0)
+
+
+def connector_states(dump_dir: str | os.PathLike, every: bool = False) -> dict:
+    """The connectors' idle snapshots, by role: ``state-<role>-*.json`` that each engine
+    worker writes under ``HAWK_DEBUG_DIR`` (:mod:`vllm_hawk.connector.debug`). ``every``:
+    a list per role, one per worker (tensor-parallel ranks), instead of one of them."""
+    out: dict = {}
+    for f in sorted(Path(dump_dir).glob("state-*.json")):
+        try:
+            state = json.loads(f.read_text())
+        except (OSError, ValueError):
+            continue
+        role = f.name.split("-")[1]
+        if every:
+            out.setdefault(role, []).append(state)
+        else:
+            out[role] = state
+    return out
+
+
+def idle_state(cluster, dump_dir: str | os.PathLike) -> tuple[bool, dict]:
+    """(idle?, what was seen): nothing held or in flight on any connector (prefill: held
+    requests, ring ranges; decode: pulls, renewed ids, receive slices) and vLLM's KV cache
+    usage 0 on every server."""
+    s = connector_states(dump_dir, every=True)
+    ps = [x.get("prefill", {}) for x in s.get("prefill", [])] or [{}]
+    ds = [x.get("decode", {}) for x in s.get("decode", [])] or [{}]
+    usage = tuple(kv_usage(u) for u in (*cluster.prefill_urls, *cluster.decode_urls))
+    ok = (
+        all(p.get("held") == 0 and p.get("ring_live") == 0 and p.get("ring_used", 0) == 0 for p in ps)
+        and all(d.get("inflight") == 0 and d.get("renewing", 0) == 0 and d.get("recv_live", 0) == 0 for d in ds)
+        and all(u == 0.0 for u in usage)
+    )
+    one = (lambda xs: xs[0]) if len(ps) == len(ds) == 1 else (lambda xs: xs)
+    return ok, {"prefill": one(ps), "decode": one(ds), "usage": usage}
+
+
+def wait_idle(cluster, dump_dir: str | os.PathLike, timeout_s: float = 30.0) -> dict:
+    """Poll :func:`idle_state` until idle; returns what was seen, raises AssertionError
+    with the last state after ``timeout_s``."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        ok, seen = idle_state(cluster, dump_dir)
+        if ok:
+            return seen
+        if time.monotonic() > deadline:
+            raise AssertionError(f"not idle after {timeout_s} s: {seen}")
+        time.sleep(0.25)

@@ -87,7 +87,7 @@ case "$cmd" in
         dir=${1:?usage: hawk-node tiny-model DIR}
         exec python3 -c "
 import os, sys
-from vllm_hawk.testing.tiny_model import build_tiny_llama
+from vllm_hawk.bench.tiny_model import build_tiny_llama
 path = build_tiny_llama(sys.argv[1], dtype='bfloat16')
 link = os.path.join(sys.argv[1], 'tiny')
 if os.path.islink(link) or os.path.exists(link):

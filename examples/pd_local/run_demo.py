@@ -39,8 +39,8 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
+from vllm_hawk.bench.local_cluster import LocalCluster, scrape_metrics  # noqa: E402
 from vllm_hawk.connector.config import VLLM_PROFILE, pair_of  # noqa: E402
-from vllm_hawk.testing.local_cluster import LocalCluster, scrape_metrics  # noqa: E402
 
 PROMPTS = [
     "Hi",
@@ -139,7 +139,7 @@ def _progress_printer():
 
 def run_gn(args, workdir: Path, gg_ttft: dict) -> bool:
     """GN-HAWK: CPU prefill -> emulated Tenstorrent decode (see the module doc)."""
-    from vllm_hawk.testing.tiny_model import build_tiny_llama
+    from vllm_hawk.bench.tiny_model import build_tiny_llama
 
     model = build_tiny_llama(dtype="bfloat16")
     transport = "mooncake-tcp" if args.transport == "host-staged" else args.transport
@@ -240,7 +240,7 @@ def _gg_config(args) -> dict:
 def run_gg(args, workdir: Path) -> tuple[bool, dict]:
     """GG-Direct (or GG-Host with --transport host-staged): two CPU vLLM engines."""
 
-    from vllm_hawk.testing.tiny_model import build_tiny_llama
+    from vllm_hawk.bench.tiny_model import build_tiny_llama
 
     print("building the tiny float32 Llama (offline; cached after the first run) ...", flush=True)
     model = build_tiny_llama(dtype="float32")

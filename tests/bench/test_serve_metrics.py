@@ -13,7 +13,7 @@ from vllm_hawk.bench import serve_workloads as wl
 def tok():
     from transformers import AutoTokenizer
 
-    from vllm_hawk.testing.tiny_model import build_tiny_llama
+    from vllm_hawk.bench.tiny_model import build_tiny_llama
 
     return AutoTokenizer.from_pretrained(str(build_tiny_llama(dtype="bfloat16")))
 

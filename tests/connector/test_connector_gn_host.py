@@ -9,6 +9,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from vllm_hawk.bench.paged_cache import PagedKVCache
 from vllm_hawk.connector.config import HawkConfig
 from vllm_hawk.connector.describe import LocalKV, tt_compat
 from vllm_hawk.connector.strategies import make_sinks, make_source
@@ -18,8 +19,8 @@ from vllm_hawk.layout.formats import tilize_pack
 from vllm_hawk.layout.tt_kv_cache import TTKVCacheSpec
 from vllm_hawk.npu.emulated import EmulatedDevice
 from vllm_hawk.protocol import IncompatiblePeer
+from vllm_hawk.bench.paged_cache import PagedKVCache
 from vllm_hawk.tenstorrent.emulated.kv_cache import TTPagedKVCache
-from vllm_hawk.testing.paged_cache import PagedKVCache
 from vllm_hawk.transport import make_transport
 
 L, H, BS, D = 2, 2, 32, 64
@@ -105,7 +106,7 @@ def test_gn_host_and_gn_hawk_sides_are_refused_naming_both(prefill_fix, decode_f
 
 
 def test_local_cluster_starts_every_configuration_alike(tmp_path):
-    from vllm_hawk.testing.local_cluster import CONFIGURATIONS, LocalCluster
+    from vllm_hawk.bench.local_cluster import CONFIGURATIONS, LocalCluster
 
     assert sorted(CONFIGURATIONS) == ["GG-Direct", "GG-Host", "GN-HAWK", "GN-Host"]
     c = LocalCluster.configured("GN-Host", "m", tmp_path, kv_dtype="bfloat8_b", extra_config={"ring_nbytes": 1 << 20})

@@ -22,6 +22,7 @@ import time
 import pytest
 import torch
 
+from vllm_hawk.bench.paged_cache import PagedKVCache
 from vllm_hawk.connector.config import HawkConfig
 from vllm_hawk.connector.describe import LocalKV, tt_compat
 from vllm_hawk.connector.strategies import make_sinks, make_source
@@ -40,8 +41,8 @@ from vllm_hawk.layout.formats import tilize_pack
 from vllm_hawk.layout.tt_kv_cache import TTKVCacheSpec
 from vllm_hawk.npu.emulated import EmulatedDevice
 from vllm_hawk.protocol import KVRequest, LayoutDesc, RemoteError, make_compat
+from vllm_hawk.bench.paged_cache import PagedKVCache
 from vllm_hawk.tenstorrent.emulated.kv_cache import TTPagedKVCache
-from vllm_hawk.testing.paged_cache import PagedKVCache
 from vllm_hawk.transport import make_transport
 
 L, H, BS, D = 2, 2, 32, 64
@@ -244,7 +245,7 @@ def test_local_cluster_starts_a_tenstorrent_decode(tmp_path, monkeypatch):
     from importlib import metadata
     from pathlib import Path
 
-    from vllm_hawk.testing.local_cluster import LocalCluster
+    from vllm_hawk.bench.local_cluster import LocalCluster
 
     monkeypatch.setenv("HAWK_TT_PLATFORM", "emulated")  # must not leak into the prefill
     c = LocalCluster("m", tmp_path, decode_tt={"device": "n150", "kv_dtype": "bfloat8_b"})

@@ -20,7 +20,7 @@ SCRIPT = textwrap.dedent("""
     ensure_vllm_dist()
     from vllm import LLM, SamplingParams
     from vllm.config import KVTransferConfig
-    from vllm_hawk.testing.tiny_model import build_tiny_llama
+    from vllm_hawk.bench.tiny_model import build_tiny_llama
 
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0)); dead_port = s.getsockname()[1]

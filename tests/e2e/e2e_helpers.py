@@ -151,7 +151,7 @@ def chat(url: str, messages: list[dict], *, max_tokens: int, logprobs: bool = Fa
     """One greedy ``/v1/chat/completions`` request (EOS ignored, token ids returned);
     asserts HTTP 200 and returns ``{"text", "token_ids"}`` plus, with ``logprobs``, the
     top-2 logprobs per position as :func:`greedy_divergence` reads them."""
-    from vllm_hawk.testing.local_cluster import http_post_json
+    from vllm_fixtures import http_post_json
 
     body = {
         "model": "tiny",

@@ -43,9 +43,9 @@ from e2e_helpers import (
     stream_events,
     token_prompts,
 )
-from vllm_fixtures import running
+from vllm_fixtures import running, wait_idle
 
-from vllm_hawk.testing.local_cluster import scrape_metrics, wait_idle
+from vllm_hawk.bench.local_cluster import scrape_metrics
 
 pytestmark = pytest.mark.vllm
 
@@ -65,8 +65,8 @@ def pd(request, tmp_path_factory):
         pytest.skip("vLLM is not installed")
     pytest.importorskip("mooncake.engine")
     pytest.importorskip("vllm_router")
-    from vllm_hawk.testing.local_cluster import LocalCluster
-    from vllm_hawk.testing.tiny_model import build_tiny_llama
+    from vllm_hawk.bench.local_cluster import LocalCluster
+    from vllm_hawk.bench.tiny_model import build_tiny_llama
 
     setup = SETUPS[request.param]
     work = tmp_path_factory.mktemp(request.param)

@@ -51,9 +51,7 @@ from e2e_helpers import (
     gn_prompts,
     greedy_divergence,
 )
-from vllm_fixtures import running
-
-from vllm_hawk.testing.local_cluster import http_post_json, kv_usage, wait_idle
+from vllm_fixtures import http_post_json, kv_usage, running, wait_idle
 
 pytestmark = pytest.mark.vllm
 
@@ -80,8 +78,8 @@ def gn(request, tmp_path_factory):
     if ensure_vllm_dist() is None:
         pytest.skip("vLLM is not installed")
     pytest.importorskip("mooncake.engine")
-    from vllm_hawk.testing.local_cluster import LocalCluster
-    from vllm_hawk.testing.tiny_model import build_tiny_llama
+    from vllm_hawk.bench.local_cluster import LocalCluster
+    from vllm_hawk.bench.tiny_model import build_tiny_llama
 
     cfg = CONFIGS[request.param]
     work = tmp_path_factory.mktemp(request.param)
@@ -164,7 +162,7 @@ def test_abort_leaks_nothing(gn):
     assert after["decode"]["device_buffers"] == bufs
     check_new_transfers(gn)
     # a request whose prefill is unknown fails, and leaves nothing behind either
-    from vllm_hawk.testing.local_cluster import free_port
+    from vllm_hawk.bench.local_cluster import free_port
 
     params = {
         "do_remote_prefill": True,

@@ -22,9 +22,7 @@ from e2e_helpers import (
     gn_prompts,
     greedy_divergence,
 )
-from vllm_fixtures import running
-
-from vllm_hawk.testing.local_cluster import wait_idle
+from vllm_fixtures import running, wait_idle
 
 pytestmark = pytest.mark.vllm
 
@@ -35,8 +33,8 @@ def gn(tmp_path_factory):
 
     if ensure_vllm_dist() is None:
         pytest.skip("vLLM is not installed")
-    from vllm_hawk.testing.local_cluster import LocalCluster
-    from vllm_hawk.testing.tiny_model import build_tiny_llama
+    from vllm_hawk.bench.local_cluster import LocalCluster
+    from vllm_hawk.bench.tiny_model import build_tiny_llama
 
     work = tmp_path_factory.mktemp("gn-host")
     dump = work / "dump"

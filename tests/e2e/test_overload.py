@@ -22,10 +22,8 @@ import resource
 import time
 
 import pytest
-from vllm_fixtures import running
-
-from vllm_hawk.testing.local_cluster import RequestNotSent, connector_states, kv_usage, wait_idle
-from vllm_hawk.testing.local_cluster import http_post_json as _post
+from vllm_fixtures import RequestNotSent, connector_states, kv_usage, running, wait_idle
+from vllm_fixtures import http_post_json as _post
 
 pytestmark = pytest.mark.vllm
 
@@ -46,8 +44,8 @@ def cluster(tmp_path_factory):
     if ensure_vllm_dist() is None:
         pytest.skip("vLLM is not installed")
     pytest.importorskip("mooncake.engine")
-    from vllm_hawk.testing.local_cluster import LocalCluster
-    from vllm_hawk.testing.tiny_model import build_tiny_llama
+    from vllm_hawk.bench.local_cluster import LocalCluster
+    from vllm_hawk.bench.tiny_model import build_tiny_llama
 
     work = tmp_path_factory.mktemp("overload")
     dump = work / "hawk-debug"  # state-<role>-<pid>.json: the workers' snapshots
@@ -152,7 +150,7 @@ def test_request_refused_by_the_decode_frees_its_prefill_blocks_at_once(cluster,
 
 
 def test_three_times_capacity_fails_nothing_and_leaks_nothing(cluster, client_threads, record_property):
-    from vllm_hawk.testing.local_cluster import scrape_metrics
+    from vllm_hawk.bench.local_cluster import scrape_metrics
 
     rng = random.Random(13)
     url = cluster.proxy_url

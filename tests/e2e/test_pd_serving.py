@@ -34,9 +34,7 @@ from e2e_helpers import (
     greedy_divergence,
     stream_events,
 )
-from vllm_fixtures import running
-
-from vllm_hawk.testing.local_cluster import http_post_json
+from vllm_fixtures import http_post_json, running
 
 pytestmark = pytest.mark.vllm
 
@@ -50,8 +48,8 @@ def cluster(tmp_path_factory):
     if ensure_vllm_dist() is None:
         pytest.skip("vLLM is not installed")
     pytest.importorskip("mooncake.engine")
-    from vllm_hawk.testing.local_cluster import LocalCluster
-    from vllm_hawk.testing.tiny_model import build_tiny_llama
+    from vllm_hawk.bench.local_cluster import LocalCluster
+    from vllm_hawk.bench.tiny_model import build_tiny_llama
 
     model = build_tiny_llama(dtype="float32")
     work = tmp_path_factory.mktemp("pd")
@@ -122,7 +120,7 @@ def test_streaming_and_chat_through_proxy(cluster):
 
 
 def _usage(url: str) -> float:
-    from vllm_hawk.testing.local_cluster import scrape_metrics
+    from vllm_hawk.bench.local_cluster import scrape_metrics
 
     return scrape_metrics(url).get("vllm:kv_cache_usage_perc", -1.0)
 
@@ -160,7 +158,7 @@ def test_client_disconnect_frees_blocks_on_both_sides(cluster):
 
 
 def test_dead_prefill_fails_the_request_and_decode_keeps_serving(cluster):
-    from vllm_hawk.testing.local_cluster import free_port, scrape_metrics
+    from vllm_hawk.bench.local_cluster import free_port, scrape_metrics
 
     failed0 = scrape_metrics(cluster.decode_url).get("vllm:hawk_failed_transfers_total", 0.0)
     params = {
@@ -198,7 +196,7 @@ def test_dead_prefill_fails_the_request_and_decode_keeps_serving(cluster):
 
 
 def test_metrics_in_prometheus(cluster):
-    from vllm_hawk.testing.local_cluster import scrape_metrics
+    from vllm_hawk.bench.local_cluster import scrape_metrics
 
     complete(cluster.proxy_url, [0] + list(range(3, 70)), max_tokens=GG_MAX_TOKENS)
     d = scrape_metrics(cluster.decode_url)
@@ -211,7 +209,7 @@ def test_metrics_in_prometheus(cluster):
 
 
 def test_proxy_propagates_upstream_errors_and_health(cluster):
-    from vllm_hawk.testing.local_cluster import http_get
+    from vllm_hawk.bench.local_cluster import http_get
 
     status, out = http_post_json(
         cluster.proxy_url + "/v1/completions", {"model": "nope", "prompt": "x", "max_tokens": 2}
@@ -226,7 +224,7 @@ def test_vllm_bench_serve_targets_the_proxy(cluster):
     import sys
     from pathlib import Path
 
-    from vllm_hawk.testing.tiny_model import build_tiny_llama
+    from vllm_hawk.bench.tiny_model import build_tiny_llama
 
     root = Path(__file__).resolve().parents[2]
     out = subprocess.run(

@@ -8,9 +8,7 @@ import time
 
 import pytest
 from e2e_helpers import BLOCK, GG_MAX_TOKENS, GG_TIE_MARGIN, complete, gg_prompts, greedy_divergence
-from vllm_fixtures import running
-
-from vllm_hawk.testing.local_cluster import http_post_json
+from vllm_fixtures import http_post_json, running
 
 pytestmark = pytest.mark.vllm
 
@@ -23,8 +21,8 @@ def cluster(tmp_path_factory):
 
     if ensure_vllm_dist() is None:
         pytest.skip("vLLM is not installed")
-    from vllm_hawk.testing.local_cluster import LocalCluster
-    from vllm_hawk.testing.tiny_model import build_tiny_llama
+    from vllm_hawk.bench.local_cluster import LocalCluster
+    from vllm_hawk.bench.tiny_model import build_tiny_llama
 
     c = LocalCluster(
         build_tiny_llama(dtype="float32"),
@@ -38,7 +36,7 @@ def cluster(tmp_path_factory):
 
 
 def test_staged_host_outputs_match_single_engine(cluster):
-    from vllm_hawk.testing.local_cluster import scrape_metrics
+    from vllm_hawk.bench.local_cluster import scrape_metrics
 
     prompts = gg_prompts()[::3]
     disagg = [complete(cluster.proxy_url, p, max_tokens=GG_MAX_TOKENS) for p in prompts]
@@ -53,7 +51,7 @@ def test_staged_host_outputs_match_single_engine(cluster):
 
 
 def test_lease_expiry_frees_prefill_blocks(cluster):
-    from vllm_hawk.testing.local_cluster import scrape_metrics
+    from vllm_hawk.bench.local_cluster import scrape_metrics
 
     before = scrape_metrics(cluster.prefill_url).get("vllm:hawk_expired_leases_total", 0.0)
     status, out = http_post_json(

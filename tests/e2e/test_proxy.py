@@ -137,7 +137,7 @@ def test_upstream_errors_keep_their_status():
 
 
 def test_unreachable_upstream_is_502_naming_it_and_deep_health_is_503():
-    from vllm_hawk.testing.local_cluster import free_port
+    from vllm_hawk.bench.local_cluster import free_port
 
     dead = f"http://127.0.0.1:{free_port()}"
 

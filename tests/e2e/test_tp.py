@@ -32,9 +32,7 @@ from pathlib import Path
 import pytest
 import torch
 from e2e_helpers import GG_TIE_MARGIN, GN_TIE_MARGIN, complete, greedy_divergence
-from vllm_fixtures import running, token_prompts
-
-from vllm_hawk.testing.local_cluster import http_post_json, wait_idle
+from vllm_fixtures import http_post_json, running, token_prompts, wait_idle
 
 pytestmark = [pytest.mark.vllm, pytest.mark.tp]
 
@@ -63,8 +61,8 @@ def cluster(request, tmp_path_factory):
     if ensure_vllm_dist() is None:
         pytest.skip("vLLM is not installed")
     pytest.importorskip("mooncake.engine")
-    from vllm_hawk.testing.local_cluster import LocalCluster
-    from vllm_hawk.testing.tiny_model import build_tiny_llama
+    from vllm_hawk.bench.local_cluster import LocalCluster
+    from vllm_hawk.bench.tiny_model import build_tiny_llama
 
     cfg = CONFIGS[request.param]
     gn = "tt" in cfg

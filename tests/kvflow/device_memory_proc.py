@@ -2,7 +2,7 @@
 device changes torch for the whole process): ``python device_memory_proc.py SCENARIO``
 prints one JSON line of facts that ``test_device_memory.py`` checks.
 
-The device is :mod:`vllm_hawk.testing.opaque_device` (``hawkdev``): real bytes, but host
+The device is :mod:`opaque_device` (``hawkdev``): real bytes, but host
 code that reads or writes them through a pointer gets a canary-filled decoy instead. Each
 scenario serves real ``KVRequest``s from a :class:`PrefillEndpoint` over a cache on that
 device and the same endpoint over the same cache in host memory, and reports whether the
@@ -17,8 +17,10 @@ import sys
 import threading
 
 import numpy as np
+import opaque_device
 import torch
 
+from vllm_hawk.bench.recording_transport import RecordingTransport
 from vllm_hawk.kvflow import PrefillEndpoint, RingGatherSource, TileTransformSource, VllmBlockSource
 from vllm_hawk.kvflow.device import synchronize
 from vllm_hawk.kvflow.sources import vllm_layout_desc
@@ -27,8 +29,6 @@ from vllm_hawk.layout.device_profiles import load_profile
 from vllm_hawk.layout.formats import tile_format
 from vllm_hawk.layout.vllm_kv import FlashAttnKVLayout, TransformSource, block_byte_ranges, make_layer_caches
 from vllm_hawk.protocol import KVReady, KVRequest, LayoutDesc, Release, make_compat
-from vllm_hawk.testing import opaque_device
-from vllm_hawk.testing.recording_transport import RecordingTransport
 from vllm_hawk.transport import make_transport
 
 L, H, D, BLOCKS = 2, 2, 64, 24

@@ -9,13 +9,13 @@ import time
 
 import torch
 
+from vllm_hawk.bench.endpoints import TTDecode, prefill_endpoint
+from vllm_hawk.bench.paged_cache import PagedKVCache
 from vllm_hawk.kvflow.streams import KVRegionMap, stream_runs
 from vllm_hawk.layout.formats import tilize_pack
 from vllm_hawk.layout.tt_kv_cache import TTKVCacheSpec
 from vllm_hawk.npu.emulated import EmulatedDevice
 from vllm_hawk.protocol import make_compat
-from vllm_hawk.testing.endpoints import TTDecode, prefill_endpoint
-from vllm_hawk.testing.paged_cache import PagedKVCache
 from vllm_hawk.transport import make_transport
 
 #: layers, KV heads, block size (tokens), head dim of the test caches

@@ -19,10 +19,10 @@ from vllm_hawk.child_process import stop_pipe_process
 
 
 def _child(cfg: dict, conn) -> None:
+    from vllm_hawk.bench.endpoints import source_for
+    from vllm_hawk.bench.paged_cache import PagedKVCache
     from vllm_hawk.kvflow import PrefillEndpoint
     from vllm_hawk.protocol import make_compat
-    from vllm_hawk.testing.endpoints import make_source
-    from vllm_hawk.testing.paged_cache import PagedKVCache
     from vllm_hawk.transport import make_transport
 
     class DyingPrefill(PrefillEndpoint):
@@ -36,7 +36,7 @@ def _child(cfg: dict, conn) -> None:
     compat = make_compat(*cfg["compat"])
     kind = cfg.get("kind", "hawk")
     ep = DyingPrefill(
-        make_source(cache, kind, compat.device_profile),
+        source_for(cache, kind, compat.device_profile),
         t,
         compat,
         ring_nbytes=cfg.get("ring_nbytes", 2 << 20),

@@ -24,12 +24,12 @@ import pytest
 import torch
 from kvflow_helpers import D, H, L, assert_pool_holds, reference
 
+from vllm_hawk.bench.endpoints import TTDecode, VllmDecode, prefill_endpoint
+from vllm_hawk.bench.paged_cache import PagedKVCache
 from vllm_hawk.kvflow import PeerFailed
 from vllm_hawk.layout.tt_kv_cache import TTKVCacheSpec
 from vllm_hawk.npu.emulated import EmulatedDevice
 from vllm_hawk.protocol import IncompatiblePeer, make_compat
-from vllm_hawk.testing.endpoints import TTDecode, VllmDecode, prefill_endpoint
-from vllm_hawk.testing.paged_cache import PagedKVCache
 from vllm_hawk.transport import make_transport
 
 GN = make_compat("tiny", "bfloat16", 0, "vllm-any", "tt-paged", "p150a")  # GN-HAWK: block size 0

@@ -1,6 +1,6 @@
 """The prefill side over a KV cache that host code cannot address: what a CUDA GPU's cache
 is. Each scenario runs in its own process (:mod:`device_memory_proc`) on the opaque test
-device (:mod:`vllm_hawk.testing.opaque_device`: real bytes, a decoy behind every
+device (:mod:`opaque_device`: real bytes, a decoy behind every
 pointer, asynchronous work until a stream synchronisation), serving real KVRequests.
 
 Checked for the GN-HAWK transform (bf16, bfloat8_b, 16-token source blocks into a

@@ -15,14 +15,14 @@ from kvflow_helpers import BS, COMPAT, D, H, L, assert_pool_holds, endpoints, wa
 
 import vllm_hawk.kvflow.decode as decode_mod
 import vllm_hawk.kvflow.sources as sources_mod
+from vllm_hawk.bench.endpoints import TTDecode, VllmDecode, prefill_endpoint
+from vllm_hawk.bench.paged_cache import PagedKVCache
 from vllm_hawk.kvflow import KVPageAddresses, PeerFailed, TransferUnsettled
 from vllm_hawk.layout.interleave import OutOfDeviceMemory
 from vllm_hawk.layout.tt_kv_cache import TTKVCacheSpec
 from vllm_hawk.npu.bank_buffer import BankBufferError
 from vllm_hawk.npu.emulated import EmulatedDevice
 from vllm_hawk.protocol import KVRequest, RemoteError
-from vllm_hawk.testing.endpoints import TTDecode, VllmDecode, prefill_endpoint
-from vllm_hawk.testing.paged_cache import PagedKVCache
 from vllm_hawk.transport import TransferHandle, make_transport
 
 

@@ -10,6 +10,7 @@ import numpy as np
 import pytest
 import torch
 
+from vllm_hawk.bench.endpoints import GNHostDecode
 from vllm_hawk.kvflow import GNHostSink, PeerFailed, PrefillEndpoint, RingGatherSource, VllmBlockSource
 from vllm_hawk.kvflow.gn_host import WireLayout, host_wire_layout, wire_layout_of
 from vllm_hawk.kvflow.sources import vllm_layout_desc
@@ -19,7 +20,6 @@ from vllm_hawk.layout.tt_kv_cache import TTKVCacheSpec
 from vllm_hawk.layout.vllm_kv import CpuAttnKVLayout, FlashAttnKVLayout, make_layer_caches
 from vllm_hawk.npu.emulated import EmulatedDevice
 from vllm_hawk.protocol import make_compat
-from vllm_hawk.testing.endpoints import GNHostDecode
 from vllm_hawk.transport import make_transport
 
 L, H, BS, D, NB = 2, 2, 32, 64, 24

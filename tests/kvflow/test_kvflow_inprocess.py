@@ -9,13 +9,13 @@ import pytest
 import torch
 from kvflow_helpers import BS, COMPAT, D, H, L, assert_pool_holds, reference
 
+from vllm_hawk.bench.endpoints import GNHostDecode, TTDecode, VllmDecode, prefill_endpoint, source_for
+from vllm_hawk.bench.paged_cache import PagedKVCache
 from vllm_hawk.kvflow import PeerFailed, PrefillEndpoint
 from vllm_hawk.kvflow.gn_host import wire_layout_of
 from vllm_hawk.layout.tt_kv_cache import TTKVCacheSpec
 from vllm_hawk.npu.emulated import EmulatedDevice
 from vllm_hawk.protocol import KVReady, Segment
-from vllm_hawk.testing.endpoints import GNHostDecode, TTDecode, VllmDecode, make_source, prefill_endpoint
-from vllm_hawk.testing.paged_cache import PagedKVCache
 from vllm_hawk.transport import TransferFailed, make_transport
 
 
@@ -140,7 +140,7 @@ class ForgingPrefill(PrefillEndpoint):
 def test_forged_kvready_is_refused_and_nothing_is_held(forge):
     cache = PagedKVCache(L, 16, H, BS, D).fill_random(1)
     tp, td = make_transport("inprocess"), make_transport("inprocess")
-    pre = ForgingPrefill(make_source(cache, "hawk"), tp, COMPAT, ring_nbytes=1 << 20)
+    pre = ForgingPrefill(source_for(cache, "hawk"), tp, COMPAT, ring_nbytes=1 << 20)
     pre.forge = forge
     dev = EmulatedDevice("p150a", 8 << 20)
     dec = TTDecode(

@@ -11,6 +11,8 @@ import numpy as np
 import pytest
 import torch
 
+from vllm_hawk.bench.endpoints import TTDecode, prefill_endpoint
+from vllm_hawk.bench.paged_cache import PagedKVCache
 from vllm_hawk.kvflow import PeerFailed
 from vllm_hawk.kvflow import decode as decode_mod
 from vllm_hawk.kvflow import sources as sources_mod
@@ -19,8 +21,6 @@ from vllm_hawk.layout.formats import tilize_pack
 from vllm_hawk.layout.tt_kv_cache import TTKVCacheSpec
 from vllm_hawk.npu.emulated import EmulatedDevice
 from vllm_hawk.protocol import KVRequest, make_compat
-from vllm_hawk.testing.endpoints import TTDecode, prefill_endpoint
-from vllm_hawk.testing.paged_cache import PagedKVCache
 from vllm_hawk.transport import make_transport
 
 L, H, BS, D = 5, 2, 64, 64

@@ -12,6 +12,8 @@ import threading
 import pytest
 import torch
 
+from vllm_hawk.bench.endpoints import TTDecode
+from vllm_hawk.bench.paged_cache import PagedKVCache
 from vllm_hawk.kvflow import DecodeEndpoint, PeerFailed, PrefillEndpoint, RingGatherSource, VllmBlockSource, vllm_sink
 from vllm_hawk.kvflow.shares import fetch_shares, idle_ranks, plan_shares
 from vllm_hawk.kvflow.sources import TileTransformSource
@@ -21,8 +23,6 @@ from vllm_hawk.layout.formats import tilize_pack
 from vllm_hawk.layout.tt_kv_cache import TTKVCacheSpec
 from vllm_hawk.npu.emulated import EmulatedDevice
 from vllm_hawk.protocol import RemoteError, make_compat
-from vllm_hawk.testing.endpoints import TTDecode
-from vllm_hawk.testing.paged_cache import PagedKVCache
 from vllm_hawk.transport import make_transport
 
 L, H, BS, D = 2, 4, 32, 64

@@ -22,14 +22,14 @@ import zmq
 from kvflow_helpers import reference
 from prefill_proc import start_prefill
 
+from vllm_hawk.bench.endpoints import TTDecode
+from vllm_hawk.bench.paged_cache import PagedKVCache
 from vllm_hawk.kvflow import PeerFailed
 from vllm_hawk.kvflow.decode import RELEASE_TIMEOUT_S, SETTLE_WAIT_S
 from vllm_hawk.layout.tt_kv_cache import TTKVCacheSpec
 from vllm_hawk.npu.emulated import EmulatedDevice
 from vllm_hawk.protocol import Envelope, IncompatiblePeer, KVRequest, ProtocolClient, make_compat
 from vllm_hawk.protocol.envelope import MAGIC
-from vllm_hawk.testing.endpoints import TTDecode
-from vllm_hawk.testing.paged_cache import PagedKVCache
 from vllm_hawk.transport import TransferFailed, make_transport
 
 try:

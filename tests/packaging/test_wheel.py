@@ -147,7 +147,8 @@ def test_wheel_ships_the_profiles_and_entry_points(installed):
         names = set(z.namelist())
         eps = next(z.read(n).decode() for n in names if n.endswith(".dist-info/entry_points.txt"))
     assert names >= SHIPPED_YAML, sorted(n for n in names if n.endswith(".yaml"))
-    assert not any(n.startswith(("tests/", "configs/", "examples/")) for n in names)
+    assert not any(n.startswith(("tests/", "configs/", "examples/", "vllm_hawk/testing/")) for n in names)
+    assert "vllm_hawk/bench/local_cluster.py" in names  # what hawk bench serve runs on
     assert "hawk = vllm_hawk.cli:main" in eps
     assert "hawk_connector = vllm_hawk.connector:register" in eps
     assert "hawk_tt = vllm_hawk.tenstorrent.emulated:register" in eps

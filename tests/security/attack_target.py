@@ -52,9 +52,9 @@ def _main(cfg: dict) -> None:
     out: dict = {}
     ep = None
     if cfg["what"] == "prefill":
+        from vllm_hawk.bench.endpoints import prefill_endpoint
+        from vllm_hawk.bench.paged_cache import PagedKVCache
         from vllm_hawk.protocol import make_compat
-        from vllm_hawk.testing.endpoints import prefill_endpoint
-        from vllm_hawk.testing.paged_cache import PagedKVCache
         from vllm_hawk.transport import make_transport
 
         cache = PagedKVCache(*cfg["shape"]).fill_random(cfg.get("seed", 0))

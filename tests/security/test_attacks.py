@@ -23,11 +23,11 @@ import torch
 import zmq
 from attack_target import SECRET, Target
 
+from vllm_hawk.bench.endpoints import TTDecode
 from vllm_hawk.layout.tt_kv_cache import TTKVCacheSpec
 from vllm_hawk.npu.emulated import EmulatedDevice
 from vllm_hawk.protocol import AuthRefused, Envelope, Hello, KVRequest, ProtocolClient, compat_hash, make_compat
 from vllm_hawk.protocol.envelope import MAGIC
-from vllm_hawk.testing.endpoints import TTDecode
 from vllm_hawk.transport import make_transport
 
 try:

@@ -23,8 +23,8 @@ import pytest
 from aiohttp import web
 from security_helpers import RawFlood
 
+from vllm_hawk.bench.local_cluster import scrape_metrics
 from vllm_hawk.proxy.server import Limits, Proxy, serve
-from vllm_hawk.testing.local_cluster import scrape_metrics
 
 REPO = Path(__file__).resolve().parents[2]
 

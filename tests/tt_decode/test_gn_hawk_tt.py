@@ -31,9 +31,7 @@ import time
 import pytest
 from e2e.e2e_helpers import GN_TIE_MARGIN, check_new_transfers, greedy_divergence
 from tt_decode_helpers import decode_env, hf_greedy
-from vllm_fixtures import complete, running, token_prompts
-
-from vllm_hawk.testing.local_cluster import connector_states, http_post_json, kv_usage, wait_idle
+from vllm_fixtures import complete, connector_states, http_post_json, kv_usage, running, token_prompts, wait_idle
 
 BLOCK = 32
 MAX_TOKENS = 8
@@ -50,8 +48,8 @@ def prompts() -> list[list[int]]:
 
 @pytest.fixture(scope="module", params=list(CONFIGS))
 def gn(request, manifest, prefill_python, tmp_path_factory):
-    from vllm_hawk.testing.local_cluster import LocalCluster
-    from vllm_hawk.testing.tiny_model import build_tiny_llama
+    from vllm_hawk.bench.local_cluster import LocalCluster
+    from vllm_hawk.bench.tiny_model import build_tiny_llama
 
     cfg = CONFIGS[request.param]
     work = tmp_path_factory.mktemp(request.param)

@@ -13,7 +13,7 @@ from e2e.e2e_helpers import GN_TIE_MARGIN, greedy_divergence
 from tt_decode_helpers import decode_env, hf_greedy
 from vllm_fixtures import complete, token_prompts
 
-from vllm_hawk.testing.local_cluster import Server, free_port, http_get
+from vllm_hawk.bench.local_cluster import Server, free_port, http_get
 
 MAX_TOKENS = 8
 
@@ -22,7 +22,7 @@ MAX_TOKENS = 8
 def plain(manifest, tmp_path_factory):
     import os
 
-    from vllm_hawk.testing.tiny_model import build_tiny_llama
+    from vllm_hawk.bench.tiny_model import build_tiny_llama
 
     model = build_tiny_llama(dtype="bfloat16")
     work = tmp_path_factory.mktemp("plain")

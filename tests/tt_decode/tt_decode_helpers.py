@@ -4,7 +4,7 @@ test-tt-decode``); the prefill is vLLM 0.32 on the CPU, run by the main environm
 Python (``HAWK_MAIN_PYTHON``, else ``scripts/ensure_env.sh path main``).
 
 The decode serves the tiny Llama through the TEST model bundle
-(:mod:`vllm_hawk.testing.tt_test_model`, ``EXTRA_MODELS_DIR``): host compute, KV cache on
+(:mod:`tt_test_model`, ``EXTRA_MODELS_DIR``): host compute, KV cache on
 the simulated chip. Without the simulator runtime or the main environment the tests skip
 locally and FAIL under CI (env CI set), as tests/ttsim do.
 """
@@ -62,7 +62,7 @@ def main_python() -> str:
 def decode_env(manifest: dict, device: str) -> dict[str, str]:
     """Environment of a decode server on the simulated ``device``: ttnn on ttsim, the TEST
     model bundle as vllm-tt-plugin's only model."""
-    from vllm_hawk.testing.tt_test_model import BUNDLES_DIR
+    from tt_test_model import BUNDLES_DIR
 
     return {
         **manifest["env"],

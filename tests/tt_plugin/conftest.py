@@ -50,7 +50,7 @@ def _run(out: Path, *args: str, timeout: float = 600) -> dict:
 
 @pytest.fixture(scope="session")
 def tiny_model() -> str:
-    from vllm_hawk.testing.tiny_model import build_tiny_llama
+    from vllm_hawk.bench.tiny_model import build_tiny_llama
 
     return str(build_tiny_llama())
 

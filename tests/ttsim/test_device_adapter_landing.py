@@ -15,10 +15,10 @@ import pytest
 import torch
 from ttsim_harness import DEVICES, run_driver
 
+from vllm_hawk.bench.paged_cache import PagedKVCache
 from vllm_hawk.layout.formats import tilize_pack
 from vllm_hawk.layout.tt_kv_cache import TTKVCacheSpec
 from vllm_hawk.npu.emulated import EmulatedDevice
-from vllm_hawk.testing.paged_cache import PagedKVCache
 from vllm_hawk.transform import make_plan, transform_kv
 
 pytestmark = pytest.mark.ttsim

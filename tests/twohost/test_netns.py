@@ -1,6 +1,6 @@
 """Two hosts without Docker: the prefill vLLM in one network namespace, the decode vLLM
 (emulated p150a, GN-HAWK) in another, joined by a veth pair; the proxy on the host
-(vllm_hawk.testing.netns). Needs root and iproute2: skips locally without them, fails
+(netns_cluster.py). Needs root and iproute2: skips locally without them, fails
 under CI=true.
 
 * requests through the proxy: the KV crosses the veth pair (the prefill's side channel
@@ -22,10 +22,8 @@ import time
 from pathlib import Path
 
 import pytest
-from vllm_fixtures import complete, top2_gap
-
-from vllm_hawk.testing.local_cluster import http_post_json as _post
-from vllm_hawk.testing.local_cluster import wait_idle
+from vllm_fixtures import complete, top2_gap, wait_idle
+from vllm_fixtures import http_post_json as _post
 
 pytestmark = [pytest.mark.vllm, pytest.mark.netns]
 
@@ -43,7 +41,8 @@ def _unavailable(reason: str) -> None:
 
 @pytest.fixture(scope="module")
 def two(tmp_path_factory):
-    from vllm_hawk.testing.netns import NetnsCluster, TwoHosts, netns_unavailable
+    from netns_cluster import NetnsCluster, TwoHosts, netns_unavailable
+
     from vllm_hawk.vllm_launcher import ensure_vllm_dist
 
     why = netns_unavailable()
@@ -51,7 +50,7 @@ def two(tmp_path_factory):
         _unavailable(why)
     if ensure_vllm_dist() is None:
         _unavailable("vLLM is not installed")
-    from vllm_hawk.testing.tiny_model import build_tiny_llama
+    from vllm_hawk.bench.tiny_model import build_tiny_llama
 
     work = tmp_path_factory.mktemp("netns")
     t0 = time.monotonic()
@@ -93,7 +92,7 @@ def two(tmp_path_factory):
 
 
 def test_requests_cross_the_veth_pair(two):
-    from vllm_hawk.testing.local_cluster import scrape_metrics
+    from vllm_hawk.bench.local_cluster import scrape_metrics
 
     net = two.net
     cfgs = {r: json.loads(two.servers[r].argv[-1])["kv_connector_extra_config"] for r in ("prefill", "decode")}
@@ -126,7 +125,7 @@ def test_requests_cross_the_veth_pair(two):
 
 
 def test_link_cut_fails_cleanly_within_the_timeout(two):
-    from vllm_hawk.testing.local_cluster import scrape_metrics
+    from vllm_hawk.bench.local_cluster import scrape_metrics
 
     net = two.net
     complete(two.proxy_url, [0] + list(range(40, 90)), max_tokens=8)  # the side-channel session is up

@@ -11,7 +11,7 @@ same endpoint over the same cache in host memory serves the same requests. Per s
   host path's, byte for byte (first request);
 * ``ring``, ``registered``: where the ring is and under which location it was registered
   (``cuda:0`` on a GPU; the transport is a
-  :class:`~vllm_hawk.testing.recording_transport.RecordingTransport`: no NIC here);
+  :class:`~vllm_hawk.bench.recording_transport.RecordingTransport`: no NIC here);
 * ``produce_gbps`` (source bytes / the endpoint's produce time, which includes the stream
   synchronisation before KVReady), ``copy_gbps`` (a device copy of the same number of
   bytes) and ``ratio`` (copy time / produce time, median within repeats);
@@ -26,6 +26,7 @@ import time
 import numpy as np
 import torch
 
+from vllm_hawk.bench.recording_transport import RecordingTransport
 from vllm_hawk.kvflow import PrefillEndpoint, RingGatherSource, TileTransformSource
 from vllm_hawk.kvflow.device import memory_location, synchronize
 from vllm_hawk.kvflow.sources import tt_paged_desc, vllm_layout_desc
@@ -33,7 +34,6 @@ from vllm_hawk.kvflow.streams import head_maps, region_map_from_caches
 from vllm_hawk.layout.device_profiles import load_profile
 from vllm_hawk.layout.vllm_kv import FlashAttnKVLayout, TransformSource, block_byte_ranges, make_layer_caches
 from vllm_hawk.protocol import KVRequest, LayoutDesc, ProtocolClient, make_compat
-from vllm_hawk.testing.recording_transport import RecordingTransport
 
 __all__ = ["SOURCES", "prefill_rows"]
 

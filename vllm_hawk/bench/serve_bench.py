@@ -1,6 +1,6 @@
 """``hawk bench serve``: serving under load, the paper's SLO experiments (section 5.3).
 
-For each serving configuration (:data:`vllm_hawk.testing.local_cluster.CONFIGURATIONS`:
+For each serving configuration (:data:`vllm_hawk.bench.local_cluster.CONFIGURATIONS`:
 GG-Host, GG-Direct, GN-HAWK, and any added there) it starts a prefill vLLM, a decode vLLM
 and the proxy on this machine (the cluster of ``make demo``; tiny bf16 Llama, prefix
 caching off), or uses ``--url NAME=URL``. vLLM's own load generator (``vllm bench serve``,
@@ -45,7 +45,7 @@ from pathlib import Path
 
 from vllm_hawk.bench import serve_workloads as wl
 from vllm_hawk.bench.common import print_table, progress, write_json
-from vllm_hawk.testing.local_cluster import CONFIGURATIONS, LocalCluster, http_get, scrape_metrics
+from vllm_hawk.bench.local_cluster import CONFIGURATIONS, LocalCluster, http_get, scrape_metrics
 
 COLLOCATED = "collocated"
 STAGES = ("prefill", "decode_queue", "kv_ready", "pull", "first_step", "proxy_http")
@@ -599,7 +599,7 @@ def main(argv: list[str] | None = None) -> int:
     plan = _plan(ap, a)
     t_start = time.monotonic()
 
-    from vllm_hawk.testing.tiny_model import build_tiny_llama
+    from vllm_hawk.bench.tiny_model import build_tiny_llama
 
     model = str(a.model or build_tiny_llama(dtype="bfloat16"))
     from transformers import AutoTokenizer

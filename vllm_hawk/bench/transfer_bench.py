@@ -94,9 +94,9 @@ DEFAULT_SIZES = (10, 40, 160, 640)
 # ---------------------------------------------------------------------------- prefill process
 def _prefill_main(cfg: dict, conn) -> None:
     os.environ.setdefault("MC_FORCE_TCP", "1")
+    from vllm_hawk.bench.endpoints import prefill_endpoint
+    from vllm_hawk.bench.paged_cache import PagedKVCache
     from vllm_hawk.protocol import make_compat
-    from vllm_hawk.testing.endpoints import prefill_endpoint
-    from vllm_hawk.testing.paged_cache import PagedKVCache
     from vllm_hawk.transport import make_transport
 
     cache = PagedKVCache(*cfg["shape"]).fill_random(cfg["seed"])
@@ -286,100 +286,43 @@ def run(
     }
 
 
-class _TransferRun:
-    """The state of one :func:`run`: the prefill rank processes, the decode side's transports,
-    per chip an emulated device with one decode per row kind, and the rows measured. Sizes are
-    in bytes (``*_nbytes``, ``per_token``), MB of 1e6 bytes (``*_mb``) or KV blocks
-    (``n_blocks``, ``cache_blocks``)."""
+class _DecodeSide:
+    """The decode side of one :func:`run`: its transports (one Mooncake engine, one
+    host-staged) and per chip (:attr:`chips`, one dict each) an emulated device with one
+    decode per row kind, pulling the chip's shares. Sizes are in bytes (``*_nbytes``,
+    ``recv_per_bank``, ``need``) or KV blocks (``cache_blocks``)."""
 
-    def __init__(
-        self,
-        model: str,
-        prefill_tp: int,
-        decode_tp: int,
-        device_profile: str,
-        block_size: int,
-        sizes_mb,
-        repeats: int,
-        rows,
-        per_tile_cap_s: float,
-        fragmented: bool,
-        seed: int,
-        layer_groups: int,
-        registration: str,
-    ) -> None:
-        from vllm_hawk.kvflow.shares import idle_ranks
-        from vllm_hawk.layout.model_shapes import load_model_shape
-
-        self.model, self.prefill_tp, self.decode_tp = model, prefill_tp, decode_tp
-        self.device_profile, self.block_size, self.sizes_mb = device_profile, block_size, sizes_mb
-        self.repeats, self.rows, self.per_tile_cap_s, self.fragmented = repeats, rows, per_tile_cap_s, fragmented
-        self.seed, self.layer_groups, self.registration = seed, layer_groups, registration
-        self.plans = tp_plan(model, prefill_tp, decode_tp, rows)  # raises before any process starts
-        shape = self.shape = load_model_shape(model)
-        self.heads = shape.kv_heads_per_rank(decode_tp)  # per chip
-        self.per_token = shape.kv_bytes_per_token(decode_tp, 2)  # one chip's bytes per token (bf16)
-        self.n_blocks = {mb: max(1, round(mb * 1e6 / shape.kv_bytes_per_token(1, 2) / block_size)) for mb in sizes_mb}
-        max_n = max(self.n_blocks.values())
-        self.cache_blocks = (2 * max_n if fragmented else max_n) + 1
-        self.src_nbytes = max_n * block_size * self.per_token  # one chip's share of the largest request
-        # one prefill rank's shard of the largest request
-        self.rank_nbytes = max_n * block_size * shape.kv_bytes_per_token(prefill_tp, 2)
-        self.compat_args = (shape.name, "bfloat16", block_size, "vllm-flash-nhd", "tt-paged", device_profile)
-        self.idle = idle_ranks(shape.num_kv_heads, prefill_tp, decode_tp)
-        self.gg_kinds = ("gg_direct", "gg_host") + (("gg_staged",) if "GG-Staged" in rows else ())
-        self.pre: dict = {}
+    def __init__(self, run: _TransferRun, compat) -> None:
+        self.shape, self.heads, self.block_size = run.shape, run.heads, run.block_size
+        self.cache_blocks, self.src_nbytes, self.idle = run.cache_blocks, run.src_nbytes, run.idle
+        self.device_profile, self.registration, self.gg_kinds = run.device_profile, run.registration, run.gg_kinds
+        self.decode_tp, self.compat = run.decode_tp, compat
         self.mc = self.hs = self.pool = None
         self.closers: list = []
-        self.results: list[dict] = []
-        self.failed: list[dict] = []  # rows whose pull was refused: row, dtype, size_mb, error
         self.chips: list[dict] = []
-        self.requests = 0  # requests sent so far: each request id is unique
+        self.prefill_eps: dict = {}
 
-    # ------------------------------------------------------------------------ set-up
-    def start(self) -> None:
-        """Start every prefill rank's process, open the decode side while they start, then
-        wait for each and build every chip's decodes."""
+    def open(self) -> None:
+        """The transports, the device sizes and (several chips) the pool of chip threads."""
         import concurrent.futures as cf
 
-        from vllm_hawk.protocol import make_compat
         from vllm_hawk.transport import make_transport
 
-        for r in range(self.prefill_tp):
-            self.pre[r] = _Prefill(self._prefill_cfg(r), wait=False)
-        self.compat = make_compat(*self.compat_args)
         self.mc = make_transport("mooncake")
         self.hs = make_transport("host_staged", chunk_nbytes=_HOST_CHUNK_NBYTES)
         self.transport_of = {"hawk": self.mc, "gg_direct": self.mc, "gg_host": self.hs}
-        if "GG-Staged" in self.rows:
+        if "gg_staged" in self.gg_kinds:
             self.transport_of["gg_staged"] = self.mc
         self._size_device()
         if self.decode_tp > 1:
             self.pool = cf.ThreadPoolExecutor(self.decode_tp, thread_name_prefix="bench-chip")
-        for p in self.pre.values():
-            p.wait()
-        for d, plan in enumerate(self.plans):
-            self.chips.append(self._chip(d, plan))
 
-    def _prefill_cfg(self, rank: int) -> dict:
-        """The config of prefill rank ``rank``'s process: its shard's cache shape (layers,
-        blocks, KV heads, tokens per block, head dim), seed, and ring size in bytes."""
-        shape = self.shape
-        return {
-            "shape": (
-                shape.num_layers,
-                self.cache_blocks,
-                shape.kv_heads_per_rank(self.prefill_tp),
-                self.block_size,
-                shape.head_dim,
-            ),
-            "seed": self.seed + rank,
-            "compat": self.compat_args,
-            "ring_nbytes": int(self.rank_nbytes * 1.05) + (8 << 20),  # every share of the rank at once
-            "host_chunk": _HOST_CHUNK_NBYTES,
-            "registration": self.registration,
-            "gg_staged": "GG-Staged" in self.rows,
-        }
+    def add_chips(self, plans: list, prefill_eps: dict) -> None:
+        """One chip per plan of :func:`tp_plan`; ``prefill_eps``: per prefill rank, its
+        endpoints by kind."""
+        self.prefill_eps = prefill_eps
+        for d, plan in enumerate(plans):
+            self.chips.append(self._chip(d, plan))
 
     def _size_device(self) -> None:
         """The device KV pools' specs (both targets), each bank's receive buffer
@@ -408,18 +351,18 @@ class _TransferRun:
         """A further :class:`DecodeEndpoint` of this decode to prefill rank ``rank``'s ``kind`` endpoint."""
         from vllm_hawk.kvflow import DecodeEndpoint
 
-        ep = DecodeEndpoint(self.transport_of[kind], self.pre[rank].endpoints[kind], self.compat, pull_timeout_s=600)
+        ep = DecodeEndpoint(self.transport_of[kind], self.prefill_eps[rank][kind], self.compat, pull_timeout_s=600)
         self.closers.append(ep.close)
         return ep
 
     def _chip(self, d: int, plan: list) -> dict:
         """Chip ``d``: an emulated device and one decode per row kind, pulling ``plan``'s shares."""
+        from vllm_hawk.bench.paged_cache import PagedKVCache
         from vllm_hawk.layout.tp import shard_heads
         from vllm_hawk.npu.emulated import EmulatedDevice
-        from vllm_hawk.testing.paged_cache import PagedKVCache
 
         shape = self.shape
-        eps = self.pre[plan[0].prefill_rank].endpoints  # the decodes' own endpoints: the chip's first share's rank
+        eps = self.prefill_eps[plan[0].prefill_rank]  # the decodes' own endpoints: the chip's first share's rank
         own = shard_heads(shape.num_kv_heads, self.decode_tp, d, "decode tensor_parallel_size (or chips)")
         dev = EmulatedDevice(self.device_profile, max(256 << 20, -(-int(self.need * 1.1) // (1 << 20)) << 20))
         self.closers.append(dev.close)
@@ -441,7 +384,7 @@ class _TransferRun:
     def _add_hawk_decodes(self, c: dict, dev, eps: dict) -> None:
         """``c["hawk"]``: per target dtype a decode into the device's KV pool (the bfloat8_b
         one shares the bfloat16 one's device pool)."""
-        from vllm_hawk.testing.endpoints import TTDecode
+        from vllm_hawk.bench.endpoints import TTDecode
 
         hawk = c["hawk"] = {}
         for dt in ("bfloat16", "bfloat8_b"):
@@ -461,8 +404,8 @@ class _TransferRun:
     def _add_vllm_wire_decodes(self, c: dict, dev, eps: dict, dcache) -> None:
         """The decodes fed from vLLM-layout prefill endpoints: GG-Direct, GG-Host (and
         GG-Staged) into the vLLM-layout cache ``dcache``, GN-Host into the device's KV pool."""
+        from vllm_hawk.bench.endpoints import GNHostDecode, VllmDecode
         from vllm_hawk.kvflow.gn_host import wire_layout_of
-        from vllm_hawk.testing.endpoints import GNHostDecode, VllmDecode
 
         reg, compat = self.registration, self.compat
         c["gg_direct"] = VllmDecode(dcache, self.mc, eps["gg_direct"], compat, timeout_s=600, registration=reg)
@@ -514,8 +457,7 @@ class _TransferRun:
                 views[(ps.dst_start, ps.count)] = {k: c[k].sink.for_heads(m, desc, ps.dst_start) for k in self.gg_kinds}
         return views
 
-    # ------------------------------------------------------------------------ measurement
-    def _share_of(self, c: dict, row: str, dtype: str, mode: str, ps) -> tuple:
+    def share_of(self, c: dict, row: str, dtype: str, mode: str, ps) -> tuple:
         """(endpoint, sink, share) of one share of chip ``c``'s pull for ``row``."""
         if row in GG_ROWS:
             k = _kind_of(row)
@@ -526,6 +468,102 @@ class _TransferRun:
             return c["gn_host"].ep, c["gn_host"].sink, ps
         return c["hawk"][dtype].ep, c["hawk"][dtype].sink(mode), ps
 
+    def close_steps(self) -> list:
+        """The chip threads stopped; then what closes every decode, device and endpoint (the
+        last opened first) and the transports."""
+        if self.pool is not None:
+            self.pool.shutdown()
+        return [*reversed(self.closers), *(t.close for t in (self.mc, self.hs) if t is not None)]
+
+
+class _TransferRun:
+    """The state of one :func:`run`: the prefill rank processes, the decode side
+    (:class:`_DecodeSide`: transports, per chip a device and its decodes) and the rows
+    measured. Sizes are in bytes (``*_nbytes``, ``per_token``), MB of 1e6 bytes (``*_mb``)
+    or KV blocks (``n_blocks``, ``cache_blocks``)."""
+
+    def __init__(
+        self,
+        model: str,
+        prefill_tp: int,
+        decode_tp: int,
+        device_profile: str,
+        block_size: int,
+        sizes_mb,
+        repeats: int,
+        rows,
+        per_tile_cap_s: float,
+        fragmented: bool,
+        seed: int,
+        layer_groups: int,
+        registration: str,
+    ) -> None:
+        from vllm_hawk.kvflow.shares import idle_ranks
+        from vllm_hawk.layout.model_shapes import load_model_shape
+
+        self.model, self.prefill_tp, self.decode_tp = model, prefill_tp, decode_tp
+        self.device_profile, self.block_size, self.sizes_mb = device_profile, block_size, sizes_mb
+        self.repeats, self.rows, self.per_tile_cap_s, self.fragmented = repeats, rows, per_tile_cap_s, fragmented
+        self.seed, self.layer_groups, self.registration = seed, layer_groups, registration
+        self.plans = tp_plan(model, prefill_tp, decode_tp, rows)  # raises before any process starts
+        shape = self.shape = load_model_shape(model)
+        self.heads = shape.kv_heads_per_rank(decode_tp)  # per chip
+        self.per_token = shape.kv_bytes_per_token(decode_tp, 2)  # one chip's bytes per token (bf16)
+        self.n_blocks = {mb: max(1, round(mb * 1e6 / shape.kv_bytes_per_token(1, 2) / block_size)) for mb in sizes_mb}
+        max_n = max(self.n_blocks.values())
+        self.cache_blocks = (2 * max_n if fragmented else max_n) + 1
+        self.src_nbytes = max_n * block_size * self.per_token  # one chip's share of the largest request
+        # one prefill rank's shard of the largest request
+        self.rank_nbytes = max_n * block_size * shape.kv_bytes_per_token(prefill_tp, 2)
+        self.compat_args = (shape.name, "bfloat16", block_size, "vllm-flash-nhd", "tt-paged", device_profile)
+        self.idle = idle_ranks(shape.num_kv_heads, prefill_tp, decode_tp)
+        self.gg_kinds = ("gg_direct", "gg_host") + (("gg_staged",) if "GG-Staged" in rows else ())
+        self.pre: dict = {}
+        self.decode: _DecodeSide | None = None
+        self.results: list[dict] = []
+        self.failed: list[dict] = []  # rows whose pull was refused: row, dtype, size_mb, error
+        self.requests = 0  # requests sent so far: each request id is unique
+
+    # ------------------------------------------------------------------------ set-up
+    def start(self) -> None:
+        """Start every prefill rank's process, open the decode side while they start, then
+        wait for each and build every chip's decodes."""
+        from vllm_hawk.protocol import make_compat
+
+        for r in range(self.prefill_tp):
+            self.pre[r] = _Prefill(self._prefill_cfg(r), wait=False)
+        self.decode = _DecodeSide(self, make_compat(*self.compat_args))
+        self.decode.open()
+        for p in self.pre.values():
+            p.wait()
+        self.decode.add_chips(self.plans, {r: p.endpoints for r, p in self.pre.items()})
+
+    @property
+    def chips(self) -> list[dict]:
+        """Per decode chip its pull and decodes (:class:`_DecodeSide`)."""
+        return self.decode.chips if self.decode is not None else []
+
+    def _prefill_cfg(self, rank: int) -> dict:
+        """The config of prefill rank ``rank``'s process: its shard's cache shape (layers,
+        blocks, KV heads, tokens per block, head dim), seed, and ring size in bytes."""
+        shape = self.shape
+        return {
+            "shape": (
+                shape.num_layers,
+                self.cache_blocks,
+                shape.kv_heads_per_rank(self.prefill_tp),
+                self.block_size,
+                shape.head_dim,
+            ),
+            "seed": self.seed + rank,
+            "compat": self.compat_args,
+            "ring_nbytes": int(self.rank_nbytes * 1.05) + (8 << 20),  # every share of the rank at once
+            "host_chunk": _HOST_CHUNK_NBYTES,
+            "registration": self.registration,
+            "gg_staged": "GG-Staged" in self.rows,
+        }
+
+    # ------------------------------------------------------------------------ measurement
     def _fetch(self, c: dict, row: str, dtype: str, rid: str, tokens: int, dst) -> tuple:
         """Chip ``c``'s shares of request ``rid`` (:func:`fetch_shares`, the connector's path):
         (FetchResult, start time in ``time.monotonic`` seconds)."""
@@ -539,7 +577,7 @@ class _TransferRun:
         r = fetch_shares(
             rid,
             tokens,
-            [self._share_of(c, row, dtype, mode, ps) for ps in c["plan"]],
+            [self.decode.share_of(c, row, dtype, mode, ps) for ps in c["plan"]],
             dst,
             layer_groups=groups,
             time_cap_s=self.per_tile_cap_s if mode == "per_tile" else None,
@@ -557,10 +595,11 @@ class _TransferRun:
         kind = _kind_of(row)
         for p in self.pre.values():  # every prefill rank prefilled the request (its shard)
             p.call("add", kind, rid, src, tokens)
-        if self.pool is None:
+        pool = self.decode.pool
+        if pool is None:
             out = [self._fetch(self.chips[0], row, dtype, rid, tokens, dst)]
         else:
-            futs = [self.pool.submit(self._fetch, c, row, dtype, rid, tokens, dst) for c in self.chips]
+            futs = [pool.submit(self._fetch, c, row, dtype, rid, tokens, dst) for c in self.chips]
             cf.wait(futs)  # every chip's pull ended (a failure is raised after all of them)
             out = [f.result() for f in futs]
         for ep in (e for (k, _r), e in self.chips[0]["idle_eps"].items() if k == kind):
@@ -622,13 +661,7 @@ class _TransferRun:
         """Stop the chip threads, then close every decode, device and endpoint (the last opened
         first), the decode's transports and every prefill process started so far; also after a
         failed start. A failing step is reported on stderr and the rest still run."""
-        if self.pool is not None:
-            self.pool.shutdown()
-        steps = [
-            *reversed(self.closers),
-            *(t.close for t in (self.mc, self.hs) if t is not None),
-            *(p.stop for p in self.pre.values()),
-        ]
+        steps = [*(self.decode.close_steps() if self.decode is not None else ()), *(p.stop for p in self.pre.values())]
         for c in steps:
             try:
                 c()

@@ -147,13 +147,12 @@ def prefill_transforms(cfg: HawkConfig) -> bool:
 
 
 def make_source(cfg: HawkConfig, kv: LocalKV):
-    """The prefill's source for this configuration (see module doc)."""
+    """The prefill's source for this configuration (see module doc); a transform's kernels
+    are not compiled yet (:func:`make_prefill` starts that)."""
     if prefill_transforms(cfg):
         from vllm_hawk.layout.device_profiles import load_profile
 
-        src = TileTransformSource(kv.views, kv.layout, load_profile(cfg.device_profile))
-        _compile_then_load(lambda: src.warm(src.profile), "prefill transform", cpu=_on_cpu(src.views))
-        return src
+        return TileTransformSource(kv.views, kv.layout, load_profile(cfg.device_profile))
     if cfg.mode == "staged":  # also GN-Host (layout_fix 'decode'): plain vLLM blocks, the decode fixes them
         return RingGatherSource(kv.region_map, kv.layout, kv.storages, kv.heads, kv.caches)
     return VllmBlockSource(kv.region_map, kv.layout, kv.storages, kv.heads, kv.caches)
@@ -165,6 +164,8 @@ def make_prefill(
     """The prefill endpoint of TP rank ``tp_rank`` (its side channel: the configured port
     plus ``tp_rank`` port strides); ``debug_dir``: dump what it serves there."""
     source = make_source(cfg, kv)
+    if isinstance(source, TileTransformSource):
+        _compile_then_load(lambda: source.warm(source.profile), "prefill transform", cpu=_on_cpu(source.views))
     observer = None
     if debug_dir is not None:
         every = prefill_transforms(cfg) or cfg.layout_fix == "decode" or tp_size > 1

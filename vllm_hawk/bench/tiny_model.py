@@ -1,4 +1,4 @@
-"""A tiny random-weight Llama and its tokenizer, built offline for tests and demos.
+"""A tiny random-weight Llama and its tokenizer, built offline for tests, benchmarks and demos.
 
 Nothing is downloaded: the weights are drawn from ``torch.manual_seed(seed)`` by
 transformers' own initialiser and the tokenizer is a byte-level BPE trained with

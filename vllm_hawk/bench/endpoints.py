@@ -1,12 +1,13 @@
-"""Test and benchmark wiring of :mod:`vllm_hawk.kvflow` around torch caches (no vLLM).
+"""Benchmark (and test) wiring of :mod:`vllm_hawk.kvflow` around torch caches (no vLLM).
 
 Nothing here moves bytes on its own: each helper builds the same sources, sinks and
 endpoints the connector builds, and calls them.
 
 * :func:`prefill_endpoint` — a :class:`~vllm_hawk.kvflow.PrefillEndpoint` over a
-  :class:`~vllm_hawk.testing.paged_cache.PagedKVCache` with the source for ``kind``:
-  ``hawk`` (tile transform), ``staged`` (ring gather) or ``vllm`` (blocks in place),
-  each serving any head range (shares of a tensor-parallel pull);
+  :class:`~vllm_hawk.bench.paged_cache.PagedKVCache` with the connector's source
+  (:func:`source_for`) for ``kind``: ``hawk`` (tile transform), ``staged`` (ring gather)
+  or ``vllm`` (blocks in place), each serving any head range (shares of a tensor-parallel
+  pull);
 * :class:`TTDecode` — an emulated Tenstorrent KV pool, one sink per mode over it and a
   :class:`~vllm_hawk.kvflow.DecodeEndpoint`;
 * :class:`VllmDecode` — a vLLM-layout decode cache with its sink and endpoint;
@@ -16,41 +17,48 @@ endpoints the connector builds, and calls them.
 
 from __future__ import annotations
 
-from vllm_hawk.kvflow import (
-    DecodeEndpoint,
-    GNHostSink,
-    PrefillEndpoint,
-    RingGatherSource,
-    TileTransformSource,
-    TTSink,
-    VllmBlockSource,
-    vllm_sink,
-)
+from vllm_hawk.connector.config import VLLM_PROFILE, HawkConfig
+from vllm_hawk.connector.describe import LocalKV
+from vllm_hawk.connector.strategies import make_source
+from vllm_hawk.kvflow import DecodeEndpoint, GNHostSink, PrefillEndpoint, TTSink, vllm_sink
 from vllm_hawk.kvflow.regroup import Regroup
 from vllm_hawk.kvflow.sinks import layout_desc
 from vllm_hawk.kvflow.streams import head_maps
-from vllm_hawk.layout.device_profiles import load_profile
 from vllm_hawk.layout.tt_kv_cache import TTKVCacheSpec
 
-SOURCE_KINDS = ("hawk", "staged", "vllm")
+#: the bench's source kinds -> the connector configuration whose prefill serves each
+#: (:func:`vllm_hawk.connector.strategies.make_source`): GN-HAWK's tile transform, the
+#: staged ring gather, vLLM's blocks in place
+SOURCE_KINDS = {
+    "hawk": {"layout_fix": "prefill"},
+    "staged": {"mode": "staged", "device_profile": VLLM_PROFILE},
+    "vllm": {"mode": "direct", "device_profile": VLLM_PROFILE},
+}
 
 
-def make_source(cache, kind: str, device_profile: str | None = "p150a"):
-    if kind == "hawk":
-        return TileTransformSource(
-            cache.kv_views(), cache.desc, load_profile(device_profile) if device_profile else None
-        )
-    if kind == "staged":
-        return RingGatherSource(cache.region_map, cache.desc, cache.storages, head_maps(cache.layers), cache.layers)
-    if kind == "vllm":
-        return VllmBlockSource(cache.region_map, cache.desc, cache.storages, head_maps(cache.layers), cache.layers)
-    raise ValueError(f"source kind must be one of {SOURCE_KINDS}, got {kind!r}")
+def source_for(cache, kind: str, device_profile: str | None = "p150a"):
+    """The connector's prefill source of ``kind`` (:data:`SOURCE_KINDS`) over ``cache`` (a
+    :class:`~vllm_hawk.bench.paged_cache.PagedKVCache`); ``device_profile``: the
+    Tenstorrent device a ``hawk`` source converts for."""
+    if kind not in SOURCE_KINDS:
+        raise ValueError(f"source kind must be one of {tuple(SOURCE_KINDS)}, got {kind!r}")
+    cfg = HawkConfig(**{"device_profile": device_profile or "p150a", **SOURCE_KINDS[kind]})
+    kv = LocalKV(
+        None,
+        cache.desc,
+        cache.region_map,
+        cache.storages,
+        cache.kv_views() if kind == "hawk" else None,  # what the transform reads (strided layouts only)
+        heads=head_maps(cache.layers),
+        caches=cache.layers,
+    )
+    return make_source(cfg, kv)
 
 
 def prefill_endpoint(cache, transport, compat, kind: str = "hawk", **kw) -> PrefillEndpoint:
     """A prefill endpoint serving ``cache`` (keyword arguments go to PrefillEndpoint)."""
     return PrefillEndpoint(
-        make_source(cache, kind, compat.device_profile if kind == "hawk" else None), transport, compat, **kw
+        source_for(cache, kind, compat.device_profile if kind == "hawk" else None), transport, compat, **kw
     )
 
 

@@ -24,7 +24,7 @@ import shutil
 import subprocess
 from dataclasses import dataclass, field
 
-from vllm_hawk.testing.local_cluster import LocalCluster, Server
+from vllm_hawk.bench.local_cluster import LocalCluster, Server
 
 
 def _ip(*args: str, ns: str | None = None) -> str:

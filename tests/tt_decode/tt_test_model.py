@@ -1,4 +1,4 @@
-"""A TEST model for vllm-tt-plugin: the tiny Llama of :mod:`.tiny_model` behind the plugin's
+"""A TEST model for vllm-tt-plugin: the tiny Llama of :mod:`vllm_hawk.bench.tiny_model` behind the plugin's
 model interface, so that vLLM 0.25.1 + vllm-tt-plugin can serve it on Tenstorrent's simulator.
 
 It is not a Tenstorrent model and nothing in vllm_hawk's runtime uses it. tt_transformers'
@@ -19,7 +19,9 @@ for its paged KV cache only:
   runs in float32 on the host, over the blocks of vLLM's page table.
 
 The bundle folder for vllm-tt-plugin's ``EXTRA_MODELS_DIR`` is ``tt_models/`` next to this
-module (``vllm_metadata.json``: arch ``LlamaForCausalLM`` -> this class).
+module (``vllm_metadata.json``: arch ``LlamaForCausalLM`` -> this class, as
+``tests.tt_decode.tt_test_model``: the servers of a LocalCluster have the repository root on
+``PYTHONPATH``).
 """
 
 from __future__ import annotations

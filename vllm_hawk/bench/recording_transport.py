@@ -4,8 +4,9 @@ the machines here do not have (no RDMA NIC, no GPU).
 :class:`RecordingTransport` keeps what a prefill registers, under which memory location,
 and accepts the ``locations`` it is given (``"cpu"``, ``"cuda:0"``, the opaque test
 device's ``"hawkdev:0"``). A prefill never submits a transfer (its decode READs), so
-``submit`` refuses: it stands in for Mooncake's registration only, for tests and the GPU
-check. Named as a fake; the real transports are :mod:`vllm_hawk.transport`.
+``submit`` refuses: it stands in for Mooncake's registration only, for tests, the bench's
+prefill check and the GPU check. Named as a fake; the real transports are
+:mod:`vllm_hawk.transport`.
 """
 
 from __future__ import annotations

@@ -1,7 +1,7 @@
 """A disaggregated cluster on this machine: prefill vLLM(s) + decode vLLM(s) + ``hawk proxy``
 (+ vLLM's router).
 
-Used by the end-to-end tests and ``examples/pd_local/run_demo.py``. Every server runs
+Used by ``hawk bench serve``, the end-to-end tests and ``examples/pd_local/run_demo.py``. Every server runs
 in its own session (process group), so :meth:`LocalCluster.stop` ends it and every
 process vLLM spawned (engine core, worker) with one signal, and checks none is left.
 
@@ -34,7 +34,6 @@ same core.
 from __future__ import annotations
 
 import contextlib
-import http.client
 import json
 import os
 import secrets
@@ -137,33 +136,6 @@ def http_get(url: str, timeout: float = 5.0) -> tuple[int, bytes]:
         return e.code, e.read()
 
 
-class RequestNotSent(ConnectionError):
-    """The server closed the connection before the whole request was sent (EPIPE or
-    ECONNRESET while sending): it cannot have acted on it, so sending it again is safe."""
-
-
-def http_post_json(url: str, body: dict, timeout: float = 120.0) -> tuple[int, dict | str]:
-    """POST ``body`` as JSON; (status, decoded JSON or the raw text when it is not JSON).
-    Raises :class:`RequestNotSent` when the connection broke while the request was sent."""
-    u = urllib.parse.urlsplit(url)
-    conn = http.client.HTTPConnection(u.hostname, u.port, timeout=timeout)
-    try:
-        try:
-            conn.request("POST", u.path, json.dumps(body), {"Content-Type": "application/json"})
-        except (BrokenPipeError, ConnectionResetError) as e:
-            raise RequestNotSent(
-                f"POST {url}: the server closed the connection before the request was sent ({e!s})"
-            ) from e
-        r = conn.getresponse()
-        raw = r.read().decode()
-        try:
-            return r.status, json.loads(raw)
-        except ValueError:
-            return r.status, raw
-    finally:
-        conn.close()
-
-
 def scrape_metrics(base_url: str) -> dict[str, float]:
     """``/metrics`` of a vLLM server: value per metric name, summed over label sets."""
     _, raw = http_get(base_url + "/metrics", timeout=10)
@@ -176,59 +148,6 @@ def scrape_metrics(base_url: str) -> dict[str, float]:
         with contextlib.suppress(ValueError):
             out[name] = out.get(name, 0.0) + float(value)
     return out
-
-
-def kv_usage(base_url: str) -> float:
-    """vLLM's ``kv_cache_usage_perc`` of a server (-1.0 when it does not report one)."""
-    return scrape_metrics(base_url).get("vllm:kv_cache_usage_perc", -1.0)
-
-
-def connector_states(dump_dir: str | os.PathLike, every: bool = False) -> dict:
-    """The connectors' idle snapshots, by role: ``state-<role>-*.json`` that each engine
-    worker writes under ``HAWK_DEBUG_DIR`` (:mod:`vllm_hawk.connector.debug`). ``every``:
-    a list per role, one per worker (tensor-parallel ranks), instead of one of them."""
-    out: dict = {}
-    for f in sorted(Path(dump_dir).glob("state-*.json")):
-        try:
-            state = json.loads(f.read_text())
-        except (OSError, ValueError):
-            continue
-        role = f.name.split("-")[1]
-        if every:
-            out.setdefault(role, []).append(state)
-        else:
-            out[role] = state
-    return out
-
-
-def idle_state(cluster, dump_dir: str | os.PathLike) -> tuple[bool, dict]:
-    """(idle?, what was seen): nothing held or in flight on any connector (prefill: held
-    requests, ring ranges; decode: pulls, renewed ids, receive slices) and vLLM's KV cache
-    usage 0 on every server."""
-    s = connector_states(dump_dir, every=True)
-    ps = [x.get("prefill", {}) for x in s.get("prefill", [])] or [{}]
-    ds = [x.get("decode", {}) for x in s.get("decode", [])] or [{}]
-    usage = tuple(kv_usage(u) for u in (*cluster.prefill_urls, *cluster.decode_urls))
-    ok = (
-        all(p.get("held") == 0 and p.get("ring_live") == 0 and p.get("ring_used", 0) == 0 for p in ps)
-        and all(d.get("inflight") == 0 and d.get("renewing", 0) == 0 and d.get("recv_live", 0) == 0 for d in ds)
-        and all(u == 0.0 for u in usage)
-    )
-    one = (lambda xs: xs[0]) if len(ps) == len(ds) == 1 else (lambda xs: xs)
-    return ok, {"prefill": one(ps), "decode": one(ds), "usage": usage}
-
-
-def wait_idle(cluster, dump_dir: str | os.PathLike, timeout_s: float = 30.0) -> dict:
-    """Poll :func:`idle_state` until idle; returns what was seen, raises AssertionError
-    with the last state after ``timeout_s``."""
-    deadline = time.monotonic() + timeout_s
-    while True:
-        ok, seen = idle_state(cluster, dump_dir)
-        if ok:
-            return seen
-        if time.monotonic() > deadline:
-            raise AssertionError(f"not idle after {timeout_s} s: {seen}")
-        time.sleep(0.25)
 
 
 @dataclass
