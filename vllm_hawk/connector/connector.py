@@ -4,7 +4,7 @@ It validates ``kv_connector_extra_config`` (:mod:`vllm_hawk.connector.config`) a
 delegates: scheduler-side calls to :class:`HawkConnectorScheduler`, worker-side calls to
 :class:`HawkConnectorWorker`. Pull design (like vLLM's NixlConnector): the prefill keeps
 a finished request's blocks and returns ``kv_transfer_params``; the decode's worker
-pulls them (Algorithm 1, D1-D8) and tells the prefill to release them.
+pulls them and tells the prefill to release them (``docs/architecture.md``).
 
 Timing contracts (vLLM 0.32): ``on_new_request`` once per request as it enters the
 queue; ``build_connector_meta`` once per scheduler step;

@@ -1,4 +1,5 @@
 """Scheduler side of HawkConnector (runs in the engine core, next to vLLM's scheduler).
+Where these hooks sit in a request's whole life: ``docs/architecture.md``.
 
 Prefill (``kv_producer``; requests carry ``kv_transfer_params.do_remote_decode``):
   ``request_finished`` keeps a normally finished request's blocks (returns True) and

@@ -1,5 +1,5 @@
 """Worker side of HawkConnector: an adapter from vLLM's worker hooks to Algorithm 1
-(:mod:`vllm_hawk.kvflow`: leases, the ring, cancels, deadlines, settle/quarantine, Release).
+(:mod:`vllm_hawk.kvflow`; one request's life on each side: ``docs/architecture.md``).
 
 ``register_kv_caches`` describes this engine's KV cache and builds the strategies once
 (:mod:`~vllm_hawk.connector.strategies`). Prefill: a :class:`~vllm_hawk.kvflow.PrefillEndpoint`

@@ -1,5 +1,6 @@
 """HAWK's Algorithm 1 between two processes: the one implementation vLLM, the tests and
-the benchmarks run.
+the benchmarks run. One request's life through these classes, step by step, and the
+threads that run each step: ``docs/architecture.md``.
 
 prefill: :class:`PrefillEndpoint` (P1-P9: leases, ring, cancels) serving from a
 :mod:`source <vllm_hawk.kvflow.sources>` — :class:`VllmBlockSource` (GG-Direct),

@@ -1,15 +1,10 @@
 """The decode endpoint of Algorithm 1 (D1-D8), the one implementation vLLM and the tests run.
 
 A :class:`DecodeEndpoint` talks to ONE prefill (side channel + transfer endpoint from
-its HelloAck) and moves requests' KV into a :mod:`sink <vllm_hawk.kvflow.sinks>`:
-
-* D1 ``KVRequest`` (the sink's layout, ``first_block``, destination block ids) -> P7
-  ``KVReady``; the segments are checked against the sink's own plan and the exported
-  range before anything is read;
-* D2-D5 the sink claims receive memory and pairs the segments; ONE batch of READs;
-* D6-D7 the sink's copies (staged) or nothing (direct);
-* D8 ``Release``; a refused Release (the prefill's lease ran out, it may have reused the
-  range mid-read) fails the fetch.
+its HelloAck) and moves requests' KV into a :mod:`sink <vllm_hawk.kvflow.sinks>`: D1
+``KVRequest`` -> P7 ``KVReady`` (checked against the sink's own plan before anything is
+read), D2-D5 one batch of READs, D6-D7 the sink's copies, D8 ``Release``. Each step by
+function, and the threads: ``docs/architecture.md``.
 
 Backpressure. A prefill whose ring stays full for its ``claim_wait_s`` refuses a
 KVRequest with ``no_space``; the decode asks again (backing off from
