@@ -20,11 +20,10 @@ from vllm_hawk.kvflow.ledger import (
     Ledger,
     Notify,
     Outcome,
-    Refusal,
     Serve,
     Wait,
 )
-from vllm_hawk.kvflow.lifecycle import LEGAL_MOVES, ShareState, share_key
+from vllm_hawk.kvflow.lifecycle import LEGAL_MOVES, Refusal, ShareState, share_key
 from vllm_hawk.protocol import KVRequest, LayoutDesc, Release
 from vllm_hawk.protocol.messages import ERROR_CODES
 

@@ -26,8 +26,8 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from vllm_hawk.kvflow.early import ALREADY_IN_FLIGHT, NOT_OWNER, EarlyArrivals
-from vllm_hawk.kvflow.lifecycle import Refusal as Refusal
 from vllm_hawk.kvflow.lifecycle import (
+    Refusal,
     RequestRecord,
     RequestTable,
     ShareRecord,

@@ -19,7 +19,7 @@ moves only along :data:`LEGAL_MOVES`, through :meth:`ShareRecord.move`, which ra
 A :class:`RequestRecord` holds what the engine handed over (blocks, token count, lease)
 and the records of its shares; :class:`RequestTable` holds the live requests and the ids of
 finished ones (bounded, to answer late messages precisely). The records carry no lock:
-:class:`~vllm_hawk.kvflow.prefill.PrefillEndpoint` guards them with its own.
+:class:`~vllm_hawk.kvflow.ledger.Ledger` holds them, and the endpoint's lock guards it.
 
 A message the prefill will not act on is answered with a :class:`Refusal`, the one
 shape of a refusal (the ledger's, the early arrivals', the worker's): the wire error

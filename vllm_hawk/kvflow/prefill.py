@@ -10,10 +10,10 @@ Ranges are freed with the lock held, replies and engine notifications sent after
 
 The engine hands over finished requests (:meth:`PrefillEndpoint.add_request`: source
 block ids, token count, lease expiry). A decode's D1 ``KVRequest`` is checked (shared
-bounds here, layout bounds in the :mod:`source <vllm_hawk.kvflow.sources>`), queued to
+bounds in the ledger, layout bounds in the :mod:`source <vllm_hawk.kvflow.sources>`), queued to
 a worker thread, and answered with P7 ``KVReady``: the source plans the bytes of the
 requested blocks; when it produces them into a ring range (staged gather, GN-HAWK
-transform) the endpoint reserves the range first (P5). ``Release`` (D8) frees the range
+transform) the range is reserved first (P5). ``Release`` (D8) frees the range
 (P8) and tells the engine the blocks are free (P9, ``on_finished(req_id, ok)``).
 
 Each share of a request (see tensor parallelism below) has one record whose state moves
@@ -110,10 +110,9 @@ from vllm_hawk.kvflow.ledger import (
     Notify,
     Outcome,
     PrefillStats,
-    Refusal,
     Serve,
 )
-from vllm_hawk.kvflow.lifecycle import MAX_GONE, share_key
+from vllm_hawk.kvflow.lifecycle import MAX_GONE, Refusal, share_key
 from vllm_hawk.kvflow.prefill_serve import Producer
 from vllm_hawk.kvflow.ring import RingBuffer
 from vllm_hawk.kvflow.sources import KVSource
@@ -189,7 +188,7 @@ class PrefillEndpoint:
             stats=self.stats,
         )
         self._lock = threading.Lock()  # held around every ledger call (the ledger is not thread-safe)
-        self._table = self.ledger.table
+        self._table = self.ledger.table  # the requests and their shares' states
         self.ring: RingBuffer | None = None
         self._exported: list[int] = []
         self.registration = check_registration(registration)
@@ -285,7 +284,7 @@ class PrefillEndpoint:
             out = self.ledger.admit(peer, msg, reply, closing=self._stop.is_set())
             if isinstance(out, Serve):
                 try:
-                    self._pool.submit(self._producer.serve, msg, reply)
+                    self._pool.submit(self._serve, msg, reply)
                     return None
                 except RuntimeError:  # pool shut down
                     out = self.ledger.unqueue(msg)
@@ -293,6 +292,11 @@ class PrefillEndpoint:
             return self._producer.error(msg.req_id, out)
         logger.debug("prefill: KVRequest for %s came before the engine's hand-over; waiting", msg.req_id)
         return None
+
+    def _serve(self, msg: KVRequest, reply) -> None:
+        """Worker: produce and announce one accepted layer group (P4-P7,
+        :meth:`~vllm_hawk.kvflow.prefill_serve.Producer.serve`)."""
+        self._producer.serve(msg, reply)
 
     def on_release(self, peer: str, msg: Release, reply):
         """D8: share ``msg.share`` is done (P8: its range is freed; P9 once every share is).
