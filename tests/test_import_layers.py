@@ -99,3 +99,20 @@ def test_every_hawk_variable_is_read_in_envs():
             if "environ" in line and '"HAWK_' in line or 'getenv("HAWK_' in line:
                 bad.append(f"{f.relative_to(PKG.parent)}:{i}: {line.strip()}")
     assert not bad, "read HAWK_* variables through vllm_hawk.envs:\n" + "\n".join(bad)
+
+
+def test_the_prefill_ledger_decides_without_transport_ring_or_threads():
+    """kvflow/ledger.py only decides (the endpoint carries its decisions out): it imports no
+    transport, socket, ring, exposure, server or thread machinery."""
+    path = PKG / "kvflow" / "ledger.py"
+    names = set()
+    for node in ast.walk(ast.parse(path.read_text(), str(path))):
+        if isinstance(node, ast.ImportFrom) and node.module:
+            names.add(node.module)
+        elif isinstance(node, ast.Import):
+            names |= {a.name for a in node.names}
+    banned = ("threading", "concurrent", "socket", "zmq", "vllm_hawk.transport", "vllm_hawk.kvflow.ring")
+    banned += ("vllm_hawk.kvflow.exposure", "vllm_hawk.kvflow.prefill", "vllm_hawk.protocol.server")
+    bad = sorted(n for n in names if any(n == b or n.startswith(b + ".") or n.startswith(b + "_") for b in banned))
+    assert not bad, f"vllm_hawk/kvflow/ledger.py imports {bad}"
+    assert "vllm_hawk.protocol" not in names, "import the messages from vllm_hawk.protocol.messages"

@@ -31,10 +31,9 @@ from __future__ import annotations
 import collections
 import time
 from dataclasses import dataclass
-from typing import NamedTuple
 
-from vllm_hawk.kvflow.lifecycle import ShareRecord, ShareState, share_key
-from vllm_hawk.protocol import KVRequest
+from vllm_hawk.kvflow.lifecycle import Refusal, ShareRecord, ShareState, share_key
+from vllm_hawk.protocol.messages import KVRequest
 
 EARLY_REQUEST_WAIT_S = 3.0  # the least a KVRequest that beats the hand-over waits for it
 EARLY_REQUEST_MAX_WAIT_S = 60.0  # the most, whatever its deadline (or none) says
@@ -43,15 +42,6 @@ HAND_OVER_STEPS = 3  # engine steps begun since a KVRequest's arrival after whic
 EARLY_RELEASE_S = 10.0  # a Release may beat the hand-over by this much
 MAX_EARLY = 1024  # early KVRequests / Releases remembered at once
 MAX_EARLY_BLOCK_IDS = 1 << 18  # destination block ids of all parked early KVRequests together
-
-
-class Refusal(NamedTuple):
-    """Why a KVRequest was not parked: ``reason`` (counted in ``stats.refusals``; '' =
-    not counted), the ErrorMsg ``code`` and ``detail``."""
-
-    reason: str
-    code: str
-    detail: str
 
 
 ALREADY_IN_FLIGHT = Refusal("", "bad_message", "request already in flight")

@@ -19,7 +19,11 @@ moves only along :data:`LEGAL_MOVES`, through :meth:`ShareRecord.move`, which ra
 A :class:`RequestRecord` holds what the engine handed over (blocks, token count, lease)
 and the records of its shares; :class:`RequestTable` holds the live requests and the ids of
 finished ones (bounded, to answer late messages precisely). The records carry no lock:
-:class:`~vllm_hawk.kvflow.prefill.PrefillEndpoint` guards them with its own.
+:class:`~vllm_hawk.kvflow.ledger.Ledger` holds them, and the endpoint's lock guards it.
+
+A message the prefill will not act on is answered with a :class:`Refusal`, the one
+shape of a refusal (the ledger's, the early arrivals', the worker's): the wire error
+code, the detail, and the reason it is counted under in ``stats.refusals`` (if any).
 """
 
 from __future__ import annotations
@@ -28,8 +32,11 @@ import collections
 import enum
 import threading
 from dataclasses import dataclass, field
+from typing import NamedTuple
 
 import numpy as np
+
+from vllm_hawk.protocol.messages import ErrorCode
 
 MAX_GONE = 4096  # finished ids remembered to answer late messages precisely
 
@@ -63,6 +70,16 @@ LEGAL_MOVES: dict[ShareState, frozenset[ShareState]] = {
 }
 IN_FLIGHT = frozenset({S.SERVING, S.SERVED, S.CANCELLED})  # a KVRequest accepted, not yet done
 del S
+
+
+class Refusal(NamedTuple):
+    """Why a message is not acted on: ``reason`` (counted in ``stats.refusals`` and logged,
+    rate-limited; '' = neither), the wire error ``code`` (``ErrorMsg.code``) and ``detail``.
+    The endpoint turns it into the ErrorMsg it sends, in one place."""
+
+    reason: str
+    code: ErrorCode
+    detail: str
 
 
 class IllegalTransition(RuntimeError):
