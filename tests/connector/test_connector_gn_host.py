@@ -19,7 +19,6 @@ from vllm_hawk.layout.formats import tilize_pack
 from vllm_hawk.layout.tt_kv_cache import TTKVCacheSpec
 from vllm_hawk.npu.emulated import EmulatedDevice
 from vllm_hawk.protocol import IncompatiblePeer
-from vllm_hawk.bench.paged_cache import PagedKVCache
 from vllm_hawk.tenstorrent.emulated.kv_cache import TTPagedKVCache
 from vllm_hawk.transport import make_transport
 

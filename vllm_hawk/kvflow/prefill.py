@@ -8,13 +8,8 @@ here takes the engine's hand-overs and the side channel's messages, asks the led
 under its lock and carries out what it decides (ring, exposure, replies, ``on_finished``).
 Ranges are freed with the lock held, replies and engine notifications sent after it.
 
-The engine hands over finished requests (:meth:`PrefillEndpoint.add_request`: source
-block ids, token count, lease expiry). A decode's D1 ``KVRequest`` is checked (shared
-bounds in the ledger, layout bounds in the :mod:`source <vllm_hawk.kvflow.sources>`), queued to
-a worker thread, and answered with P7 ``KVReady``: the source plans the bytes of the
-requested blocks; when it produces them into a ring range (staged gather, GN-HAWK
-transform) the range is reserved first (P5). ``Release`` (D8) frees the range
-(P8) and tells the engine the blocks are free (P9, ``on_finished(req_id, ok)``).
+One request's life through these parts (P1-P9, by function) and the threads that run
+each step: ``docs/architecture.md``.
 
 Each share of a request (see tensor parallelism below) has one record whose state moves
 only along the table of :mod:`~vllm_hawk.kvflow.lifecycle` (parked, held, serving,
