@@ -83,7 +83,7 @@ def cpu_reference(host, src_blocks, block_size, plan, out, notes: list) -> None:
 
 
 def transform_rows(a, dev, sync, notes: list) -> list[dict]:
-    from vllm_hawk.bench.transform_bench import make_source
+    from vllm_hawk.bench.transform_bench import random_transform_source
     from vllm_hawk.layout.model_shapes import load_model_shape
     from vllm_hawk.layout.vllm_kv import TransformSource
     from vllm_hawk.layout_report import build_layout
@@ -95,7 +95,7 @@ def transform_rows(a, dev, sync, notes: list) -> list[dict]:
     cache_blocks = 2 * n_blocks + 2
     rng = np.random.default_rng(0)
     src_blocks, dst_blocks = rng.permutation(cache_blocks)[:n_blocks], rng.permutation(cache_blocks)[:n_blocks]
-    source = make_source("flash", shape.num_layers, cache_blocks, heads, a.block_size, shape.head_dim, dev)
+    source = random_transform_source("flash", shape.num_layers, cache_blocks, heads, a.block_size, shape.head_dim, dev)
     host = TransformSource(source.adapters, [c.cpu() for c in source.caches])  # the same bytes in host memory
     nbytes = int(n_blocks * a.block_size * per_token)
     src_copy = torch.empty(nbytes, dtype=torch.uint8, device=dev).random_(0, 255)

@@ -102,17 +102,18 @@ def test_every_hawk_variable_is_read_in_envs():
 
 
 def test_the_prefill_ledger_decides_without_transport_ring_or_threads():
-    """kvflow/ledger.py only decides (the endpoint carries its decisions out): it imports no
-    transport, socket, ring, exposure, server or thread machinery."""
-    path = PKG / "kvflow" / "ledger.py"
+    """kvflow/ledger.py only decides (the endpoint carries its decisions out): neither it nor
+    the records it keeps (kvflow/lifecycle.py, kvflow/early.py) import transport, socket,
+    ring, exposure, server or thread machinery."""
     names = set()
-    for node in ast.walk(ast.parse(path.read_text(), str(path))):
-        if isinstance(node, ast.ImportFrom) and node.module:
-            names.add(node.module)
-        elif isinstance(node, ast.Import):
-            names |= {a.name for a in node.names}
+    for path in (PKG / "kvflow" / f for f in ("ledger.py", "lifecycle.py", "early.py")):
+        for node in ast.walk(ast.parse(path.read_text(), str(path))):
+            if isinstance(node, ast.ImportFrom) and node.module:
+                names.add(node.module)
+            elif isinstance(node, ast.Import):
+                names |= {a.name for a in node.names}
     banned = ("threading", "concurrent", "socket", "zmq", "vllm_hawk.transport", "vllm_hawk.kvflow.ring")
     banned += ("vllm_hawk.kvflow.exposure", "vllm_hawk.kvflow.prefill", "vllm_hawk.protocol.server")
     bad = sorted(n for n in names if any(n == b or n.startswith(b + ".") or n.startswith(b + "_") for b in banned))
-    assert not bad, f"vllm_hawk/kvflow/ledger.py imports {bad}"
+    assert not bad, f"the ledger (kvflow/ledger.py, lifecycle.py, early.py) imports {bad}"
     assert "vllm_hawk.protocol" not in names, "import the messages from vllm_hawk.protocol.messages"

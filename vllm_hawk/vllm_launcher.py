@@ -14,7 +14,7 @@ Usage::
 
     python -m vllm_hawk.vllm_launcher serve MODEL --enforce-eager ...
     python -m vllm_hawk.vllm_launcher --version
-    hawk vllm --tt-platform emulated [--tt-device n150] serve MODEL ...   # Tenstorrent decode
+    hawk vllm --tt-platform emulated serve MODEL ...   # Tenstorrent decode (the device: device_profile)
 
 Leading ``--tt-*`` flags choose the emulated Tenstorrent platform
 (:mod:`vllm_hawk.tenstorrent.launcher`).

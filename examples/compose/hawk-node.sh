@@ -72,7 +72,7 @@ serve() {  # serve ROLE MODEL [ARGS...]
     set -- serve "$model" --host 0.0.0.0 --port "${HAWK_PORT:-8000}" --kv-transfer-config "$cfg" "$@"
     # a decode with HAWK_TT_PLATFORM runs the Tenstorrent platform (checked before vLLM starts)
     [ "$role" = decode ] && [ -n "${HAWK_TT_PLATFORM:-}" ] && set -- --tt-platform "$HAWK_TT_PLATFORM" "$@"
-    echo "hawk-node: $role, vllm_hawk.vllm_launcher $1, kv-transfer-config $cfg" >&2
+    echo "hawk-node: $role: python -m vllm_hawk.vllm_launcher $*" >&2
     exec python -m vllm_hawk.vllm_launcher "$@"
 }
 

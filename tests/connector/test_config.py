@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import pytest
+from connector_helpers import config_log  # noqa: F401  (autouse)
 
 from vllm_hawk.connector.config import FIELDS, HawkConfig, HawkConfigError, parse_config
 from vllm_hawk.kvflow.decode import AUTO_LAYER_GROUPS

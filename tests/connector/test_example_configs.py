@@ -10,6 +10,7 @@ import re
 from pathlib import Path
 
 import pytest
+from connector_helpers import config_log  # noqa: F401  (autouse)
 
 from vllm_hawk.connector.config import HawkConfigError, parse_config
 

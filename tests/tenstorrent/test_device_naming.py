@@ -28,8 +28,14 @@ def test_the_connector_names_the_device():
 def test_without_the_connector_the_platform_names_it():
     assert decode_device(engine(), "n300", "HAWK_TT_DEVICE") == "n300"
     assert decode_device(engine(), None, "HAWK_TT_DEVICE") == DEFAULT_DEVICE
-    assert connector_device(engine("vllm")) is None  # a plain vLLM decode names no device
     assert connector_device(engine("n150", connector="OtherConnector")) is None
+
+
+def test_a_gg_pair_on_a_tenstorrent_decode_is_refused_at_start_up():
+    with pytest.raises(
+        ValueError, match=r"device_profile='vllm' \(a GG pair\) on a Tenstorrent decode: set pair 'gn-hawk'"
+    ):
+        decode_device(engine("vllm"), None, "HAWK_TT_DEVICE")
 
 
 def test_two_names_for_the_device_are_refused_naming_both():
@@ -46,7 +52,7 @@ def test_two_names_for_the_device_are_refused_naming_both():
 )
 def test_old_module_paths_warn_naming_the_new_one(old, new, monkeypatch):
     monkeypatch.delitem(sys.modules, old, raising=False)
-    with pytest.warns(DeprecationWarning, match=new):
+    with pytest.warns(FutureWarning, match=new):
         mod = importlib.import_module(old)
     if old == "vllm_hawk.tt_plugin":
         assert mod.register is importlib.import_module(new).register

@@ -376,9 +376,7 @@ class LocalCluster:
                 "-m",
                 "vllm_hawk.vllm_launcher",
                 "--tt-platform",
-                "emulated",
-                "--tt-device",
-                self.decode_tt.get("device", "p150a"),
+                "emulated",  # the device: the connector's device_profile (named once)
                 "--tt-kv-dtype",
                 self.decode_tt.get("kv_dtype", "bfloat16"),
                 *(["--tt-chips", str(self.decode_tt["chips"])] if self.decode_tt.get("chips") else []),

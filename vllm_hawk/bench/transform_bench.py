@@ -46,7 +46,7 @@ TARGET_DTYPES = ("bfloat16", "bfloat8_b")
 TARGET_MIN_MB = 40
 
 
-def make_source(kind: str, num_layers: int, num_blocks: int, heads: int, bs: int, dim: int, device):
+def random_transform_source(kind: str, num_layers: int, num_blocks: int, heads: int, bs: int, dim: int, device):
     """A random bf16 cache of ``kind`` as the prefill reads it (a TransformSource)."""
     if kind == "flash":
         adapter, order = FlashAttnKVLayout(heads, bs, dim), "LBNHC"
@@ -101,7 +101,7 @@ def run(model, tp, device_profile, block_size, sizes_mb, dtypes, sources, repeat
         key = (src_kind, mb)
         if key not in cache:
             cache.clear()
-            cache[key] = make_source(
+            cache[key] = random_transform_source(
                 src_kind, shape.num_layers, cache_blocks, heads, block_size, shape.head_dim, device
             )
         source = cache[key]

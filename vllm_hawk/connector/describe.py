@@ -25,7 +25,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
-from vllm_hawk.connector.config import VLLM_PROFILE, HawkConfig
+from vllm_hawk.connector.config import VLLM_PROFILE, HawkConfig, HawkConfigError
 from vllm_hawk.kvflow.sources import vllm_layout_desc
 from vllm_hawk.kvflow.streams import KVRegionMap, head_maps, region_map_from_caches
 from vllm_hawk.protocol import CompatFields, LayoutDesc, make_compat
@@ -159,7 +159,14 @@ def describe_tt_cache(cache, vllm_config, cfg: HawkConfig) -> LocalKV:
     from vllm_hawk.kvflow.sinks import layout_desc
 
     s = cache.spec  # all heads; each chip of a mesh holds its share of them (cache.chips)
-    chip = cache.chips[0]  # its device is cfg.device_profile's (vllm_hawk.tenstorrent.device)
+    chip = cache.chips[0]
+    dev = chip.device.profile.name  # cfg.device_profile's unless that names no Tenstorrent device
+    if dev != cfg.device_profile:
+        raise HawkConfigError(
+            f"kv_connector_extra_config.device_profile={cfg.device_profile!r} but this engine's "
+            f"Tenstorrent device is {dev!r}: a Tenstorrent decode needs pair 'gn-hawk' or 'gn-host' "
+            f"with device_profile={dev!r}"
+        )
     dtype = str(vllm_config.model_config.dtype).removeprefix("torch.")
     mid = model_id(vllm_config, s.num_layers, total_kv_heads(vllm_config), s.head_dim)
     if cfg.layout_fix == "decode":  # GN-Host: this side reads the prefill's vLLM blocks

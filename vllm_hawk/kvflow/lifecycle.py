@@ -30,7 +30,6 @@ from __future__ import annotations
 
 import collections
 import enum
-import threading
 from dataclasses import dataclass, field
 from typing import NamedTuple
 
@@ -99,7 +98,7 @@ class Stream:
     served: int = 0  # groups whose KVReady went out
     prep: object = None  # the source's Prepared plan, once planned
     offset: int = -1  # ring offset once reserved
-    lock: threading.Lock = field(default_factory=threading.Lock)  # the first group plans for all
+    lock: object = None  # the producer's planning lock: the first group plans for all
 
 
 @dataclass

@@ -6,7 +6,9 @@ release, expiry, every share's state) and touches nothing;
 produces and announces the bytes (P4-P7) and frees ranges (P8); :class:`PrefillEndpoint`
 here takes the engine's hand-overs and the side channel's messages, asks the ledger
 under its lock and carries out what it decides (ring, exposure, replies, ``on_finished``).
-Ranges are freed with the lock held, replies and engine notifications sent after it.
+A Release's or an expiry's ranges are freed after the lock (unregistering may take a
+while on RDMA; the ledger has already retired the shares); a failed serve's with it held.
+Replies and engine notifications are sent after it.
 
 One request's life through these parts (P1-P9, by function) and the threads that run
 each step: ``docs/architecture.md``.
@@ -298,7 +300,7 @@ class PrefillEndpoint:
         While it is still being served the worker cancels it instead."""
         with self._lock:
             out = self.ledger.release(peer, msg)
-            self._producer.free(out.free)  # P8
+        self._producer.free(out.free)  # P8, outside the lock: the share is released, never served again
         if out.refusal is not None:
             return self._producer.error(msg.req_id, out.refusal)
         if out.free and not msg.ok:  # the share is done (not cancelled, not early)
@@ -348,7 +350,7 @@ class PrefillEndpoint:
         freed one. Returns their ids."""
         with self._lock:
             out = self.ledger.expire(time.time(), time.monotonic())
-            self._producer.free(out.free)  # P8
+        self._producer.free(out.free)  # P8, outside the lock: the shares are expired, never served again
         for n in out.notify:
             logger.warning("prefill: lease of %s expired without Release; freeing it", n.req_id)
         self._carry_out(out)  # P9: the blocks are free for the engine

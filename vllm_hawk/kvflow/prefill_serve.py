@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import threading
 import time
 
 import numpy as np
@@ -67,9 +68,10 @@ class Producer:
 
     def free(self, keys) -> None:
         """Let go of the ring ranges (if they hold one) and registrations of share ``keys``
-        (P8). Called with the endpoint's lock held, so that no share is served again before
-        its range is gone; the ring and the exposure take only their own locks and never
-        call back (lock order: endpoint -> ring/exposure)."""
+        (P8). Called after the ledger retired the shares (released, expired or failed), so
+        none of them is served again; the ring and the exposure take only their own locks and
+        never call back (lock order, where the endpoint's lock is held: endpoint ->
+        ring/exposure)."""
         ring = self.ep.ring
         for key in keys:
             if ring is not None and key in ring.alloc.live():
@@ -140,6 +142,9 @@ class Producer:
     def _plan(self, msg: KVRequest, st: Stream, src: np.ndarray, key: str):
         """The share's plan and ring offset: made (and the range reserved, P5) by the first
         group served, shared by the others. Returns (prep, offset, made now)."""
+        with self.lock:  # the stream's planning lock is the producer's, made by the first group
+            if st.lock is None:
+                st.lock = threading.Lock()
         with st.lock:
             if st.prep is not None:
                 return st.prep, max(st.offset, 0), False

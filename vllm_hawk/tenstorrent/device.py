@@ -22,14 +22,19 @@ DEFAULT_DEVICE = "p150a"
 
 def connector_device(vllm_config) -> str | None:
     """The ``device_profile`` of the engine's HawkConnector configuration, or None (no
-    HawkConnector, or its ``device_profile`` is ``vllm``)."""
+    HawkConnector). ValueError when it is ``vllm``: a GG pair cannot decode on this device."""
     ktc = getattr(vllm_config, "kv_transfer_config", None)
     if ktc is None or ktc.kv_connector != CONNECTOR_NAME:
         return None
     from vllm_hawk.connector.config import parse_config
 
     profile = parse_config(ktc.kv_connector_extra_config or {}).device_profile
-    return None if profile == VLLM_PROFILE else profile
+    if profile == VLLM_PROFILE:
+        raise ValueError(
+            f"kv_connector_extra_config.device_profile={VLLM_PROFILE!r} (a GG pair) on a Tenstorrent "
+            "decode: set pair 'gn-hawk' or 'gn-host' and device_profile to this device (e.g. 'p150a')"
+        )
+    return profile
 
 
 def decode_device(vllm_config, platform_device: str | None, platform_setting: str) -> str:

@@ -5,4 +5,4 @@ import warnings
 
 from vllm_hawk.tenstorrent.vllm_tt import WORKER_CLS  # noqa: F401
 
-warnings.warn("vllm_hawk.tt_decode is deprecated: use vllm_hawk.tenstorrent.vllm_tt", DeprecationWarning, stacklevel=2)
+warnings.warn("vllm_hawk.tt_decode is deprecated: use vllm_hawk.tenstorrent.vllm_tt", FutureWarning, stacklevel=2)

@@ -7,7 +7,7 @@ from vllm_hawk.vllm_launcher import main
 
 warnings.warn(
     "python -m vllm_hawk.tt_plugin is deprecated: use hawk vllm --tt-platform ... (vllm_hawk.vllm_launcher)",
-    DeprecationWarning,
+    FutureWarning,
     stacklevel=1,
 )
 
