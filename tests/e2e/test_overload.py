@@ -1,6 +1,6 @@
 """The connector holds at overload: prefill vLLM + decode vLLM (staged mode, a
-2 MiB prefill ring, an 8 s lease renewed by the decode's heartbeat, a 120 s hand-over
-hold) + ``hawk proxy``, one module-scoped trio.
+2 MiB prefill ring, a decode receive ring that never runs out, an 8 s lease renewed by
+the decode's heartbeat, a 120 s hand-over hold) + ``hawk proxy``, one module-scoped trio.
 
 * A request the decode refuses has its prefill blocks released within a second, not at
   the hand-over hold's end: by the proxy when the decode's API server refused it (its
@@ -66,6 +66,10 @@ def cluster(tmp_path_factory):
             "pull_timeout_s": 30.0,
             "handshake_timeout_s": 3.0,
         },
+        # the 2 MiB ring under test is the prefill's: the decode's receive ring holds its
+        # max_pulls (2) pulls of the longest prompt (1024 tokens x 4 KiB) with room to spare,
+        # so a pull never fails for want of receive memory (0.1 s claim wait on a busy CPU)
+        decode_config={"ring_nbytes": 16 << 20},
         extra_env={"HAWK_DEBUG_DIR": str(dump)},
     )
     c.hawk_dump = dump

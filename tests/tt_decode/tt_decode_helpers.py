@@ -69,6 +69,8 @@ def decode_env(manifest: dict, device: str) -> dict[str, str]:
         "TT_METAL_SIMULATOR": manifest["simulators"][SIMULATORS[device]],
         "EXTRA_MODELS_DIR": str(BUNDLES_DIR),
         "TT_VLLM_BUILTIN_MODELS": "0",
+        # the bundle's main_class is tests.tt_decode.tt_test_model: the repo root, whatever the cwd
+        "PYTHONPATH": os.pathsep.join(p for p in (str(REPO), os.environ.get("PYTHONPATH")) if p),
     }
 
 
