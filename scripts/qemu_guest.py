@@ -386,6 +386,14 @@ def _share_tags(shares) -> list[tuple[str, str, str, bool]]:
     return out
 
 
+def _panicked_before_the_job(res: GuestResult) -> bool:
+    """The guest kernel died during its own boot (``Kernel panic`` on the console, no job
+    start): under multi-threaded TCG the stock kernel's boot-time code patching (int3,
+    ``text_poke``) now and then faults on the other vCPU. Nothing of the job ran, so one
+    more boot is a fresh try of the same job; a panic after the job started is the job's."""
+    return res.rc is None and not res.timed_out and JOB_START not in res.output and "Kernel panic" in res.output
+
+
 def run_job(
     script: str,
     *,
@@ -478,7 +486,11 @@ def run_job(
             ]
         if net:
             cmd += ["-netdev", "user,id=n0,restrict=on", "-device", "virtio-net-pci,netdev=n0"]
-        return _boot(cmd, jobdir, timeout_s, echo, keep_out)
+        res = _boot(cmd, jobdir, timeout_s, echo, keep_out)
+        if _panicked_before_the_job(res):
+            log("guest kernel panicked while booting, before the job started (TCG; docs/qemu-guest.md): booting again")
+            res = _boot(cmd, jobdir, timeout_s, echo, keep_out)
+        return res
     finally:
         if not keep_out:
             shutil.rmtree(jobdir, ignore_errors=True)
