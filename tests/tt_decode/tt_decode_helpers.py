@@ -95,7 +95,7 @@ def run_on_sim(manifest: dict, device: str, code: str, timeout_s: float = 300.0)
     """Run ``code`` (Python; it prints ``RESULT`` and one JSON object on a line) on the simulated
     ``device`` in a fresh process of this environment (tt-metal reads the simulator's
     variables when it starts); returns that object."""
-    env = dict(os.environ, **decode_env(manifest, device), PYTHONPATH=str(REPO))
+    env = dict(os.environ, **decode_env(manifest, device))  # decode_env puts the repo root first on PYTHONPATH
     proc = subprocess.run(
         [sys.executable, "-c", code], capture_output=True, text=True, timeout=timeout_s, env=env, cwd=REPO
     )
