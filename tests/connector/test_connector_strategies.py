@@ -239,7 +239,7 @@ def test_prefill_refuses_destinations_it_cannot_serve():
 def test_local_cluster_starts_a_tenstorrent_decode(tmp_path, monkeypatch):
     """``LocalCluster(decode_tt=...)``: the decode runs ``hawk vllm`` with ``--tt-*`` flags and sees the
     platform entry point through PYTHONPATH (vLLM's spawned workers too); the prefill does
-    not; both sides get the device profile."""
+    not; both sides get the device profile, which alone names the device."""
     import json
     from importlib import metadata
     from pathlib import Path
@@ -251,16 +251,15 @@ def test_local_cluster_starts_a_tenstorrent_decode(tmp_path, monkeypatch):
     tt = {"device_profile": "n150"}
     d = c._vllm("decode", "kv_consumer", tt, None)
     p = c._vllm("prefill", "kv_producer", tt, None)
-    assert d.argv[1:9] == [
+    assert d.argv[1:7] == [
         "-m",
         "vllm_hawk.vllm_launcher",
         "--tt-platform",
         "emulated",
-        "--tt-device",
-        "n150",
         "--tt-kv-dtype",
         "bfloat8_b",
     ]
+    assert "--tt-device" not in d.argv  # the device is named once: the connector's device_profile
     assert p.argv[1:3] == ["-m", "vllm_hawk.vllm_launcher"]
     assert "HAWK_TT_PLATFORM" not in p.env and "HAWK_TT_PLATFORM" not in d.env
     ep_dir = d.env["PYTHONPATH"].split(":")[1]
