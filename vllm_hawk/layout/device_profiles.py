@@ -10,8 +10,6 @@ from __future__ import annotations
 import os
 from dataclasses import dataclass
 
-import yaml
-
 from vllm_hawk.layout import profiles
 
 
@@ -71,6 +69,8 @@ _FIELDS = {
 
 def load_profile(name_or_path: str | os.PathLike) -> DeviceProfile:
     """Load a profile by name (``p150a``) or by YAML path. Errors name the file and field."""
+    import yaml  # here, not at the top: the tt-kmd backend imports DeviceProfile in the QEMU guest's bare Python
+
     path, text = profiles.read("devices", name_or_path)
     raw = yaml.safe_load(text)
     if not isinstance(raw, dict):
