@@ -1,9 +1,9 @@
 """The paged KV cache a Tenstorrent model allocated, as HawkConnector's sink sees it.
 
 vllm-tt-plugin's runner asks the model for its cache (``model.allocate_kv_cache(shape,
-dtype, num_layers)``, tt_transformers' ``allocate_vllm_kv_cache``): per layer ``[K, V]``
-ttnn tensors on the mesh, each ``[num_blocks, kv_heads per chip, block_size, head_dim]``,
-TILE layout, DRAM interleaved. :class:`TTNNMeshKVCache` describes those tensors, per chip of
+dtype, num_layers)``, tt_transformers' ``allocate_vllm_kv_cache``): ``kv_cache[submesh][layer]
+= [K, V]`` ttnn tensors (one submesh), each ``[num_blocks, kv_heads per chip, block_size,
+head_dim]``, TILE layout, DRAM interleaved. :class:`TTNNMeshKVCache` describes those tensors, per chip of
 the mesh, by the addresses ttnn gives them (no copy, no allocation of its own):
 
     cache.spec              the model's cache (all KV heads)
@@ -27,7 +27,29 @@ from vllm_hawk.layout.tp import HeadShard, shard_heads
 from vllm_hawk.layout.tt_kv_cache import TTKVCacheSpec
 from vllm_hawk.npu.ttnn_chip import TTNNChip, dtype_name, import_ttnn
 
-__all__ = ["TTNNChipKVCache", "TTNNMeshKVCache"]
+__all__ = ["TTNNChipKVCache", "TTNNMeshKVCache", "one_submesh"]
+
+
+def one_submesh(kv_cache, ttnn) -> list:
+    """The per-layer ``[[K, V], ...]`` of the model's cache. tt_transformers'
+    ``allocate_vllm_kv_cache`` returns ``kv_cache[submesh][layer] = [K, V]`` (its generators
+    index ``kv_cache[model_id]``); one submesh is unwrapped, several (data parallelism) are
+    refused. A cache that already is ``[[K, V], ...]`` is returned as it is."""
+    try:
+        head = kv_cache[0][0]
+    except (TypeError, IndexError, KeyError):
+        raise ValueError(
+            f"KV cache: expected tt_transformers' kv_cache[submesh][layer] = [K, V], got {type(kv_cache).__name__}"
+        ) from None
+    if isinstance(head, ttnn.Tensor):  # [layer][K, V]
+        return list(kv_cache)
+    if len(kv_cache) != 1:
+        raise ValueError(
+            f"KV cache holds {len(kv_cache)} submeshes (tt_data_parallel={len(kv_cache)}): the HAWK sink lands "
+            "one model's cache on one mesh; data parallelism over submeshes is not supported, run one decode "
+            "server per submesh instead"
+        )
+    return list(kv_cache[0])
 
 
 class TTNNChipKVCache:
@@ -69,20 +91,21 @@ class TTNNChipKVCache:
 
 class TTNNMeshKVCache:
     """The model's cache on every chip of the mesh (see module doc), a
-    :class:`~vllm_hawk.tenstorrent.kv_cache.MeshKVCache`. ``kv_cache``: the
-    model's ``[[K, V], ...]``; ``chips``: one :class:`TTNNChip` per mesh chip. Chip ``c``
-    holds KV heads ``[c*H/n, (c+1)*H/n)`` (tt_transformers' split over a mesh)."""
+    :class:`~vllm_hawk.tenstorrent.kv_cache.MeshKVCache`. ``kv_cache``: the model's
+    ``kv_cache[submesh][layer] = [K, V]`` (one submesh, :func:`one_submesh`); ``chips``: one
+    :class:`TTNNChip` per mesh chip. Chip ``c`` holds KV heads ``[c*H/n, (c+1)*H/n)``
+    (tt_transformers' split over a mesh)."""
 
     def __init__(self, chips: Sequence[TTNNChip], kv_cache, num_kv_heads: int, block_size: int) -> None:
         ttnn = import_ttnn()
         if not chips:
             raise ValueError("TTNNMeshKVCache needs at least one chip")
+        kv_cache = one_submesh(kv_cache, ttnn)
         for i, pair in enumerate(kv_cache):
             if len(pair) != 2 or not all(isinstance(t, ttnn.Tensor) for t in pair):
                 raise ValueError(
                     f"KV cache layer {i}: expected a [K, V] pair of ttnn tensors, got {type(pair).__name__} "
-                    "(the HAWK sink lands one uniform cache: hybrid per-group caches and several "
-                    "data-parallel submeshes are not supported)"
+                    "(the HAWK sink lands one uniform cache: hybrid per-group caches are not supported)"
                 )
         k0 = kv_cache[0][0]
         num_blocks, per_chip, bs, head_dim = (int(x) for x in k0.shape)
