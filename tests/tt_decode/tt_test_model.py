@@ -4,14 +4,28 @@ model interface, so that vLLM 0.25.1 + vllm-tt-plugin can serve it on Tenstorren
 It is not a Tenstorrent model and nothing in vllm_hawk's runtime uses it. tt_transformers'
 models run their layers as device kernels, which cannot be compiled here (no SFPI
 toolchain, ../shared/ttsim/README.md); this one computes on the host and uses the device
-for its paged KV cache only:
+for its paged KV cache only. It is a contract double of tt_transformers' ``Generator``
+(tenstorrent/tt-metal ``models/tt_transformers/tt/generator.py`` and ``generator_vllm.py``):
+what the real model requires of its caller, it requires too, and refuses the rest:
 
-* ``allocate_kv_cache`` allocates the cache as tt_transformers'
-  ``allocate_vllm_kv_cache`` does: per layer ``[K, V]`` = ``ttnn.as_tensor(zeros(shape),
-  mesh_mapper=ReplicateTensorToMesh, layout=TILE_LAYOUT, memory_config=DRAM_MEMORY_CONFIG,
-  dtype=...)``, shape ``[num_blocks, kv_heads per chip, block_size, head_dim]``;
-  ``bfloat8_b`` unless ``optimizations="accuracy"`` (then ``bfloat16``), as tt_transformers'
-  precision settings choose it;
+* ``allocate_kv_cache`` returns what ``allocate_vllm_kv_cache`` returns:
+  ``kv_cache[submesh][layer] = [K, V]`` (one submesh: no data parallelism), each
+  ``ttnn.as_tensor(zeros(shape), mesh_mapper=ReplicateTensorToMesh, layout=TILE_LAYOUT,
+  memory_config=DRAM_MEMORY_CONFIG, dtype=...)``, shape ``[num_blocks, kv_heads per chip,
+  block_size, head_dim]``; ``bfloat8_b`` unless ``optimizations="accuracy"`` (then
+  ``bfloat16``), as tt_transformers' precision settings choose it;
+* ``prefill_forward`` / ``decode_forward`` take exactly the keyword arguments vllm-tt-plugin
+  passes a model without device sampling (``submit_prefill``: ``tokens``, ``page_table``,
+  ``kv_cache``, ``enable_trace``, ``prompt_lens``, ``start_pos``, and ``empty_slots`` /
+  ``sampling_params`` when it has them; ``submit_decode``: ``tokens``, ``page_table``,
+  ``kv_cache``, ``start_pos``, ``enable_trace``, ``read_from_device``) -- an unknown one is a
+  ``TypeError`` -- and index the cache as the generators do, ``kv_cache[model_id]`` with
+  ``model_id = user_id // max_batch_size``;
+* a prefill that starts after cached tokens (``start_pos > 0``: a prefix hit or a KV
+  transfer) must start on a block boundary that is a multiple of 32, or it fails as the
+  real kernels do (the Galaxy generator asserts ``start_pos % block_size == 0``;
+  ``q_chunk_size`` derived from ``start & -start`` makes chunked SDPA ``TT_FATAL``; the page
+  table is sliced from ``start // block_size``);
 * new K/V rows go into the device cache by read-modify-write of the touched tiles at their
   (bank, address) through tt-metal's cluster API (``paged_fill_cache`` /
   ``paged_update_cache`` are kernels);
@@ -63,9 +77,12 @@ class TinyLlamaTTTestModel:
 
     model_capabilities: dict = {}  # no device sampling, no async decode, no prefix caching
 
-    def __init__(self, hf_config, mesh_device, weights: dict[str, torch.Tensor], optimizations) -> None:
+    def __init__(
+        self, hf_config, mesh_device, weights: dict[str, torch.Tensor], optimizations, max_batch_size: int
+    ) -> None:
         ttnn = self._ttnn = import_ttnn()
         self.cfg, self.mesh, self.w = hf_config, mesh_device, weights
+        self.max_batch_size = max_batch_size  # per submesh (model_id = user_id // max_batch_size)
         self.n_layers = hf_config.num_hidden_layers
         self.n_heads = hf_config.num_attention_heads
         self.n_kv = hf_config.num_key_value_heads
@@ -94,58 +111,100 @@ class TinyLlamaTTTestModel:
         path = Path(hf_config.name_or_path)
         if not (path / "model.safetensors").is_file():
             raise FileNotFoundError(f"{path}: no model.safetensors (the tiny test model loads local files only)")
-        return cls(hf_config, mesh_device, _load_weights(path), optimizations)
+        return cls(hf_config, mesh_device, _load_weights(path), optimizations, max_batch_size)
 
     @classmethod
     def get_max_tokens_all_users(cls, *, max_model_len, max_num_seqs, **_kw) -> int:
         return min(MAX_TOKENS_ALL_USERS, max_model_len * max_num_seqs)
 
     def allocate_kv_cache(self, kv_cache_shape, dtype, num_layers):
-        """tt_transformers' ``allocate_vllm_kv_cache`` (see module doc), with the tiles made
-        on the host first (``as_tensor`` without a device, then ``to_device``): given the
-        device, ttnn tilizes a bfloat16 tensor with a device kernel (SFPI). The device
-        tensors are the same."""
+        """tt_transformers' ``allocate_vllm_kv_cache`` (see module doc): one submesh, per
+        layer ``[K, V]``; the tiles are made on the host first (``as_tensor`` without a
+        device, then ``to_device``): given the device, ttnn tilizes a bfloat16 tensor with a
+        device kernel (SFPI). The device tensors are the same."""
         ttnn = self._ttnn
         zeros = torch.zeros(kv_cache_shape, dtype=torch.float32)
         with DEVICE_LOCK:
             host = ttnn.as_tensor(
                 zeros, mesh_mapper=ttnn.ReplicateTensorToMesh(self.mesh), layout=ttnn.TILE_LAYOUT, dtype=self.kv_dtype
             )
-            return [
+            submesh = [
                 [ttnn.to_device(host, self.mesh, memory_config=ttnn.DRAM_MEMORY_CONFIG) for _kv in "kv"]
                 for _ in range(num_layers)
             ]
+        return [submesh]
 
-    def warmup_model_prefill(self, **_kw) -> None:
-        """Nothing to compile or trace: the test model computes on the host."""
+    def warmup_model_prefill(self, *, kv_cache, enable_trace, can_sample_on_device) -> None:
+        """Nothing to compile or trace (host compute); the cache is checked as the generators index it."""
+        self._model_cache(kv_cache, 0)
 
-    def warmup_model_decode(self, **_kw) -> None:
-        """Nothing to compile or trace: the test model computes on the host."""
+    def warmup_model_decode(self, *, kv_cache, enable_trace, max_batch_size, num_blocks, can_sample_on_device) -> None:
+        """Nothing to compile or trace (host compute); the cache is checked as the generators index it."""
+        self._model_cache(kv_cache, 0)
 
-    def prefill_forward(self, tokens, page_table, kv_cache, prompt_lens, start_pos=None, **_kw):
-        """Rows ``b``: tokens ``[start_pos[b], prompt_lens[b])``; logits of each row's last
-        token, float32 ``[B, 1, vocab]``."""
+    def prefill_forward(
+        self,
+        *,
+        tokens,
+        page_table,
+        kv_cache,
+        prompt_lens,
+        start_pos,
+        enable_trace,
+        empty_slots=None,
+        sampling_params=None,
+    ):
+        """Rows ``b``: tokens ``[start_pos[b], prompt_lens[b])`` of user ``empty_slots[b]``;
+        logits of each row's last token, float32 ``[B, 1, vocab]``."""
+        if sampling_params is not None:
+            raise AssertionError("sampling_params given to a model without device sampling")
+        if not isinstance(page_table, torch.Tensor):
+            raise AssertionError(f"page_table must be a torch.Tensor, got {type(page_table).__name__}")
+        slots = list(range(len(prompt_lens))) if empty_slots is None else list(empty_slots)
         starts = np.zeros(len(prompt_lens), np.int64) if start_pos is None else np.asarray(start_pos, np.int64)
         ends = np.asarray(prompt_lens, np.int64)
-        rows = [
-            (torch.as_tensor(tokens[b, s:e]), int(s), page_table[b])
-            for b, (s, e) in enumerate(zip(starts, ends, strict=False))
-        ]
-        return self._forward(rows, kv_cache)
+        rows = []
+        for b, (s, e) in enumerate(zip(starts.tolist(), ends.tolist(), strict=True)):
+            layers = self._model_cache(kv_cache, slots[b] // self.max_batch_size)
+            self._check_prefill_start(s, int(layers[0][0].shape[2]))
+            rows.append((torch.as_tensor(tokens[b, s:e]), s, page_table[b]))
+        return self._forward(rows, layers)
 
-    def decode_forward(self, tokens, page_table, kv_cache, start_pos, **_kw):
-        """One token per row at ``start_pos`` (-1: a padding row); float32 ``[B, 1, vocab]``."""
+    def decode_forward(self, *, tokens, page_table, kv_cache, start_pos, enable_trace, read_from_device):
+        """One token per row at ``start_pos`` (-1: a padding row); float32 ``[B, 1, vocab]``
+        (host tensors: vllm-tt-plugin takes them whatever ``read_from_device`` says)."""
+        layers = self._model_cache(kv_cache, 0)
         pos = torch.as_tensor(start_pos).tolist()
         rows = [(tokens[b, :1], int(p), page_table[b]) for b, p in enumerate(pos) if p >= 0]
-        logits = self._forward(rows, kv_cache)
+        logits = self._forward(rows, layers)
         out = torch.zeros((len(pos), 1, logits.shape[-1]), dtype=torch.float32)
         live = [b for b, p in enumerate(pos) if p >= 0]
         out[live] = logits
         return out
 
+    def _model_cache(self, kv_cache, model_id: int) -> list:
+        """``kv_cache[model_id]``: that submesh's per-layer ``[K, V]`` (the generators' indexing)."""
+        if not isinstance(kv_cache, list) or len(kv_cache) != 1 or len(kv_cache[0]) != self.n_layers:
+            raise AssertionError(
+                f"kv_cache must be allocate_kv_cache's [submesh][layer][K, V] (1 submesh, {self.n_layers} layers)"
+            )
+        if model_id != 0:
+            raise AssertionError(f"user slot of model {model_id}: one submesh holds users [0, {self.max_batch_size})")
+        return kv_cache[model_id]
+
+    @staticmethod
+    def _check_prefill_start(start: int, block_size: int) -> None:
+        """The real prefix-prefill path's precondition (see module doc)."""
+        if start % block_size or start % 32:
+            raise AssertionError(
+                f"prefill start_pos {start} is not a multiple of the block size {block_size} and of 32: "
+                "tt_transformers' prefix prefill (paged_fill_cache, chunked SDPA) cannot start there"
+            )
+
     # ---- the model ---------------------------------------------------------------------
     def _forward(self, rows, kv_cache) -> torch.Tensor:
-        """rows: (token ids [n], first position, page-table row); last-token logits [R, 1, V]."""
+        """rows: (token ids [n], first position, page-table row); ``kv_cache``: one submesh's
+        per-layer ``[K, V]``; last-token logits [R, 1, V]."""
         w = self.w
         xs = [w["embed_tokens.weight"][t.long()] for t, _, _ in rows]
         for layer in range(self.n_layers):
