@@ -65,6 +65,14 @@ def regrouped(x, n_dst: int, got):
     return tok.reshape(h, n_dst, dbs, d).transpose(0, 1)
 
 
+def tt_transfer_blocks(prompt_len: int, block_size: int) -> int:
+    """Blocks a Tenstorrent decode (``block_size`` tokens each) takes from the prefill for a
+    ``prompt_len``-token prompt: those before the last block boundary before the prompt's
+    last token; it recomputes the other 1 to ``block_size`` tokens itself (a prompt of one
+    block or less: all of them, no transfer). See ``HawkConnectorScheduler.matched_end``."""
+    return (prompt_len - 1) // block_size
+
+
 def check_new_transfers(c) -> list[dict]:
     """Every transfer not checked yet: decode bank bytes == tilize_pack(prefill K/V).
 

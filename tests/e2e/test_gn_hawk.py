@@ -50,6 +50,7 @@ from e2e_helpers import (
     complete,
     gn_prompts,
     greedy_divergence,
+    tt_transfer_blocks,
 )
 from vllm_fixtures import http_post_json, kv_usage, running, wait_idle
 
@@ -116,14 +117,18 @@ def test_outputs_and_kv_bytes(gn, record_property):
     for p in gn_prompts():
         d = complete(gn.proxy_url, p, max_tokens=GN_MAX_TOKENS)
         checked = check_new_transfers(gn)  # right after this request's transfer
-        assert len(checked) == 1, f"expected one transfer for a {len(p)}-token prompt: {checked}"
-        assert checked[0]["blocks"] == -(-len(p) // gn.hawk_cfg.get("decode_block_size", BLOCK))
+        nblk = tt_transfer_blocks(len(p), gn.hawk_cfg.get("decode_block_size", BLOCK))
         fig = (d["kv_transfer_params"] or {}).get("hawk_transfer") or {}
-        assert fig.get("ok") and fig.get("banks") == (12 if gn.hawk_cfg["device"] == "n150" else 8)
-        groups = gn.hawk_cfg.get("layer_groups", 1)
-        assert fig.get("layer_groups", 1) == groups  # one KVReady per layer group, one segment per bank each
-        assert fig["segments"] == groups * sum(1 for b in fig["bytes_per_bank"] if b)
-        stats.append((len(p), fig["nbytes"], fig["entries"], fig["total_ms"]))
+        if nblk:
+            assert len(checked) == 1, f"expected one transfer for a {len(p)}-token prompt: {checked}"
+            assert checked[0]["blocks"] == nblk
+            assert fig.get("ok") and fig.get("banks") == (12 if gn.hawk_cfg["device"] == "n150" else 8)
+            groups = gn.hawk_cfg.get("layer_groups", 1)
+            assert fig.get("layer_groups", 1) == groups  # one KVReady per layer group, one segment per bank each
+            assert fig["segments"] == groups * sum(1 for b in fig["bytes_per_bank"] if b)
+            stats.append((len(p), fig["nbytes"], fig["entries"], fig["total_ms"]))
+        else:  # the decode recomputes a prompt of one block or less
+            assert not checked and not fig, f"a {len(p)}-token prompt moved KV: {checked} {fig}"
         r = complete(ref_url, p, max_tokens=GN_MAX_TOKENS, logprobs=2)
         assert len(d["token_ids"]) == GN_MAX_TOKENS
         div = greedy_divergence(d["token_ids"], r)

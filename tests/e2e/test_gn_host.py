@@ -21,6 +21,7 @@ from e2e_helpers import (
     complete,
     gn_prompts,
     greedy_divergence,
+    tt_transfer_blocks,
 )
 from vllm_fixtures import running, wait_idle
 
@@ -63,15 +64,18 @@ def test_gn_host_outputs_and_kv_bytes(gn, record_property):
     for p in gn_prompts():
         d = complete(gn.proxy_url, p, max_tokens=GN_MAX_TOKENS)
         checked = check_new_transfers(gn)  # decode bank bytes == tilize_pack(prefill K/V)
-        assert len(checked) == 1, f"expected one transfer for a {len(p)}-token prompt: {checked}"
-        nblocks = -(-len(p) // BLOCK)
-        assert checked[0]["blocks"] == nblocks
+        nblocks = tt_transfer_blocks(len(p), BLOCK)
         fig = (d["kv_transfer_params"] or {}).get("hawk_transfer") or {}
-        assert fig.get("ok") and fig.get("banks") == 8 and fig.get("page_writes", 0) > 0, fig
-        assert fig["segments"] == 4  # vLLM layer streams from the prefill's ring: one per layer (tiny: 4)
-        # vLLM bytes on the wire: per block and layer 4 KV heads x 32 tokens x (K+V) 2*32 dims x 2 bytes
-        assert fig["nbytes"] == nblocks * 4 * (4 * BLOCK * 64 * 2)
-        stats.append((len(p), fig["nbytes"], fig["entries"], fig["total_ms"], fig["copy_ms"]))
+        if nblocks:
+            assert len(checked) == 1, f"expected one transfer for a {len(p)}-token prompt: {checked}"
+            assert checked[0]["blocks"] == nblocks
+            assert fig.get("ok") and fig.get("banks") == 8 and fig.get("page_writes", 0) > 0, fig
+            assert fig["segments"] == 4  # vLLM layer streams from the prefill's ring: one per layer (tiny: 4)
+            # vLLM bytes on the wire: per block and layer 4 KV heads x 32 tokens x (K+V) 2*32 dims x 2 bytes
+            assert fig["nbytes"] == nblocks * 4 * (4 * BLOCK * 64 * 2)
+            stats.append((len(p), fig["nbytes"], fig["entries"], fig["total_ms"], fig["copy_ms"]))
+        else:  # the decode recomputes a prompt of one block or less
+            assert not checked and not fig, f"a {len(p)}-token prompt moved KV: {checked} {fig}"
         r = complete(gn.prefill_url, p, max_tokens=GN_MAX_TOKENS, logprobs=2)
         assert len(d["token_ids"]) == GN_MAX_TOKENS
         div = greedy_divergence(d["token_ids"], r)

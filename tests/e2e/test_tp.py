@@ -31,7 +31,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from e2e_helpers import GG_TIE_MARGIN, GN_TIE_MARGIN, complete, greedy_divergence
+from e2e_helpers import GG_TIE_MARGIN, GN_TIE_MARGIN, complete, greedy_divergence, tt_transfer_blocks
 from vllm_fixtures import http_post_json, running, token_prompts, wait_idle
 
 pytestmark = [pytest.mark.vllm, pytest.mark.tp]
@@ -166,7 +166,9 @@ def test_tp_pair_serves_exactly(cluster, record_property):
     d = Path(cluster.hawk_dump)
     tag = "-r0" if not gn and d_tp > 1 else ""
     landed = sorted(f.name[len("decode-") : -len(f"{tag}.pt")] for f in d.glob(f"decode-*{tag}.pt"))
-    assert len(landed) == len(_prompts()), [f.name for f in d.iterdir()]
+    # a Tenstorrent decode recomputes a prompt of one block or less: no transfer for it
+    pulled = [p for p in _prompts() if not gn or tt_transfer_blocks(len(p), BLOCK)]
+    assert len(landed) == len(pulled), [f.name for f in d.iterdir()]
     for rid in landed:
         (_check_gn if gn else _check_gg)(cluster, rid)
     wait_idle(cluster, cluster.hawk_dump, 30.0)

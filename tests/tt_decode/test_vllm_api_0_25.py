@@ -25,13 +25,13 @@ from vllm_hawk.connector.metadata import HawkConnectorMetadata
 BLOCK = 32
 
 
-def _config(role: str) -> SimpleNamespace:
+def _config(role: str, **extra) -> SimpleNamespace:
     ktc = KVTransferConfig(
         kv_connector="HawkConnector",
         kv_connector_module_path="vllm_hawk.connector",
         kv_role=role,
         kv_load_failure_policy="recompute",
-        kv_connector_extra_config={"auth": "none"},
+        kv_connector_extra_config={"auth": "none", **extra},
     )
     return SimpleNamespace(
         kv_transfer_config=ktc,
@@ -103,42 +103,71 @@ def test_failed_pull_reaches_vllm_0_25_as_invalid_blocks_in_the_same_step():
     c.shutdown()
 
 
-def test_scheduler_side_on_vllm_0_25_requests():
-    """The decode's scheduler hooks on 0.25.1's Request, KVCacheBlocks and RequestStatus: the
-    remote tokens are offered as an asynchronous load, the allocated blocks go to the worker
-    in the step's metadata, and a request aborted before its pull releases the remote blocks."""
-    c = HawkConnector(_config("kv_consumer"), KVConnectorRole.SCHEDULER, None)
-    params = dict(
+def _remote_params(num_tokens: int) -> dict:
+    return dict(
         do_remote_prefill=True,
         do_remote_decode=False,
         remote_engine_id="p",
         remote_request_id="cmpl-1",
-        remote_block_ids=[1, 2, 3],
-        remote_num_tokens=70,
+        remote_block_ids=list(range(1, 1 + -(-num_tokens // BLOCK))),
+        remote_num_tokens=num_tokens,
         remote_host="127.0.0.1",
         remote_port=17600,
     )
 
-    def request(rid: str) -> Request:
-        sp = SamplingParams(max_tokens=4, extra_args={"kv_transfer_params": dict(params)})
-        r = Request(rid, list(range(70)), sp, None)
-        assert r.kv_transfer_params["do_remote_prefill"]
-        return r
 
-    r = request("a")
+def _request(rid: str, num_tokens: int) -> Request:
+    sp = SamplingParams(max_tokens=4, extra_args={"kv_transfer_params": _remote_params(num_tokens)})
+    r = Request(rid, list(range(num_tokens)), sp, None)
+    assert r.kv_transfer_params["do_remote_prefill"]
+    return r
+
+
+def test_scheduler_side_on_vllm_0_25_requests():
+    """The decode's scheduler hooks on 0.25.1's Request, KVCacheBlocks and RequestStatus, on a
+    Tenstorrent decode (gn-hawk): the remote tokens up to the last block boundary before the
+    prompt's last token are offered as an asynchronous load, the blocks they fill go to the
+    worker in the step's metadata, and a request aborted before its pull releases the
+    remote blocks."""
+    c = HawkConnector(_config("kv_consumer", pair="gn-hawk", device_profile="p150a"), KVConnectorRole.SCHEDULER, None)
+    r = _request("a", 70)
     c.on_new_request(r)
-    assert c.get_num_new_matched_tokens(r, 0) == (70, True)
+    assert c.get_num_new_matched_tokens(r, 0) == (64, True)
     blocks = KVCacheBlocks(([KVCacheBlock(b) for b in (11, 12, 13)],))
-    c.update_state_after_alloc(r, blocks, 70)
+    c.update_state_after_alloc(r, blocks, 64)
     from vllm.v1.core.sched.output import SchedulerOutput
 
     meta = c.build_connector_meta(SchedulerOutput.make_empty())  # a step that computes nothing
     assert isinstance(meta, HawkConnectorMetadata) and meta.idle
-    assert meta.reqs_to_recv["a"].local_block_ids == [11, 12, 13] and "a" in meta.reqs_to_want
-    aborted = request("b")
+    assert meta.reqs_to_recv["a"].local_block_ids == [11, 12] and "a" in meta.reqs_to_want
+    aborted = _request("b", 70)
     aborted.status = RequestStatus.FINISHED_ABORTED
     assert c.request_finished(aborted, []) == (False, None)
     assert "b" in c.build_connector_meta(SchedulerOutput.make_empty()).reqs_to_release
+
+
+def test_a_transferred_prompt_resumes_block_aligned_on_a_tenstorrent_decode():
+    """For every prompt length and local prefix hit, what the decode holds after the pull
+    (local hit + matched tokens, 0.25.1's ``num_computed_tokens``) ends on a block boundary
+    before the last prompt token: 0.25.1's full-hit branch (``num_computed_tokens =
+    num_tokens - 1``, next test) is never taken, and vllm-tt-plugin's ``start_pos`` is
+    block-aligned (a multiple of 32). A prompt of one block or less transfers nothing and
+    releases the prefill's blocks."""
+    c = HawkConnector(_config("kv_consumer", pair="gn-hawk", device_profile="p150a"), KVConnectorRole.SCHEDULER, None)
+    for n in range(1, 5 * BLOCK + 2):
+        for local in range(0, n, BLOCK):  # local prefix hits are whole blocks
+            matched, is_async = c.get_num_new_matched_tokens(_request(f"r{n}-{local}", n), local)
+            start = local + matched
+            assert start % BLOCK == 0 and start % 32 == 0 and start < n, (n, local, matched)
+            assert start == (n - 1) // BLOCK * BLOCK, (n, local, matched)  # recomputes 1..BLOCK tokens
+            assert is_async == (matched > 0)
+    r = _request("short", BLOCK)
+    assert c.get_num_new_matched_tokens(r, 0) == (0, False)
+    c.update_state_after_alloc(r, KVCacheBlocks(([KVCacheBlock(7)],)), 0)
+    from vllm.v1.core.sched.output import SchedulerOutput
+
+    meta = c.build_connector_meta(SchedulerOutput.make_empty())
+    assert "short" in meta.reqs_to_release and "short" not in meta.reqs_to_recv
 
 
 @pytest.mark.parametrize("status", ["FINISHED_LENGTH_CAPPED", "FINISHED_STOPPED", "WAITING_FOR_REMOTE_KVS"])

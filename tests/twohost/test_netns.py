@@ -110,7 +110,10 @@ def test_requests_cross_the_veth_pair(two):
         p = [0] + [rng.randrange(2, 1024) for _ in range(n - 1)]
         d = complete(two.proxy_url, p, max_tokens=8)
         fig = (d["kv_transfer_params"] or {}).get("hawk_transfer") or {}
-        assert fig.get("ok") and fig.get("banks") == 8, fig
+        if n > 32:  # a prompt of one block or less is recomputed by the (Tenstorrent) decode: no transfer
+            assert fig.get("ok") and fig.get("banks") == 8, fig
+        else:
+            assert not fig, fig
         r = complete(two.prefill_url, p, max_tokens=8, logprobs=2)
         if d["token_ids"] != r["token_ids"]:
             i = next(k for k, (a, b) in enumerate(zip(d["token_ids"], r["token_ids"], strict=False)) if a != b)

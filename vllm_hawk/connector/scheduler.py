@@ -14,7 +14,8 @@ Decode (``kv_consumer``; requests carry ``do_remote_prefill`` + the remote field
   lease heartbeat (``reqs_to_want``): its remote blocks are renewed while it waits,
   however deep in the queue (vLLM asks the connector about the queue's head only);
   ``get_num_new_matched_tokens`` offers the remote prompt tokens beyond the local
-  prefix-cache hit, loaded asynchronously; ``update_state_after_alloc`` records the
+  prefix-cache hit, loaded asynchronously (on a Tenstorrent decode up to a block boundary:
+  :meth:`HawkConnectorScheduler.matched_end`); ``update_state_after_alloc`` records the
   local blocks to fill (once per request); the worker pulls and reports finished and
   failed receives. Requests that will not pull (full local hit, or aborted before they
   were scheduled) are sent to the worker to release their remote blocks.
@@ -39,7 +40,7 @@ import logging
 import time
 from typing import TYPE_CHECKING, Any
 
-from vllm_hawk.connector.config import HawkConfig, port_stride
+from vllm_hawk.connector.config import VLLM_PROFILE, HawkConfig, port_stride
 from vllm_hawk.connector.metadata import HawkConnectorMetadata, HawkWorkerMeta, RecvSpec, SendSpec
 
 if TYPE_CHECKING:
@@ -57,6 +58,8 @@ class HawkConnectorScheduler:
         self.cfg = cfg
         self.engine_id = engine_id
         self.block_size = vllm_config.cache_config.block_size
+        # A Tenstorrent decode resumes a transferred prompt at a block boundary (see matched_end).
+        self.block_aligned = cfg.device_profile != VLLM_PROFILE
         pc = vllm_config.parallel_config
         self.tp_size = int(pc.tensor_parallel_size)
         self.port_stride = port_stride(vllm_config)
@@ -74,31 +77,47 @@ class HawkConnectorScheduler:
         with contextlib.suppress(ValueError):  # update_state_after_alloc says why, and pulls nothing
             self._reqs_to_want[request.request_id] = RecvSpec.from_params(params)
 
+    def matched_end(self, request: Request) -> int:
+        """Prompt tokens ``[0, end)`` whose KV the decode takes from the prefill.
+
+        A vLLM decode takes every token the prefill computed (vLLM then recomputes the last
+        prompt token itself). A Tenstorrent decode stops at the last block boundary before
+        the prompt's last token: vllm-tt-plugin passes the first uncomputed token to the
+        model as ``start_pos``, and tt_transformers' prefix prefill starts only at a block
+        boundary that is a multiple of 32 (block sizes on Tenstorrent are). The decode then
+        recomputes the prompt's last 1 to ``block_size`` tokens; the transferred blocks are
+        not written again."""
+        params = request.kv_transfer_params or {}
+        remote = min(int(params.get("remote_num_tokens") or 0), request.num_prompt_tokens)
+        if not self.block_aligned:
+            return remote
+        return min(remote, request.num_prompt_tokens - 1) // self.block_size * self.block_size
+
     def get_num_new_matched_tokens(self, request: Request, num_computed_tokens: int) -> tuple[int, bool]:
         params = request.kv_transfer_params
         if not params or not params.get("do_remote_prefill"):
             return 0, False
-        remote = min(int(params.get("remote_num_tokens") or 0), request.num_prompt_tokens)
-        count = remote - num_computed_tokens
+        count = self.matched_end(request) - num_computed_tokens
         return (count, True) if count > 0 else (0, False)
 
     def update_state_after_alloc(self, request: Request, blocks: KVCacheBlocks, num_external_tokens: int) -> None:
         params = request.kv_transfer_params
         if not params or not params.get("do_remote_prefill"):
             return
-        params["do_remote_prefill"] = False  # one transfer per request
         try:
             spec = RecvSpec.from_params(params)
         except ValueError as e:
+            params["do_remote_prefill"] = False
             logger.warning("HawkConnector: request %s: %s; it will not use a KV transfer", request.request_id, e)
             return
+        end = self.matched_end(request)
+        params["do_remote_prefill"] = False  # one transfer per request
         if num_external_tokens <= 0:  # everything local: only free the remote blocks
             self._reqs_to_release[request.request_id] = spec
             return
-        remote_tokens = min(spec.remote_num_tokens, request.num_prompt_tokens)
-        local_tokens = remote_tokens - num_external_tokens  # block-aligned prefix hit
+        local_tokens = end - num_external_tokens  # block-aligned prefix hit
         first = local_tokens // self.block_size
-        last = -(-remote_tokens // self.block_size)
+        last = -(-end // self.block_size)
         ids = blocks.get_block_ids()[0]
         spec.first_block = first
         spec.local_block_ids = list(ids[first:last])
