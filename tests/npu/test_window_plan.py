@@ -24,10 +24,10 @@ BASE_BH, BASE_WH = 0x100080, 0x100040
 
 
 def test_device_windows_are_tt_kmds_pools_less_the_kernels_window() -> None:
-    assert DEVICE_WINDOWS == {
+    assert {
         "blackhole": {2 * MiB: 201, 4 * GiB: 8},
         "wormhole": {1 * MiB: 156, 2 * MiB: 10, 16 * MiB: 19},
-    }
+    } == DEVICE_WINDOWS
 
 
 def test_tt_metal_holds_the_4g_windows_only_with_all_eight_dram_channels() -> None:

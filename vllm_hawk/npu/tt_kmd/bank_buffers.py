@@ -142,9 +142,8 @@ class TtKmdBankBuffers:
         if window_map_bytes is None:
             window_map_bytes = min(window_bytes, BLACKHOLE_DRAM_BANK_BYTES)
         if window_map_bytes <= 0 or window_map_bytes % device.page_size or window_map_bytes > window_bytes:
-            raise ValueError(
-                f"window_map_bytes {window_map_bytes:#x} must be a page multiple <= the {format_bytes(window_bytes)} window"
-            )
+            window = format_bytes(window_bytes)
+            raise ValueError(f"window_map_bytes {window_map_bytes:#x} must be a page multiple <= the {window} window")
         self._device = device
         self._window_bytes = window_bytes
         self._num_banks = len(blackhole_bank_channels(harvest_mask))
