@@ -28,14 +28,12 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
 from vllm_hawk.layout.device_profiles import DeviceProfile
-
-MiB = 1 << 20
-GiB = 1 << 30
+from vllm_hawk.npu.tt_kmd.topology import BLACKHOLE_MAX_4G_WINDOWS, BLACKHOLE_NUM_DRAM_CHANNELS, GiB, MiB
 
 #: arch ("blackhole"/"wormhole") -> window bytes -> windows tt-kmd offers per device
 #: (the kernel's own window left out; Blackhole's 4 GiB count assumes a BAR4 of >= 32 GiB).
 DEVICE_WINDOWS: dict[str, dict[int, int]] = {
-    "blackhole": {2 * MiB: 201, 4 * GiB: 8},
+    "blackhole": {2 * MiB: 201, 4 * GiB: BLACKHOLE_MAX_4G_WINDOWS},
     "wormhole": {1 * MiB: 156, 2 * MiB: 10, 16 * MiB: 19},
 }
 
@@ -44,7 +42,6 @@ DEVICE_WINDOWS: dict[str, dict[int, int]] = {
 _STATIC_CORES = {"blackhole": 14 * 10 + 14, "wormhole": 8 * 10 + 16}
 _STATIC_WINDOW = {"blackhole": 2 * MiB, "wormhole": 1 * MiB}
 _UMD_CACHED_WINDOWS = 2  # tt-umd's write-combined and uncached I/O windows per chip
-_BLACKHOLE_DRAM_CHANNELS = 8
 
 MODES = ("staged", "direct")
 
@@ -70,8 +67,8 @@ def tt_metal_held_windows(arch: str, num_dram_banks: int) -> dict[int, int]:
     name = _arch(arch)
     held = dict.fromkeys(DEVICE_WINDOWS[name], 0)
     held[_STATIC_WINDOW[name]] += _STATIC_CORES[name] + _UMD_CACHED_WINDOWS
-    if name == "blackhole" and num_dram_banks == _BLACKHOLE_DRAM_CHANNELS:
-        held[4 * GiB] = _BLACKHOLE_DRAM_CHANNELS
+    if name == "blackhole" and num_dram_banks == BLACKHOLE_NUM_DRAM_CHANNELS:
+        held[4 * GiB] = BLACKHOLE_NUM_DRAM_CHANNELS
     return held
 
 
