@@ -1,9 +1,11 @@
 """TtKmdBankBuffers' bookkeeping against FakeTlbDevice, a fake ONLY at the hardware
-boundary (the tt-kmd ioctls + mmap of BAR4). The fake enforces the tt-kmd rules we rely
-on (exact 4 GiB windows, at most 8, size-aligned base, page-aligned export inside the
-window, FREE_TLB refused while mapped) and backs each window with anonymous memory, so
-host addresses are real and writable. Nothing here proves the real driver behaves so:
-that needs a Blackhole."""
+boundary (the tt-kmd ioctls + mmap of the BARs). The fake enforces the tt-kmd rules we rely
+on (tt-kmd ttkmd-2.10.0-6-g4af7192: one pool of windows per size per device shared by every
+fd, ``tlb.c``, ENOMEM when a size's pool is empty; size-aligned window base; mmap within the
+window; EXPORT_TLB_DMABUF only of windows the calling fd owns, page-aligned and inside the
+window, ``memory.c``; FREE_TLB refused while mapped) and backs each window with anonymous
+memory, so host addresses are real and writable. Nothing here proves the real driver
+behaves so: that needs a Blackhole."""
 
 from __future__ import annotations
 
@@ -11,16 +13,21 @@ import ctypes
 import errno
 import mmap
 import os
+from pathlib import Path
 
 import numpy as np
 import pytest
 
+from vllm_hawk.npu import tt_kmd
 from vllm_hawk.npu.bank_buffer import BankBufferAPI, BankBufferError, DeviceBuffer
+from vllm_hawk.npu.tt_kmd import bank_buffers as bank_buffers_module
 from vllm_hawk.npu.tt_kmd.bank_buffers import TtKmdBankBuffers
 from vllm_hawk.npu.tt_kmd.device import TlbDevice, TlbWindow, TtKmdError
 from vllm_hawk.npu.tt_kmd.registration import register_bank_with_mooncake, unregister_bank_from_mooncake
+from vllm_hawk.npu.tt_kmd.sysfs import device_holders
 from vllm_hawk.npu.tt_kmd.topology import Arch, NocEndpoint, UnsupportedArchError
 
+MiB = 1 << 20
 GiB = 1 << 30
 MAP_BYTES = 64 << 20  # map only the first 64 MiB of each fake window
 
@@ -31,35 +38,76 @@ _libc.munmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t]
 MAP_NORESERVE = 0x4000
 
 
-class FakeTlbDevice:
-    """FAKE Blackhole at the tt-kmd boundary (see module docstring)."""
+class FakeTlbPool:
+    """FAKE tt-kmd window pool of one device (``tlb.c``): window ids by size, first free id
+    first, shared by every fd. Blackhole: ids 0-201 are 2 MiB (201 is the kernel's,
+    ``blackhole_init``), 202.. are 4 GiB (as many as BAR4 holds, at most 8)."""
 
-    def __init__(self, arch: Arch = Arch.BLACKHOLE, windows: int = 8, fail_export_at: int | None = None):
+    def __init__(self, windows_4g: int = 8) -> None:
+        self.kinds = {2 * MiB: list(range(0, 201)), 4 * GiB: list(range(202, 202 + windows_4g))}
+        self.owner: dict[int, FakeTlbDevice] = {}
+        self.size_of = {wid: size for size, ids in self.kinds.items() for wid in ids}
+
+    def claim(self, size: int, fd: FakeTlbDevice) -> int:
+        if size not in self.kinds:
+            raise TtKmdError(errno.EINVAL, f"fake ALLOCATE_TLB({size:#x}): no window of that size")
+        free = [wid for wid in self.kinds[size] if wid not in self.owner]
+        if not free:
+            raise TtKmdError(errno.ENOMEM, f"fake ALLOCATE_TLB({size:#x}): Cannot allocate memory")
+        self.owner[free[0]] = fd
+        return free[0]
+
+    def free(self, size: int) -> int:
+        return sum(wid not in self.owner for wid in self.kinds[size])
+
+
+class FakeTlbDevice:
+    """FAKE Blackhole fd at the tt-kmd boundary (see module docstring). ``path``: a file the
+    fake holds open, as a real fd holds /dev/tenstorrent/N (device_holders finds it)."""
+
+    def __init__(
+        self,
+        arch: Arch = Arch.BLACKHOLE,
+        windows: int = 8,
+        fail_export_at: int | None = None,
+        pool: FakeTlbPool | None = None,
+        path: Path | None = None,
+    ):
         self.arch = arch
         self.page_size = mmap.PAGESIZE
-        self.free_ids = list(range(202, 202 + windows))  # BH: 4 GiB windows follow 202 2 MiB ones
+        self.pool = pool or FakeTlbPool(windows)
         self.config: dict[int, tuple[NocEndpoint, int]] = {}
         self.mapped: dict[int, tuple[int, int]] = {}  # va -> (window id, length)
         self.exports: list[int] = []
         self.fail_export_at = fail_export_at
         self.calls: list[str] = []
+        self.path = path
+        self._fd = os.open(path, os.O_RDWR) if path is not None else None
+
+    @property
+    def free_ids(self) -> list[int]:
+        """Free 4 GiB window ids."""
+        return [wid for wid in self.pool.kinds[4 * GiB] if wid not in self.pool.owner]
+
+    def _own(self, window: TlbWindow, call: str) -> None:
+        if self.pool.owner.get(window.id) is not self:
+            raise TtKmdError(errno.EPERM, f"fake {call}: window {window.id} is not this fd's")
 
     def allocate_tlb(self, size: int) -> TlbWindow:
         self.calls.append("allocate")
-        if size != 4 * GiB:
-            raise TtKmdError(errno.EINVAL, "fake: only 4 GiB windows")
-        if not self.free_ids:
-            raise TtKmdError(errno.ENOMEM, "fake: no free 4 GiB window")
-        wid = self.free_ids.pop(0)
+        wid = self.pool.claim(size, self)
         return TlbWindow(id=wid, size=size, mmap_offset_uc=(6 << 36) + wid, mmap_offset_wc=(7 << 36) + wid)
 
     def configure_tlb(self, window: TlbWindow, endpoint: NocEndpoint, noc_address: int, ordering: int = 0) -> None:
         self.calls.append("configure")
-        assert noc_address % window.size == 0
+        self._own(window, "CONFIGURE_TLB")
+        if noc_address % window.size:
+            raise TtKmdError(errno.EINVAL, "fake CONFIGURE_TLB: base not aligned to the window size")
         self.config[window.id] = (endpoint, noc_address)
 
     def map_window(self, window: TlbWindow, length: int, write_combined: bool = True) -> int:
         self.calls.append("map")
+        self._own(window, "mmap")
         assert window.id in self.config and 0 < length <= window.size and length % self.page_size == 0
         va = _libc.mmap(
             None, length, mmap.PROT_READ | mmap.PROT_WRITE, mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS | MAP_NORESERVE, -1, 0
@@ -77,17 +125,38 @@ class FakeTlbDevice:
         self.calls.append("export")
         if self.fail_export_at is not None and len(self.exports) == self.fail_export_at:
             raise TtKmdError(errno.EINVAL, "fake: export refused")
-        assert offset % self.page_size == 0 and size % self.page_size == 0 and offset + size <= window.size
+        self._own(window, "EXPORT_TLB_DMABUF")
+        if offset % self.page_size or size % self.page_size or offset >= window.size or offset + size > window.size:
+            raise TtKmdError(errno.EINVAL, "fake EXPORT_TLB_DMABUF: range not page aligned inside the window")
         fd = os.memfd_create("fake-dmabuf")
         self.exports.append(fd)
         return fd
 
     def free_tlb(self, window: TlbWindow) -> None:
         self.calls.append("free")
+        self._own(window, "FREE_TLB")
         if any(wid == window.id for wid, _ in self.mapped.values()):
             raise TtKmdError(errno.EBUSY, "fake: FREE_TLB while mapped")
-        del self.config[window.id]
-        self.free_ids.append(window.id)
+        self.config.pop(window.id, None)
+        del self.pool.owner[window.id]
+
+    def close(self) -> None:
+        """Closing the fd returns its windows to the pool (tt-kmd ``tt_cdev_release_tlbs``)."""
+        for wid in [w for w, fd in self.pool.owner.items() if fd is self]:
+            del self.pool.owner[wid]
+        if self._fd is not None:
+            os.close(self._fd)
+            self._fd = None
+
+
+def hold_like_tt_metal(pool: FakeTlbPool, path: Path | None = None) -> FakeTlbDevice:
+    """Another fd on the same device taking what tt-metal's configure_static_tlbs takes on a
+    p150: one 4 GiB window per DRAM channel, 154 per-core 2 MiB ones and tt-umd's 2 cached."""
+    tt_metal = FakeTlbDevice(pool=pool, path=path)
+    for size, count in ((4 * GiB, 8), (2 * MiB, 156)):
+        for _ in range(count):
+            tt_metal.allocate_tlb(size)
+    return tt_metal
 
 
 def make_buffer(
@@ -308,3 +377,146 @@ def test_profile_must_have_the_devices_bank_count() -> None:
     assert TtKmdBankBuffers(FakeTlbDevice(), harvest_mask=1 << 2, window_map_bytes=MAP_BYTES).profile.name == "p100"
     with pytest.raises(ValueError, match="'p150a' has 8 banks; this device has 7"):
         TtKmdBankBuffers(FakeTlbDevice(), harvest_mask=1 << 2, window_map_bytes=MAP_BYTES, profile="p150a")
+
+
+def test_2m_windows_are_aimed_at_each_buffers_own_window() -> None:
+    dev = FakeTlbDevice()
+    bb = TtKmdBankBuffers(dev, window_bytes=2 * MiB)
+    a = make_buffer(1, address=0x20_0040, pages=16)
+    bb.map_buffer_dma(a)
+    assert bb.live_windows == 8 and dev.pool.free(2 * MiB) == 201 - 8 and len(dev.free_ids) == 8
+    assert {base for _, base in dev.config.values()} == {0x20_0000}
+    m = bb.bank_mapping(a, 3)
+    assert m.plan.window_size == 2 * MiB and m.host_address == m.window_va + 0x40
+    b = make_buffer(2, address=0x40_0000, pages=16)
+    bb.map_buffer_dma(b)
+    assert bb.live_windows == 16  # another 2 MiB window per bank
+    with pytest.raises(BankBufferError, match="crosses the 0x200000-byte TLB window.*split it at 2 MiB"):
+        bb.map_buffer_dma(make_buffer(3, address=0x3F_F000, pages=800))
+    bb.close()
+    assert bb.live_windows == 0 and dev.pool.free(2 * MiB) == 201 and not dev.mapped
+
+
+def test_window_sizes_are_a_blackholes() -> None:
+    with pytest.raises(ValueError, match="window_bytes 0x1000000: a Blackhole's TLB windows are 2 MiB or 4 GiB"):
+        TtKmdBankBuffers(FakeTlbDevice(), window_bytes=16 * MiB)
+    with pytest.raises(ValueError, match="<= the 2 MiB window"):
+        TtKmdBankBuffers(FakeTlbDevice(), window_bytes=2 * MiB, window_map_bytes=4 * MiB)
+
+
+def test_receive_buffers_with_2m_windows_take_whole_aligned_windows() -> None:
+    dev = FakeTlbDevice()
+    bb = TtKmdBankBuffers(dev, window_bytes=2 * MiB)
+    bufs = [bb.allocate_bank_buffers(size) for size in (8192, 2 * MiB, 1 * MiB)]
+    assert all(b.address % (2 * MiB) == 0 and b.size_per_bank == 2 * MiB for b in bufs)
+    assert bufs[0].address >= bb.profile.dram_unreserved_base
+    with pytest.raises(BankBufferError, match="must fit one 2 MiB window per bank; allocate several"):
+        bb.allocate_bank_buffers(2 * MiB + 64)
+    for buf in bufs:
+        bb.map_buffer_dma(buf)
+    assert bb.live_windows == 24
+    for buf in bufs:
+        bb.free_buffer(buf)
+    assert bb.live_windows == 0 and bb.live_buffers() == []
+
+
+def test_adopt_maps_a_buffer_tt_metal_allocated_and_release_leaves_its_dram() -> None:
+    dev = FakeTlbDevice()
+    bb = TtKmdBankBuffers(dev, window_bytes=2 * MiB)
+    ttnn_buffer = make_buffer(77, address=0x30_0000, pages=64)
+    assert bb.adopt(ttnn_buffer) is ttnn_buffer
+    assert bb.adopted_buffers() == [ttnn_buffer] and bb.live_buffers() == [ttnn_buffer]
+    assert bb.get_buffer_address_bank(ttnn_buffer, 0) == bb.bank_mapping(ttnn_buffer, 0).window_va + 0x10_0000
+    with pytest.raises(BankBufferError, match="already adopted"):
+        bb.adopt(ttnn_buffer)
+    with pytest.raises(BankBufferError, match="tt-metal's \\(adopted\\): release\\(\\) it here"):
+        bb.free_buffer(ttnn_buffer)
+    with pytest.raises(BankBufferError, match="DRAM is tt-metal's.*adopt\\(\\) them"):
+        bb.allocate_bank_buffers(4096)
+    with pytest.raises(BankBufferError, match="outside the \\[0x100080, 0xff000000\\)"):
+        bb.adopt(make_buffer(78, address=0x40))
+    bb.release(ttnn_buffer)
+    assert bb.adopted_buffers() == [] and bb.live_windows == 0
+    with pytest.raises(BankBufferError, match="unknown or freed"):
+        bb.release(ttnn_buffer)
+    own = TtKmdBankBuffers(FakeTlbDevice(), window_bytes=2 * MiB)
+    own.allocate_bank_buffers(4096)
+    with pytest.raises(BankBufferError, match="two allocators would hand out the same DRAM"):
+        own.adopt(make_buffer(79, address=0x30_0000))
+
+
+def test_export_is_refused_to_an_fd_that_does_not_own_the_window() -> None:
+    pool = FakeTlbPool()
+    tt_metal = hold_like_tt_metal(pool)
+    ours = FakeTlbDevice(pool=pool)
+    theirs = TlbWindow(id=202, size=4 * GiB, mmap_offset_uc=0, mmap_offset_wc=0)
+    assert pool.owner[202] is tt_metal
+    with pytest.raises(TtKmdError) as info:
+        ours.export_dmabuf(theirs, 0, mmap.PAGESIZE)
+    assert info.value.errno == errno.EPERM
+
+
+def test_enomem_names_the_window_size_tt_metal_and_the_processes_holding_the_device(tmp_path: Path) -> None:
+    node = (tmp_path / "tenstorrent-0").resolve()
+    node.write_bytes(b"")
+    pool = FakeTlbPool()
+    tt_metal = hold_like_tt_metal(pool, path=node)  # the same process, as ttnn in the decode worker
+    ours = FakeTlbDevice(pool=pool, path=node)
+    bb = TtKmdBankBuffers(ours, window_map_bytes=MAP_BYTES)
+    with pytest.raises(TtKmdError) as info:
+        bb.map_buffer_dma(make_buffer())
+    text = str(info.value)
+    assert info.value.errno == errno.ENOMEM
+    assert "ALLOCATE_TLB(4 GiB) for bank 0: no window of 4 GiB is free" in text
+    assert "tt-metal's configure_static_tlbs holds 8 on a p150a" in text
+    assert f"(pid {os.getpid()})" in text and str(node) in text
+    assert bb.live_windows == 0
+    # the planned staged route: 2 MiB windows, 45 of them left next to tt-metal
+    staged = TtKmdBankBuffers(ours, window_bytes=2 * MiB)
+    bufs = [make_buffer(10 + i, address=(2 + i) * 2 * MiB, pages=16) for i in range(5)]
+    for buf in bufs:
+        staged.adopt(buf)
+    assert staged.live_windows == 40 and pool.free(2 * MiB) == 5
+    with pytest.raises(TtKmdError, match="no window of 2 MiB is free.*holds 156"):
+        staged.adopt(make_buffer(20, address=20 * MiB, pages=16))
+    staged.close()
+    ours.close()
+    tt_metal.close()
+    assert pool.free(2 * MiB) == 201 and pool.free(4 * GiB) == 8
+
+
+def test_device_holders_scans_a_proc_tree(tmp_path: Path) -> None:
+    for pid, comm, targets in ((12, "python3", ["/dev/tenstorrent/0", "pipe:[1]"]), (7, "tt-smi", ["/dev/null"])):
+        fd_dir = tmp_path / "proc" / str(pid) / "fd"
+        fd_dir.mkdir(parents=True)
+        (tmp_path / "proc" / str(pid) / "comm").write_text(comm + "\n")
+        for i, target in enumerate(targets):
+            (fd_dir / str(i)).symlink_to(target)
+    (tmp_path / "proc" / "self").mkdir()
+    (tmp_path / "proc" / "99").mkdir()  # a process whose fds cannot be listed
+    assert device_holders("/dev/tenstorrent/0", proc_root=tmp_path) == [(12, "python3")]
+    assert device_holders("/dev/tenstorrent/1", proc_root=tmp_path) == []
+    assert device_holders("/dev/tenstorrent/0", proc_root=tmp_path / "absent") == []
+
+
+def test_dram_write_barrier_reads_one_word_through_every_live_window(monkeypatch: pytest.MonkeyPatch) -> None:
+    bb = TtKmdBankBuffers(FakeTlbDevice(), window_bytes=2 * MiB)
+    reads: list[int] = []
+    real_read = bank_buffers_module._read_word
+    monkeypatch.setattr(bank_buffers_module, "_read_word", lambda address: reads.append(address) or 0)
+    bb.dram_write_barrier()
+    assert reads == []  # nothing mapped, nothing to drain
+    buf = bb.allocate_bank_buffers(4096)
+    bb.map_buffer_dma(buf)
+    bb.dram_write_barrier()
+    assert sorted(reads) == sorted(bb.bank_mapping(buf, b).window_va for b in range(8))
+    ctypes.c_uint32.from_address(bb.bank_mapping(buf, 0).window_va).value = 0xC0FFEE
+    assert real_read(bb.bank_mapping(buf, 0).window_va) == 0xC0FFEE
+    bb.close()
+
+
+def test_package_exports_the_window_plan_next_to_the_backend() -> None:
+    from vllm_hawk.npu.tt_kmd import window_plan
+
+    assert tt_kmd.plan_route_windows is window_plan.plan_route_windows
+    assert tt_kmd.WindowsRefused is window_plan.WindowsRefused

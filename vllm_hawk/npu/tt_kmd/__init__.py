@@ -5,7 +5,8 @@ hardware; ``TtKmdDevice.open()`` is the first call that does.
 
 - ``ioctl``: ctypes mirror of ``kernel_driver/uapi/tenstorrent_ioctl.h``
 - ``topology``: PCI ids, Blackhole DRAM bank -> NOC endpoint, TLB window arithmetic (pure)
-- ``sysfs``: device discovery from /dev, /sys, /proc (read-only)
+- ``window_plan``: which window size and count a route needs next to tt-metal's (pure)
+- ``sysfs``: device discovery from /dev, /sys, /proc (read-only), processes holding a device
 - ``device``: ``TtKmdDevice`` (ioctls, mmap, dma-buf export)
 - ``bank_buffers``: ``TtKmdBankBuffers``, the BankBufferAPI implementation
 - ``registration``: Mooncake + tt_peermem, and pyverbs dma-buf MR registration
@@ -14,15 +15,19 @@ hardware; ``TtKmdDevice.open()`` is the first call that does.
 from vllm_hawk.npu.tt_kmd.bank_buffers import BankMapping, TtKmdBankBuffers
 from vllm_hawk.npu.tt_kmd.device import TtDeviceNotFoundError, TtKmdDevice, TtKmdError, find_device
 from vllm_hawk.npu.tt_kmd.topology import Arch, CoordSystem, UnsupportedArchError
+from vllm_hawk.npu.tt_kmd.window_plan import RouteWindows, WindowsRefused, plan_route_windows
 
 __all__ = [
     "Arch",
     "BankMapping",
     "CoordSystem",
+    "RouteWindows",
     "TtDeviceNotFoundError",
     "TtKmdBankBuffers",
     "TtKmdDevice",
     "TtKmdError",
     "UnsupportedArchError",
+    "WindowsRefused",
     "find_device",
+    "plan_route_windows",
 ]

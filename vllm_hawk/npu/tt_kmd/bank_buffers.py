@@ -1,31 +1,41 @@
-"""BankBufferAPI on a real Blackhole through tt-kmd: one 4 GiB TLB window per DRAM bank.
+"""BankBufferAPI on a real Blackhole through tt-kmd: TLB windows of one size aimed at DRAM banks.
 
 NOT exercised in CI: no Tenstorrent device here. The bookkeeping (window plans, rollback,
 double-map / unknown-bank errors) is tested against a fake at the hardware boundary
 (``tests/test_tt_kmd_bank_buffers.py``, ``FakeTlbDevice``); the tt-kmd calls themselves
 run only on a Blackhole host.
 
-Per bank b there is one 4 GiB window aimed at (bank b's NOC endpoint, ``buffer.address``
-rounded down to 4 GiB -- 0 on Blackhole, whose banks hold 0xFF000000 bytes): the first
-``map_buffer_dma`` of a buffer in that window does ALLOCATE_TLB(4 GiB) -> CONFIGURE_TLB ->
-mmap (write-combined) of the window's first ``window_map_bytes``; later buffers in the
-same window share it (reference counted), because a Blackhole exposes only as many 4 GiB
-windows as BAR4 holds (at most 8, one per bank). Each buffer additionally gets its own
-EXPORT_TLB_DMABUF over its page-rounded range (optional). The host address of bank b's
-region is ``window VA + (buffer.address mod 4 GiB)``. ``unmap_buffer_dma`` closes the
-buffer's dma-bufs; the last buffer out of a window munmaps it and frees it.
+Windows are ``window_bytes`` (4 GiB or 2 MiB; ``window_plan.plan_route_windows`` picks the
+size next to the windows tt-metal holds). A buffer's region of bank b lies in the window
+aimed at (bank b's NOC endpoint, ``buffer.address`` rounded down to ``window_bytes``): the
+first ``map_buffer_dma`` of a buffer in that window does ALLOCATE_TLB -> CONFIGURE_TLB ->
+mmap (write-combined) of the window's first ``window_map_bytes``; later buffers in the same
+window share it (reference counted), because windows are few (8 of 4 GiB, as many as BAR4
+holds; 201 of 2 MiB). A region that crosses a window boundary is refused: split it at
+``window_bytes`` boundaries. Each buffer additionally gets its own EXPORT_TLB_DMABUF over
+its page-rounded range (optional). The host address of bank b's region is ``window VA +
+(buffer.address mod window_bytes)``. ``unmap_buffer_dma`` closes the buffer's dma-bufs; the
+last buffer out of a window munmaps it and frees it.
+
+Buffers come from one allocator per object, never two: tt-metal's (the decode allocates
+with ttnn in the same process and hands each buffer to :meth:`TtKmdBankBuffers.adopt`,
+which only maps it) or this object's own (:meth:`TtKmdBankBuffers.allocate_bank_buffers`,
+for a device no tt-metal process uses).
 
 What the sinks need beyond Table 6, through the same windows: ``allocate_bank_buffers``
 takes receive buffers from a lockstep allocator of its own over ``[dram_unreserved_base,
-min(bank_size, window_map_bytes))`` (tt-kmd allocates no DRAM, so no tt-metal process may
+min(bank_size, window_map_bytes))`` with 4 GiB windows, or one whole window-aligned window
+per buffer and bank with smaller ones (tt-kmd allocates no DRAM, so no tt-metal process may
 use that range on this device meanwhile); ``copy_in_banks`` copies inside a bank by host
 ``memmove`` between two addresses of that bank's mapped window; ``dma_written`` has nothing
-to move (the NIC wrote DRAM through the windows).
+to move (the NIC wrote DRAM through the windows); ``dram_write_barrier`` reads back through
+every window before a receive is reported finished.
 """
 
 from __future__ import annotations
 
 import ctypes
+import errno
 import itertools
 import os
 from dataclasses import dataclass
@@ -33,11 +43,13 @@ from dataclasses import dataclass
 from vllm_hawk.layout.device_profiles import DeviceProfile, load_profile
 from vllm_hawk.layout.interleave import LockstepAllocator
 from vllm_hawk.npu.bank_buffer import BankBufferError, DeviceBuffer, check_bank, known_buffer
-from vllm_hawk.npu.tt_kmd.device import ORDERING_RELAXED, TlbDevice, TlbWindow
+from vllm_hawk.npu.tt_kmd.device import ORDERING_RELAXED, TlbDevice, TlbWindow, TtKmdError
+from vllm_hawk.npu.tt_kmd.sysfs import device_holders
 from vllm_hawk.npu.tt_kmd.topology import (
     BLACKHOLE_DEFAULT_DRAM_PORT,
     BLACKHOLE_DRAM_BANK_BYTES,
     BLACKHOLE_TLB_4G_WINDOW_BYTES,
+    TLB_WINDOW_SIZES,
     CoordSystem,
     NocEndpoint,
     WindowPlan,
@@ -46,11 +58,12 @@ from vllm_hawk.npu.tt_kmd.topology import (
     plan_tlb_window,
     require_blackhole,
 )
+from vllm_hawk.npu.tt_kmd.window_plan import DEVICE_WINDOWS, format_bytes, tt_metal_held_windows
 
 
 @dataclass
 class _BankWindow:
-    """A bank's 4 GiB window aimed at NOC ``window_base``, mmap'd at ``va`` for ``length`` bytes."""
+    """A bank's TLB window aimed at NOC ``window_base``, mmap'd at ``va`` for ``length`` bytes."""
 
     window: TlbWindow
     endpoint: NocEndpoint
@@ -100,7 +113,9 @@ class TtKmdBankBuffers:
     port: which of a channel's 3 NOC ports the windows target. coords: translated (NOC
     translation on, the Blackhole default) or noc0. export_dmabuf: also export each
     buffer's per-bank range as a dma-buf (the pyverbs path and tt_peermem need it).
-    window_map_bytes: how much of each 4 GiB window to mmap (bytes, from its start).
+    window_bytes: the TLB window size, 4 GiB or 2 MiB (``window_plan.plan_route_windows``).
+    window_map_bytes: how much of each window to mmap (bytes, from its start; default the
+    whole window, at most a bank's 0xFF000000 bytes).
     profile: the device profile (name or loaded; default ``p150a``, ``p100`` when harvested
     to 7 banks); its bank count must be this device's.
     """
@@ -116,17 +131,21 @@ class TtKmdBankBuffers:
         export_dmabuf: bool = True,
         write_combined: bool = True,
         ordering: int = ORDERING_RELAXED,
-        window_map_bytes: int = BLACKHOLE_DRAM_BANK_BYTES,
+        window_bytes: int = BLACKHOLE_TLB_4G_WINDOW_BYTES,
+        window_map_bytes: int | None = None,
         profile: DeviceProfile | str | None = None,
     ) -> None:
         require_blackhole(device.arch, "RDMA bank buffers (map_buffer_dma)")
-        if (
-            window_map_bytes <= 0
-            or window_map_bytes % device.page_size
-            or window_map_bytes > BLACKHOLE_TLB_4G_WINDOW_BYTES
-        ):
-            raise ValueError(f"window_map_bytes {window_map_bytes:#x} must be a page multiple <= 4 GiB")
+        if window_bytes not in TLB_WINDOW_SIZES["blackhole"]:
+            sizes = " or ".join(format_bytes(s) for s in TLB_WINDOW_SIZES["blackhole"])
+            raise ValueError(f"window_bytes {window_bytes:#x}: a Blackhole's TLB windows are {sizes}")
+        if window_map_bytes is None:
+            window_map_bytes = min(window_bytes, BLACKHOLE_DRAM_BANK_BYTES)
+        if window_map_bytes <= 0 or window_map_bytes % device.page_size or window_map_bytes > window_bytes:
+            window = format_bytes(window_bytes)
+            raise ValueError(f"window_map_bytes {window_map_bytes:#x} must be a page multiple <= the {window} window")
         self._device = device
+        self._window_bytes = window_bytes
         self._num_banks = len(blackhole_bank_channels(harvest_mask))
         self._endpoints = [
             blackhole_bank_endpoint(b, port=port, coords=coords, harvest_mask=harvest_mask, noc=noc)
@@ -139,8 +158,9 @@ class TtKmdBankBuffers:
         self._windows: dict[tuple[int, int], _BankWindow] = {}
         self._mapped: dict[int, tuple[DeviceBuffer, list[BankMapping]]] = {}
         self.profile = _profile_for(profile, self._num_banks)
-        self._alloc = LockstepAllocator.for_device(self.profile, min(self.profile.bank_size_bytes, window_map_bytes))
+        self._alloc = _receive_allocator(self.profile, window_bytes, window_map_bytes)
         self._allocated: dict[int, DeviceBuffer] = {}
+        self._adopted: dict[int, DeviceBuffer] = {}
         self._ids = itertools.count(1 << 32)  # apart from ids of buffers other allocators made
 
     # -- BankBufferAPI --------------------------------------------------------------------
@@ -168,9 +188,13 @@ class TtKmdBankBuffers:
                 f"buffer {buffer.buffer_id} [{buffer.address:#x}, {end:#x}) exceeds a Blackhole DRAM bank "
                 f"({BLACKHOLE_DRAM_BANK_BYTES:#x} bytes)"
             )
-        plan = plan_tlb_window(
-            buffer.address, buffer.size_per_bank, BLACKHOLE_TLB_4G_WINDOW_BYTES, self._device.page_size
-        )
+        try:
+            plan = plan_tlb_window(buffer.address, buffer.size_per_bank, self._window_bytes, self._device.page_size)
+        except ValueError as exc:
+            raise BankBufferError(
+                f"buffer {buffer.buffer_id}: {exc}; split it at {format_bytes(self._window_bytes)} boundaries "
+                "(window_plan.plan_route_windows counts the windows per bank)"
+            ) from exc
         if plan.map_length > self._map_bytes:
             raise BankBufferError(
                 f"buffer {buffer.buffer_id} ends {plan.map_length:#x} bytes into its window, past the "
@@ -215,8 +239,22 @@ class TtKmdBankBuffers:
         return self._num_banks
 
     def allocate_bank_buffers(self, size_per_bank: int) -> DeviceBuffer:
-        """One ``size_per_bank``-byte region per bank at one address (see module doc)."""
-        alloc = self._alloc.allocate(self._num_banks, size_per_bank)
+        """One ``size_per_bank``-byte region per bank at one address (see module doc); with
+        windows smaller than a bank each buffer takes one whole window-aligned window per bank."""
+        if self._adopted:
+            raise BankBufferError(
+                "allocate_bank_buffers: this device's DRAM is tt-metal's (buffers were adopted); "
+                "allocate receive buffers through ttnn and adopt() them"
+            )
+        nbytes = size_per_bank
+        if self._window_bytes < BLACKHOLE_DRAM_BANK_BYTES:
+            if size_per_bank > self._window_bytes:
+                raise BankBufferError(
+                    f"allocate_bank_buffers({size_per_bank:#x}): a receive buffer must fit one "
+                    f"{format_bytes(self._window_bytes)} window per bank; allocate several"
+                )
+            nbytes = self._window_bytes
+        alloc = self._alloc.allocate(self._num_banks, nbytes)
         buf = DeviceBuffer(
             next(self._ids),
             alloc.address,
@@ -231,11 +269,48 @@ class TtKmdBankBuffers:
 
     def free_buffer(self, buffer: DeviceBuffer) -> None:
         """Release a buffer :meth:`allocate_bank_buffers` made (unmapping it first if mapped)."""
+        if buffer.buffer_id in self._adopted:
+            raise BankBufferError(
+                f"buffer {buffer.buffer_id} is tt-metal's (adopted): release() it here, deallocate it through ttnn"
+            )
         known_buffer(self._allocated, buffer)
         if buffer.buffer_id in self._mapped:
             self.unmap_buffer_dma(buffer)
         del self._allocated[buffer.buffer_id]
         self._alloc.free(buffer.address)
+
+    def adopt(self, buffer: DeviceBuffer) -> DeviceBuffer:
+        """Map a buffer another allocator made (tt-metal's, through ttnn) without owning its DRAM.
+
+        The buffer must lie in ``[profile.dram_unreserved_base, bank_size)`` of every bank;
+        :meth:`release` unmaps it (ttnn deallocates it). Raises BankBufferError if this object
+        allocates receive buffers itself (one allocator per device) or the id is taken."""
+        if self._allocated:
+            raise BankBufferError(
+                f"adopt(buffer {buffer.buffer_id}): this object allocates receive buffers itself "
+                "(allocate_bank_buffers); two allocators would hand out the same DRAM"
+            )
+        if buffer.buffer_id in self._adopted:
+            raise BankBufferError(f"buffer {buffer.buffer_id} is already adopted")
+        low, high = self.profile.dram_unreserved_base, self.profile.bank_size_bytes
+        if buffer.address < low or buffer.address + buffer.size_per_bank > high:
+            raise BankBufferError(
+                f"adopt(buffer {buffer.buffer_id}): [{buffer.address:#x}, "
+                f"{buffer.address + buffer.size_per_bank:#x}) is outside the [{low:#x}, {high:#x}) "
+                f"tt-metal's allocator hands out ({self.profile.name})"
+            )
+        self.map_buffer_dma(buffer)
+        self._adopted[buffer.buffer_id] = buffer
+        return buffer
+
+    def release(self, buffer: DeviceBuffer) -> None:
+        """Unmap an adopted buffer and forget it (its DRAM stays tt-metal's)."""
+        known_buffer(self._adopted, buffer)
+        del self._adopted[buffer.buffer_id]
+        self.unmap_buffer_dma(buffer)
+
+    def adopted_buffers(self) -> list[DeviceBuffer]:
+        return list(self._adopted.values())
 
     def live_buffers(self) -> list[DeviceBuffer]:
         """Buffers allocated here or mapped here (each once)."""
@@ -246,6 +321,18 @@ class TtKmdBankBuffers:
     def dma_written(self, bank, offset, nbytes) -> int:
         """Nothing to move: the NIC's writes went to DRAM through the TLB windows."""
         return 0
+
+    def dram_write_barrier(self) -> None:
+        """Make the NIC's writes through the windows visible before a receive is reported finished.
+
+        Reads one 32-bit word through every live window (its first mapped byte), as tt-umd's
+        ``LocalChip::set_membar_flag`` reads back through its window after writing: a read
+        through the window returns only after earlier writes on the same PCIe-to-NOC path have
+        drained. It cannot order writes whose PCIe TLPs have not reached the device yet: the
+        transport must first have seen the writes complete (RDMA WRITE completions, or an RDMA
+        READ after the WRITEs on the same QP). NOT exercised on hardware."""
+        for win in list(self._windows.values()):
+            _read_word(win.va)
 
     def copy_in_banks(self, ops) -> int:
         """Intra-bank copies ``(bank, src_offset, dst_offset, nbytes)`` per bank, byte offsets
@@ -278,9 +365,10 @@ class TtKmdBankBuffers:
         return len(self._windows)
 
     def close(self) -> None:
-        """Unmap every buffer still mapped (and so release every window)."""
+        """Unmap every buffer still mapped (and so release every window); forget adopted ones."""
         for buffer in self.mapped_buffers():
             self.unmap_buffer_dma(buffer)
+        self._adopted.clear()
 
     # -- internals --------------------------------------------------------------------------
     def _check_bank(self, bank: int) -> None:
@@ -302,7 +390,12 @@ class TtKmdBankBuffers:
         if win is None:
             dev = self._device
             endpoint = self._endpoints[bank]
-            window = dev.allocate_tlb(BLACKHOLE_TLB_4G_WINDOW_BYTES)
+            try:
+                window = dev.allocate_tlb(self._window_bytes)
+            except TtKmdError as exc:
+                if exc.errno != errno.ENOMEM:
+                    raise
+                raise TtKmdError(errno.ENOMEM, self._windows_taken(bank)) from exc
             try:
                 dev.configure_tlb(window, endpoint, window_base, self._ordering)
                 va = dev.map_window(window, self._map_bytes, self._write_combined)
@@ -313,6 +406,23 @@ class TtKmdBankBuffers:
             self._windows[key] = win
         win.refs += 1
         return win
+
+    def _windows_taken(self, bank: int) -> str:
+        """The ENOMEM text: the window size, who holds such windows, and what to do."""
+        size = self._window_bytes
+        arch = self._device.arch.value
+        held = tt_metal_held_windows(arch, self._num_banks).get(size, 0)
+        path = getattr(self._device, "path", None)
+        holders = device_holders(path) if path is not None else []
+        names = ", ".join(f"{comm} (pid {pid})" for pid, comm in holders) or "none found"
+        return (
+            f"ALLOCATE_TLB({format_bytes(size)}) for bank {bank}: no window of {format_bytes(size)} is free "
+            f"on {path or 'this device'} ({self.live_windows} held here). Of the {DEVICE_WINDOWS[arch][size]} "
+            f"tt-kmd offers, tt-metal's configure_static_tlbs holds {held} on a {self.profile.name} "
+            f"(one 4 GiB window per DRAM channel with all 8; one 2 MiB window per Tensix and Ethernet core). "
+            f"Processes holding the device open: {names}. Plan the windows with "
+            "window_plan.plan_route_windows (staged mode maps 2 MiB windows)."
+        )
 
     def _drop_window(self, bank: int, window_base: int) -> None:
         key = (bank, window_base)
@@ -343,6 +453,21 @@ class TtKmdBankBuffers:
                 os.close(mapping.dmabuf_fd)
         finally:
             self._drop_window(mapping.bank, mapping.plan.window_base)
+
+
+def _read_word(address: int) -> int:
+    """One 32-bit load from a host address (a mapped TLB window)."""
+    return ctypes.c_uint32.from_address(address).value
+
+
+def _receive_allocator(profile: DeviceProfile, window_bytes: int, map_bytes: int) -> LockstepAllocator:
+    """The receive buffers' allocator: up to the mapped bytes of a 4 GiB window (bank-sized
+    windows), or from the first window-aligned address of a bank (smaller windows)."""
+    limit = min(profile.bank_size_bytes, map_bytes)
+    if window_bytes >= profile.bank_size_bytes:
+        return LockstepAllocator.for_device(profile, limit)
+    base = -(-profile.dram_unreserved_base // window_bytes) * window_bytes
+    return LockstepAllocator(profile, profile.bank_size_bytes, base=base)
 
 
 def _profile_for(profile: DeviceProfile | str | None, num_banks: int) -> DeviceProfile:

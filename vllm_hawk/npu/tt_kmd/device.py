@@ -309,7 +309,7 @@ class TtKmdDevice:
 
     # -- TLB windows ------------------------------------------------------------------------
     def allocate_tlb(self, size: int) -> TlbWindow:
-        """ALLOCATE_TLB of exactly ``size`` bytes (Blackhole: 2 MiB or 4 GiB)."""
+        """ALLOCATE_TLB of exactly ``size`` bytes (Blackhole: 2 MiB or 4 GiB; Wormhole: 1, 2 or 16 MiB)."""
         arg = abi.AllocateTlb()
         arg.in_.size = size
         try:
@@ -318,8 +318,9 @@ class TtKmdDevice:
             if exc.errno == errno.ENOMEM:
                 raise TtKmdError(
                     errno.ENOMEM,
-                    f"ALLOCATE_TLB({size:#x}): every window of that size "
-                    "is taken (Blackhole has at most 8 of 4 GiB, as many as BAR4 holds)",
+                    f"ALLOCATE_TLB({size:#x}) on {self.path}: every window of that size is taken "
+                    "(tt-kmd hands each size out from one pool shared by every fd of every process; "
+                    "tt-metal's configure_static_tlbs takes its windows when it opens the device)",
                 ) from exc
             if exc.errno == errno.EINVAL:
                 raise TtKmdError(
@@ -374,11 +375,12 @@ class TtKmdDevice:
             raise TtKmdError(err, f"munmap({address:#x}, {length:#x}) failed: {os.strerror(err)}")
 
     def export_dmabuf(self, window: TlbWindow, offset: int, size: int) -> int:
-        """EXPORT_TLB_DMABUF (Blackhole, tt-kmd >= 2.10.0): dma-buf fd over part of ``window``.
+        """EXPORT_TLB_DMABUF (tt-kmd >= 2.10.0, any arch): dma-buf fd over part of ``window``.
 
-        ``offset`` and ``size`` are bytes, page aligned. The caller owns the fd (close it).
+        ``offset`` and ``size`` are bytes, page aligned (``size`` 0: to the window's end). Only
+        the fd that allocated the window may export it (tt-kmd ``ioctl_export_tlb_dmabuf``:
+        EPERM otherwise). The caller owns the fd (close it).
         """
-        require_blackhole(self.arch, "EXPORT_TLB_DMABUF")
         if offset % self.page_size or size % self.page_size:
             raise ValueError(f"dma-buf export offset {offset:#x} and size {size:#x} must be page aligned")
         arg = abi.ExportTlbDmabuf()
@@ -390,6 +392,13 @@ class TtKmdDevice:
         try:
             self._ioctl("EXPORT_TLB_DMABUF", abi.TENSTORRENT_IOCTL_EXPORT_TLB_DMABUF, arg)
         except TtKmdError as exc:
+            if exc.errno == errno.EPERM:
+                raise TtKmdError(
+                    errno.EPERM,
+                    f"EXPORT_TLB_DMABUF of TLB window {window.id} on {self.path}: this fd does not own it "
+                    "(tt-kmd exports only windows the calling fd allocated; a window tt-metal holds can be "
+                    "exported only through tt-metal's own fd)",
+                ) from exc
             if exc.errno in (errno.EINVAL, errno.ENOTTY, errno.EOPNOTSUPP):
                 raise TtKmdError(
                     exc.errno,

@@ -130,3 +130,39 @@ def loaded_modules(root: str | os.PathLike[str] = "/") -> set[str]:
     if not text:
         return set()
     return {line.split()[0] for line in text.splitlines() if line.strip()}
+
+
+def device_holders(dev_path: str | os.PathLike[str], proc_root: str | os.PathLike[str] = "/") -> list[tuple[int, str]]:
+    """``(pid, comm)`` of every process with an fd open on ``dev_path``, sorted by pid.
+
+    Scans ``<proc_root>/proc/<pid>/fd/*`` for links to ``dev_path`` (as the kernel writes
+    them: the absolute device path). Processes whose fds cannot be read (another user's,
+    or gone meanwhile) are skipped, so the list may be short without root."""
+    target = os.fspath(dev_path)
+    holders: list[tuple[int, str]] = []
+    proc = _under(proc_root, "proc")
+    try:
+        pids = sorted(int(p.name) for p in proc.iterdir() if p.name.isdigit())
+    except OSError:
+        return []
+    for pid in pids:
+        fd_dir = proc / str(pid) / "fd"
+        try:
+            names = os.listdir(fd_dir)
+        except OSError:
+            continue
+        if any(_link_target(fd_dir / name) == target for name in names):
+            try:
+                comm = (proc / str(pid) / "comm").read_text().strip()
+            except OSError:
+                comm = "?"
+            holders.append((pid, comm))
+    return holders
+
+
+def _link_target(link: Path) -> str | None:
+    """Where a /proc/<pid>/fd entry points (None if it closed meanwhile)."""
+    try:
+        return os.readlink(link)
+    except OSError:
+        return None

@@ -73,7 +73,7 @@ class Arch(str, enum.Enum):  # noqa: UP042 - StrEnum would change str() and form
 
 
 class UnsupportedArchError(RuntimeError):
-    """The device cannot expose per-bank 4 GiB windows (anything but Blackhole)."""
+    """The call needs a Blackhole (its DRAM bank endpoints or 4 GiB windows)."""
 
 
 class CoordSystem(str, enum.Enum):  # noqa: UP042 - StrEnum would change str() and format() of members
@@ -107,13 +107,15 @@ def arch_from_pci_device_id(device_id: int) -> Arch:
 def require_blackhole(arch: Arch, what: str = "per-bank DMA windows") -> None:
     """Raise :class:`UnsupportedArchError` naming ``arch`` unless it is Blackhole."""
     if arch is not Arch.BLACKHOLE:
+        name = arch.value.capitalize()
+        sizes = ", ".join(f"{s // MiB} MiB" for s in TLB_WINDOW_SIZES[arch.value])
         raise UnsupportedArchError(
-            f"{what} need Blackhole: this device is {arch.value.capitalize()}. "
-            f"{arch.value.capitalize()} has no 4 GiB BAR4 TLB windows (tt-kmd offers it "
-            f"only {', '.join(f'{s // MiB} MiB' for s in TLB_WINDOW_SIZES[arch.value])} "
-            "windows in BAR0) and tt-kmd cannot export its windows as dma-bufs, so a NIC "
-            "cannot reach a whole DRAM bank. Use a Blackhole (p150/p100) for HAWK decode, "
-            "or the host-staged transport on Wormhole."
+            f"{what} need Blackhole: this device is {name}. tt-kmd exports {name} TLB windows as "
+            f"dma-bufs too, but its windows are {sizes} (BAR0) against DRAM banks of 1 GiB: no window "
+            "reaches a whole bank, so direct mode cannot map a KV cache; staged receive buffers of at "
+            "most 16 MiB per bank fit one window each (window_plan.plan_route_windows), and this "
+            "backend maps Blackhole DRAM banks only. Use a Blackhole (p150/p100) for direct mode, "
+            "or the host-staged transport."
         )
 
 
