@@ -107,15 +107,15 @@ def test_breakdown_stages_from_histogram_deltas():
         "vllm:request_prefill_time_seconds_count": 10,
         "vllm:request_prompt_tokens_sum": 650.0,
         "vllm:request_prompt_tokens_count": 10,
-        "vllm:request_prefill_kv_computed_tokens_sum": 320.0,
-        "vllm:request_prefill_kv_computed_tokens_count": 10,
+        "vllm:hawk_transfer_bytes_sum": 10 * 131072.0,
+        "vllm:hawk_transfer_bytes_count": 10,
     }
     b = sb.breakdown((z, proxy), (z, dec))
     assert b["prefill"] == pytest.approx(100) and b["decode_queue"] == pytest.approx(70)
     assert b["kv_ready"] == pytest.approx(30) and b["pull"] == pytest.approx(20)
     assert b["first_step"] == pytest.approx(40) and b["proxy_http"] == pytest.approx(300 - 100 - 120 - 40)
     assert b["dominant"] == "prefill" and b["requests"] == 10
-    assert b["decode_prompt_tokens"] == pytest.approx(65) and b["decode_computed_tokens"] == pytest.approx(32)
+    assert b["decode_prompt_tokens"] == pytest.approx(65) and b["pull_kib"] == pytest.approx(128)
 
 
 def test_cli_rejects_unknown_configuration(capsys):

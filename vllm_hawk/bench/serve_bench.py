@@ -25,8 +25,8 @@ and throughput at 90% attainment; and the mean TTFT breakdown per request (ms):
 * ``proxy_http``: the rest of the proxy's TTFT (``hawk_proxy_ttft_seconds``): HTTP, the
   API servers, the proxy itself;
 
-and the decode's mean prompt tokens and prompt tokens it computed per request
-(``vllm:request_prompt_tokens``, ``vllm:request_prefill_kv_computed_tokens``).
+and the decode's mean prompt tokens per request (``vllm:request_prompt_tokens``) and KiB per
+pull (``vllm:hawk_transfer_bytes``): the blocks it took, so the tokens it recomputed.
 
 Output: a progress bar, tables, ``results/bench_serve*.json`` and a PNG next to it.
 ``--quick``: GG-Direct, GN-HAWK and collocated, one workload, two rates (< 5 min here).
@@ -148,7 +148,7 @@ def breakdown(proxy: tuple[dict, dict], decode: tuple[dict, dict]) -> dict:
         pulls=pulls,
         proxy_ttft_ms=ttft,
         decode_prompt_tokens=_mean(*decode, "vllm:request_prompt_tokens")[0],
-        decode_computed_tokens=_mean(*decode, "vllm:request_prefill_kv_computed_tokens")[0],
+        pull_kib=_mean(*decode, "vllm:hawk_transfer_bytes")[0] / 1024,
         dominant=max(STAGES, key=lambda k: -1 if math.isnan(m[k]) else m[k]),
     )
     return out
@@ -336,7 +336,7 @@ def print_results(rows: list[dict], pairs: list[dict], summary: dict) -> None:
                 **{k: r["breakdown"][k] for k in STAGES},
                 ttft=r["breakdown"]["proxy_ttft_ms"],
                 prompt=r["breakdown"]["decode_prompt_tokens"],
-                computed=r["breakdown"]["decode_computed_tokens"],
+                pull_kib=r["breakdown"]["pull_kib"],
                 dominant=r["breakdown"]["dominant"],
             )
             for r in rows
@@ -348,7 +348,7 @@ def print_results(rows: list[dict], pairs: list[dict], summary: dict) -> None:
                 bd,
                 [("config", "config", ""), ("rate", "req/s", "g"), ("ttft", "TTFT", ".1f")]
                 + [(k, k, ".1f") for k in STAGES]
-                + [("prompt", "prompt tok", ".1f"), ("computed", "computed tok", ".1f")]
+                + [("prompt", "prompt tok", ".1f"), ("pull_kib", "KiB/pull", ".1f")]
                 + [("dominant", "dominant", "")],
             )
         s = summary[w]
