@@ -38,6 +38,28 @@ def test_workload_bad_input_names_the_field(tmp_path, tok):
         wl.make_workload("sharegpt", tok, 0, 0, tmp_path / "x.json")
 
 
+@pytest.mark.parametrize("block_size", [32, 64])
+def test_block_edge_workloads_differ_by_the_one_token_a_vllm_decode_recomputes(tmp_path, tok, block_size):
+    served = {}
+    for name in ("block-edge", "block-edge+1"):
+        d = wl.make_workload(name, tok, 20, 3, tmp_path / f"{name}.json", block_size=block_size)
+        rows = json.loads((tmp_path / f"{name}.json").read_text())
+        served[name] = [len(tok.encode(r["conversations"][0]["value"])) for r in rows]  # BOS included
+        assert d["block_size"] == block_size and d["served_mod_block"] == [d["snap"]]
+        assert all(n // block_size >= 2 for n in served[name])
+    assert [a + 1 for a in served["block-edge"]] == served["block-edge+1"]  # the same draws, snapped
+
+
+def test_snapped_prompt_len_nearest_blocks_at_least_two_and_fits():
+    assert wl.snapped_prompt_len(100, 0, 32, 1000) == 96 and wl.snapped_prompt_len(100, 1, 32, 1000) == 97
+    assert wl.snapped_prompt_len(8, 0, 32, 1000) == 64 and wl.snapped_prompt_len(8, 1, 64, 1000) == 129
+    assert wl.snapped_prompt_len(5000, 1, 32, 200) == 193  # 6 blocks + 1 fit in 200 tokens
+    with pytest.raises(ValueError, match="max-model-len"):
+        wl.snapped_prompt_len(8, 1, 32, 64)
+    with pytest.raises(ValueError, match="snap 0 or 1"):
+        wl.snapped_prompt_len(8, 2, 32, 1000)
+
+
 def _result(ttfts, lats, outs, errs):
     return {"ttfts": ttfts, "latencies": lats, "output_lens": outs, "errors": errs}
 
@@ -83,12 +105,17 @@ def test_breakdown_stages_from_histogram_deltas():
         "vllm:hawk_kv_read_seconds_count": 10,
         "vllm:request_prefill_time_seconds_sum": 0.4,
         "vllm:request_prefill_time_seconds_count": 10,
+        "vllm:request_prompt_tokens_sum": 650.0,
+        "vllm:request_prompt_tokens_count": 10,
+        "vllm:hawk_transfer_bytes_sum": 10 * 131072.0,
+        "vllm:hawk_transfer_bytes_count": 10,
     }
     b = sb.breakdown((z, proxy), (z, dec))
     assert b["prefill"] == pytest.approx(100) and b["decode_queue"] == pytest.approx(70)
     assert b["kv_ready"] == pytest.approx(30) and b["pull"] == pytest.approx(20)
     assert b["first_step"] == pytest.approx(40) and b["proxy_http"] == pytest.approx(300 - 100 - 120 - 40)
     assert b["dominant"] == "prefill" and b["requests"] == 10
+    assert b["decode_prompt_tokens"] == pytest.approx(65) and b["pull_kib"] == pytest.approx(128)
 
 
 def test_cli_rejects_unknown_configuration(capsys):

@@ -23,7 +23,10 @@ and throughput at 90% attainment; and the mean TTFT breakdown per request (ms):
 * ``pull``: the READs and copies, ``vllm:hawk_kv_read_seconds``;
 * ``first_step``: scheduled -> first token on the decode, ``vllm:request_prefill_time_seconds``;
 * ``proxy_http``: the rest of the proxy's TTFT (``hawk_proxy_ttft_seconds``): HTTP, the
-  API servers, the proxy itself.
+  API servers, the proxy itself;
+
+and the decode's mean prompt tokens per request (``vllm:request_prompt_tokens``) and KiB per
+pull (``vllm:hawk_transfer_bytes``): the blocks it took, so the tokens it recomputed.
 
 Output: a progress bar, tables, ``results/bench_serve*.json`` and a PNG next to it.
 ``--quick``: GG-Direct, GN-HAWK and collocated, one workload, two rates (< 5 min here).
@@ -52,7 +55,7 @@ STAGES = ("prefill", "decode_queue", "kv_ready", "pull", "first_step", "proxy_ht
 QUICK = {"configs": ["GG-Direct", "GN-HAWK"], "workloads": ["sharegpt"], "rates": [2.0, 6.0], "num_prompts": 12}
 FULL = {
     "configs": list(CONFIGURATIONS),
-    "workloads": list(wl.WORKLOADS),
+    "workloads": ["sharegpt", "longbench"],
     "rates": [1.0, 2.0, 4.0, 8.0, 16.0],
     "num_prompts": 40,
 }
@@ -114,10 +117,16 @@ def run_load(base_url: str, model: str, dataset: str, num: int, rate: float, see
 
 
 # ---------------------------------------------------------------- TTFT breakdown
-def _mean_ms(before: dict, after: dict, name: str) -> tuple[float, int]:
+def _mean(before: dict, after: dict, name: str) -> tuple[float, int]:
+    """Mean of histogram ``name`` between two scrapes, and its count."""
     n = after.get(f"{name}_count", 0.0) - before.get(f"{name}_count", 0.0)
     s = after.get(f"{name}_sum", 0.0) - before.get(f"{name}_sum", 0.0)
-    return (1e3 * s / n if n else math.nan), int(n)
+    return (s / n if n else math.nan), int(n)
+
+
+def _mean_ms(before: dict, after: dict, name: str) -> tuple[float, int]:
+    mean, n = _mean(before, after, name)
+    return 1e3 * mean, n
 
 
 def breakdown(proxy: tuple[dict, dict], decode: tuple[dict, dict]) -> dict:
@@ -138,6 +147,8 @@ def breakdown(proxy: tuple[dict, dict], decode: tuple[dict, dict]) -> dict:
         requests=n,
         pulls=pulls,
         proxy_ttft_ms=ttft,
+        decode_prompt_tokens=_mean(*decode, "vllm:request_prompt_tokens")[0],
+        pull_kib=_mean(*decode, "vllm:hawk_transfer_bytes")[0] / 1024,
         dominant=max(STAGES, key=lambda k: -1 if math.isnan(m[k]) else m[k]),
     )
     return out
@@ -324,6 +335,8 @@ def print_results(rows: list[dict], pairs: list[dict], summary: dict) -> None:
                 rate=r["rate"],
                 **{k: r["breakdown"][k] for k in STAGES},
                 ttft=r["breakdown"]["proxy_ttft_ms"],
+                prompt=r["breakdown"]["decode_prompt_tokens"],
+                pull_kib=r["breakdown"]["pull_kib"],
                 dominant=r["breakdown"]["dominant"],
             )
             for r in rows
@@ -335,6 +348,7 @@ def print_results(rows: list[dict], pairs: list[dict], summary: dict) -> None:
                 bd,
                 [("config", "config", ""), ("rate", "req/s", "g"), ("ttft", "TTFT", ".1f")]
                 + [(k, k, ".1f") for k in STAGES]
+                + [("prompt", "prompt tok", ".1f"), ("pull_kib", "KiB/pull", ".1f")]
                 + [("dominant", "dominant", "")],
             )
         s = summary[w]
@@ -484,7 +498,8 @@ def _make_datasets(plan: _Plan, tok, seed: int, max_model_len: int) -> tuple[dic
     for w in plan.workloads:
         datasets[w] = []
         for i in range(len(plan.rates)):
-            d = wl.make_workload(w, tok, plan.num, seed + 1000 * i, plan.work / f"{w}_{i}.json", max_model_len)
+            path = plan.work / f"{w}_{i}.json"
+            d = wl.make_workload(w, tok, plan.num, seed + 1000 * i, path, max_model_len, LocalCluster.block_size)
             datasets[w].append(d["path"])
             described.append({**d, "rate": plan.rates[i]})
     warm = wl.make_workload("sharegpt", tok, 2, 12345, plan.work / "warmup.json", max_model_len)["path"]

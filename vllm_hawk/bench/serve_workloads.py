@@ -9,7 +9,14 @@ prompt + output fits ``max_model_len``:
 * ``sharegpt``: short chat-like prompts and longer answers (ShareGPT's shape: median
   prompt shorter than the answer, heavy right tail);
 * ``longbench``: long prompts, short answers (LongBench's shape), scaled down to the tiny
-  model's context.
+  model's context;
+* ``block-edge`` and ``block-edge+1``: ShareGPT's draws (same seed, same lengths before
+  snapping), each prompt snapped to ``block_size * k`` tokens, ``k >= 2`` the nearest whole
+  number of blocks, plus ``snap`` (0 or 1) tokens, counted as the server counts them (BOS
+  included). A Tenstorrent decode, which resumes a transferred prompt at the last block
+  boundary before its last token, recomputes a whole block of a ``block-edge`` prompt and
+  one token of a ``block-edge+1`` prompt (what a vLLM decode recomputes of either);
+  ``k >= 2`` so that every prompt transfers at least one block.
 
 Metrics follow the paper (section 5.3): a request meets an SLO pair (TTFT ms, TPOT ms)
 when both hold; failed requests miss it. Attainment = requests meeting it / requests sent.
@@ -35,6 +42,18 @@ WORKLOADS: dict[str, dict] = {
         "shape": "LongBench-like: long documents, short answers (scaled to max_model_len)",
         "prompt": {"median": 640, "sigma": 0.25, "lo": 256, "hi": 900},
         "output": {"median": 16, "sigma": 0.5, "lo": 8, "hi": 64},
+    },
+    "block-edge": {
+        "shape": "ShareGPT-like, prompts of a whole number (>= 2) of blocks: a Tenstorrent decode recomputes a block",
+        "prompt": {"median": 48, "sigma": 0.9, "lo": 8, "hi": 512},
+        "output": {"median": 40, "sigma": 0.6, "lo": 8, "hi": 160},
+        "snap": 0,
+    },
+    "block-edge+1": {
+        "shape": "ShareGPT-like, prompts of a whole number (>= 2) of blocks plus a token: every decode recomputes one",
+        "prompt": {"median": 48, "sigma": 0.9, "lo": 8, "hi": 512},
+        "output": {"median": 40, "sigma": 0.6, "lo": 8, "hi": 160},
+        "snap": 1,
     },
 }
 
@@ -63,9 +82,46 @@ def _text(tokenizer, n: int, rnd: random.Random) -> tuple[str, int]:
     return text, len(tokenizer.encode(text, add_special_tokens=False))
 
 
-def make_workload(name: str, tokenizer, num: int, seed: int, path: str | Path, max_model_len: int = 1024) -> dict:
+def _served_text(tokenizer, n: int, rnd: random.Random) -> str:
+    """Text that the served model sees as exactly ``n`` prompt tokens (``tokenizer.encode``
+    with special tokens, as vLLM's completions endpoint and ``vllm bench serve`` count)."""
+    want = n - len(tokenizer.encode(""))
+    for _ in range(8):
+        text, _ = _text(tokenizer, want, rnd)
+        got = len(tokenizer.encode(text))
+        if got == n:
+            return text
+        want += n - got
+    raise ValueError(f"tokenizer {tokenizer.name_or_path!r}: no text of exactly {n} served tokens found")
+
+
+def snapped_prompt_len(drawn: int, snap: int, block_size: int, room: int) -> int:
+    """A drawn prompt length (tokens) snapped to ``block_size * k + snap`` served tokens:
+    ``k`` the nearest whole number of blocks, at least 2, at most what fits in ``room``
+    tokens (prompt and BOS)."""
+    if block_size < 1 or snap not in (0, 1):
+        raise ValueError(f"block_size must be >= 1 and snap 0 or 1 (got {block_size}, {snap})")
+    k = min(max(2, round(drawn / block_size)), (room - snap) // block_size)
+    if k < 2:
+        raise ValueError(
+            f"room for the prompt {room} tokens: two blocks of {block_size} need {2 * block_size + snap}; "
+            "raise --max-model-len"
+        )
+    return k * block_size + snap
+
+
+def make_workload(
+    name: str,
+    tokenizer,
+    num: int,
+    seed: int,
+    path: str | Path,
+    max_model_len: int = 1024,
+    block_size: int = 32,
+) -> dict:
     """Write ``num`` requests of workload ``name`` to ``path``; return its description
-    (parameters, seed, the lengths' mean/P50/P90 as written)."""
+    (parameters, seed, the lengths' mean/P50/P90 as written). ``block_size`` (tokens): the
+    cluster's, for the snapped workloads (``snap`` in :data:`WORKLOADS`)."""
     if name not in WORKLOADS:
         raise ValueError(f"workload {name!r} unknown; known: {sorted(WORKLOADS)}")
     if num < 1:
@@ -73,11 +129,17 @@ def make_workload(name: str, tokenizer, num: int, seed: int, path: str | Path, m
     w = WORKLOADS[name]
     rng, rnd = np.random.default_rng(seed), random.Random(seed)
     prompts, outputs = _lengths(rng, w["prompt"], num), _lengths(rng, w["output"], num)
-    rows, plens, olens = [], [], []
+    rows, plens, olens, served = [], [], [], set()
     for pl, ol in zip(prompts, outputs, strict=False):
         ol = min(ol, max_model_len // 4)
-        pl = min(pl, max_model_len - ol - 16)  # room for BOS and re-tokenisation drift
-        prompt, pn = _text(tokenizer, pl, rnd)
+        if "snap" in w:
+            room = max_model_len - ol - 8  # the completion's BOS and re-tokenisation drift
+            prompt = _served_text(tokenizer, snapped_prompt_len(pl, w["snap"], block_size, room), rnd)
+            pn = len(tokenizer.encode(prompt, add_special_tokens=False))
+            served.add(len(tokenizer.encode(prompt)) % block_size)
+        else:
+            pl = min(pl, max_model_len - ol - 16)  # room for BOS and re-tokenisation drift
+            prompt, pn = _text(tokenizer, pl, rnd)
         completion, on = _text(tokenizer, ol, rnd)
         rows.append({"conversations": [{"from": "human", "value": prompt}, {"from": "gpt", "value": completion}]})
         plens.append(pn)
@@ -93,9 +155,11 @@ def make_workload(name: str, tokenizer, num: int, seed: int, path: str | Path, m
             "max": int(max(v)),
         }
 
+    snapped = {"block_size": block_size, "snap": w["snap"], "served_mod_block": sorted(served)} if "snap" in w else {}
     return {
         "name": name,
         "shape": w["shape"],
+        **snapped,
         "seed": seed,
         "num_prompts": num,
         "max_model_len": max_model_len,
