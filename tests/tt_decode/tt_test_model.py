@@ -25,7 +25,10 @@ what the real model requires of its caller, it requires too, and refuses the res
   transfer) must start on a block boundary that is a multiple of 32, or it fails as the
   real kernels do (the Galaxy generator asserts ``start_pos % block_size == 0``;
   ``q_chunk_size`` derived from ``start & -start`` makes chunked SDPA ``TT_FATAL``; the page
-  table is sliced from ``start // block_size``);
+  table is sliced from ``start // block_size``). vllm-tt-plugin (this snapshot: vLLM's
+  synchronous scheduler, which its ``TTScheduler`` subclasses) also passes a request's
+  later tokens through ``prefill_forward``, one per call, starting where the request's
+  previous call ended: those are its decode steps, not prefix prefills, and are not checked;
 * new K/V rows go into the device cache by read-modify-write of the touched tiles at their
   (bank, address) through tt-metal's cluster API (``paged_fill_cache`` /
   ``paged_update_cache`` are kernels);
@@ -83,6 +86,7 @@ class TinyLlamaTTTestModel:
         ttnn = self._ttnn = import_ttnn()
         self.cfg, self.mesh, self.w = hf_config, mesh_device, weights
         self.max_batch_size = max_batch_size  # per submesh (model_id = user_id // max_batch_size)
+        self._ends: dict[int, int] = {}  # a request's first block -> the end of its last prefill call
         self.n_layers = hf_config.num_hidden_layers
         self.n_heads = hf_config.num_attention_heads
         self.n_kv = hf_config.num_key_value_heads
@@ -166,7 +170,10 @@ class TinyLlamaTTTestModel:
         rows = []
         for b, (s, e) in enumerate(zip(starts.tolist(), ends.tolist(), strict=True)):
             layers = self._model_cache(kv_cache, slots[b] // self.max_batch_size)
-            self._check_prefill_start(s, int(layers[0][0].shape[2]))
+            first_block = int(page_table[b, 0])
+            if s and self._ends.get(first_block) != s:  # a prefix prefill (not the request's next token)
+                self._check_prefill_start(s, int(layers[0][0].shape[2]), f"row {b} (prompt_lens {e}, slot {slots[b]})")
+            self._ends[first_block] = e
             rows.append((torch.as_tensor(tokens[b, s:e]), s, page_table[b]))
         return self._forward(rows, layers)
 
@@ -193,11 +200,11 @@ class TinyLlamaTTTestModel:
         return kv_cache[model_id]
 
     @staticmethod
-    def _check_prefill_start(start: int, block_size: int) -> None:
+    def _check_prefill_start(start: int, block_size: int, where: str) -> None:
         """The real prefix-prefill path's precondition (see module doc)."""
         if start % block_size or start % 32:
             raise AssertionError(
-                f"prefill start_pos {start} is not a multiple of the block size {block_size} and of 32: "
+                f"prefill {where}: start_pos {start} is not a multiple of the block size {block_size} and of 32: "
                 "tt_transformers' prefix prefill (paged_fill_cache, chunked SDPA) cannot start there"
             )
 
