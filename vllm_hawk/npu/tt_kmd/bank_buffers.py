@@ -6,16 +6,16 @@ double-map / unknown-bank errors) is tested against a fake at the hardware bound
 run only on a Blackhole host.
 
 Windows are ``window_bytes`` (4 GiB or 2 MiB; ``window_plan.plan_route_windows`` picks the
-size next to the windows tt-metal holds). A buffer's region of bank b lies in the window
-aimed at (bank b's NOC endpoint, ``buffer.address`` rounded down to ``window_bytes``): the
-first ``map_buffer_dma`` of a buffer in that window does ALLOCATE_TLB -> CONFIGURE_TLB ->
-mmap (write-combined) of the window's first ``window_map_bytes``; later buffers in the same
-window share it (reference counted), because windows are few (8 of 4 GiB, as many as BAR4
-holds; 201 of 2 MiB). A region that crosses a window boundary is refused: split it at
-``window_bytes`` boundaries. Each buffer additionally gets its own EXPORT_TLB_DMABUF over
-its page-rounded range (optional). The host address of bank b's region is ``window VA +
-(buffer.address mod window_bytes)``. ``unmap_buffer_dma`` closes the buffer's dma-bufs; the
-last buffer out of a window munmaps it and frees it.
+size next to the windows tt-metal holds). A buffer's region of bank b is covered by the
+consecutive windows aimed at (bank b's NOC endpoint, the region's ``window_bytes``-aligned
+bases): one 4 GiB window (a bank is smaller), or as many 2 MiB windows as the region
+crosses. :class:`~vllm_hawk.npu.tt_kmd.bank_windows.BankWindows` allocates, configures and
+maps them (write-combined; several windows at consecutive host addresses, so each bank's
+region is one contiguous host range) and shares windows between buffers (reference
+counted), because windows are few (8 of 4 GiB, as many as BAR4 holds; 201 of 2 MiB). Each
+buffer additionally gets its own EXPORT_TLB_DMABUF per window over its page-rounded part
+(optional). ``unmap_buffer_dma`` closes the buffer's dma-bufs; the last buffer out of a
+window munmaps it and frees it.
 
 Buffers come from one allocator per object, never two: tt-metal's (the decode allocates
 with ttnn in the same process and hands each buffer to :meth:`TtKmdBankBuffers.adopt`,
@@ -24,10 +24,10 @@ for a device no tt-metal process uses).
 
 What the sinks need beyond Table 6, through the same windows: ``allocate_bank_buffers``
 takes receive buffers from a lockstep allocator of its own over ``[dram_unreserved_base,
-min(bank_size, window_map_bytes))`` with 4 GiB windows, or one whole window-aligned window
-per buffer and bank with smaller ones (tt-kmd allocates no DRAM, so no tt-metal process may
+min(bank_size, window_map_bytes))`` with 4 GiB windows, or whole window-aligned windows per
+buffer and bank with smaller ones (tt-kmd allocates no DRAM, so no tt-metal process may
 use that range on this device meanwhile); ``copy_in_banks`` copies inside a bank by host
-``memmove`` between two addresses of that bank's mapped window; ``dma_written`` has nothing
+``memmove`` between two addresses of that bank's mapped windows; ``dma_written`` has nothing
 to move (the NIC wrote DRAM through the windows); ``dram_write_barrier`` reads back through
 every window before a receive is reported finished.
 """
@@ -35,15 +35,13 @@ every window before a receive is reported finished.
 from __future__ import annotations
 
 import ctypes
-import errno
 import itertools
-import os
-from dataclasses import dataclass
 
 from vllm_hawk.layout.device_profiles import DeviceProfile, load_profile
 from vllm_hawk.layout.interleave import LockstepAllocator
 from vllm_hawk.npu.bank_buffer import BankBufferError, DeviceBuffer, check_bank, known_buffer
-from vllm_hawk.npu.tt_kmd.device import ORDERING_RELAXED, TlbDevice, TlbWindow, TtKmdError
+from vllm_hawk.npu.tt_kmd.bank_windows import BankMapping, BankWindows, WindowSegment
+from vllm_hawk.npu.tt_kmd.device import ORDERING_RELAXED, TlbDevice
 from vllm_hawk.npu.tt_kmd.sysfs import device_holders
 from vllm_hawk.npu.tt_kmd.topology import (
     BLACKHOLE_DEFAULT_DRAM_PORT,
@@ -51,56 +49,15 @@ from vllm_hawk.npu.tt_kmd.topology import (
     BLACKHOLE_TLB_4G_WINDOW_BYTES,
     TLB_WINDOW_SIZES,
     CoordSystem,
-    NocEndpoint,
-    WindowPlan,
     blackhole_bank_channels,
     blackhole_bank_endpoint,
-    plan_tlb_window,
+    plan_tlb_windows,
     require_blackhole,
 )
 from vllm_hawk.npu.tt_kmd.window_plan import DEVICE_WINDOWS, format_bytes, tt_metal_held_windows
 
 
-@dataclass
-class _BankWindow:
-    """A bank's TLB window aimed at NOC ``window_base``, mmap'd at ``va`` for ``length`` bytes."""
-
-    window: TlbWindow
-    endpoint: NocEndpoint
-    window_base: int
-    va: int
-    length: int
-    refs: int = 0
-
-
-@dataclass(frozen=True)
-class BankMapping:
-    """One bank's mapped region of a buffer. Addresses and sizes in bytes.
-
-    ``host_address`` is the first byte of the buffer's region in this bank (what
-    ``get_buffer_address_bank`` returns). ``dmabuf_fd`` (None when not exported) covers
-    ``[plan.export_offset, plan.export_offset + plan.export_size)`` of the window; the
-    region starts ``dmabuf_offset`` bytes into that dma-buf.
-    """
-
-    bank: int
-    endpoint: NocEndpoint
-    window: TlbWindow
-    plan: WindowPlan
-    window_va: int
-    dmabuf_fd: int | None
-
-    @property
-    def host_address(self) -> int:
-        return self.window_va + self.plan.offset
-
-    @property
-    def nbytes(self) -> int:
-        return self.plan.nbytes
-
-    @property
-    def dmabuf_offset(self) -> int:
-        return self.plan.dmabuf_offset
+__all__ = ["BankMapping", "TtKmdBankBuffers", "WindowSegment"]
 
 
 class TtKmdBankBuffers:
@@ -147,15 +104,21 @@ class TtKmdBankBuffers:
         self._device = device
         self._window_bytes = window_bytes
         self._num_banks = len(blackhole_bank_channels(harvest_mask))
-        self._endpoints = [
+        endpoints = [
             blackhole_bank_endpoint(b, port=port, coords=coords, harvest_mask=harvest_mask, noc=noc)
             for b in range(self._num_banks)
         ]
         self._export = export_dmabuf
-        self._write_combined = write_combined
-        self._ordering = ordering
         self._map_bytes = window_map_bytes
-        self._windows: dict[tuple[int, int], _BankWindow] = {}
+        self._windows = BankWindows(
+            device,
+            endpoints,
+            window_bytes,
+            window_map_bytes,
+            ordering=ordering,
+            write_combined=write_combined,
+            enomem_text=self._windows_taken,
+        )
         self._mapped: dict[int, tuple[DeviceBuffer, list[BankMapping]]] = {}
         self.profile = _profile_for(profile, self._num_banks)
         self._alloc = _receive_allocator(self.profile, window_bytes, window_map_bytes)
@@ -189,24 +152,27 @@ class TtKmdBankBuffers:
                 f"({BLACKHOLE_DRAM_BANK_BYTES:#x} bytes)"
             )
         try:
-            plan = plan_tlb_window(buffer.address, buffer.size_per_bank, self._window_bytes, self._device.page_size)
+            plans = plan_tlb_windows(buffer.address, buffer.size_per_bank, self._window_bytes, self._device.page_size)
         except ValueError as exc:
+            raise BankBufferError(f"buffer {buffer.buffer_id}: {exc}") from exc
+        if len(plans) > 1 and self._map_bytes != self._window_bytes:
             raise BankBufferError(
-                f"buffer {buffer.buffer_id}: {exc}; split it at {format_bytes(self._window_bytes)} boundaries "
-                "(window_plan.plan_route_windows counts the windows per bank)"
-            ) from exc
-        if plan.map_length > self._map_bytes:
+                f"buffer {buffer.buffer_id} spans {len(plans)} TLB windows of {format_bytes(self._window_bytes)} per "
+                f"bank: consecutive windows are mapped whole, so window_map_bytes ({self._map_bytes:#x}) must be "
+                "the window size"
+            )
+        if plans[-1].map_length > self._map_bytes:
             raise BankBufferError(
-                f"buffer {buffer.buffer_id} ends {plan.map_length:#x} bytes into its window, past the "
+                f"buffer {buffer.buffer_id} ends {plans[-1].map_length:#x} bytes into its window, past the "
                 f"{self._map_bytes:#x} bytes mapped (window_map_bytes)"
             )
         done: list[BankMapping] = []
         try:
             for bank in range(self._num_banks):
-                done.append(self._map_bank(bank, plan))
+                done.append(self._windows.map(bank, plans, self._export))
         except BaseException:
             for mapping in reversed(done):
-                self._release(mapping)
+                self._windows.release(mapping)
             raise
         self._mapped[buffer.buffer_id] = (buffer, done)
 
@@ -227,7 +193,7 @@ class TtKmdBankBuffers:
         errors: list[BaseException] = []
         for mapping in entry[1]:
             try:
-                self._release(mapping)
+                self._windows.release(mapping)
             except Exception as exc:  # keep releasing the other banks
                 errors.append(exc)
         if errors:
@@ -240,7 +206,7 @@ class TtKmdBankBuffers:
 
     def allocate_bank_buffers(self, size_per_bank: int) -> DeviceBuffer:
         """One ``size_per_bank``-byte region per bank at one address (see module doc); with
-        windows smaller than a bank each buffer takes one whole window-aligned window per bank."""
+        windows smaller than a bank each buffer takes whole window-aligned windows per bank."""
         if self._adopted:
             raise BankBufferError(
                 "allocate_bank_buffers: this device's DRAM is tt-metal's (buffers were adopted); "
@@ -248,12 +214,7 @@ class TtKmdBankBuffers:
             )
         nbytes = size_per_bank
         if self._window_bytes < BLACKHOLE_DRAM_BANK_BYTES:
-            if size_per_bank > self._window_bytes:
-                raise BankBufferError(
-                    f"allocate_bank_buffers({size_per_bank:#x}): a receive buffer must fit one "
-                    f"{format_bytes(self._window_bytes)} window per bank; allocate several"
-                )
-            nbytes = self._window_bytes
+            nbytes = -(-size_per_bank // self._window_bytes) * self._window_bytes
         alloc = self._alloc.allocate(self._num_banks, nbytes)
         buf = DeviceBuffer(
             next(self._ids),
@@ -331,12 +292,12 @@ class TtKmdBankBuffers:
         drained. It cannot order writes whose PCIe TLPs have not reached the device yet: the
         transport must first have seen the writes complete (RDMA WRITE completions, or an RDMA
         READ after the WRITEs on the same QP). NOT exercised on hardware."""
-        for win in list(self._windows.values()):
-            _read_word(win.va)
+        for address in self._windows.one_address_per_window():
+            _read_word(address)
 
     def copy_in_banks(self, ops) -> int:
         """Intra-bank copies ``(bank, src_offset, dst_offset, nbytes)`` per bank, byte offsets
-        inside the bank, each range inside a mapped window of that bank; host ``memmove``
+        inside the bank, each range inside one mapped run of windows of that bank; host ``memmove``
         through the window (a data-movement kernel would keep them on the device). Returns
         the number of copies."""
         count = 0
@@ -362,7 +323,7 @@ class TtKmdBankBuffers:
     @property
     def live_windows(self) -> int:
         """TLB windows currently allocated by this object."""
-        return len(self._windows)
+        return self._windows.live_windows
 
     def close(self) -> None:
         """Unmap every buffer still mapped (and so release every window); forget adopted ones."""
@@ -375,37 +336,14 @@ class TtKmdBankBuffers:
         check_bank(bank, self._num_banks, "this device")
 
     def _window_address(self, bank: int, offset: int, nbytes: int) -> int:
-        """Host address of device bytes ``[offset, offset + nbytes)`` of ``bank`` in a mapped window."""
-        for (b, base), win in self._windows.items():
-            if b == bank and base <= offset and offset + nbytes <= base + win.length:
-                return win.va + offset - base
-        raise BankBufferError(
-            f"bank {bank}: bytes [{offset:#x}, {offset + nbytes:#x}) lie in no mapped TLB window "
-            "(map_buffer_dma a buffer there first)"
-        )
-
-    def _acquire_window(self, bank: int, window_base: int) -> _BankWindow:
-        key = (bank, window_base)
-        win = self._windows.get(key)
-        if win is None:
-            dev = self._device
-            endpoint = self._endpoints[bank]
-            try:
-                window = dev.allocate_tlb(self._window_bytes)
-            except TtKmdError as exc:
-                if exc.errno != errno.ENOMEM:
-                    raise
-                raise TtKmdError(errno.ENOMEM, self._windows_taken(bank)) from exc
-            try:
-                dev.configure_tlb(window, endpoint, window_base, self._ordering)
-                va = dev.map_window(window, self._map_bytes, self._write_combined)
-            except BaseException:
-                dev.free_tlb(window)
-                raise
-            win = _BankWindow(window=window, endpoint=endpoint, window_base=window_base, va=va, length=self._map_bytes)
-            self._windows[key] = win
-        win.refs += 1
-        return win
+        """Host address of device bytes ``[offset, offset + nbytes)`` of ``bank`` in mapped windows."""
+        address = self._windows.address(bank, offset, nbytes)
+        if address is None:
+            raise BankBufferError(
+                f"bank {bank}: bytes [{offset:#x}, {offset + nbytes:#x}) lie in no mapped TLB window "
+                "(map_buffer_dma a buffer there first)"
+            )
+        return address
 
     def _windows_taken(self, bank: int) -> str:
         """The ENOMEM text: the window size, who holds such windows, and what to do."""
@@ -423,36 +361,6 @@ class TtKmdBankBuffers:
             f"Processes holding the device open: {names}. Plan the windows with "
             "window_plan.plan_route_windows (staged mode maps 2 MiB windows)."
         )
-
-    def _drop_window(self, bank: int, window_base: int) -> None:
-        key = (bank, window_base)
-        win = self._windows[key]
-        win.refs -= 1
-        if win.refs == 0:
-            del self._windows[key]
-            # munmap first: tt-kmd refuses FREE_TLB with EBUSY while the window is mapped.
-            self._device.unmap_window(win.va, win.length)
-            self._device.free_tlb(win.window)
-
-    def _map_bank(self, bank: int, plan: WindowPlan) -> BankMapping:
-        win = self._acquire_window(bank, plan.window_base)
-        fd = None
-        if self._export:
-            try:
-                fd = self._device.export_dmabuf(win.window, plan.export_offset, plan.export_size)
-            except BaseException:
-                self._drop_window(bank, plan.window_base)
-                raise
-        return BankMapping(
-            bank=bank, endpoint=win.endpoint, window=win.window, plan=plan, window_va=win.va, dmabuf_fd=fd
-        )
-
-    def _release(self, mapping: BankMapping) -> None:
-        try:
-            if mapping.dmabuf_fd is not None:
-                os.close(mapping.dmabuf_fd)
-        finally:
-            self._drop_window(mapping.bank, mapping.plan.window_base)
 
 
 def _read_word(address: int) -> int:

@@ -146,8 +146,9 @@ class TlbDevice(Protocol):
         self, window: TlbWindow, endpoint: NocEndpoint, noc_address: int, ordering: int = ORDERING_RELAXED
     ) -> None: ...
 
-    def map_window(self, window: TlbWindow, length: int, write_combined: bool = True) -> int:
-        """mmap the first ``length`` bytes of ``window``; returns the host virtual address."""
+    def map_window(self, window: TlbWindow, length: int, write_combined: bool = True, at: int | None = None) -> int:
+        """mmap the first ``length`` bytes of ``window``; returns the host virtual address
+        (``at``: exactly there, over a :func:`reserve_va` reservation)."""
 
     def unmap_window(self, address: int, length: int) -> None: ...
 
@@ -155,6 +156,10 @@ class TlbDevice(Protocol):
         """dma-buf fd over ``[offset, offset + size)`` of ``window`` (page aligned)."""
 
     def free_tlb(self, window: TlbWindow) -> None: ...
+
+    def driver_info(self) -> DriverInfo: ...
+
+    def close(self) -> None: ...
 
 
 class _Libc:
@@ -187,6 +192,59 @@ def _get_libc() -> _Libc:
     if _libc is None:
         _libc = _Libc()
     return _libc
+
+
+#: mmap flags missing from Python's mmap module on some versions (Linux values).
+MAP_FIXED = 0x10
+MAP_NORESERVE = 0x4000
+PROT_NONE = 0x0
+
+
+def reserve_va(length: int) -> int:
+    """Reserve ``length`` bytes of host address space (anonymous, PROT_NONE, no memory
+    committed) for windows to be mapped into with ``map_window(..., at=)``; returns its address."""
+    libc = _get_libc()
+    flags = mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS | MAP_NORESERVE
+    addr = libc.mmap(None, length, PROT_NONE, flags, -1, 0)
+    if addr is None or addr == libc.map_failed:
+        err = ctypes.get_errno()
+        raise TtKmdError(err, f"reserving {length:#x} bytes of address space failed: {os.strerror(err)}")
+    return int(addr)
+
+
+def release_va(address: int, length: int) -> None:
+    """munmap ``[address, address + length)`` (a :func:`reserve_va` range, its windows unmapped first)."""
+    if _get_libc().munmap(address, length) != 0:
+        err = ctypes.get_errno()
+        raise TtKmdError(err, f"munmap({address:#x}, {length:#x}) failed: {os.strerror(err)}")
+
+
+def check_map_length(window: TlbWindow, length: int, page_size: int) -> None:
+    """ValueError unless ``length`` is a page multiple within ``window`` (what mmap of a window takes)."""
+    if length <= 0 or length % page_size or length > window.size:
+        raise ValueError(f"mmap length {length:#x} must be a page multiple within the {window.size:#x} window")
+
+
+def allocate_tlb_error(err: int, size: int, path: object, arch: Arch) -> TtKmdError:
+    """The error ALLOCATE_TLB's ENOMEM (pool of ``size`` empty) or EINVAL (no such size) is raised as."""
+    if err == errno.ENOMEM:
+        return TtKmdError(
+            errno.ENOMEM,
+            f"ALLOCATE_TLB({size:#x}) on {path}: every window of that size is taken "
+            "(tt-kmd hands each size out from one pool shared by every fd of every process; "
+            "tt-metal's configure_static_tlbs takes its windows when it opens the device)",
+        )
+    return TtKmdError(errno.EINVAL, f"ALLOCATE_TLB({size:#x}): {arch.value} has no TLB window of that size")
+
+
+def export_eperm_error(window: TlbWindow, path: object) -> TtKmdError:
+    """The error EXPORT_TLB_DMABUF's EPERM (the calling fd does not own the window) is raised as."""
+    return TtKmdError(
+        errno.EPERM,
+        f"EXPORT_TLB_DMABUF of TLB window {window.id} on {path}: this fd does not own it "
+        "(tt-kmd exports only windows the calling fd allocated; a window tt-metal holds can be "
+        "exported only through tt-metal's own fd)",
+    )
 
 
 class TtKmdDevice:
@@ -315,17 +373,8 @@ class TtKmdDevice:
         try:
             self._ioctl("ALLOCATE_TLB", abi.TENSTORRENT_IOCTL_ALLOCATE_TLB, arg)
         except TtKmdError as exc:
-            if exc.errno == errno.ENOMEM:
-                raise TtKmdError(
-                    errno.ENOMEM,
-                    f"ALLOCATE_TLB({size:#x}) on {self.path}: every window of that size is taken "
-                    "(tt-kmd hands each size out from one pool shared by every fd of every process; "
-                    "tt-metal's configure_static_tlbs takes its windows when it opens the device)",
-                ) from exc
-            if exc.errno == errno.EINVAL:
-                raise TtKmdError(
-                    errno.EINVAL, f"ALLOCATE_TLB({size:#x}): {self.arch.value} has no TLB window of that size"
-                ) from exc
+            if exc.errno in (errno.ENOMEM, errno.EINVAL):
+                raise allocate_tlb_error(exc.errno, size, self.path, self.arch) from exc
             raise
         out = arg.out
         return TlbWindow(id=out.id, size=size, mmap_offset_uc=out.mmap_offset_uc, mmap_offset_wc=out.mmap_offset_wc)
@@ -352,14 +401,20 @@ class TtKmdDevice:
         arg.in_.id = window.id
         self._ioctl("FREE_TLB", abi.TENSTORRENT_IOCTL_FREE_TLB, arg)
 
-    def map_window(self, window: TlbWindow, length: int, write_combined: bool = True) -> int:
-        """mmap the first ``length`` bytes (page multiple) of ``window``; returns the host VA."""
-        if length <= 0 or length % self.page_size or length > window.size:
-            raise ValueError(f"mmap length {length:#x} must be a page multiple within the {window.size:#x} window")
+    def map_window(self, window: TlbWindow, length: int, write_combined: bool = True, at: int | None = None) -> int:
+        """mmap the first ``length`` bytes (page multiple) of ``window``; returns the host VA.
+
+        ``at``: map exactly there (MAP_FIXED, replacing what :func:`reserve_va` reserved),
+        so consecutive windows land at consecutive addresses. tt-kmd maps a window only
+        from its first byte, at most its size, and never splits the mapping afterwards
+        (``memory.c`` ``map_tlb_window``, ``tlb_vma_may_split``); one window may be mapped
+        several times (each mapping counts in ``tlb_refs``)."""
+        check_map_length(window, length, self.page_size)
         libc = _get_libc()
         offset = window.mmap_offset_wc if write_combined else window.mmap_offset_uc
-        addr = libc.mmap(None, length, mmap.PROT_READ | mmap.PROT_WRITE, mmap.MAP_SHARED, self.fd, offset)
-        if addr is None or addr == libc.map_failed:
+        flags = mmap.MAP_SHARED | (MAP_FIXED if at is not None else 0)
+        addr = libc.mmap(at, length, mmap.PROT_READ | mmap.PROT_WRITE, flags, self.fd, offset)
+        if addr is None or addr == libc.map_failed or (at is not None and addr != at):
             err = ctypes.get_errno()
             raise TtKmdError(
                 err,
@@ -393,12 +448,7 @@ class TtKmdDevice:
             self._ioctl("EXPORT_TLB_DMABUF", abi.TENSTORRENT_IOCTL_EXPORT_TLB_DMABUF, arg)
         except TtKmdError as exc:
             if exc.errno == errno.EPERM:
-                raise TtKmdError(
-                    errno.EPERM,
-                    f"EXPORT_TLB_DMABUF of TLB window {window.id} on {self.path}: this fd does not own it "
-                    "(tt-kmd exports only windows the calling fd allocated; a window tt-metal holds can be "
-                    "exported only through tt-metal's own fd)",
-                ) from exc
+                raise export_eperm_error(window, self.path) from exc
             if exc.errno in (errno.EINVAL, errno.ENOTTY, errno.EOPNOTSUPP):
                 raise TtKmdError(
                     exc.errno,

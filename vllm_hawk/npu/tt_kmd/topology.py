@@ -273,6 +273,26 @@ def plan_tlb_window(noc_address: int, nbytes: int, window_size: int, page_size: 
     )
 
 
+def plan_tlb_windows(noc_address: int, nbytes: int, window_size: int, page_size: int) -> tuple[WindowPlan, ...]:
+    """Plan the consecutive ``window_size`` windows covering ``[noc_address, noc_address + nbytes)``.
+
+    One :class:`WindowPlan` per window, in address order, each over the range's part inside
+    that window (:func:`plan_tlb_window`): all but the first start at their window's byte 0,
+    all but the last end at its last byte. Mapped at consecutive host addresses (each
+    window mmap'd whole except the last), the range is contiguous in host memory."""
+    if window_size <= 0 or window_size & (window_size - 1):
+        raise ValueError(f"window size {window_size} is not a power of two")
+    if noc_address < 0 or nbytes <= 0:
+        raise ValueError(f"need noc_address >= 0 and nbytes > 0, got {noc_address:#x}, {nbytes}")
+    plans = []
+    start, end = noc_address, noc_address + nbytes
+    while start < end:
+        part = min(end, _align_down(start, window_size) + window_size) - start
+        plans.append(plan_tlb_window(start, part, window_size, page_size))
+        start += part
+    return tuple(plans)
+
+
 def bar4_window_count(bar4_bytes: int) -> int:
     """How many 4 GiB windows tt-kmd exposes for a BAR4 of ``bar4_bytes`` (partial ones: none)."""
     return min(bar4_bytes // BLACKHOLE_TLB_4G_WINDOW_BYTES, BLACKHOLE_MAX_4G_WINDOWS)
