@@ -12,7 +12,15 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from tt_kmd_fakes import FakeTlbDevice, FakeTlbPool, fd_is_open, hold_like_tt_metal, make_buffer
+from tt_kmd_fakes import (
+    FakeMooncakeEngine,
+    FakeTlbDevice,
+    FakeTlbPool,
+    FakeTtPeermem,
+    fd_is_open,
+    hold_like_tt_metal,
+    make_buffer,
+)
 
 from vllm_hawk.npu import tt_kmd
 from vllm_hawk.npu.bank_buffer import BankBufferAPI, BankBufferError
@@ -127,52 +135,22 @@ def test_wormhole_backend_is_refused_by_name() -> None:
         TtKmdBankBuffers(FakeTlbDevice(arch=Arch.WORMHOLE))
 
 
-class RecordingEngine:
-    """Stands in for mooncake.engine.TransferEngine's register_memory/unregister_memory."""
-
-    def __init__(self, rc: int = 0) -> None:
-        self.rc, self.registered = rc, []
-
-    def register_memory(self, addr: int, length: int) -> int:
-        self.registered.append((addr, length))
-        return self.rc
-
-    def unregister_memory(self, addr: int) -> int:
-        self.registered = [r for r in self.registered if r[0] != addr]
-        return 0
-
-
-class RecordingPeermem:
-    """Stands in for the tt_peermem char device (kernel module, not loadable here)."""
-
-    def __init__(self) -> None:
-        self.ranges: dict[int, tuple[int, int, int, int]] = {}
-
-    def register(self, va: int, length: int, dmabuf_fd: int, dmabuf_offset: int) -> int:
-        handle = len(self.ranges) + 1
-        self.ranges[handle] = (va, length, dmabuf_fd, dmabuf_offset)
-        return handle
-
-    def unregister(self, handle: int) -> None:
-        del self.ranges[handle]
-
-
 def test_mooncake_path_announces_range_to_peermem_first() -> None:
     bb = TtKmdBankBuffers(FakeTlbDevice(), window_map_bytes=MAP_BYTES)
     buf = make_buffer()
     bb.map_buffer_dma(buf)
     m = bb.bank_mapping(buf, 2)
-    engine, peermem = RecordingEngine(), RecordingPeermem()
-    handle = register_bank_with_mooncake(engine, m, peermem)
+    engine, peermem = FakeMooncakeEngine(), FakeTtPeermem()
+    [handle] = register_bank_with_mooncake(engine, m, peermem)
     assert engine.registered == [(m.host_address, buf.size_per_bank)]
     # tt_peermem gets the page-rounded exported range (dma-buf offset 0) that contains the region
     va, nbytes, fd, off = peermem.ranges[handle]
     assert (fd, off) == (m.dmabuf_fd, 0) and va % 4096 == 0 and nbytes % 4096 == 0
     assert va <= m.host_address and m.host_address + m.nbytes <= va + nbytes
     assert m.host_address - va == m.dmabuf_offset
-    unregister_bank_from_mooncake(engine, m, peermem, handle)
+    unregister_bank_from_mooncake(engine, m, peermem, [handle])
     assert not engine.registered and not peermem.ranges
-    failing = RecordingEngine(rc=-1)
+    failing = FakeMooncakeEngine(rc=-1)
     with pytest.raises(RuntimeError, match="tt_peermem module must be loaded"):
         register_bank_with_mooncake(failing, m, peermem)
     assert not peermem.ranges  # rolled back

@@ -275,3 +275,44 @@ def fd_is_open(fd: int) -> bool:
     except OSError:
         return False
     return True
+
+
+class FakeMooncakeEngine:
+    """FAKE of mooncake.engine.TransferEngine's register_memory/unregister_memory: records
+    the ranges registered; register_memory returns ``rc`` from its ``fail_at``-th call
+    (0-based; None: every call) and 0 before."""
+
+    def __init__(self, rc: int = 0, fail_at: int | None = None) -> None:
+        self.rc, self.fail_at, self.calls = rc, fail_at, 0
+        self.registered: list[tuple[int, int]] = []
+
+    def register_memory(self, addr: int, length: int) -> int:
+        self.calls += 1
+        if self.rc and (self.fail_at is None or self.calls > self.fail_at):
+            return self.rc
+        self.registered.append((addr, length))
+        return 0
+
+    def unregister_memory(self, addr: int) -> int:
+        self.registered = [r for r in self.registered if r[0] != addr]
+        return 0
+
+
+class FakeTtPeermem:
+    """FAKE of the tt_peermem char device (a kernel module, not loadable here): records the
+    registrations and refuses one overlapping another with EEXIST
+    (``kernel_driver/tt_peermem/peermem_core.c``)."""
+
+    def __init__(self) -> None:
+        self.ranges: dict[int, tuple[int, int, int, int]] = {}
+        self._next = 1
+
+    def register(self, va: int, length: int, dmabuf_fd: int, dmabuf_offset: int) -> int:
+        if any(va < v + n and v < va + length for v, n, _, _ in self.ranges.values()):
+            raise OSError(errno.EEXIST, os.strerror(errno.EEXIST))
+        handle, self._next = self._next, self._next + 1
+        self.ranges[handle] = (va, length, dmabuf_fd, dmabuf_offset)
+        return handle
+
+    def unregister(self, handle: int) -> None:
+        del self.ranges[handle]

@@ -11,10 +11,18 @@ NOT exercised in CI: no Tenstorrent device and no RDMA device here.
     ``kernel_driver/tt_peermem/tt_peermem_uapi.h`` (tests/test_tt_kmd_abi.py compares);
     tt_peermem registers whole pages, so the page-rounded exported range is registered
     and Mooncake then registers the exact bank region inside it.
-(b) **dma-buf MR** (:func:`register_bank_dmabuf_mr`): register the dma-buf fd that
+(b) **dma-buf MR** (:func:`register_bank_dmabuf_mrs`): register the dma-buf fd that
     EXPORT_TLB_DMABUF returned with pyverbs ``DmaBufMR`` (``ibv_reg_dmabuf_mr``; mainline
     Linux, mlx5/bnxt_re/irdma). pyverbs passes iova = dma-buf offset, so a peer addresses
-    the region at remote address ``mapping.dmabuf_offset`` with the MR's rkey.
+    the region at remote address ``segment.dmabuf_offset`` with the MR's rkey.
+
+A bank region over several TLB windows (2 MiB windows) has one dma-buf per window
+(``BankMapping.segments``), and both paths register **one registration per window**:
+``ibv_reg_dmabuf_mr(pd, offset, length, iova, fd, access)`` takes one dma-buf fd per MR
+(rdma-core ``libibverbs/verbs.c``), and a tt_peermem registration, like the MR the RDMA
+core acquires through it, is backed by one dma-buf and must contain the MR's whole range
+(``kernel_driver/tt_peermem`` ``tpm_registry_lookup``). So a NIC transfer into such a
+region is split at window boundaries: each part goes to its own window's registration.
 """
 
 from __future__ import annotations
@@ -25,7 +33,7 @@ import fcntl
 import os
 from typing import Any, Protocol
 
-from vllm_hawk.npu.tt_kmd.bank_buffers import BankMapping
+from vllm_hawk.npu.tt_kmd.bank_windows import BankMapping, WindowSegment
 
 # ---------------------------------------------------------------------------------------
 # (a) tt_peermem char device + Mooncake
@@ -80,13 +88,14 @@ class PeermemRegistrar(Protocol):
     def unregister(self, handle: int) -> None: ...
 
 
-def peermem_range(mapping: BankMapping) -> tuple[int, int, int]:
-    """(va_start, nbytes, dmabuf_offset) to register with tt_peermem for ``mapping``: the
-    page-rounded range the dma-buf was exported over, which starts at dma-buf offset 0.
+def peermem_range(segment: WindowSegment) -> tuple[int, int, int]:
+    """(va_start, nbytes, dmabuf_offset) to register with tt_peermem for one window's part
+    of a bank region: the page-rounded range its dma-buf was exported over, which starts at
+    dma-buf offset 0.
 
     Bank buffers whose page-rounded ranges share a page cannot both be registered
     (tt_peermem answers EEXIST): page-align bank buffers used on this path."""
-    return mapping.window_va + mapping.plan.export_offset, mapping.plan.export_size, 0
+    return segment.export_address, segment.plan.export_size, 0
 
 
 class TtPeermemDevice:
@@ -139,35 +148,55 @@ class MooncakeEngine(Protocol):
 
 def register_bank_with_mooncake(
     engine: MooncakeEngine, mapping: BankMapping, peermem: PeermemRegistrar | None
-) -> int | None:
-    """Path (a): announce the bank region to tt_peermem, then ``engine.register_memory``.
+) -> list[int | None]:
+    """Path (a), per window of the region: announce its part to tt_peermem, then
+    ``engine.register_memory`` over the part (one Mooncake buffer per window: see module doc).
 
-    Returns the tt_peermem handle (None if ``peermem`` is None, e.g. the TCP transport,
-    which needs no peer memory). Raises RuntimeError if Mooncake refuses the range."""
+    Returns the tt_peermem handles, one per window (None each if ``peermem`` is None, e.g.
+    the TCP transport, which needs no peer memory). Raises RuntimeError if Mooncake refuses
+    a part; the parts already registered are undone first."""
+    handles: list[int | None] = []
+    try:
+        for seg in mapping.segments:
+            handles.append(_register_segment(engine, mapping.bank, seg, peermem))
+    except BaseException:
+        unregister_bank_from_mooncake(engine, _first(mapping, len(handles)), peermem, handles)
+        raise
+    return handles
+
+
+def _first(mapping: BankMapping, count: int) -> BankMapping:
+    return BankMapping(mapping.bank, mapping.endpoint, mapping.window_va, mapping.segments[:count])
+
+
+def _register_segment(
+    engine: MooncakeEngine, bank: int, seg: WindowSegment, peermem: PeermemRegistrar | None
+) -> int | None:
     handle = None
     if peermem is not None:
-        if mapping.dmabuf_fd is None:
-            raise ValueError(f"bank {mapping.bank} was mapped without a dma-buf; tt_peermem needs one")
-        va_start, nbytes, dmabuf_offset = peermem_range(mapping)
-        handle = peermem.register(va_start, nbytes, mapping.dmabuf_fd, dmabuf_offset)
-    rc = engine.register_memory(mapping.host_address, mapping.nbytes)
+        if seg.dmabuf_fd is None:
+            raise ValueError(f"bank {bank} was mapped without a dma-buf; tt_peermem needs one")
+        va_start, nbytes, dmabuf_offset = peermem_range(seg)
+        handle = peermem.register(va_start, nbytes, seg.dmabuf_fd, dmabuf_offset)
+    rc = engine.register_memory(seg.host_address, seg.nbytes)
     if rc != 0:
         if peermem is not None and handle is not None:
             peermem.unregister(handle)
         raise RuntimeError(
-            f"Mooncake register_memory({mapping.host_address:#x}, {mapping.nbytes}) for bank {mapping.bank} "
+            f"Mooncake register_memory({seg.host_address:#x}, {seg.nbytes}) for bank {bank} "
             f"returned {rc}: for RDMA the tt_peermem module must be loaded"
         )
     return handle
 
 
 def unregister_bank_from_mooncake(
-    engine: MooncakeEngine, mapping: BankMapping, peermem: PeermemRegistrar | None, handle: int | None
+    engine: MooncakeEngine, mapping: BankMapping, peermem: PeermemRegistrar | None, handles: list[int | None]
 ) -> None:
-    """Undo :func:`register_bank_with_mooncake` (Mooncake first, then tt_peermem)."""
-    engine.unregister_memory(mapping.host_address)
-    if peermem is not None and handle is not None:
-        peermem.unregister(handle)
+    """Undo :func:`register_bank_with_mooncake` (per window: Mooncake first, then tt_peermem)."""
+    for seg, handle in zip(mapping.segments, handles, strict=False):
+        engine.unregister_memory(seg.host_address)
+        if peermem is not None and handle is not None:
+            peermem.unregister(handle)
 
 
 # ---------------------------------------------------------------------------------------
@@ -233,23 +262,54 @@ def _read(path: str) -> str:
         return ""
 
 
-def register_bank_dmabuf_mr(pd: Any, mapping: BankMapping, access: int | None = None, device_name: str = "") -> Any:
-    """Path (b): ``DmaBufMR(pd, nbytes, access, dmabuf=fd, offset=dmabuf_offset)``.
+def register_bank_dmabuf_mrs(
+    pd: Any, mapping: BankMapping, access: int | None = None, device_name: str = ""
+) -> list[Any]:
+    """Path (b) for every window of a bank region: one MR per window's dma-buf (see module
+    doc), in address order; each MR's iova is its ``segment.dmabuf_offset``. If one fails,
+    the MRs already made are closed before the error propagates."""
+    mrs: list[Any] = []
+    try:
+        for seg in mapping.segments:
+            mrs.append(_dmabuf_mr(pd, mapping.bank, seg, access, device_name))
+    except BaseException:
+        for mr in mrs:
+            mr.close()
+        raise
+    return mrs
 
-    ``pd`` is a ``pyverbs.pd.PD``. Returns the MR (``.rkey``, ``.lkey``); its iova is
-    ``mapping.dmabuf_offset``. The MR must be closed before the buffer is unmapped.
-    Raises :class:`DmaBufMRUnsupported` (errno EOPNOTSUPP) when the device cannot import
-    dma-bufs, e.g. soft-RoCE."""
+
+def register_bank_dmabuf_mr(pd: Any, mapping: Any, access: int | None = None, device_name: str = "") -> Any:
+    """Path (b) for a region inside one window: ``DmaBufMR(pd, nbytes, access,
+    dmabuf=fd, offset=dmabuf_offset)``.
+
+    ``pd`` is a ``pyverbs.pd.PD``; ``mapping`` a one-window :class:`BankMapping` (or anything
+    with its ``bank``, ``dmabuf_fd``, ``nbytes`` and ``dmabuf_offset``; a region over several
+    windows raises ValueError: use :func:`register_bank_dmabuf_mrs`). Returns the MR
+    (``.rkey``, ``.lkey``); its iova is ``mapping.dmabuf_offset``. The MR must be closed
+    before the buffer is unmapped. Raises :class:`DmaBufMRUnsupported` (errno EOPNOTSUPP)
+    when the device cannot import dma-bufs, e.g. soft-RoCE."""
+    windows = len(getattr(mapping, "segments", ()))
+    if windows > 1:
+        raise ValueError(
+            f"bank {mapping.bank}'s region spans {windows} TLB windows, one dma-buf each, and an MR registers "
+            "one dma-buf: use register_bank_dmabuf_mrs (one MR per window)"
+        )
+    return _dmabuf_mr(pd, mapping.bank, mapping, access, device_name)
+
+
+def _dmabuf_mr(pd: Any, bank: int, part: Any, access: int | None, device_name: str) -> Any:
+    """``DmaBufMR`` over ``part`` (``dmabuf_fd``, ``nbytes``, ``dmabuf_offset``) of ``bank``."""
     try:
         from pyverbs.mr import DmaBufMR
     except ImportError as exc:
         raise RuntimeError(PYVERBS_INSTALL_HINT) from exc
-    if mapping.dmabuf_fd is None:
-        raise ValueError(f"bank {mapping.bank} was mapped without a dma-buf (export_dmabuf=False)")
+    if part.dmabuf_fd is None:
+        raise ValueError(f"bank {bank} was mapped without a dma-buf (export_dmabuf=False)")
     if access is None:
         access = default_access()
     try:
-        return DmaBufMR(pd, mapping.nbytes, access, dmabuf=mapping.dmabuf_fd, offset=mapping.dmabuf_offset)
+        return DmaBufMR(pd, part.nbytes, access, dmabuf=part.dmabuf_fd, offset=part.dmabuf_offset)
     except Exception as exc:  # pyverbs.pyverbs_error.PyverbsRDMAError carries .error_code
         code = getattr(exc, "error_code", None)
         if code != errno.EOPNOTSUPP:
