@@ -105,7 +105,8 @@ class FakeTlbDevice:
     """FAKE of one open fd of ``/dev/tenstorrent/N`` (a TtKmdDevice), on ``pool``'s device.
 
     ``path``: a file the fake holds open, as a real fd holds the node (``device_holders``
-    finds it). ``fail_export_at``: the n-th export (0-based) fails with EINVAL."""
+    finds it). ``fail_export_at``: the n-th export (0-based) fails with EINVAL.
+    ``driver_version``: the loaded tt-kmd's version as this fd sees it (default the pool's)."""
 
     def __init__(
         self,
@@ -114,8 +115,10 @@ class FakeTlbDevice:
         fail_export_at: int | None = None,
         pool: FakeTlbPool | None = None,
         path: Path | None = None,
+        driver_version: tuple[int, int, int] | None = None,
     ):
         self.pool = pool or FakeTlbPool(windows, arch or Arch.BLACKHOLE)
+        self.driver_version = driver_version or self.pool.driver_version
         if arch is not None and arch is not self.pool.arch:
             raise ValueError(f"fake fd of arch {arch} on a {self.pool.arch} device")
         self.page_size = mmap.PAGESIZE
@@ -149,7 +152,7 @@ class FakeTlbDevice:
     def driver_info(self) -> DriverInfo:
         self._open("GET_DRIVER_INFO")
         self.calls.append("driver_info")
-        return DriverInfo(2, *self.pool.driver_version)
+        return DriverInfo(2, *self.driver_version)
 
     def allocate_tlb(self, size: int) -> TlbWindow:
         self._open("ALLOCATE_TLB")
@@ -186,7 +189,7 @@ class FakeTlbDevice:
     def export_dmabuf(self, window: TlbWindow, offset: int, size: int) -> int:
         self.calls.append("export")
         self._open("EXPORT_TLB_DMABUF")
-        if self.pool.driver_version < sysfs.MIN_KMD_VERSION_FOR_DMABUF:
+        if self.driver_version < sysfs.MIN_KMD_VERSION_FOR_DMABUF:
             raise TtKmdError(errno.ENOTTY, os.strerror(errno.ENOTTY))
         if self.fail_export_at is not None and len(self.exports) == self.fail_export_at:
             raise TtKmdError(errno.EINVAL, "fake: export refused")
@@ -220,7 +223,9 @@ class FakeTlbDevice:
 class FakeTtKmd:
     """FAKE ``/dev/tenstorrent`` of a host: ``devices`` maps N of ``/dev/tenstorrent/N`` to
     its device; :meth:`open` stands in for ``TtKmdDevice.open(pci, dev_root)`` (an
-    ``open_device`` for ``route.choose_route``). ``opened`` lists every fd handed out."""
+    ``open_device`` for ``route.choose_route``): a new fd, holding ``dev_root``'s
+    ``dev/tenstorrent/<pci>`` open when a test made that file (so ``device_holders`` finds
+    this process). ``opened`` lists every fd handed out."""
 
     def __init__(self, devices: dict[int, FakeTlbPool] | None = None) -> None:
         self.devices = {0: FakeTlbPool()} if devices is None else devices
@@ -234,7 +239,8 @@ class FakeTtKmd:
             raise TtDeviceNotFoundError(
                 errno.ENOENT, f"no Tenstorrent device {pci}: {dev_dir} holds only {sorted(self.devices)}"
             )
-        fd = FakeTlbDevice(pool=self.devices[pci])
+        node = dev_dir / str(pci)
+        fd = FakeTlbDevice(pool=self.devices[pci], path=node if node.is_file() else None)
         self.opened.append(fd)
         return fd
 
