@@ -109,3 +109,7 @@ class BankBufferAPI(Protocol):
     def copy_in_banks(self, ops: list[tuple[int, np.ndarray, np.ndarray, np.ndarray]]) -> int:
         """Intra-bank copies (the staged mode's D6-D7): ``ops`` holds ``(bank, src_offset,
         dst_offset, nbytes)`` per bank. Returns the number of copies."""
+
+    def dram_write_barrier(self) -> None:
+        """Every write into DRAM so far (the NIC's, the copies') is visible to the device;
+        a sink calls it before it reports a receive finished."""
