@@ -40,8 +40,8 @@ from vllm_hawk.kvflow import (
 from vllm_hawk.kvflow.gn_host import GNHostSink
 from vllm_hawk.kvflow.pull_plan import PullPlanner, check_targets
 from vllm_hawk.kvflow.regroup import Regroup
-from vllm_hawk.kvflow.sinks import recv_nbytes_per_bank
 from vllm_hawk.layout.tp import TPMismatch, shard_heads
+from vllm_hawk.npu.bank_buffer import recv_nbytes_per_bank
 from vllm_hawk.transport import make_transport
 
 # The worker side's log: under "vllm." so that vLLM's log handlers and level apply.

@@ -367,12 +367,6 @@ class KVPageAddresses:
         self._mapped_here = []
 
 
-def recv_nbytes_per_bank(ring_nbytes: int, num_banks: int, alignment: int) -> int:
-    """A Tenstorrent sink's receive buffer per bank (bytes): ``ring_nbytes`` over the banks,
-    rounded down to the DRAM alignment (at least one aligned unit)."""
-    return max(alignment, ring_nbytes // num_banks // alignment * alignment)
-
-
 def staged_copies(device, plan, recv_offset: int) -> int:
     """D6-D7 with the DRAM write barrier around them: the NIC's writes into the receive
     buffers are in DRAM before they are copied, the copies before the receive is reported

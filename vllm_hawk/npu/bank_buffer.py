@@ -113,3 +113,9 @@ class BankBufferAPI(Protocol):
     def dram_write_barrier(self) -> None:
         """Every write into DRAM so far (the NIC's, the copies') is visible to the device;
         a sink calls it before it reports a receive finished."""
+
+
+def recv_nbytes_per_bank(ring_nbytes: int, num_banks: int, alignment: int) -> int:
+    """A Tenstorrent sink's receive buffer per bank (bytes): ``ring_nbytes`` over the banks,
+    rounded down to the DRAM alignment (at least one aligned unit)."""
+    return max(alignment, ring_nbytes // num_banks // alignment * alignment)

@@ -16,8 +16,8 @@ from __future__ import annotations
 import os
 from collections.abc import Sequence
 
-from vllm_hawk.kvflow.sinks import recv_nbytes_per_bank
 from vllm_hawk.layout.device_profiles import load_profile
+from vllm_hawk.npu.bank_buffer import recv_nbytes_per_bank
 from vllm_hawk.npu.ttnn_chip import DEVICE_LOCK
 from vllm_hawk.tenstorrent.route import ChipLink, LandingRoute, choose_route
 
