@@ -28,7 +28,8 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 from vllm_hawk.npu.tt_kmd.device import TtDeviceNotFoundError, TtKmdDevice, TtKmdError
-from vllm_hawk.npu.tt_kmd.window_plan import RouteWindows, WindowsRefused, plan_route_windows
+from vllm_hawk.npu.tt_kmd.sysfs import device_holders
+from vllm_hawk.npu.tt_kmd.window_plan import RouteWindows, WindowsRefused, format_bytes, plan_route_windows
 
 __all__ = ["PATHS", "ChipLink", "LandingRoute", "RouteRefused", "choose_route"]
 
@@ -184,7 +185,13 @@ def _probe_windows(chips: Sequence[ChipLink], windows: RouteWindows, dev_root: s
         except TtKmdError as e:
             if e.errno != errno.ENOMEM:
                 raise
-            raise WindowsRefused(f"mesh chip {c.index}: {e.strerror or e}") from None
+            path = getattr(dev, "path", None)
+            names = ", ".join(f"{comm} (pid {pid})" for pid, comm in device_holders(path)) if path else ""
+            raise WindowsRefused(
+                f"mesh chip {c.index}: only {len(got)} of the {windows.total} windows of "
+                f"{format_bytes(windows.window_bytes)} could be allocated on {path or 'the device'} (ENOMEM: "
+                f"more are held than tt-metal's own); processes holding the device open: {names or 'none found'}"
+            ) from None
         finally:
             for w in got:
                 dev.free_tlb(w)
