@@ -7,7 +7,8 @@ One cluster per configuration (module-scoped, one after the other):
 
 * ``p150a-bf16-staged``: Blackhole, bf16 KV tiles, per-bank receive buffers then intra-bank
   copies, ``kv_load_failure_policy: recompute``;
-* ``n150-bfp8-direct``: Wormhole, bfloat8_b KV tiles, READs straight into the KV pages,
+* ``n150-bfp8-direct``: Wormhole, bfloat8_b KV tiles, direct mode asked for (the simulator
+  has no NIC path into DRAM: the worker lands staged and says why),
   ``kv_load_failure_policy: fail``.
 
 Checked: the KV bytes of every transfer, read back through ttnn from the tt-metal tensors,
@@ -82,6 +83,16 @@ def gn(request, manifest, prefill_python, tmp_path_factory):
         yield c
     # stopped: the worker shut the connector down (receive buffers freed) before the mesh closed
     assert "KV connector shut down; closing the mesh" in (work / "decode.log").read_text()
+
+
+def test_worker_names_the_landing_route(gn):
+    """On the simulator there is no tt-kmd device: the host stages the NIC's bytes (receive
+    buffers only, never a host copy of the KV cache), and the worker says so; asked for
+    direct mode, it says why it runs staged."""
+    log = (gn.hawk_dump.parent / "decode.log").read_text()
+    assert "landing route host-staged (mode staged" in log, log[-3000:]
+    if gn.hawk_cfg["mode"] == "direct":
+        assert "mode direct was asked for: tt-metal runs on its simulator (TT_METAL_SIMULATOR=" in log
 
 
 def test_kv_bytes_and_outputs(gn):

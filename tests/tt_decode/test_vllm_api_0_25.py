@@ -182,3 +182,24 @@ def test_vllm_0_25_recomputes_the_last_prompt_token_after_a_full_remote_hit():
 
     src = inspect.getsource(Scheduler._update_waiting_for_remote_kv)
     assert "request.num_computed_tokens = request.num_tokens - 1" in src
+
+
+def test_lane_mode_is_refused_with_a_kv_connector():
+    """vllm-tt-plugin's lane mode (a Galaxy's lanes: tt data parallel > 1 in one engine) runs
+    its TTLaneCoordinator, whose get_kv_connector() is None: the HAWK worker refuses it at
+    start-up, naming it; without a connector, or with one lane, nothing is refused."""
+    from vllm_tt_plugin.config import store_tt_lane_count
+    from vllm_tt_plugin.lane_scheduler import TTLaneCoordinator
+
+    from vllm_hawk.tenstorrent.vllm_tt.worker import refuse_lane_mode
+
+    assert TTLaneCoordinator.get_kv_connector(object.__new__(TTLaneCoordinator)) is None
+    cfg = _config("kv_consumer")
+    cfg.additional_config = {}
+    cfg.parallel_config.data_parallel_size = 1
+    refuse_lane_mode(cfg)  # one lane
+    store_tt_lane_count(cfg, 4)
+    with pytest.raises(ValueError, match=r"lane mode \(tt data parallel 4 .*get_kv_connector\(\) returns None"):
+        refuse_lane_mode(cfg)
+    cfg.kv_transfer_config = None
+    refuse_lane_mode(cfg)

@@ -2,8 +2,9 @@
 simulated p150a / n150: the paged KV cache allocated through ttnn (tt_transformers'
 per-layer K/V ``[num_blocks, n_kv_heads, block_size, head_dim]``, TILE, DRAM), a receive
 buffer through ttnn exposed with the bank-buffer API, a request's G' landed staged (NIC ->
-mapped receive buffer -> ``copy_in_banks``) or direct (straight to the mapped KV pages ->
-``dma_written``) with the host as data mover, the page table on the device; the cache is
+mapped receive buffer -> ``copy_in_banks``) or direct (straight into the KV pages at their
+(bank, address); the adapter refuses to shadow the KV cache in host memory) with the host as
+data mover, the page table on the device; the cache is
 then read back through ttnn and must equal the prefill KV tilized/packed exactly, with
 every untouched block still zero.
 """
@@ -107,8 +108,9 @@ def test_bank_buffer_api_page_table_and_honesty(landed, dtype, mode):
         assert res["bank_addrs_distinct"] == nb  # one host region per bank
         assert res["bank_sizes"] == [task["recv_size_per_bank"]] * nb
         assert res["moved"]["rdma_bytes"] == np.load(task_path(landed, task["gprime"])).size
-    else:
+    else:  # the adapter never shadows the KV cache: a NIC writes it through tt-kmd windows only
         assert res["moved"]["direct_bytes"] == np.load(task_path(landed, task["gprime"])).size
+        assert "never shadows the KV cache" in res["moved"]["map_refused"], res["moved"]
     assert res["page_table"] == BLOCK_TABLE
     assert res["live_after"] == 0
     print(f"[ttsim] {device} {dtype} {mode}: landed in {res['land_s']}s", end=" ")

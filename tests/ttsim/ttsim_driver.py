@@ -112,20 +112,24 @@ def allocate_kv_cache(dev, spec) -> tuple:
 
 def land_gprime(dev, g: np.ndarray, ops: dict, mode: str, recv, kv_bufs) -> dict:
     """Land G' with the adapter's primitives, as TTSink does, the host standing in for the
-    NIC (``write_host`` into the mapped shadows): staged -> the receive buffer, then
-    ``copy_in_banks``; direct -> the mapped KV pages, then ``dma_written``."""
+    NIC: staged -> ``write_host`` into the mapped receive buffer's shadows, then
+    ``copy_in_banks``; direct -> the adapter refuses to map (shadow) a KV buffer, so the
+    host writes each READ's bytes at its (bank, address) in DRAM, what a NIC does through a
+    tt-kmd window; then the DRAM write barrier."""
+    from vllm_hawk.npu.bank_buffer import BankBufferError
+
     fields = ("src_offset", "bank", "dst_offset", "nbytes")
     rdma = [ops[f"rdma_{f}"].tolist() for f in fields]
     if mode == "direct":
-        for b in kv_bufs:
-            dev.map_buffer_dma(b)
+        try:
+            dev.map_buffer_dma(kv_bufs[0])
+            refused = ""
+        except BankBufferError as e:
+            refused = str(e)
         for s, b, d, n in zip(*rdma, strict=True):
-            buf = next(x for x in kv_bufs if x.address <= d < x.address + x.size_per_bank)
-            dev.write_host(buf, b, d - buf.address, g[s : s + n])
-        moved = dev.dma_written(ops["rdma_bank"], ops["rdma_dst_offset"], ops["rdma_nbytes"])
-        for b in kv_bufs:
-            dev.unmap_buffer_dma(b)
-        return {"direct_bytes": moved}
+            dev.write_bank(b, d, g[s : s + n])
+        dev.dram_write_barrier()
+        return {"direct_bytes": int(np.sum(ops["rdma_nbytes"])), "map_refused": refused}
     for s, b, d, n in zip(*rdma, strict=True):
         dev.write_host(recv, b, d, g[s : s + n])
     intra = [ops[f"intra_{f}"] for f in fields]
@@ -135,6 +139,7 @@ def land_gprime(dev, g: np.ndarray, ops: dict, mode: str, recv, kv_bufs) -> dict
         if (sel := intra[1] == b).any()
     ]
     copies = dev.copy_in_banks(per_bank)
+    dev.dram_write_barrier()
     return {"rdma_bytes": int(np.sum(ops["rdma_nbytes"])), "intra_bank_ops": copies}
 
 

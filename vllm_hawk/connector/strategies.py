@@ -41,6 +41,7 @@ from vllm_hawk.kvflow.gn_host import GNHostSink
 from vllm_hawk.kvflow.pull_plan import PullPlanner, check_targets
 from vllm_hawk.kvflow.regroup import Regroup
 from vllm_hawk.layout.tp import TPMismatch, shard_heads
+from vllm_hawk.npu.bank_buffer import recv_nbytes_per_bank
 from vllm_hawk.transport import make_transport
 
 # The worker side's log: under "vllm." so that vLLM's log handlers and level apply.
@@ -228,12 +229,13 @@ def _tt_chips(kv: LocalKV) -> list:
 
 def _tt_sinks(cfg: HawkConfig, kv: LocalKV, transport) -> list:
     """One TTSink per chip of the plugin's cache (each chip: its own banks, buffers, allocator)."""
+    route = getattr(kv.tt_cache, "route", None)  # the landing route the worker chose (vllm-tt-plugin)
+    mode = cfg.mode if route is None else route.mode
     sinks = []
     try:
         for c in _tt_chips(kv):
-            align = c.device.profile.dram_alignment_bytes
-            per_bank = max(align, cfg.ring_nbytes // c.layout.num_banks // align * align)
-            sinks.append(TTSink(c.device, c.layout, c.buffers, transport, cfg.mode, recv_nbytes_per_bank=per_bank))
+            per_bank = recv_nbytes_per_bank(cfg.ring_nbytes, c.layout.num_banks, c.device.profile.dram_alignment_bytes)
+            sinks.append(TTSink(c.device, c.layout, c.buffers, transport, mode, recv_nbytes_per_bank=per_bank))
     except BaseException:
         for x in sinks:
             x.close()

@@ -367,6 +367,16 @@ class KVPageAddresses:
         self._mapped_here = []
 
 
+def staged_copies(device, plan, recv_offset: int) -> int:
+    """D6-D7 with the DRAM write barrier around them: the NIC's writes into the receive
+    buffers are in DRAM before they are copied, the copies before the receive is reported
+    finished. Returns the number of copies."""
+    device.dram_write_barrier()
+    n = intra_bank_copies(device, plan, recv_offset)
+    device.dram_write_barrier()
+    return n
+
+
 def intra_bank_copies(device, plan, recv_offset: int) -> int:
     """D6-D7 of the staged mode: each bank's copies from its receive buffer (at byte
     ``recv_offset`` in every bank) into the KV pages, all banks at once; returns the count."""
@@ -456,7 +466,7 @@ class TTSink(KVSink):
             def complete() -> dict:  # D6-D7: intra-bank copies into the KV pages
                 t0 = time.monotonic()
                 try:
-                    n_copy = intra_bank_copies(self.device, plan, recv.device_offset)
+                    n_copy = staged_copies(self.device, plan, recv.device_offset)
                 finally:
                     self.pool.release(req_id)
                 return {"copy_s": time.monotonic() - t0, "intra_bank_ops": n_copy}
@@ -506,8 +516,10 @@ class TTSink(KVSink):
 
     def _written(self, ops) -> dict:
         """After a direct batch: the device's ``dma_written`` (a no-op where the READs wrote
-        device memory; on a simulator the host moves the bytes from the mapped shadows)."""
+        device memory; on a simulator the host moves the bytes from the mapped shadows), then
+        its DRAM write barrier, before the receive is reported finished."""
         self.device.dma_written(ops.bank, ops.dst_offset, ops.nbytes)
+        self.device.dram_write_barrier()
         return {}
 
     def idle(self) -> bool:
@@ -581,7 +593,7 @@ class GroupLanding:
             return self.sink._written(self._ops)
         sink, t0 = self.sink, time.monotonic()
         try:
-            n_copy = intra_bank_copies(sink.device, self.plan, self.recv.device_offset)
+            n_copy = staged_copies(sink.device, self.plan, self.recv.device_offset)
         finally:
             sink.pool.release(self.req_id)
         return {"copy_s": time.monotonic() - t0, "intra_bank_ops": n_copy}

@@ -109,3 +109,13 @@ class BankBufferAPI(Protocol):
     def copy_in_banks(self, ops: list[tuple[int, np.ndarray, np.ndarray, np.ndarray]]) -> int:
         """Intra-bank copies (the staged mode's D6-D7): ``ops`` holds ``(bank, src_offset,
         dst_offset, nbytes)`` per bank. Returns the number of copies."""
+
+    def dram_write_barrier(self) -> None:
+        """Every write into DRAM so far (the NIC's, the copies') is visible to the device;
+        a sink calls it before it reports a receive finished."""
+
+
+def recv_nbytes_per_bank(ring_nbytes: int, num_banks: int, alignment: int) -> int:
+    """A Tenstorrent sink's receive buffer per bank (bytes): ``ring_nbytes`` over the banks,
+    rounded down to the DRAM alignment (at least one aligned unit)."""
+    return max(alignment, ring_nbytes // num_banks // alignment * alignment)

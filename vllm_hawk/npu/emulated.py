@@ -115,6 +115,9 @@ class EmulatedDevice:
         regions ARE the banks here (a simulated device copies them from host shadows)."""
         return 0
 
+    def dram_write_barrier(self) -> None:
+        """Nothing to wait for: the banks are host memory, written synchronously."""
+
     def write_page(self, buf: DeviceBuffer, page: int, data: bytes | np.ndarray) -> None:
         bank, off = self._page(buf, page)
         arr = np.frombuffer(data, dtype=np.uint8) if isinstance(data, bytes) else data.reshape(-1).view(np.uint8)

@@ -132,6 +132,7 @@ class TTNNChip:
         self._owned: set[int] = set()
         self._buffers: dict[int, DeviceBuffer] = {}
         self._shadow: dict[int, list[np.ndarray]] = {}
+        self._recv: set[int] = set()  # receive buffers: the only ones map_buffer_dma shadows
         self._ids = itertools.count(1)
 
     @classmethod
@@ -177,6 +178,7 @@ class TTNNChip:
             self._owned.clear()
             self._buffers.clear()
             self._shadow.clear()
+            self._recv.clear()
             if self._owns_mesh:
                 self._ttnn.close_mesh_device(self.mesh)
                 self._owns_mesh = False
@@ -243,7 +245,9 @@ class TTNNChip:
 
     def allocate_bank_buffers(self, size_per_bank: int) -> DeviceBuffer:
         """One ``size_per_bank``-byte region per bank (a receive buffer): num_banks pages."""
-        return self.allocate_buffer(self.num_banks, size_per_bank)
+        buf = self.allocate_buffer(self.num_banks, size_per_bank)
+        self._recv.add(buf.buffer_id)
+        return buf
 
     def allocate_tile_tensor(self, shape, dtype: str, data: np.ndarray | None = None) -> DeviceBuffer:
         """A TILE tensor in DRAM (one tile per page): allocated only, or written from
@@ -270,6 +274,7 @@ class TTNNChip:
                 self._ttnn.deallocate(t)
         del self._buffers[buf.buffer_id]
         self._shadow.pop(buf.buffer_id, None)
+        self._recv.discard(buf.buffer_id)
 
     def tensor(self, buf: DeviceBuffer):
         """The ttnn tensor behind a buffer."""
@@ -314,10 +319,19 @@ class TTNNChip:
         return self.num_banks
 
     def map_buffer_dma(self, buffer: DeviceBuffer) -> None:
-        """Give every bank's region of ``buffer`` a host shadow (zeroed) that a transport
-        can register and write; :meth:`dma_written` and :meth:`copy_in_banks` move what was
-        written to the device."""
+        """Give every bank's region of a receive buffer (:meth:`allocate_bank_buffers`) a
+        host shadow (zeroed) that a transport can register and write; :meth:`dma_written`
+        and :meth:`copy_in_banks` move what was written to the device. Other buffers (the
+        model's KV cache: direct mode) are refused: a NIC reaches device DRAM only through
+        tt-kmd windows (:mod:`vllm_hawk.npu.ttnn_kmd_chip`), never through a host copy of
+        the cache."""
         self._known(buffer)
+        if buffer.buffer_id not in self._recv:
+            raise BankBufferError(
+                f"map_buffer_dma: buffer {buffer.buffer_id} ({buffer.size_per_bank} bytes per bank) is not a "
+                "receive buffer: this adapter stages the NIC's bytes in host memory and never shadows the KV "
+                "cache; direct mode needs the tt-kmd route (vllm_hawk.tenstorrent.route), else mode 'staged'"
+            )
         if buffer.buffer_id in self._shadow:
             raise BankBufferError(f"map_buffer_dma: buffer {buffer.buffer_id} is already mapped")
         self._shadow[buffer.buffer_id] = [np.zeros(buffer.size_per_bank, np.uint8) for _ in range(self.num_banks)]
@@ -334,6 +348,10 @@ class TTNNChip:
     def unmap_buffer_dma(self, buffer: DeviceBuffer) -> None:
         self._mapped(buffer, "unmap_buffer_dma")
         del self._shadow[buffer.buffer_id]
+
+    def dram_write_barrier(self) -> None:
+        """Nothing to wait for: every write here went through tt-metal's ``write_to_core``,
+        which returns once the bytes are written."""
 
     def dma_written(self, bank, offset, nbytes) -> int:
         """The host as data mover, after a READ batch landed in mapped shadows: write each

@@ -118,6 +118,7 @@ class TTNNMeshKVCache:
         if any(sh.count != per_chip for sh in self.shards):
             raise ValueError(f"KV cache holds {per_chip} heads per chip; {num_kv_heads} over {len(chips)} chips")
         names = [f"layers.{i}" for i in range(self.spec.num_layers)]
+        self.route = None  # the worker's LandingRoute (vllm_hawk.tenstorrent.route)
         self.chips: list[TTNNChipKVCache] = []
         try:
             for dev, sh in zip(chips, self.shards, strict=True):

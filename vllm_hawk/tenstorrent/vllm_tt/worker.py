@@ -4,18 +4,21 @@ vllm-tt-plugin's ``TTWorker`` never initialises KV transfer (its platform sets t
 class only when it is ``"auto"``, so this one is chosen with vLLM's ``--worker-cls``). On
 top of it, as vLLM's own GPU and CPU workers do:
 
-* ``init_device``: the plugin opens the mesh and builds its runner; then a one-rank
-  distributed environment (world and tensor-parallel groups of size 1, gloo): the
-  connector's factory reads the TP group. The runner becomes
+* ``init_device``: lane mode is refused (its scheduler has no KV connector); the plugin
+  opens the mesh and builds its runner; then a one-rank distributed environment (world and
+  tensor-parallel groups of size 1, gloo): the connector's factory reads the TP group. The runner becomes
   :class:`~vllm_hawk.tenstorrent.vllm_tt.model_runner.HawkTTModelRunner` (the connector's per-step hooks);
 * ``initialize_from_config``: the KV connector is created (``ensure_kv_transfer_initialized``),
   the plugin's runner allocates the cache through the model (``allocate_kv_cache``), then
   the cache the model returned is described per chip by the addresses of its ttnn tensors
   (:class:`~vllm_hawk.tenstorrent.vllm_tt.kv_cache.TTNNMeshKVCache`, every chip checked against the
-  connector's ``device_profile``: a mismatch names the profile field), registered for the
-  connector (:mod:`vllm_hawk.tenstorrent.registry`) and handed to it (``register_kv_caches``):
-  its sink allocates the per-bank receive buffers now, before ``compile_or_warm_up_model``
-  captures any trace;
+  connector's ``device_profile``: a mismatch names the profile field); the landing route is
+  chosen (:mod:`vllm_hawk.tenstorrent.vllm_tt.landing`: the NIC through tt-kmd windows into
+  the KV pages or receive buffers, else the host staging the bytes; logged with the reason
+  when it is not the mode asked for), the cache registered for the connector
+  (:mod:`vllm_hawk.tenstorrent.registry`) and handed to it (``register_kv_caches``): its sink
+  allocates the per-bank receive buffers now, before ``compile_or_warm_up_model`` captures
+  any trace;
 * ``shutdown``: the connector first (it frees its receive buffers and stops its threads),
   then the mesh.
 
@@ -39,6 +42,7 @@ from vllm_hawk.npu.ttnn_chip import TTNNChip
 from vllm_hawk.tenstorrent import registry
 from vllm_hawk.tenstorrent.vllm_tt import WORKER_CLS
 from vllm_hawk.tenstorrent.vllm_tt.kv_cache import TTNNMeshKVCache
+from vllm_hawk.tenstorrent.vllm_tt.landing import chip_links, choose_landing, nic_chips
 from vllm_hawk.tenstorrent.vllm_tt.model_runner import HawkTTModelRunner
 
 __all__ = ["HawkTTWorker", "WORKER_CLS"]
@@ -64,12 +68,30 @@ def _one_rank_groups(worker) -> None:
         del current_platform.is_out_of_tree
 
 
+def refuse_lane_mode(vllm_config) -> None:
+    """vllm-tt-plugin's lane mode (``tt_data_parallel`` > 1 submeshes in one engine) runs its
+    ``TTLaneCoordinator`` scheduler, whose ``get_kv_connector()`` returns None: no KV
+    connector hook would ever run. Refused when a KV connector is configured."""
+    if vllm_config.kv_transfer_config is None:
+        return
+    from vllm_tt_plugin.config import get_tt_data_parallel_size, uses_tt_lane_coordinator
+
+    if uses_tt_lane_coordinator(vllm_config):
+        raise ValueError(
+            f"--kv-transfer-config with vllm-tt-plugin's lane mode (tt data parallel "
+            f"{get_tt_data_parallel_size(vllm_config)} over submeshes, e.g. a Galaxy): its TTLaneCoordinator has "
+            "no KV connector (get_kv_connector() returns None), so HawkConnector cannot serve it; run one decode "
+            "server per submesh (tt data parallel 1) instead"
+        )
+
+
 class HawkTTWorker(TTWorker):
     """vllm-tt-plugin's worker with HawkConnector's decode side (see module doc)."""
 
     hawk_cache: TTNNMeshKVCache | None = None
 
     def init_device(self) -> None:
+        refuse_lane_mode(self.vllm_config)
         super().init_device()
         _one_rank_groups(self)
         HawkTTModelRunner.adopt(self.model_runner)
@@ -81,14 +103,19 @@ class HawkTTWorker(TTWorker):
             self._hand_cache_to_connector()
 
     def _hand_cache_to_connector(self) -> None:
-        ktc = self.vllm_config.kv_transfer_config
-        profile = parse_config(ktc.kv_connector_extra_config).device_profile
-        kv_caches = self.model_runner.kv_caches
-        n = self.mesh_device.get_num_devices()
-        chips = [TTNNChip(self.mesh_device, profile, c) for c in range(n)]
-        cache = TTNNMeshKVCache(
-            chips, kv_caches, self.model_config.get_total_num_kv_heads(), self.cache_config.block_size
-        )
+        cfg = parse_config(self.vllm_config.kv_transfer_config.kv_connector_extra_config)
+        mesh, profile = self.mesh_device, cfg.device_profile
+        cache = self._describe([TTNNChip(mesh, profile, c) for c in range(mesh.get_num_devices())])
+        links = chip_links(mesh)
+        try:
+            route = choose_landing(cache, cfg, links)
+            if route.path != "host-staged":  # the NIC writes DRAM through tt-kmd windows
+                cache.close()
+                cache = self._describe(nic_chips(mesh, profile, links, route))
+        except BaseException:
+            cache.close()
+            raise
+        cache.route = route
         self.hawk_cache = cache
         registry.register(self.vllm_config, cache)
         chip = cache.chips[0]
@@ -104,7 +131,13 @@ class HawkTTWorker(TTWorker):
             cache.num_kv_heads,
             chip.layout.addresses[0][0],
         )
+        logger.info("HAWK Tenstorrent decode: landing route %s", route.describe())
         get_kv_transfer_group().register_kv_caches({})
+
+    def _describe(self, chips) -> TTNNMeshKVCache:
+        return TTNNMeshKVCache(
+            chips, self.model_runner.kv_caches, self.model_config.get_total_num_kv_heads(), self.cache_config.block_size
+        )
 
     def get_kv_connector_handshake_metadata(self) -> dict | None:
         """The connector's out-of-band handshake metadata keyed by ``(pp_rank, tp_rank)``,
