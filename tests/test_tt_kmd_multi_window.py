@@ -17,7 +17,6 @@ from tt_kmd_fakes import (
     FakeTtPeermem,
     fd_is_open,
     hold_like_tt_metal,
-    make_buffer,
 )
 
 from vllm_hawk.npu.bank_buffer import BankBufferError, DeviceBuffer

@@ -56,7 +56,6 @@ from vllm_hawk.npu.tt_kmd.topology import (
 )
 from vllm_hawk.npu.tt_kmd.window_plan import DEVICE_WINDOWS, format_bytes, tt_metal_held_windows
 
-
 __all__ = ["BankMapping", "TtKmdBankBuffers", "WindowSegment"]
 
 
@@ -304,7 +303,7 @@ class TtKmdBankBuffers:
         for bank, src, dst, nbytes in ops:
             self._check_bank(bank)
             for s, d, n in zip(*(list(map(int, x)) for x in (src, dst, nbytes)), strict=True):
-                ctypes.memmove(self._window_address(bank, d, n), self._window_address(bank, s, n), n)
+                ctypes.memmove(self.host_address(bank, d, n), self.host_address(bank, s, n), n)
                 count += 1
         return count
 
@@ -317,8 +316,25 @@ class TtKmdBankBuffers:
             raise BankBufferError(f"buffer {buffer.buffer_id} is not mapped")
         return entry[1][bank]
 
+    def host_address(self, bank: int, offset: int, nbytes: int) -> int:
+        """Host address of device bytes ``[offset, offset + nbytes)`` of ``bank`` (byte offsets
+        in the bank), which must lie in one mapped run of windows (a mapped buffer's region)."""
+        self._check_bank(bank)
+        address = self._windows.address(bank, offset, nbytes)
+        if address is None:
+            raise BankBufferError(
+                f"bank {bank}: bytes [{offset:#x}, {offset + nbytes:#x}) lie in no mapped TLB window "
+                "(map_buffer_dma a buffer there first)"
+            )
+        return address
+
     def mapped_buffers(self) -> list[DeviceBuffer]:
         return [buf for buf, _ in self._mapped.values()]
+
+    @property
+    def device(self) -> TlbDevice:
+        """The tt-kmd fd the windows are allocated on (its owner closes it after :meth:`close`)."""
+        return self._device
 
     @property
     def live_windows(self) -> int:
@@ -334,16 +350,6 @@ class TtKmdBankBuffers:
     # -- internals --------------------------------------------------------------------------
     def _check_bank(self, bank: int) -> None:
         check_bank(bank, self._num_banks, "this device")
-
-    def _window_address(self, bank: int, offset: int, nbytes: int) -> int:
-        """Host address of device bytes ``[offset, offset + nbytes)`` of ``bank`` in mapped windows."""
-        address = self._windows.address(bank, offset, nbytes)
-        if address is None:
-            raise BankBufferError(
-                f"bank {bank}: bytes [{offset:#x}, {offset + nbytes:#x}) lie in no mapped TLB window "
-                "(map_buffer_dma a buffer there first)"
-            )
-        return address
 
     def _windows_taken(self, bank: int) -> str:
         """The ENOMEM text: the window size, who holds such windows, and what to do."""
