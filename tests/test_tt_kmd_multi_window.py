@@ -183,6 +183,15 @@ def test_a_failed_mmap_midway_unmaps_the_run_and_frees_its_windows(reservations)
     assert not any(fd_is_open(fd) for fd in dev.exports)
 
 
+def test_a_failed_export_midway_closes_every_dma_buf_and_frees_every_window(reservations) -> None:
+    dev = FakeTlbDevice(fail_export_at=7)  # bank 1's third window
+    bb = TtKmdBankBuffers(dev, window_bytes=W)
+    with pytest.raises(TtKmdError, match="export refused"):
+        bb.map_buffer_dma(region(1, 0x30_0040, 8 * MiB))
+    assert len(dev.exports) == 7 and not any(fd_is_open(fd) for fd in dev.exports)
+    assert bb.live_windows == 0 and not dev.mapped and not reservations and dev.pool.free(W) == 201
+
+
 def test_partial_window_mappings_cannot_hold_a_region_over_several_windows() -> None:
     bb = TtKmdBankBuffers(FakeTlbDevice(), window_bytes=W, window_map_bytes=1 * MiB)
     with pytest.raises(BankBufferError, match="spans 2 TLB windows of 2 MiB.*window_map_bytes \\(0x100000\\)"):

@@ -8,11 +8,12 @@ hardware; ``TtKmdDevice.open()`` is the first call that does.
 - ``window_plan``: which window size and count a route needs next to tt-metal's (pure)
 - ``sysfs``: device discovery from /dev, /sys, /proc (read-only), processes holding a device
 - ``device``: ``TtKmdDevice`` (ioctls, mmap, dma-buf export)
+- ``bank_windows``: a device's TLB windows aimed at banks, shared, mapped contiguously per region
 - ``bank_buffers``: ``TtKmdBankBuffers``, the BankBufferAPI implementation
 - ``registration``: Mooncake + tt_peermem, and pyverbs dma-buf MR registration
 """
 
-from vllm_hawk.npu.tt_kmd.bank_buffers import BankMapping, TtKmdBankBuffers
+from vllm_hawk.npu.tt_kmd.bank_buffers import BankMapping, TtKmdBankBuffers, WindowSegment
 from vllm_hawk.npu.tt_kmd.device import TtDeviceNotFoundError, TtKmdDevice, TtKmdError, find_device
 from vllm_hawk.npu.tt_kmd.topology import Arch, CoordSystem, UnsupportedArchError
 from vllm_hawk.npu.tt_kmd.window_plan import RouteWindows, WindowsRefused, plan_route_windows
@@ -27,6 +28,7 @@ __all__ = [
     "TtKmdDevice",
     "TtKmdError",
     "UnsupportedArchError",
+    "WindowSegment",
     "WindowsRefused",
     "find_device",
     "plan_route_windows",

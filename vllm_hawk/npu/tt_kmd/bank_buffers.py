@@ -69,7 +69,8 @@ class TtKmdBankBuffers:
     port: which of a channel's 3 NOC ports the windows target. coords: translated (NOC
     translation on, the Blackhole default) or noc0. export_dmabuf: also export each
     buffer's per-bank range as a dma-buf (the pyverbs path and tt_peermem need it).
-    window_bytes: the TLB window size, 4 GiB or 2 MiB (``window_plan.plan_route_windows``).
+    window_bytes: the TLB window size, 4 GiB or 2 MiB (``window_plan.plan_route_windows``);
+    a region crossing window boundaries takes consecutive windows, mapped contiguously.
     window_map_bytes: how much of each window to mmap (bytes, from its start; default the
     whole window, at most a bank's 0xFF000000 bytes).
     profile: the device profile (name or loaded; default ``p150a``, ``p100`` when harvested
@@ -285,7 +286,8 @@ class TtKmdBankBuffers:
     def dram_write_barrier(self) -> None:
         """Make the NIC's writes through the windows visible before a receive is reported finished.
 
-        Reads one 32-bit word through every live window (its first mapped byte), as tt-umd's
+        Reads one 32-bit word through every live window (its first mapped byte, each window
+        once however many buffers share it), as tt-umd's
         ``LocalChip::set_membar_flag`` reads back through its window after writing: a read
         through the window returns only after earlier writes on the same PCIe-to-NOC path have
         drained. It cannot order writes whose PCIe TLPs have not reached the device yet: the
