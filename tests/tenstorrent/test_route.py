@@ -26,7 +26,18 @@ ONE_CHIP = (ChipLink(0, 0),)
 
 
 def route(mode="staged", *, arch="blackhole", banks=8, chips=ONE_CHIP, span=P150_KV_SPAN, **kw):
-    return choose_route(mode, arch, banks, chips, kv_span_per_bank=span, recv_bytes_per_bank=RECV, **kw)
+    base = 0x100040 if arch == "wormhole" else 0x100080  # dram_unreserved_base: the cache and buffers start there
+    return choose_route(
+        mode,
+        arch,
+        banks,
+        chips,
+        kv_span_per_bank=span,
+        recv_bytes_per_bank=RECV,
+        kv_base_per_bank=base,
+        recv_base_per_bank=base,
+        **kw,
+    )
 
 
 @pytest.mark.parametrize("mode", ["staged", "direct"])
@@ -97,20 +108,23 @@ def test_windows_taken_beyond_the_plan_are_named_with_their_holder(tmp_path):
     try:
         for _ in range(201 - 30):
             other.allocate_tlb(2 * MiB)
-        r = route("staged", open_device=opener(pool))
+        r = route("staged", open_device=opener(pool, path=node))
     finally:
         other.close()
     assert r.path == "host-staged" and "staged windows refused: mesh chip 0: only 30 of the 40" in r.reason, r.reason
     assert f"{node}" in r.reason and "(pid " in r.reason  # this process holds the node open
 
 
-def test_wormhole_direct_is_refused_by_window_size_and_lands_staged():
+def test_wormhole_direct_is_refused_by_window_size_and_staged_by_the_backend():
+    """An n150: direct cannot map 1 GiB banks with 16 MiB windows; staged receive buffers
+    would fit 16 MiB windows, but HAWK's tt-kmd backend maps Blackhole banks only, so the
+    host stages, and the reason says both."""
     pool = FakeTlbPool(arch=Arch.WORMHOLE)
-    r = route(
-        "direct", arch="wormhole", banks=12, span=(1 << 30) - 0x100040, open_device=opener(pool, arch=Arch.WORMHOLE)
-    )
-    assert r.path == "nic-staged" and r.windows.window_bytes == 16 * MiB
+    span = (1 << 30) - 0x100040
+    r = route("direct", arch="wormhole", banks=12, span=span, open_device=opener(pool, arch=Arch.WORMHOLE))
+    assert r.path == "host-staged", r
     assert "largest window is 16 MiB" in r.reason
+    assert "12 banks x 1 window of 16 MiB (staged) would fit" in r.reason and "Blackhole DRAM banks only" in r.reason
 
 
 def test_bad_mode_is_named():

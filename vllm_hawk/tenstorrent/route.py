@@ -85,6 +85,8 @@ def choose_route(
     *,
     kv_span_per_bank: int,
     recv_bytes_per_bank: int,
+    kv_base_per_bank: int = 0,
+    recv_base_per_bank: int = 0,
     simulator: str | None = None,
     dev_root: str = "/",
     open_device: Callable[[int, str], TtKmdDevice] | None = None,
@@ -92,8 +94,10 @@ def choose_route(
     """The landing route for a decode asking for ``requested_mode`` (``staged``/``direct``).
 
     ``arch``: ``blackhole``/``wormhole``; ``kv_span_per_bank``: bytes of each bank from the
-    KV cache's first to its last byte (what direct windows must cover);
-    ``recv_bytes_per_bank``: the staged receive buffer per bank; ``simulator``: tt-metal's
+    KV cache's first byte (at ``kv_base_per_bank``) to its last (what direct windows must
+    cover); ``recv_bytes_per_bank``: the staged receive buffer per bank, from
+    ``recv_base_per_bank`` (where it may start: windows are aligned to their size, so an
+    unaligned start can take one window more); ``simulator``: tt-metal's
     ``TT_METAL_SIMULATOR`` (set: there is no device to map). ``open_device(pci, dev_root)``
     opens ``/dev/tenstorrent/<pci>`` (default :meth:`TtKmdDevice.open`)."""
     if requested_mode not in ("staged", "direct"):
@@ -120,7 +124,13 @@ def choose_route(
         return _host(requested_mode, why)
 
     def fits(mode: str, span: int) -> RouteWindows:
-        windows = plan_route_windows(arch, mode, num_banks, span)
+        base = kv_base_per_bank if mode == "direct" else recv_base_per_bank
+        windows = plan_route_windows(arch, mode, num_banks, span, base_per_bank=base)
+        if arch != "blackhole":
+            raise WindowsRefused(
+                f"{windows.describe()} would fit, but HAWK's tt-kmd backend (TtKmdBankBuffers) maps "
+                "Blackhole DRAM banks only"
+            )
         _probe_windows(chips, windows, dev_root, opener)
         return windows
 

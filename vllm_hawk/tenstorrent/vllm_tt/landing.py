@@ -61,6 +61,8 @@ def choose_landing(cache, cfg, links: Sequence[ChipLink], *, dev_root: str = "/"
         links,
         kv_span_per_bank=kv_span_per_bank(chip.buffers),
         recv_bytes_per_bank=recv_nbytes_per_bank(cfg.ring_nbytes, chip.num_banks, profile.dram_alignment_bytes),
+        kv_base_per_bank=min(b.address for b in chip.buffers),
+        recv_base_per_bank=profile.dram_unreserved_base,
         simulator=os.environ.get("TT_METAL_SIMULATOR") or None,
         dev_root=dev_root,
     )
