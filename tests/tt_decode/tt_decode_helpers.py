@@ -96,10 +96,57 @@ def run_on_sim(manifest: dict, device: str, code: str, timeout_s: float = 300.0)
     ``device`` in a fresh process of this environment (tt-metal reads the simulator's
     variables when it starts); returns that object."""
     env = dict(os.environ, **decode_env(manifest, device))  # decode_env puts the repo root first on PYTHONPATH
+    return _run_job(env, code, timeout_s, f"simulator job on {device}")
+
+
+def run_on_mock(manifest: dict, cluster_desc: Path, code: str, timeout_s: float = 300.0) -> dict:
+    """:func:`run_on_sim` in tt-metal's mock mode: no simulator, the cluster described by the
+    UMD cluster descriptor YAML ``cluster_desc`` (``TT_METAL_MOCK_CLUSTER_DESC_PATH``); every
+    driver call is mocked, so devices open and allocate but no byte reaches a device."""
+    env = dict(os.environ, **decode_env(manifest, "p150a"))
+    del env["TT_METAL_SIMULATOR"]
+    env["TT_METAL_MOCK_CLUSTER_DESC_PATH"] = str(cluster_desc)
+    return _run_job(env, code, timeout_s, f"mock-cluster job on {cluster_desc.name}")
+
+
+def _run_job(env: dict[str, str], code: str, timeout_s: float, what: str) -> dict:
     proc = subprocess.run(
         [sys.executable, "-c", code], capture_output=True, text=True, timeout=timeout_s, env=env, cwd=REPO
     )
     if proc.returncode != 0:
-        pytest.fail(f"simulator job on {device} failed (rc={proc.returncode}):\n{proc.stderr[-4000:]}", pytrace=False)
+        pytest.fail(f"{what} failed (rc={proc.returncode}):\n{proc.stderr[-4000:]}", pytrace=False)
     line = next(x for x in proc.stdout.splitlines() if x.startswith("RESULT "))  # ttsim prints its own lines too
     return json.loads(line.removeprefix("RESULT "))
+
+
+def tt_transformers_kv_cache(ttnn, submeshes, kv_cache_shape, num_layers, kv_cache_dtype, tt_cache_path: Path):
+    """A paged cache made by the ttnn calls of tt_transformers' ``allocate_vllm_kv_cache``
+    (tenstorrent/tt-metal ``models/tt_transformers/tt/generator_vllm.py``, read at commit
+    0015d62b): ``kv_cache[submesh][layer] = [K, V]``, each ``ttnn.as_tensor`` of bf16 zeros
+    ``kv_cache_shape`` (``[num_blocks, kv heads per chip, block_size, head_dim]``),
+    ReplicateTensorToMesh, TILE, DRAM, ``kv_cache_dtype``, with a ``cache_file_name`` per K
+    and V: the first layer's K and V are made on the host and dumped, every later one is
+    loaded from that file onto the device."""
+    import torch
+
+    cache = []
+    for submesh in submeshes:
+        zeros = torch.zeros(kv_cache_shape, dtype=torch.bfloat16)
+        layers = []
+        for _ in range(num_layers):
+            layers.append(
+                [
+                    ttnn.as_tensor(
+                        zeros,
+                        device=submesh,
+                        mesh_mapper=ttnn.ReplicateTensorToMesh(submesh),
+                        layout=ttnn.TILE_LAYOUT,
+                        memory_config=ttnn.DRAM_MEMORY_CONFIG,
+                        dtype=kv_cache_dtype,
+                        cache_file_name=tt_cache_path / f"empty_{kv}cache_paged_attention{tuple(kv_cache_shape)}",
+                    )
+                    for kv in "kv"
+                ]
+            )
+        cache.append(layers)
+    return cache
