@@ -116,7 +116,11 @@ class TTNNMeshKVCache:
             shard_heads(num_kv_heads, len(chips), c, "mesh chips") for c in range(len(chips))
         ]
         if any(sh.count != per_chip for sh in self.shards):
-            raise ValueError(f"KV cache holds {per_chip} heads per chip; {num_kv_heads} over {len(chips)} chips")
+            raise ValueError(
+                f"KV cache holds {per_chip} heads per chip; {num_kv_heads} KV heads over {len(chips)} chips are "
+                f"{[sh.count for sh in self.shards]}: allocate [num_blocks, heads per chip, block_size, head_dim] "
+                "per chip, as vllm-tt-plugin's kv_cache_shape asks (tt_transformers shards KV heads over the mesh)"
+            )
         names = [f"layers.{i}" for i in range(self.spec.num_layers)]
         self.route = None  # the worker's LandingRoute (vllm_hawk.tenstorrent.route)
         self.chips: list[TTNNChipKVCache] = []
