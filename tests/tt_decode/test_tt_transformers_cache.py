@@ -376,4 +376,4 @@ def test_mock_cluster_replicated_and_sharded_caches(manifest, tmp_path: Path, na
     finally:
         emu.close()
     assert r["replicated"]["layouts"][0] == [list(a) for a in want.addresses]
-    assert f"{BH} heads per chip; {BH} over {n} chips" in r["all_heads_per_chip"]
+    assert f"{BH} heads per chip; {BH} KV heads over {n} chips" in r["all_heads_per_chip"]
