@@ -9,7 +9,7 @@ mappings are anonymous memory, so host addresses are real and writable; dma-buf 
 memfds. Nothing here proves the real driver behaves so: that needs a Tenstorrent card.
 
 Driver rules enforced (tt-kmd ttkmd-2.10.0-6-g4af7192, commit 4af71921ac02; the project's
-RESEARCH_i29 note, section a):
+docs/tenstorrent-route-evidence.md, section a):
 
 - one pool of windows per size per device, shared by every fd of every process
   (``tlb.c`` ``tenstorrent_device_allocate_tlb``); first free id first; ENOMEM when a size's

@@ -5,7 +5,7 @@ tt-kmd hands each device's windows out from one pool per size, first come first 
 to every fd of every process; tt-metal running in the same process has already taken its
 own at device open. All sizes and addresses below are bytes.
 
-Sources (read, not copied; details and the full evidence in the project note on the route):
+Sources (read, not copied; details and the full evidence in docs/tenstorrent-route-evidence.md):
 
 - tt-kmd ttkmd-2.10.0-6-g4af7192 (commit 4af71921ac02): ``blackhole.c`` 202 windows of 2 MiB
   (``TLB_2M_WINDOW_COUNT``; ``blackhole_init`` claims the last for the kernel) and 8 of
