@@ -106,8 +106,8 @@ def choose_route(
     if remote and requested_mode == "direct":
         raise RouteRefused(
             f"mode 'direct': mesh chip(s) {remote} have no PCIe BAR (reached over Ethernet through another "
-            "chip), so no NIC can write their DRAM; use mode 'staged' with pair 'gn-host', or a mesh of "
-            "PCIe-attached chips only (e.g. one n300 card's local chip, MESH_DEVICE=N150)"
+            "chip), so no NIC can write their DRAM; use mode 'staged' (the host stages their bytes), or a "
+            "mesh of PCIe-attached chips only (e.g. one n300 card's local chip, MESH_DEVICE=N150)"
         )
     if simulator:
         return _host(
