@@ -166,7 +166,8 @@ def test_abort_leaks_nothing(gn):
     after = wait_idle(gn, gn.hawk_dump)
     assert after["decode"]["device_buffers"] == bufs
     check_new_transfers(gn)
-    # a request whose prefill is unknown fails, and leaves nothing behind either
+    # a request whose prefill is unknown fails, and leaves nothing behind either (long enough
+    # that a Tenstorrent decode pulls a block of it: more than one decode block)
     from vllm_hawk.bench.local_cluster import free_port
 
     params = {
@@ -174,14 +175,14 @@ def test_abort_leaks_nothing(gn):
         "do_remote_decode": False,
         "remote_engine_id": "gone",
         "remote_request_id": "cmpl-gone-0",
-        "remote_block_ids": [1, 2],
-        "remote_num_tokens": 40,
+        "remote_block_ids": [1, 2, 3, 4],
+        "remote_num_tokens": 100,
         "remote_host": "127.0.0.1",
         "remote_port": free_port(),
     }
     status, _ = http_post_json(
         gn.decode_url + "/v1/completions",
-        {"model": "tiny", "prompt": [0] + list(range(10, 49)), "max_tokens": 4, "kv_transfer_params": params},
+        {"model": "tiny", "prompt": [0] + list(range(10, 109)), "max_tokens": 4, "kv_transfer_params": params},
     )
     assert status == 500
     assert wait_idle(gn, gn.hawk_dump)["decode"]["device_buffers"] == bufs
