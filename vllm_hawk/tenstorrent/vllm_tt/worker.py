@@ -154,7 +154,10 @@ class HawkTTWorker(TTWorker):
         logger.info("HAWK Tenstorrent decode: KV connector shut down; closing the mesh")
         if self.hawk_cache is not None:
             registry.unregister(self.vllm_config)
+            devices = [c.device for c in self.hawk_cache.chips]
             self.hawk_cache.close()
+            for dev in devices:  # a NIC path's chips hold their tt-kmd fd and windows
+                dev.close()
             self.hawk_cache = None
         mesh, self.mesh_device = self.mesh_device, None
         if mesh is not None:
