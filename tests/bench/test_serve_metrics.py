@@ -28,6 +28,8 @@ def test_workload_is_seeded_sharegpt_format_and_fits(tmp_path, tok, name):
     for r in rows:
         p, o = (len(tok.encode(c["value"])) for c in r["conversations"])
         assert p + o <= 1024 and p >= 4 and o >= 4
+    # the prompts' token counts as the server counts them (BOS included), in file order
+    assert a["served_prompt_tokens"] == [len(tok.encode(r["conversations"][0]["value"])) for r in rows]
     assert a["prompt_params"] == wl.WORKLOADS[name]["prompt"] and a["seed"] == 7 and b["prompt_tokens"]["max"] > 0
 
 

@@ -27,6 +27,10 @@ and throughput at 90% attainment; and the mean TTFT breakdown per request (ms):
 
 and the decode's mean prompt tokens per request (``vllm:request_prompt_tokens``) and KiB per
 pull (``vllm:hawk_transfer_bytes``): the blocks it took, so the tokens it recomputed.
+``kv_ready`` and ``pull`` are means per pull; the pull time taken from the queue time is
+spread over every decode request, some of which pull nothing (a Tenstorrent decode
+recomputes a prompt of one block or less). ``pulls`` counts the pulls, ``requests`` the
+proxy's requests.
 
 Output: a progress bar, tables, ``results/bench_serve*.json`` and a PNG next to it.
 ``--quick``: GG-Direct, GN-HAWK and collocated, one workload, two rates (< 5 min here).
@@ -137,10 +141,12 @@ def breakdown(proxy: tuple[dict, dict], decode: tuple[dict, dict]) -> dict:
     ttft, _ = _mean_ms(*proxy, "hawk_proxy_ttft_seconds")
     queue, _ = _mean_ms(*decode, "vllm:request_queue_time_seconds")
     total_pull, pulls = _mean_ms(*decode, "vllm:hawk_transfer_time_seconds")
+    _, decoded = _mean(*decode, "vllm:request_prompt_tokens")
     m["kv_ready"], _ = _mean_ms(*decode, "vllm:hawk_kv_ready_seconds")
     m["pull"], _ = _mean_ms(*decode, "vllm:hawk_kv_read_seconds")
     m["first_step"], _ = _mean_ms(*decode, "vllm:request_prefill_time_seconds")
-    m["decode_queue"] = max(0.0, queue - total_pull)
+    pull_per_request = total_pull * pulls / decoded if pulls and decoded else 0.0
+    m["decode_queue"] = max(0.0, queue - pull_per_request)
     m["proxy_http"] = max(0.0, ttft - m["prefill"] - queue - m["first_step"])
     out = {k: m[k] for k in STAGES}
     out.update(
@@ -155,12 +161,15 @@ def breakdown(proxy: tuple[dict, dict], decode: tuple[dict, dict]) -> dict:
 
 
 def _scrape_after(proxy_url: str, decode_url: str, before_d: dict, expect: int, timeout_s: float = 6.0) -> dict:
-    """The decode's metrics once its pull stats (shipped with the next engine step) and
-    finished-request stats have arrived, or after ``timeout_s``."""
+    """The decode's metrics once the stats of its ``expect`` finished requests have
+    arrived, or after ``timeout_s``. A request's pull is reported in an engine step before
+    the one it finishes in, so its pull stats are in by then too. (Not every request pulls:
+    a Tenstorrent decode recomputes a prompt of one block or less, see
+    ``HawkConnectorScheduler.matched_end``.)"""
     deadline = time.monotonic() + timeout_s
     while True:
         d = scrape_metrics(decode_url)
-        key = "vllm:hawk_transfer_time_seconds_count"
+        key = "vllm:request_prompt_tokens_count"
         got = d.get(key, 0) - before_d.get(key, 0)
         if got >= expect or time.monotonic() > deadline:
             return d

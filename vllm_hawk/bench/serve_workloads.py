@@ -120,8 +120,10 @@ def make_workload(
     block_size: int = 32,
 ) -> dict:
     """Write ``num`` requests of workload ``name`` to ``path``; return its description
-    (parameters, seed, the lengths' mean/P50/P90 as written). ``block_size`` (tokens): the
-    cluster's, for the snapped workloads (``snap`` in :data:`WORKLOADS`)."""
+    (parameters, seed, the lengths' mean/P50/P90 as written, and each prompt's token count
+    as the server counts it, BOS included: ``served_prompt_tokens``, in file order).
+    ``block_size`` (tokens): the cluster's, for the snapped workloads (``snap`` in
+    :data:`WORKLOADS`)."""
     if name not in WORKLOADS:
         raise ValueError(f"workload {name!r} unknown; known: {sorted(WORKLOADS)}")
     if num < 1:
@@ -129,7 +131,7 @@ def make_workload(
     w = WORKLOADS[name]
     rng, rnd = np.random.default_rng(seed), random.Random(seed)
     prompts, outputs = _lengths(rng, w["prompt"], num), _lengths(rng, w["output"], num)
-    rows, plens, olens, served = [], [], [], set()
+    rows, plens, olens, served, served_lens = [], [], [], set(), []
     for pl, ol in zip(prompts, outputs, strict=False):
         ol = min(ol, max_model_len // 4)
         if "snap" in w:
@@ -142,6 +144,7 @@ def make_workload(
             prompt, pn = _text(tokenizer, pl, rnd)
         completion, on = _text(tokenizer, ol, rnd)
         rows.append({"conversations": [{"from": "human", "value": prompt}, {"from": "gpt", "value": completion}]})
+        served_lens.append(len(tokenizer.encode(prompt)))
         plens.append(pn)
         olens.append(on)
     Path(path).parent.mkdir(parents=True, exist_ok=True)
@@ -167,6 +170,7 @@ def make_workload(
         "prompt_params": w["prompt"],
         "output_params": w["output"],
         "prompt_tokens": summary(plens),
+        "served_prompt_tokens": served_lens,
         "output_tokens": summary(olens),
         "path": str(path),
     }
