@@ -6,6 +6,9 @@ export HAWK_CACHE
 # The cached venv does not contain the project: every command runs this checkout's code.
 export PYTHONPATH := $(CURDIR)$(if $(PYTHONPATH),:$(PYTHONPATH))
 PY := $(shell bash scripts/ensure_env.sh path main)
+# Triton for the GPU transform kernel under its interpreter (tests/transform/test_triton_kernel.py):
+# a side folder, never on the vLLM venv's path (requirements/triton.txt).
+export HAWK_TRITON_DIR := $(shell bash scripts/ensure_env.sh path triton)
 PYTEST_ARGS ?=
 
 
@@ -20,7 +23,7 @@ endif
 export HAWK_SUITE_DEADLINE
 endif
 
-.PHONY: demo compose-demo layout config-doc test test-fast test-security test-ttsim test-tt-decode test-amx-refused lint env ttnn-env tt-env tt-env-background ttsim-env kernel-deps which-python bench-transform bench-serve clean-env
+.PHONY: demo compose-demo layout config-doc test test-fast test-security test-ttsim test-tt-decode test-amx-refused lint env ttnn-env triton-env tt-env tt-env-background ttsim-env kernel-deps which-python bench-transform bench-serve clean-env
 
 which-python:  ## the interpreter every target uses
 	@echo $(PY)
@@ -30,6 +33,9 @@ env:
 
 ttnn-env:
 	@$(STAGE) ttnn-env bash scripts/ensure_env.sh ttnn >/dev/null
+
+triton-env: env
+	@$(STAGE) triton-env bash scripts/ensure_env.sh triton >/dev/null
 
 # The Tenstorrent decode node (CPython 3.12: vLLM 0.25.1 from its sdist, vllm-tt-plugin from
 # ../shared/vllm-tt-plugin, ttnn, torch; requirements/tt-decode.txt) and ttnn on ttsim in it.
@@ -71,7 +77,7 @@ lint: env  ## ruff format --check and ruff check, configured in pyproject.toml
 # marker `compose`), then everything else; the last closing line counts the main suite.
 # The tt decode environment builds in the background from the start (mostly downloads), while
 # the other environments and the compose stage run; the tt-env stage then waits for it.
-test: tt-env-background env ttnn-env kernel-deps ttsim-env lint  ## the whole suite, as CI runs it
+test: tt-env-background env ttnn-env triton-env kernel-deps ttsim-env lint  ## the whole suite, as CI runs it
 	@$(STAGE) compose $(PY) -m pytest -q -p no:cacheprovider -m compose $(PYTEST_ARGS) tests/twohost
 	@$(MAKE) --no-print-directory tt-env
 	@$(STAGE) tt-decode $(MAKE) --no-print-directory test-tt-decode
@@ -84,7 +90,7 @@ test-tt-decode: env tt-env
 
 # The pure tests: no vLLM engine, no simulator, no kernel build, no Docker, no root or apt (markers
 # are set per folder in tests/conftest.py).
-test-fast: env lint  ## minutes, not tens of minutes
+test-fast: env triton-env lint  ## minutes, not tens of minutes
 	@$(STAGE) pytest-fast $(PY) -m pytest -q -p no:cacheprovider -m "not (vllm or ttnn or ttsim or kernel or guest or compose or netns)" $(PYTEST_ARGS) tests
 
 test-security: env  ## the attacker tests (tests/security): floods, fuzzing, each attack on real components

@@ -6,8 +6,11 @@
 #   scripts/ensure_env.sh tt          CPython 3.12 venv: the Tenstorrent decode node (vLLM 0.25.1
 #                                     from its sdist, vllm-tt-plugin, ttnn, torch, mooncake)
 #   scripts/ensure_env.sh tt-background   start that build in the background (make test)
+#   scripts/ensure_env.sh triton      a folder with Triton (pip --target), for the GPU transform
+#                                     kernel under Triton's interpreter; prints the folder
 #   scripts/ensure_env.sh system      Debian packages the main venv needs (libibverbs1)
-#   scripts/ensure_env.sh path main|ttnn|tt   print the python path without building
+#   scripts/ensure_env.sh path main|ttnn|tt|triton   print the python path (triton: the
+#                                     folder) without building
 #
 # Cache root: $HAWK_CACHE (default ~/.cache/vllm-hawk). A venv's folder name carries the
 # hash of its requirements file and ENV_REV, so a change builds a NEW folder and never
@@ -81,6 +84,26 @@ post_main() {
     "$1/bin/pip" uninstall -y -q torchvision torchaudio torchcodec triton >&2 || true
 }
 post_none() { :; }
+
+build_target() {  # build_target KIND REQFILE: pip install --target a cached folder; prints it
+    local kind=$1 req=$2 dir py t0
+    dir=$(venv_dir "$kind" "$req")
+    if [ -f "$dir/.hawk-ready" ]; then touch "$dir/.hawk-ready"; echo "$dir"; return 0; fi
+    py=$(build_venv py311 3.11 "$here/requirements/cpu.txt" post_main)
+    exec 8>"$dir.lock"
+    flock 8
+    if [ -f "$dir/.hawk-ready" ]; then echo "$dir"; return 0; fi
+    t0=$(date +%s)
+    rm -rf "$dir"
+    "$py" -m pip install -q --disable-pip-version-check --progress-bar off --no-deps --target "$dir" -r "$req" >&2
+    touch "$dir/.hawk-ready"
+    log "built $dir in $(( $(date +%s) - t0 )) s ($(du -sh "$dir" | cut -f1))"
+    find "$cache" -maxdepth 2 -path "$cache/venv-$kind-*/.hawk-ready" -mtime +"$PRUNE_DAYS" 2>/dev/null |
+        while read -r ready; do
+            old=$(dirname "$ready"); [ "$old" != "$dir" ] && rm -rf "$old" "$old.lock" && log "pruned unused $old"
+        done
+    echo "$dir"
+}
 
 tt_plugin_dir() {  # the vllm-tt-plugin source snapshot: HAWK_TT_PLUGIN_DIR, else ../shared next to
     # this checkout or next to the main checkout of a git worktree
@@ -161,16 +184,18 @@ case "${1:-main}" in
         keys=$(tt_key_files)
         # shellcheck disable=SC2086
         build_venv tt-py312 3.12 "$here/requirements/tt-decode.txt" post_tt $keys ;;
+    triton) build_target triton "$here/requirements/triton.txt" ;;
     system) system_pkgs ;;
     path)
         case "${2:-main}" in
             main) echo "$(venv_dir py311 "$here/requirements/cpu.txt")/bin/python" ;;
             ttnn) echo "$(venv_dir ttnn-py312 "$here/requirements/ttnn.txt")/bin/python" ;;
+            triton) venv_dir triton "$here/requirements/triton.txt" ;;
             tt)
                 keys=$(tt_key_files)
                 # shellcheck disable=SC2086
                 echo "$(venv_dir tt-py312 "$here/requirements/tt-decode.txt" $keys)/bin/python" ;;
-            *) log "usage: $0 path main|ttnn|tt"; exit 2 ;;
+            *) log "usage: $0 path main|ttnn|tt|triton"; exit 2 ;;
         esac ;;
-    *) log "usage: $0 main|ttnn|tt|tt-background|system|path KIND"; exit 2 ;;
+    *) log "usage: $0 main|ttnn|tt|triton|tt-background|system|path KIND"; exit 2 ;;
 esac

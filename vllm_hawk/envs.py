@@ -78,7 +78,7 @@ __all__ = [
 CPU_AMX = "HAWK_CPU_AMX"
 CPU_AMX_MODES = ("auto", "on", "off")
 CPU_AMX_DECIDED = "HAWK_CPU_AMX_DECIDED"
-TRANSFORM_IMPLS = ("auto", "torch", "cpu_kernel")
+TRANSFORM_IMPLS = ("auto", "torch", "cpu_kernel", "triton")
 TT_VARS = (
     "HAWK_TT_PLATFORM",
     "HAWK_TT_DEVICE",
@@ -117,7 +117,7 @@ def shared_secret_file() -> str | None:
 
 
 def transform_impl() -> str:
-    """``HAWK_TRANSFORM_IMPL``: ``auto`` (default), ``torch`` or ``cpu_kernel``."""
+    """``HAWK_TRANSFORM_IMPL``: ``auto`` (default), ``torch``, ``cpu_kernel`` or ``triton``."""
     raw = os.environ.get("HAWK_TRANSFORM_IMPL", "")
     value = raw.strip().lower() or "auto"
     if value not in TRANSFORM_IMPLS:

@@ -10,14 +10,19 @@ dtype and written bank-major into G' (uint8 [plan.total_nbytes]), exactly as the
 the source blocks are zero tiles.
 
 On the CPU a fused numba kernel (:mod:`vllm_hawk.transform.cpu_kernel`) does gather,
-tilize and pack in one pass; elsewhere (CUDA) the torch path runs: a strided permute
-copy per run of source blocks when the bank of a tile is a suffix of its digits, else a
-gather of the source tiles in G' order, then packing into each bank's segment.
-``HAWK_TRANSFORM_IMPL=torch|cpu_kernel`` forces one implementation.
+tilize and pack in one pass; on CUDA one fused Triton kernel
+(:mod:`vllm_hawk.transform.triton_kernel`) does the same in one launch per request or
+layer group, reading source blocks of any size in place (no regroup copy). The torch
+path is the reference, and the fallback where neither applies (no numba, no triton,
+a float32 target): a strided permute copy per run of source blocks when the bank of a
+tile is a suffix of its digits, else a gather of the source tiles in G' order, then
+packing into each bank's segment. ``HAWK_TRANSFORM_IMPL=torch|cpu_kernel|triton`` forces
+one implementation (``triton`` on CPU tensors needs ``TRITON_INTERPRET=1``).
 """
 
 from __future__ import annotations
 
+import importlib.util
 from collections.abc import Sequence
 
 import numpy as np
@@ -28,6 +33,50 @@ from vllm_hawk.layout.formats import pack_tiles
 from vllm_hawk.layout.tiles import TILE, TILE_ELEMS, tile_view
 from vllm_hawk.transform import cpu_kernel
 from vllm_hawk.transform.plan import TransferPlan, block_runs
+
+IMPLS = ("auto", "cpu_kernel", "torch", "triton")
+_HAVE_TRITON = importlib.util.find_spec("triton") is not None
+TRITON_TARGETS = ("bfloat16", "bfloat8_b", "bfloat4_b")  # triton_kernel.TARGETS (kept importable without triton)
+TRITON_SOURCES = (torch.bfloat16, torch.float16, torch.float32)
+
+
+def uses_triton(impl: str, x: torch.Tensor, out: torch.Tensor, dtype: str) -> bool:
+    """Whether :func:`transform_kv` runs the Triton kernel: when forced, or under
+    ``auto`` for a CUDA G' from views it supports (triton importable)."""
+    if impl == "triton":
+        return True
+    return (
+        impl == "auto"
+        and out.device.type == "cuda"
+        and _HAVE_TRITON
+        and dtype in TRITON_TARGETS
+        and x.dtype in TRITON_SOURCES
+    )
+
+
+def triton_transform(
+    layers,
+    src: np.ndarray,
+    src_block_size: int,
+    plan: TransferPlan,
+    out: torch.Tensor,
+    lo: int,
+    hi: int,
+    offset: int = 0,
+    memo: dict | None = None,
+) -> int:
+    """The Triton kernel over layers lo..hi-1 (any source block size and token offset).
+    Its tables go to the device once per request (``memo``, kept across the request's
+    layer groups; pinned, asynchronous copies on CUDA). Returns the kernel launches."""
+    from vllm_hawk.transform import triton_kernel
+
+    memo = {} if memo is None else memo
+    if "triton_table" not in memo:
+        memo["triton_table"] = triton_kernel.to_device(triton_kernel.tile_table(plan, offset), out.device)
+        memo["triton_blocks"] = triton_kernel.to_device(np.ascontiguousarray(src, dtype=np.int64), out.device)
+    return triton_kernel.launch(
+        layers, int(src.size), src_block_size, plan, out, lo, hi, memo["triton_table"], memo["triton_blocks"]
+    )
 
 
 def tile_aligned(src_block_size: int, src_token_offset: int = 0) -> bool:
@@ -137,21 +186,26 @@ def transform_kv(
     layer_range: tuple[int, int] | None = None,
     kernel_views: cpu_kernel.KernelViews | None = None,
     src_token_offset: int = 0,
+    memo: dict | None = None,
 ) -> torch.Tensor:
     """Build G' for one request. ``layers[l] = (K, V)`` logical views (see module doc).
 
-    ``impl``: "auto" (default, or $HAWK_TRANSFORM_IMPL), "cpu_kernel" or "torch".
+    ``impl``: "auto" (default, or $HAWK_TRANSFORM_IMPL), "cpu_kernel", "torch" or "triton".
     ``layer_range=(a, b)``: write only layers a..b-1 (their bytes in every bank's segment;
     the rest of ``out`` is untouched), for layer-group pipelining. ``kernel_views``: the
     CPU kernel's view of ``layers``, built once (:class:`~vllm_hawk.transform.cpu_kernel.KernelViews`).
-    ``src_token_offset``: the span's first token inside ``src_blocks[0]``.
+    ``src_token_offset``: the span's first token inside ``src_blocks[0]``. ``memo``: a
+    dict kept across the layer groups of one request (the Triton kernel's tile table).
     Returns ``out`` (allocated if None): uint8 [plan.total_nbytes] on the views' device."""
     lo, hi, src, out = _checked(layers, src_blocks, src_block_size, plan, out, layer_range)
     impl = impl or envs.transform_impl()
-    if impl not in ("auto", "cpu_kernel", "torch"):
-        raise ValueError(f"transform impl must be auto, cpu_kernel or torch, got {impl!r}")
+    if impl not in IMPLS:
+        raise ValueError(f"transform impl must be one of {', '.join(IMPLS)}, got {impl!r}")
     if not 0 <= src_token_offset < max(1, src_block_size):
         raise ValueError(f"transform_kv: token offset {src_token_offset} not inside a {src_block_size}-token block")
+    if uses_triton(impl, layers[0][0], out, plan.layout.spec.dtype):
+        triton_transform(layers, src, src_block_size, plan, out, lo, hi, src_token_offset, memo)
+        return out
     if not tile_aligned(src_block_size, src_token_offset):
         bs = plan.layout.spec.block_size
         grouped, ids = regroup_tokens(layers, src, src_block_size, src_token_offset, bs, lo, hi)
@@ -324,5 +378,13 @@ def transform_source(
             return out
     layers, ids = source.select(src)
     return transform_kv(
-        layers, ids, src_block_size, plan, out, impl, layer_range=layer_range, src_token_offset=src_token_offset
+        layers,
+        ids,
+        src_block_size,
+        plan,
+        out,
+        impl,
+        layer_range=layer_range,
+        src_token_offset=src_token_offset,
+        memo=memo,
     )
