@@ -67,16 +67,19 @@ def triton_transform(
 ) -> int:
     """The Triton kernel over layers lo..hi-1 (any source block size and token offset).
     Its tables go to the device once per request (``memo``, kept across the request's
-    layer groups; pinned, asynchronous copies on CUDA). Returns the kernel launches."""
+    layer groups; pinned, asynchronous copies on CUDA). Returns the kernel launches, also
+    added up in ``memo["triton_launches"]``."""
     from vllm_hawk.transform import triton_kernel
 
     memo = {} if memo is None else memo
     if "triton_table" not in memo:
         memo["triton_table"] = triton_kernel.to_device(triton_kernel.tile_table(plan, offset), out.device)
         memo["triton_blocks"] = triton_kernel.to_device(np.ascontiguousarray(src, dtype=np.int64), out.device)
-    return triton_kernel.launch(
+    n = triton_kernel.launch(
         layers, int(src.size), src_block_size, plan, out, lo, hi, memo["triton_table"], memo["triton_blocks"]
     )
+    memo["triton_launches"] = memo.get("triton_launches", 0) + n
+    return n
 
 
 def tile_aligned(src_block_size: int, src_token_offset: int = 0) -> bool:
