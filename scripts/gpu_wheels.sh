@@ -3,6 +3,11 @@
 # not the side channel's msgspec and pyzmq (the lent H200's image: CPython 3.12, no
 # registry reachable). Versions are the main environment's pins (requirements/cpu.txt).
 #   bash scripts/gpu_wheels.sh [PYTHON_VERSION]   # default 3.12; writes build/gpu-wheels (about 1 MB)
+# Not Mooncake: its CUDA wheels (mooncake-transfer-engine for cu12, -cuda13 for cu13, the
+# [cu12]/[cu13] extras) are about 98 MB, over the 64 MiB a lent machine is sent, and need
+# libibverbs1/libnuma1/libcurl4. So the GPU check records transfers (RecordingTransport), and
+# Mooncake's CUDA probe (vllm_hawk/transport/mooncake_cuda.py) has not run on a GPU. On a GPU
+# host with a registry: pip install mooncake-transfer-engine-cuda13==0.3.13.post1 (CUDA 13 torch).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 pyver="${1:-3.12}"

@@ -282,7 +282,8 @@ def run_checks(role: str, root: Path) -> list[Check]:
         _import_check(
             "mooncake",
             "mooncake.engine:TransferEngine",
-            "pip install the project's extra: `pip install -e .[cpu]` (TCP) or `.[gpu]` (RDMA)",
+            "pip install the project's extra: `pip install -e .[cpu]` (TCP) or, for torch's CUDA, "
+            "`.[cu13]` / `.[cu12]` (RDMA)",
             required=True,
         )
     )

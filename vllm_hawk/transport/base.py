@@ -177,7 +177,7 @@ def check_entries(entries: Sequence[Entry], max_entries: int = 1 << 20) -> tuple
 
 HOST_ONLY = (
     "it reaches host memory ('cpu') only; device memory needs transport mooncake-rdma with Mooncake's "
-    "CUDA wheel (the [gpu] extra)"
+    "wheel for torch's CUDA (the [cu12] or [cu13] extra)"
 )
 
 

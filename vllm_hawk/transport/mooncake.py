@@ -32,17 +32,19 @@ docs/mooncake.md in the repository):
   a key of the engine's NIC topology): ``cuda:N`` for a GPU's memory, so the NIC reads it
   with GPUDirect RDMA and the engine prefers the NICs next to that GPU; host memory goes
   as ``*``, for which the engine looks up the pages' NUMA node itself (its topology names
-  host memory ``cpu:<numa node>``, so a bare ``cpu`` would match no NIC). Only the CUDA
-  wheel (``mooncake-transfer-engine``) can reach device memory: the ``-non-cuda`` build
-  copies TCP transfers with ``memcpy``, which a device address would crash, so
-  :meth:`MooncakeTransport.accepts_memory` refuses ``cuda:*`` there.
+  host memory ``cpu:<numa node>``, so a bare ``cpu`` would match no NIC).
+* Device memory (:mod:`vllm_hawk.transport.mooncake_cuda`): which wheel is installed says
+  nothing reliable (``mooncake-transfer-engine`` is cu12, ``-cuda13`` cu13, ``-non-cuda``
+  none, all one ``mooncake`` package), and ``register_memory`` over TCP accepts any
+  address in every build. So the engine is asked: ``mooncake.engine.SUPPORT_CUDA``
+  (its ``USE_CUDA`` compile flag), then one 4 KiB loopback READ from the device into
+  host memory through this engine, compared byte for byte.
 """
 
 from __future__ import annotations
 
 import collections
 import contextlib
-import importlib.metadata
 import logging
 import os
 import queue
@@ -65,6 +67,7 @@ from vllm_hawk.transport.base import (
     closed_transfer,
     wait_handle,
 )
+from vllm_hawk.transport.mooncake_cuda import CudaReach, install_hint
 
 logger = logging.getLogger(__name__)
 
@@ -85,17 +88,6 @@ ENV_DEFAULTS = {
 #: against 21.9-30.6 (docs/mooncake.md).
 POLL_MAX_S = 200e-6
 _BAD_BATCH_IDS = (0, 2**64 - 1, -1)  # the binding returns 0 or (uint64)-1 on failure
-#: Mooncake's CUDA wheel; the CPU one is ``mooncake-transfer-engine-non-cuda`` (same package).
-CUDA_DIST = "mooncake-transfer-engine"
-
-
-def cuda_build() -> bool:
-    """True when the installed Mooncake is the CUDA wheel (it reaches ``cuda:N`` memory)."""
-    try:
-        importlib.metadata.version(CUDA_DIST)
-    except importlib.metadata.PackageNotFoundError:
-        return False
-    return True
 
 
 def engine_location(location: str) -> str:
@@ -153,8 +145,8 @@ class MooncakeTransport:
             from mooncake.engine import TransferEngine
         except ImportError as e:  # pragma: no cover - depends on the environment
             raise TransportError(
-                "Mooncake is not installed (pip install mooncake-transfer-engine-non-cuda; "
-                "it needs libibverbs1 even for TCP)"
+                f"Mooncake is not importable ({e}): pip install {install_hint()}; it needs "
+                "libibverbs1, libnuma1 and libcurl4 even for TCP"
             ) from e
         self._engine = TransferEngine()
         rc, self.effective_protocol = _initialize(self._engine, local_host, protocol, device_name)
@@ -179,7 +171,7 @@ class MooncakeTransport:
                 f" (device {device_name or 'any'})" if protocol == "rdma" else "",
             )
         self._regions = RegionTable()
-        self.reaches_cuda = cuda_build()
+        self._cuda = CudaReach(self)
         self._max_inflight = max(1, max_inflight)
         self._poll_min = poll_min_s
         self._poll_max = poll_max_s
@@ -193,16 +185,21 @@ class MooncakeTransport:
         return self._endpoint
 
     def accepts_memory(self, location: str) -> bool:
-        return location == HOST or (self.reaches_cuda and location.startswith("cuda:"))
+        """Host memory always; ``cuda:N`` where this engine was seen to reach that GPU
+        (decided on the first question about it, see :class:`CudaReach`)."""
+        return location == HOST or (location.startswith("cuda:") and self._cuda.reason(location) is None)
 
     def register(self, addr: int, nbytes: int, location: str = HOST) -> None:
         why = (
-            "device memory needs Mooncake's CUDA wheel (pip install mooncake-transfer-engine, the [gpu] "
-            "extra; this is mooncake-transfer-engine-non-cuda)"
+            self._cuda.reason(location) or ""
             if location.startswith("cuda:")
             else "it registers host memory ('cpu') and CUDA device memory ('cuda:N') only"
         )
         check_location(self, location, "Mooncake", why)
+        self._register(addr, nbytes, location)
+
+    def _register(self, addr: int, nbytes: int, location: str) -> None:
+        """``register`` without the location check (the CUDA probe registers through it)."""
         self._regions.add(addr, nbytes)
         where = engine_location(location)
         rc = self._engine.register_memory(addr, nbytes, where)
