@@ -1,12 +1,14 @@
 """The prefill side on a CUDA GPU: its bytes against the CPU path's, its speed against a
-plain device copy, KVRequest -> KVReady. One prepared script for a lent GPU machine
-(about 3 minutes there; nothing but torch, numpy and PyYAML is needed, the rest travels).
+plain device copy, CUDA graph capture next to its start-up, KVReady under load. One
+prepared script for a lent GPU machine (nothing but torch, numpy, numba and triton is
+needed there; the other wheels travel in ``--wheels``).
 
-    bash scripts/gpu_wheels.sh            # here: msgspec + pyzmq wheels for the GPU machine's Python
-    python scripts/gpu_check.py [--device cuda] [--size-mb 160] [--out gpu_check.json]
+    bash scripts/gpu_wheels.sh            # here: msgspec, pyzmq, PyYAML wheels for the GPU machine's Python
+    python scripts/gpu_check.py --suite full --device cuda --wheels build/gpu-wheels --out-dir gpu_check_out
+    python scripts/gpu_check.py [--suite quick] [--size-mb 160] [--out gpu_check.json]
 
-Two steps, for Llama-3.1-70B at TP=4 onto a p150a chip (2 KV heads, 80 layers, block 64)
-by default, over a random bf16 FlashAttention (NHD) cache on the device:
+``--suite quick`` (the default), for Llama-3.1-70B at TP=4 onto a p150a chip (2 KV heads,
+80 layers, block 64) over a random bf16 FlashAttention (NHD) cache on the device:
 
 1. ``transform``: G' from the torch transform on the device equals, byte for byte, G'
    from the CPU kernel over a host copy of the cache (bf16 and bfloat8_b tiles); its
@@ -18,10 +20,23 @@ by default, over a random bf16 FlashAttention (NHD) cache on the device:
    same endpoint's over the host copy; where the ring is and under which location it is
    registered (``cuda:0``); produce GB/s against a device copy; KVRequest -> KVReady ms.
 
-msgspec and pyzmq (the side channel) are imported from ``--wheels`` (unpacked into a
-temporary directory) when the machine lacks them; without them step 2 is skipped and the
-output says so. Prints a table per step, writes JSON, exits 1 if any bytes differ.
-``--device cpu`` runs the same steps on the CPU (CI runs it: tests/transform/test_gpu_check_script.py).
+``--suite full``: four sections, each written to ``--out-dir/<section>.json`` as soon
+as it finishes (then ``summary.json``), each with a table:
+
+* ``matrix`` (:mod:`vllm_hawk.bench.gpu_matrix`): every source layout x source blocks
+  {16, 32, 64} x destination {32, 64} x {bf16, bfp8, bfp4} x {whole, layer group, head
+  share} against the CPU reference: the Triton kernel and the torch path on CUDA; on the
+  CPU the torch path, and the Triton kernel on tiny shapes when ``TRITON_INTERPRET=1``;
+* ``speed`` (:mod:`vllm_hawk.bench.gpu_speed`): GB/s against a device copy (CUDA events),
+  kernels per request, host ms, peak-memory growth, for Llama-8B TP1 16 -> 64 at 4k
+  tokens and 70B TP4 at 160 MB, contiguous and scattered blocks;
+* ``capture`` and ``replay`` (:mod:`vllm_hawk.bench.gpu_capture`): 10 graph captures on
+  a non-blocking stream right after the connector's ``make_prefill`` (its warm-up as
+  the connector runs it); 20 KVRequests idle and while graphs that write KV replay.
+
+``--device cpu`` runs the same at small sizes (CI: tests/transform/test_gpu_check_script.py);
+CPU figures are CPU figures. ``--budget-s`` skips what would start past it (noted).
+Exits 1 if any bytes differ or a capture fails.
 """
 
 from __future__ import annotations
@@ -39,15 +54,20 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
+os.environ["PYTHONPATH"] = os.pathsep.join(p for p in (str(ROOT), os.environ.get("PYTHONPATH")) if p)
 
 import numpy as np  # noqa: E402
 import torch  # noqa: E402
 
+#: modules the suites import beyond torch, numpy, numba and triton (the side channel, the
+#: device and model profiles); from ``--wheels`` where the machine lacks them
+WHEEL_MODULES = ("msgspec", "zmq", "yaml")
+
 
 def unpack_wheels(wheels: Path) -> list[str]:
-    """Make msgspec and zmq importable from the wheels in ``wheels`` where they are not
-    installed; returns those still missing."""
-    missing = [m for m in ("msgspec", "zmq") if importlib.util.find_spec(m) is None]
+    """Make :data:`WHEEL_MODULES` importable from the wheels in ``wheels`` where they are
+    not installed (here and in child processes: PYTHONPATH); returns those still missing."""
+    missing = [m for m in WHEEL_MODULES if importlib.util.find_spec(m) is None]
     if missing and wheels.is_dir():
         site = Path(tempfile.mkdtemp(prefix="gpu-check-site-"))
         for whl in sorted(wheels.glob("*.whl")):
@@ -56,8 +76,9 @@ def unpack_wheels(wheels: Path) -> list[str]:
         for so in site.rglob("*.so*"):
             so.chmod(0o755)
         sys.path.insert(0, str(site))
+        os.environ["PYTHONPATH"] = os.pathsep.join(p for p in (str(site), os.environ.get("PYTHONPATH")) if p)
         importlib.invalidate_caches()
-        missing = [m for m in ("msgspec", "zmq") if importlib.util.find_spec(m) is None]
+        missing = [m for m in WHEEL_MODULES if importlib.util.find_spec(m) is None]
     return missing
 
 
@@ -169,9 +190,20 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--size-mb", type=float, default=160.0, help="the request's bf16 KV (source bytes)")
     ap.add_argument("--repeats", type=int, default=10)
     ap.add_argument("--wheels", default=str(ROOT / "build" / "gpu-wheels"), help="msgspec/pyzmq wheels to use")
-    ap.add_argument("--out", default="gpu_check.json")
+    ap.add_argument("--out", default="gpu_check.json", help="quick suite: the JSON report")
+    ap.add_argument("--suite", choices=("quick", "full"), default="quick")
+    ap.add_argument("--out-dir", default="gpu_check_out", help="full suite: one JSON per section")
+    ap.add_argument("--budget-s", type=float, default=420.0, help="full suite: start nothing heavy after this")
     a = ap.parse_args(argv)
     dev = torch.device(a.device)
+    if a.suite == "full":
+        missing = unpack_wheels(Path(a.wheels))
+        if missing:
+            print(f"full suite: {', '.join(missing)} not importable (run scripts/gpu_wheels.sh, pass --wheels)")
+            return 2
+        from vllm_hawk.bench.gpu_suite import run_full
+
+        return 0 if run_full(dev, Path(a.out_dir), a.budget_s, a.repeats) else 1
     sync = (lambda: getattr(torch, dev.type).synchronize(dev)) if dev.type != "cpu" else (lambda: None)
     name = torch.cuda.get_device_name(dev) if dev.type == "cuda" else str(dev)
     report = {"device": name, "torch": torch.__version__, "model": a.model, "tp": a.tp, "skipped": [], "notes": []}
