@@ -74,7 +74,7 @@ def test_gpu_check_full_suite_on_the_cpu_writes_every_section(tmp_path):
     torch_rows = [x for x in matrix["rows"] if x["impl"] == "torch"]
     assert len(torch_rows) == 6 * 3 * 2 * 3 * 3 and all(x["bytes_equal"] for x in torch_rows)
     assert {x["share"] for x in torch_rows} == {"whole", "layer-group", "head-share"}
-    assert {x["ref"] for x in torch_rows} == {"numba", "torch-cpu"}  # 16-token sources: no numba
+    assert {x["ref"] for x in torch_rows} == {"numba", "numba-regrouped"}  # 16-token sources: regrouped first
     assert any(x["token_offset"] for x in torch_rows)  # a span starting inside a source block
     speed = json.loads((out / "speed.json").read_text())["rows"]
     assert {x["order"] for x in speed} == {"contiguous", "scattered"} and {x["impl"] for x in speed} == {

@@ -1,10 +1,11 @@
 """The GPU transform kernel (:mod:`vllm_hawk.transform.triton_kernel`) under Triton's
 interpreter: byte-equal to the torch path and the numba kernel over the whole matrix of
-:mod:`triton_matrix` (every source layout x source blocks 16/32/64 x destination 32/64 x
-bf16/bfp8/bfp4 x whole request / layer groups / head share; scattered blocks, a partial
-last block, a non-zero first block), and how :func:`~vllm_hawk.transform.kv_transform.transform_kv`
-chooses it. Triton lives in a side folder (``HAWK_TRITON_DIR``, ``make triton-env``): the
-tests skip without it locally and fail under CI."""
+:mod:`vllm_hawk.bench.gpu_matrix` (run by :mod:`triton_matrix`: every source layout x
+source blocks 16/32/64 x destination 32/64 x bf16/bfp8/bfp4 x whole request / layer
+groups / head share; scattered blocks, a partial last block, a non-zero first block), and
+how :func:`~vllm_hawk.transform.kv_transform.transform_kv` chooses it. Triton lives in a
+side folder (``HAWK_TRITON_DIR``, ``make triton-env``): the tests skip without it locally
+and fail under CI."""
 
 from __future__ import annotations
 
@@ -41,9 +42,10 @@ def test_interpreted_kernel_equals_torch_and_numba_over_the_matrix():
     )
     assert r.stdout.strip(), r.stderr[-4000:]
     res = json.loads(r.stdout.strip().splitlines()[-1])
-    print(f"triton matrix: {res['cases']} cases, {res['programs']} programs, {res['seconds']} s")
+    print(f"triton matrix: {res['cases']} cases, {res['launches']} launches, {res['seconds']} s")
     assert res["cases"] == 6 * 3 * 2 * 3 * 3
     assert not res["failed"], res["failed"][:10]
+    assert res["refs"] == ["numba", "numba-regrouped"]
     # one launch per request (whole, share) or per layer group: 1 + 2 + 1 per combination
     assert res["launches"] == res["cases"] // 3 * 4
     assert r.returncode == 0, r.stderr[-4000:]

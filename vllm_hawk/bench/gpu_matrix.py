@@ -8,9 +8,10 @@ layer groups, head share}, each with scattered source blocks, a partial last blo
 non-zero first destination block (the span starts inside a source block where the
 destination's blocks are smaller). Per case, G' from
 :func:`~vllm_hawk.transform.transform_source` on the device (``impl``: ``auto``, the
-Triton kernel on CUDA, or ``torch``) equals G' from the CPU reference over a host copy of
-the same caches: the numba kernel where the source is tile-aligned, else the torch path
-on the CPU (``ref`` names which ran). Layer groups: ``layer_range`` calls into one buffer
+Triton kernel on CUDA, ``triton`` under its interpreter on the CPU, or ``torch``) equals
+G' from both CPU references over a host copy of the same caches: the numba kernel (over
+the same tokens regrouped into destination-sized blocks where the source is not
+tile-aligned; ``ref`` says which) and the torch path. Layer groups: ``layer_range`` calls into one buffer
 (prefilled with 0xAB) that must add up to the whole G'. Head share: heads 1..H-1 of the
 source (``TransformSource.heads``).
 """
@@ -30,8 +31,8 @@ from vllm_hawk.layout.device_profiles import load_profile
 from vllm_hawk.layout.formats import tile_format
 from vllm_hawk.layout.tt_kv_cache import TTKVCacheLayout, TTKVCacheSpec
 from vllm_hawk.layout.vllm_kv import KV_CACHE_LAYOUTS, FlashAttnKVLayout, TransformSource, make_layer_caches
-from vllm_hawk.transform import make_plan, transform_source
-from vllm_hawk.transform.kv_transform import tile_aligned
+from vllm_hawk.transform import make_plan, transform_kv, transform_source
+from vllm_hawk.transform.kv_transform import regroup_tokens, tile_aligned
 
 __all__ = ["DTYPES", "SHARES", "MatrixGeo", "cases", "matrix_rows", "random_sources", "tt_plan"]
 
@@ -95,16 +96,29 @@ def cases(layouts=None, src_sizes=SRC_BLOCK_SIZES, dst_sizes=DST_BLOCK_SIZES, dt
     return list(itertools.product(sorted(layouts or KV_CACHE_LAYOUTS), src_sizes, dst_sizes, dtypes, shares))
 
 
-def _g_prime(src, ids, sbs, plan, offset, impl, share, layers, device) -> torch.Tensor:
-    """G' of one case (``impl`` None: the CPU reference, whole)."""
+def _g_prime(src, ids, sbs, plan, offset, impl, share, layers, device) -> tuple[torch.Tensor, dict]:
+    """G' of one case on ``device`` by ``impl`` (layer groups: two ``layer_range`` calls),
+    and the request's memo (``triton_launches``: the Triton kernel's launches)."""
     out = torch.full((plan.total_nbytes,), 0xAB, dtype=torch.uint8, device=device)
-    if impl is None:
-        return transform_source(src, ids, sbs, plan, out, impl="cpu_kernel", src_token_offset=offset)
     memo: dict = {}
     ranges = ((0, 1), (1, layers)) if share == "layer-group" else (None,)
     for r in ranges:
         transform_source(src, ids, sbs, plan, out, layer_range=r, impl=impl, memo=memo, src_token_offset=offset)
-    return out
+    return out, memo
+
+
+def _references(host, ids, sbs: int, plan, offset: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """(numba G', torch-path G') of one case from the host caches. The numba kernel reads
+    tile-aligned blocks only: elsewhere it gets the same tokens regrouped into
+    destination-sized blocks (what the torch path does first)."""
+    views, sel = host.select(ids)
+    torch_ref = transform_kv(views, sel, sbs, plan, impl="torch", src_token_offset=offset)
+    if tile_aligned(sbs, offset):
+        out = torch.empty(plan.total_nbytes, dtype=torch.uint8)
+        return transform_source(host, ids, sbs, plan, out, impl="cpu_kernel", src_token_offset=offset), torch_ref
+    bs, n_layers = plan.layout.spec.block_size, plan.layout.spec.num_layers
+    grouped, gids = regroup_tokens(views, sel, sbs, offset, bs, 0, n_layers)
+    return transform_kv(grouped, gids, bs, plan, impl="cpu_kernel"), torch_ref
 
 
 def _one(case, impl: str, geo: MatrixGeo, device, pools: dict, rng) -> dict:
@@ -124,9 +138,9 @@ def _one(case, impl: str, geo: MatrixGeo, device, pools: dict, rng) -> dict:
         heads = geo.heads - 1
         dev, host = dev.heads(1, heads), host.heads(1, heads)
     plan = tt_plan(geo.layers, heads, dbs, geo.head_dim, dtype, dst)
-    want = _g_prime(host, ids, sbs, plan, offset, None, "whole", geo.layers, "cpu")
+    numba, torch_ref = _references(host, ids, sbs, plan, offset)
     t0 = time.perf_counter()
-    got = _g_prime(dev, ids, sbs, plan, offset, impl, share, geo.layers, device)
+    got, memo = _g_prime(dev, ids, sbs, plan, offset, impl, share, geo.layers, device)
     if torch.device(device).type != "cpu":
         torch.cuda.synchronize(device)
     ms = 1e3 * (time.perf_counter() - t0)
@@ -137,9 +151,11 @@ def _one(case, impl: str, geo: MatrixGeo, device, pools: dict, rng) -> dict:
         "dtype": dtype,
         "share": share,
         "impl": impl,
-        "ref": "numba" if tile_aligned(sbs, offset) else "torch-cpu",
+        "ref": "numba" if tile_aligned(sbs, offset) else "numba-regrouped",
         "token_offset": offset,
-        "bytes_equal": bool(torch.equal(got.cpu(), want)),
+        "bytes_equal": bool(torch.equal(got.cpu(), numba) and torch.equal(numba, torch_ref)),
+        "torch_equal": bool(torch.equal(got.cpu(), torch_ref)),
+        "triton_launches": memo.get("triton_launches", 0),
         "ms": ms,
     }
 

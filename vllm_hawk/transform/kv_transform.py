@@ -362,7 +362,7 @@ def transform_source(
     layer groups of one request (per-tile arguments)."""
     impl = impl or envs.transform_impl()
     src = np.asarray(src_blocks, dtype=np.int64).reshape(-1)
-    if impl != "torch" and out.device.type == "cpu" and tile_aligned(src_block_size, src_token_offset):
+    if impl in ("auto", "cpu_kernel") and out.device.type == "cpu" and tile_aligned(src_block_size, src_token_offset):
         kv = cpu_kernel.views_for(source)
         if kv is not None:
             if src.size and (src.min() < 0 or src.max() >= source.num_blocks):
