@@ -189,6 +189,157 @@ def negative(kind: str) -> dict:
     return run("staged", 32, source("staged", caches_on("cpu", 32, 0), 32).layout, 70)
 
 
+CAPTURE_S = 1.5  # how long the capture stays open while the endpoint idles
+
+
+def _local_kv(dev, bs: int):
+    """What the connector's ``describe_local`` makes of vLLM's FlashAttention caches on ``dev``."""
+    from vllm_hawk.connector.describe import LocalKV, tt_compat
+
+    caches = caches_on(dev, bs, 5)
+    region_map = region_map_from_caches(caches, [block_byte_ranges(c, 0) for c in caches])
+    lay = FlashAttnKVLayout(H, bs, D)
+    return LocalKV(
+        tt_compat("tiny", "bfloat16", bs, PROFILE),
+        vllm_layout_desc(region_map, "vllm-paged/FLASH_ATTN", "bfloat16", bs, H, D),
+        region_map,
+        [(caches[0].data_ptr(), L * BLOCKS * region_map.block_nbytes)],
+        TransformSource([lay] * L, caches),
+        heads=head_maps(caches),
+        num_kv_heads=H,
+        caches=caches,
+        adapters=[lay] * L,
+    )
+
+
+def _connector_prefill(kv, dev):
+    """The GN-HAWK prefill exactly as the connector builds it at ``register_kv_caches``
+    (:func:`~vllm_hawk.connector.strategies.make_prefill`, the configuration parsed from a
+    ``kv_connector_extra_config``) over ``kv``."""
+    from types import SimpleNamespace
+
+    from vllm_hawk.connector import strategies
+    from vllm_hawk.connector.config import parse_config
+
+    extra = {
+        "pair": "gn-hawk",
+        "device_profile": PROFILE,
+        "side_channel_host": "127.0.0.1",
+        "side_channel_port": _free_port(),
+        "auth": "hmac",
+        "shared_secret": "s" * 32,
+        "ring_nbytes": 4 << 20,
+    }
+    cfg = parse_config(extra, side="prefill")
+    vllm_config = SimpleNamespace(parallel_config=SimpleNamespace(data_parallel_size=1))
+    transport = RecordingTransport({"cpu", f"{dev.type}:0"})
+    return strategies.make_prefill(cfg, kv, transport, vllm_config, tp_rank=0, tp_size=1, on_finished=None)
+
+
+def _free_port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def startup_capture() -> dict:
+    """Start-up, then a capture while the endpoint idles, then serving (see the test)."""
+    dev = opaque_device.enable()
+    bs, tokens = 16, 70  # vLLM's CUDA block size: 16-token sources into 32-token tiles
+    dst = tt_desc("bfloat8_b", 32)
+    kv = _local_kv(dev, bs)
+    before = set(threading.enumerate())
+    m0 = opaque_device.mark()
+    ep = _connector_prefill(kv, dev)
+    facts: dict = {}
+    try:
+        start = opaque_device.ops(m0)
+        facts["startup_busy"] = opaque_device.busy()
+        facts["startup_threads"] = sorted({o.thread for o in start})
+        # work queued on the legacy default stream (the closing device-wide wait is none)
+        facts["startup_default_stream_work"] = [o.what for o in start if o.stream == 0 and o.what != "synchronize"]
+        facts["startup_ends_with_device_sync"] = any(o.what == "synchronize" for o in start)
+        facts["startup_ops"] = len(start)
+        facts["new_threads"] = sorted(t.name for t in set(threading.enumerate()) - before if t.is_alive())
+        rng = np.random.default_rng(3)
+        src_blocks = rng.permutation(BLOCKS)[: -(-tokens // bs)]
+        dst_blocks = [int(b) for b in rng.permutation(40)[: -(-tokens // dst.block_size)]]
+        replies, done = {}, threading.Semaphore(0)
+
+        def reply_to(rid):
+            def reply(msg):  # on the worker that produced it, as the side channel's outbox gets it
+                replies[rid] = (msg, opaque_device.busy(), opaque_device.mark(), threading.current_thread().name)
+                done.release()
+
+            return reply
+
+        def ask(rid):
+            msg = KVRequest(req_id=rid, dst_layout=dst, num_tokens=tokens, dst_block_ids=dst_blocks)
+            out = ep.on_kv_request("decode", msg, reply_to(rid))
+            if out is not None:
+                reply_to(rid)(out)
+
+        # the capture: the endpoint idles, its side channel up; a decode's KVRequest that
+        # beats the engine's hand-over arrives (on another thread, as the server's would)
+        mc = opaque_device.mark()
+        with opaque_device.capture() as cap:
+            early = threading.Thread(target=ask, args=("r0",), name="side-channel")
+            early.start()
+            early.join()
+            threading.Event().wait(CAPTURE_S)
+        facts["capture_invalidated"] = cap.invalidated
+        facts["capture_calls"] = len(opaque_device.ops(mc))
+        facts["capture_offenders"] = [list(o) for o in cap.offenders[:5]]
+        m1 = opaque_device.mark()
+        ep.add_request("r0", src_blocks, tokens)  # the hand-over: the parked KVRequest is served
+        ep.add_request("r1", src_blocks, tokens)
+        ask("r1")
+        for _ in range(2):
+            assert done.acquire(timeout=120), "no KVReady"
+        serving = opaque_device.ops(m1)
+        facts["serving_threads"] = sorted({o.thread for o in serving})
+        workers = {o.thread for o in serving}
+        facts["streams_per_thread"] = {t: sorted({o.stream for o in serving if o.thread == t}) for t in workers}
+        uploads = [o for o in serving if o.what == opaque_device.UPLOAD]
+        facts["uploads"], facts["uploads_blocking"] = len(uploads), sum(not o.non_blocking for o in uploads)
+        facts["replies"] = {}
+        for rid, (msg, busy, at, thread) in replies.items():
+            mine = [o for o in opaque_device.ops(m1)[: at - m1] if o.thread == thread]
+            facts["replies"][rid] = {
+                "kvready": isinstance(msg, KVReady),
+                "busy_at_reply": busy,
+                "last_calls": [o.what for o in mine[-2:]],
+                "stream_syncs": sum(o.what in ("stream.synchronize", "synchronize") for o in mine),
+            }
+        ring = {
+            rid: ep.ring.view(m.ring_offset, m.total_nbytes).cpu().numpy().tobytes() for rid, (m, *_) in replies.items()
+        }
+        t = make_transport("inprocess")
+        try:
+            host = serve(source("hawk", caches_on("cpu", bs, 5), bs), t, dst, tokens, src_blocks, dst_blocks)
+        finally:
+            t.close()
+        facts["equal_to_host"] = all(b.hex() == host["bytes"] for b in ring.values())
+        facts["decoys_untouched"] = opaque_device.decoys_untouched()
+    finally:
+        ep.close()
+    return facts
+
+
+def threaded_warm_during_capture() -> dict:
+    """The check has teeth: the warm-up as the connector ran it before (a
+    ``hawk-transform-warm`` thread, started just before vLLM's capture) invalidates it."""
+    dev = opaque_device.enable()
+    src = source("hawk", caches_on(dev, 16, 5), 16)
+    with opaque_device.capture() as cap:
+        t = threading.Thread(target=lambda: src.warm(src.profile), daemon=True, name="hawk-transform-warm")
+        t.start()
+        t.join(60)
+    return {"capture_invalidated": cap.invalidated, "offender_threads": sorted({o.thread for o in cap.offenders})}
+
+
 def _refused(fn) -> bool:
     try:
         fn()
@@ -207,6 +358,8 @@ SCENARIOS = {
     "host-pointer-copy": host_pointer_copy,
     "negative-raw-pointer-gather": lambda: negative("raw"),
     "negative-no-sync": lambda: negative("no-sync"),
+    "startup-capture": startup_capture,
+    "negative-threaded-warm-during-capture": threaded_warm_during_capture,
 }
 
 if __name__ == "__main__":

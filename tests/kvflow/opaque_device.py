@@ -24,9 +24,25 @@ with ``0xA5``, never of the bytes. A host copy through it reads ``0xA5`` (wrong 
 byte comparison fails) and a host write lands in the decoy (:func:`decoys_untouched` turns
 False); nothing crashes. Transports get that address as device memory at ``"hawkdev:0"``.
 
-Streams: every operation marks the device busy; ``torch.hawkdev.current_stream().synchronize()``
-(what :func:`vllm_hawk.kvflow.device.synchronize` calls) or a copy to the host makes it
-idle: :func:`busy` tells whether work was queued that nobody waited for.
+Streams and events, as CUDA's contract has them (the part the prefill relies on):
+``torch.hawkdev.Stream()`` makes a stream (independent of every other, as torch's
+non-blocking CUDA pool streams are); ``torch.hawkdev.stream(s)`` makes it the calling
+thread's current stream for the block (per thread; outside one it is the legacy
+default stream, :data:`DEFAULT_STREAM`); every operation is queued on the issuing
+thread's current stream and is *done* only after that stream's ``synchronize()``, an
+``Event`` recorded after it and ``synchronize()``d (``query()`` tells without waiting),
+``torch.hawkdev.synchronize()`` (everything), or a copy to the host on that stream (a
+synchronous device -> host copy). :func:`busy` tells whether work was queued that nobody
+waited for (on any stream, or on one), :func:`syncs` counts the waits, :func:`ops` lists
+every operation with the thread and stream that issued it (``mark()`` starts a window).
+
+Capture: :func:`capture` stands for a CUDA graph capture on the calling thread with
+``capture_error_mode="global"`` (vLLM 0.32's): while it is open, any device call (an
+operation, a stream or event created, recorded or synchronised) from another thread
+marks it invalidated, as CUDA_ERROR_STREAM_CAPTURE_INVALIDATED would. That is stricter
+than CUDA (a kernel launched on an unrelated non-blocking stream is legal there; the
+warm-up's allocations, pageable copies and synchronisations are not), so a pass here
+means no HAWK thread touches the device at all during the capture.
 
 A fake at the hardware boundary (CUDA), used by tests only. :func:`enable` changes torch
 for the whole process (the rename cannot be undone): call it in a process of its own.
@@ -34,8 +50,10 @@ for the whole process (the rename cannot be undone): call it in a process of its
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import hashlib
+import itertools
 import os
 import subprocess
 import sys
@@ -43,6 +61,7 @@ import tempfile
 import threading
 import types
 from pathlib import Path
+from typing import NamedTuple
 
 import numpy as np
 import torch
@@ -50,10 +69,25 @@ from torch.utils._pytree import tree_map
 
 from vllm_hawk import envs
 
-__all__ = ["CANARY", "GUARD_CPP", "NAME", "busy", "decoys_untouched", "enable", "syncs"]
+__all__ = [
+    "CANARY",
+    "DEFAULT_STREAM",
+    "GUARD_CPP",
+    "NAME",
+    "UPLOAD",
+    "Op",
+    "busy",
+    "capture",
+    "decoys_untouched",
+    "enable",
+    "mark",
+    "ops",
+    "syncs",
+]
 
 NAME = "hawkdev"
 CANARY = 0xA5
+UPLOAD = "upload"  # Op.what of a host -> device copy
 #: ``c10::impl::DeviceGuardImplInterface`` for PrivateUse1: one device, one stream.
 GUARD_CPP = r"""
 #include <c10/core/impl/DeviceGuardImplInterface.h>
@@ -76,8 +110,12 @@ C10_REGISTER_GUARD_IMPL(PrivateUse1, OpaqueGuard);
 }  // namespace
 """
 
-_lock = threading.Lock()
-_state = {"enabled": False, "busy": False, "syncs": 0}
+_lock = threading.RLock()
+_state = {"enabled": False, "syncs": 0, "capture": None}
+_tls = threading.local()  # .stream: this thread's current stream (None: the legacy default)
+_log: list = []  # every device call, an Op each
+_stream_ids = itertools.count(1)
+_streams: list = []  # every stream made (the legacy default one first), for busy()
 _decoys: dict[int, np.ndarray] = {}  # hidden storage's address -> its decoy
 _keep: list = []  # the guard library and the torch.library registration, alive for the process
 
@@ -190,11 +228,15 @@ def _run(func, args, kwargs):
         func is torch.ops.aten.copy_.default and not isinstance(args[0], OpaqueTensor)
     )
     out = func(*tree_map(_to_host, args), **tree_map(_to_host, kwargs))
-    with _lock:
+    if not func.is_view:  # a view is metadata: no device work (CUDA launches nothing)
+        nb = bool(kwargs.get("non_blocking", False))
+        name = func._schema.name
+        if func is torch.ops.aten.copy_.default and not to_host and not isinstance(args[1], OpaqueTensor):
+            nb, name = nb or (len(args) > 2 and bool(args[2])), UPLOAD
+        s = _issue(name, nb)
         if to_host:
-            _state["busy"] = False  # a copy to the host waits for the device's queue
-        else:
-            _state["busy"] = True
+            with _lock:
+                s.done = s.queued  # a copy to the host waits for its stream's queue
     if func._schema.is_mutable:  # in place / out=: return the caller's own tensors
         mutated = [
             a for a, s in zip(args, func._schema.arguments, strict=False) if s.alias_info and s.alias_info.is_write
@@ -216,19 +258,142 @@ def _factory(op, *args, **kwargs):
     device="hawkdev")``, the allocation inside ``.to("hawkdev")``)."""
     kwargs = {k: _to_host(v) for k, v in kwargs.items()}
     out = op(*tree_map(_to_host, args), **kwargs)
-    with _lock:
-        _state["busy"] = True
+    _issue(op._schema.name, False)
     return tree_map(lambda x: OpaqueTensor(x) if isinstance(x, torch.Tensor) else x, out)
 
 
-class _Stream:
+class Op(NamedTuple):
+    """One device call: the issuing thread's name, the stream's id (0: the legacy default
+    stream), what it was (an aten operation's name, or ``stream.synchronize`` ...) and
+    whether a copy was issued ``non_blocking``."""
+
+    thread: str
+    stream: int
+    what: str
+    non_blocking: bool = False
+
+
+class Capture:
+    """An open :func:`capture`: ``invalidated`` once another thread touched the device;
+    ``offenders`` lists those calls."""
+
+    def __init__(self) -> None:
+        self.thread = threading.get_ident()
+        self.offenders: list[Op] = []
+
+    @property
+    def invalidated(self) -> bool:
+        return bool(self.offenders)
+
+
+def _device_call(stream_id: int, what: str, nb: bool = False) -> None:
+    """Log a device call (``_lock`` held) and hold it against an open capture."""
+    op = Op(threading.current_thread().name, stream_id, what, nb)
+    _log.append(op)
+    cap = _state["capture"]
+    if cap is not None and threading.get_ident() != cap.thread:
+        cap.offenders.append(op)
+
+
+class Stream:
+    """A stream of the device (``torch.hawkdev.Stream``): work queued on it is done after
+    its :meth:`synchronize`, an event recorded after it, or a device synchronisation."""
+
+    def __init__(self, device=None, priority: int = 0, *, _id: int | None = None) -> None:
+        self.id = next(_stream_ids) if _id is None else _id
+        self.device = f"{NAME}:0"
+        self.queued = self.done = 0
+        with _lock:
+            _streams.append(self)
+            if _id is None:
+                _device_call(self.id, "Stream")
+
     def synchronize(self) -> None:
         with _lock:
-            _state["busy"] = False
+            _device_call(self.id, "stream.synchronize")
+            self.done = self.queued
             _state["syncs"] += 1
+
+    def query(self) -> bool:
+        with _lock:
+            return self.done >= self.queued
 
     def wait_stream(self, other) -> None:
         pass
+
+    def record_event(self, event=None):
+        event = event or Event()
+        event.record(self)
+        return event
+
+    def __repr__(self) -> str:
+        return f"<hawkdev stream {self.id}>"
+
+
+#: The legacy default stream: every thread's current stream outside ``torch.hawkdev.stream(s)``.
+DEFAULT_STREAM = Stream(_id=0)
+
+
+class Event:
+    """``torch.hawkdev.Event``: :meth:`record` marks what its stream has queued so far;
+    :meth:`synchronize` waits for exactly that."""
+
+    def __init__(self, enable_timing: bool = False, blocking: bool = False, interprocess: bool = False) -> None:
+        self.stream: Stream | None = None
+        self.seq = 0
+
+    def record(self, stream: Stream | None = None) -> None:
+        s = stream or _current()
+        with _lock:
+            _device_call(s.id, "event.record")
+            self.stream, self.seq = s, s.queued
+
+    def query(self) -> bool:
+        with _lock:
+            return self.stream is None or self.stream.done >= self.seq
+
+    def synchronize(self) -> None:
+        with _lock:
+            if self.stream is None:
+                return
+            _device_call(self.stream.id, "event.synchronize")
+            self.stream.done = max(self.stream.done, self.seq)
+            _state["syncs"] += 1
+
+    def wait(self, stream: Stream | None = None) -> None:
+        pass
+
+
+def _current() -> Stream:
+    return getattr(_tls, "stream", None) or DEFAULT_STREAM
+
+
+def _issue(what: str, non_blocking: bool) -> Stream:
+    """Queue one operation on the calling thread's current stream; returns the stream."""
+    s = _current()
+    with _lock:
+        s.queued += 1
+        _device_call(s.id, what, non_blocking)
+    return s
+
+
+@contextlib.contextmanager
+def _stream_context(s: Stream | None):
+    """``torch.hawkdev.stream(s)``: ``s`` is this thread's current stream in the block."""
+    prev = getattr(_tls, "stream", None)
+    _tls.stream = s if s is not None else prev
+    try:
+        yield s
+    finally:
+        _tls.stream = prev
+
+
+def _synchronize(device=None) -> None:
+    with _lock:
+        _device_call(_current().id, "synchronize")
+        for s in _streams:
+            s.done = s.queued
+        _state["syncs"] += 1
 
 
 def _device_module() -> types.ModuleType:
@@ -238,8 +403,11 @@ def _device_module() -> types.ModuleType:
     m.device_count = lambda: 1
     m.current_device = lambda: 0
     m._is_in_bad_fork = lambda: False
-    m.current_stream = lambda device=None: _Stream()
-    m.synchronize = lambda device=None: _Stream().synchronize()
+    m.Stream, m.Event = Stream, Event
+    m.stream = _stream_context
+    m.current_stream = lambda device=None: _current()
+    m.default_stream = lambda device=None: DEFAULT_STREAM
+    m.synchronize = _synchronize
     return m
 
 
@@ -258,16 +426,47 @@ def enable() -> torch.device:
     return torch.device(NAME, 0)
 
 
-def busy() -> bool:
-    """True when operations were queued on the device since the last synchronisation."""
+def busy(stream: Stream | int | None = None) -> bool:
+    """True when operations were queued (on ``stream``, a stream or its id, or on any) that
+    nobody waited for."""
     with _lock:
-        return bool(_state["busy"])
+        picked = [s for s in _streams if stream is None or s is stream or s.id == stream]
+        return any(s.queued > s.done for s in picked)
 
 
 def syncs() -> int:
-    """Stream synchronisations so far."""
+    """Waits for the device so far (stream, event and device synchronisations)."""
     with _lock:
         return int(_state["syncs"])
+
+
+def mark() -> int:
+    """The start of a window of :func:`ops`."""
+    with _lock:
+        return len(_log)
+
+
+def ops(since: int = 0) -> list[Op]:
+    """The device calls since ``since`` (a :func:`mark`), in order."""
+    with _lock:
+        return list(_log[since:])
+
+
+@contextlib.contextmanager
+def capture():
+    """A CUDA graph capture on the calling thread, ``capture_error_mode="global"`` (see the
+    module doc): yields a :class:`Capture` that is invalidated by any device call from
+    another thread until the block ends."""
+    cap = Capture()
+    with _lock:
+        if _state["capture"] is not None:
+            raise RuntimeError("opaque device: a capture is already open")
+        _state["capture"] = cap
+    try:
+        yield cap
+    finally:
+        with _lock:
+            _state["capture"] = None
 
 
 def decoys_untouched() -> bool:

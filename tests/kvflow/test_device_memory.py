@@ -17,6 +17,16 @@ A transport that reaches host memory only gets a host ring (the gather copies de
 host with torch). Two negative controls show that the checks catch the failures they
 are for: the staged gather as a raw ``ctypes.memmove`` (what the prefill did before)
 produces wrong bytes, and a KVReady without the synchronisation is seen as such.
+
+Capture safety (vLLM captures CUDA graphs right after ``register_kv_caches``, with
+``capture_error_mode="global"``: device work from any other host thread during the
+capture invalidates it): the GN-HAWK prefill built as the connector builds it returns
+with its warm-up finished and waited for, having queued nothing on the legacy default
+stream; a capture held open while the endpoint idles (a KVRequest parked for its
+hand-over included) sees no device call from any thread; serving then runs on the
+prefill worker's own stream only, with non-blocking index uploads, and each KVReady goes
+out after an event recorded behind the transform was waited for. The warm-up thread the
+connector started before is caught invalidating a capture.
 """
 
 from __future__ import annotations
@@ -91,3 +101,30 @@ def test_a_raw_pointer_gather_is_caught():
 def test_a_kvready_before_the_device_is_done_is_caught():
     f = run_scenarios("negative-no-sync")["negative-no-sync"]
     assert f["busy_at_reply"]
+
+
+def test_start_up_survives_a_cuda_graph_capture():
+    f = run_scenarios("startup-capture")["startup-capture"]
+    # start-up (make_prefill, as register_kv_caches runs it): warm-up here, on its own stream, waited for
+    assert f["startup_threads"] == ["MainThread"] and f["startup_ops"] > 0
+    assert not f["startup_busy"] and f["startup_ends_with_device_sync"]
+    assert f["startup_default_stream_work"] == [], "start-up queued work on the legacy default stream"
+    assert "hawk-transform-warm" not in f["new_threads"]
+    # the capture while the endpoint idles: nothing touches the device
+    assert not f["capture_invalidated"], f["capture_offenders"]
+    assert f["capture_calls"] == 0
+    # serving: the worker alone, on its own non-default stream, KVReady after the event
+    assert f["serving_threads"] == ["hawk-prefill_0"]
+    streams = f["streams_per_thread"]["hawk-prefill_0"]
+    assert len(streams) == 1 and streams[0] != 0
+    assert f["uploads"] > 0 and f["uploads_blocking"] == 0
+    assert set(f["replies"]) == {"r0", "r1"}
+    for r in f["replies"].values():
+        assert r["kvready"] and not r["busy_at_reply"]
+        assert r["last_calls"] == ["event.record", "event.synchronize"] and r["stream_syncs"] == 0
+    assert f["equal_to_host"] and f["decoys_untouched"]
+
+
+def test_a_warm_up_thread_during_a_capture_is_caught():
+    f = run_scenarios("negative-threaded-warm-during-capture")["negative-threaded-warm-during-capture"]
+    assert f["capture_invalidated"] and f["offender_threads"] == ["hawk-transform-warm"]

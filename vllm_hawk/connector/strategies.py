@@ -37,6 +37,7 @@ from vllm_hawk.kvflow import (
     VllmBlockSource,
     vllm_sink,
 )
+from vllm_hawk.kvflow.device import own_stream, synchronize_device
 from vllm_hawk.kvflow.gn_host import GNHostSink
 from vllm_hawk.kvflow.pull_plan import PullPlanner, check_targets
 from vllm_hawk.kvflow.regroup import Regroup
@@ -62,16 +63,16 @@ __all__ = [
 ]
 
 
-def _compile_then_load(warm, what: str, *, cpu: bool = True) -> None:
-    """Compile the CPU transform kernels before the engine is up (``cpu``: the KV is in host
+def _compile_then_load(warm, what: str) -> None:
+    """Compile the CPU transform kernels before the engine is up (the KV is in host
     memory), then load them (``warm``) while it starts. The compile runs in a child process
     (:func:`~vllm_hawk.transform.cpu_kernel.warm_in_child`; this thread waits without the
     GIL), so no request finds them uncompiled and this process, whose side channel must
-    keep answering, only loads them."""
+    keep answering, only loads them. CPU work only: it cannot break a CUDA graph capture."""
     from vllm_hawk.transform.cpu_kernel import warm_in_child
 
     t0 = time.monotonic()
-    if cpu and not warm_in_child():
+    if not warm_in_child():
         logger.warning("HawkConnector: %s kernels did not compile in a child process; compiling here", what)
 
     def run() -> None:
@@ -83,6 +84,26 @@ def _compile_then_load(warm, what: str, *, cpu: bool = True) -> None:
         logger.info("HawkConnector: %s kernels ready in %.1f s", what, time.monotonic() - t0)
 
     threading.Thread(target=run, daemon=True, name="hawk-transform-warm").start()
+
+
+def _warm_on_device(warm, what: str, device) -> None:
+    """Run the warm-up of a device (GPU) cache's transform here, in the caller
+    (``register_kv_caches``), on this thread's own stream, and wait until the device has
+    run everything queued. vLLM captures its CUDA graphs right after (``capture_model``,
+    with torch's default ``capture_error_mode="global"``: CUDA work that any other host
+    thread issues during a capture invalidates it, CUDA_ERROR_STREAM_CAPTURE_INVALIDATED),
+    so no warm-up may still run, or start, in a thread of ours then. After this, HAWK
+    issues device work only on a prefill worker serving a KVRequest. Costs the start-up
+    the kernels' compile (Triton JIT: seconds, cached across starts)."""
+    t0 = time.monotonic()
+    try:
+        with own_stream(device):
+            warm()
+    except Exception as e:  # noqa: BLE001 - the first request compiles instead
+        logger.warning("HawkConnector: %s warm-up failed: %s", what, e)
+    finally:
+        synchronize_device(device)
+    logger.info("HawkConnector: %s kernels ready on %s in %.1f s", what, device, time.monotonic() - t0)
 
 
 def _on_cpu(src) -> bool:
@@ -149,7 +170,7 @@ def prefill_transforms(cfg: HawkConfig) -> bool:
 
 def make_source(cfg: HawkConfig, kv: LocalKV):
     """The prefill's source for this configuration (see module doc); a transform's kernels
-    are not compiled yet (:func:`make_prefill` starts that)."""
+    are not compiled yet (:func:`make_prefill` warms them)."""
     if prefill_transforms(cfg):
         from vllm_hawk.layout.device_profiles import load_profile
 
@@ -163,10 +184,16 @@ def make_prefill(
     cfg: HawkConfig, kv: LocalKV, transport, vllm_config, *, tp_rank: int, tp_size: int, on_finished, debug_dir=None
 ) -> PrefillEndpoint:
     """The prefill endpoint of TP rank ``tp_rank`` (its side channel: the configured port
-    plus ``tp_rank`` port strides); ``debug_dir``: dump what it serves there."""
+    plus ``tp_rank`` port strides); ``debug_dir``: dump what it serves there. A GN-HAWK
+    source's kernels are warmed: over a GPU cache here, finished and synchronised before
+    this returns (:func:`_warm_on_device`); over a host cache in a thread
+    (:func:`_compile_then_load`)."""
     source = make_source(cfg, kv)
-    if isinstance(source, TileTransformSource):
-        _compile_then_load(lambda: source.warm(source.profile), "prefill transform", cpu=_on_cpu(source.views))
+    if isinstance(source, TileTransformSource):  # a GPU's warm-up ends here, before vLLM captures graphs
+        if _on_cpu(source.views):
+            _compile_then_load(lambda: source.warm(source.profile), "prefill transform")
+        else:
+            _warm_on_device(lambda: source.warm(source.profile), "prefill transform", source.device)
     observer = None
     if debug_dir is not None:
         every = prefill_transforms(cfg) or cfg.layout_fix == "decode" or tp_size > 1

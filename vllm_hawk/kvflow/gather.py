@@ -12,9 +12,11 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
+import numpy as np
 import torch
 
 from vllm_hawk.layout.vllm_kv import block_byte_ranges
+from vllm_hawk.transform.uploads import to_device
 
 __all__ = ["BlockGather", "byte_runs_view"]
 
@@ -59,7 +61,7 @@ class BlockGather:
         n = len(block_ids)
         if out.dtype != torch.uint8 or out.numel() != self.nbytes(n):
             raise ValueError(f"gather: out must be uint8 [{self.nbytes(n)}], got {out.dtype} [{out.numel()}]")
-        ids = torch.as_tensor(list(block_ids), dtype=torch.long).to(self.device)
+        ids = to_device(np.asarray(list(block_ids), dtype=np.int64), self.device)
         here = out.device == self.device
         pos = 0
         for runs, bn in zip(self.layers, self.block_nbytes, strict=True):
@@ -82,7 +84,7 @@ class BlockGather:
         n = len(block_ids)
         if src.dtype != torch.uint8 or src.numel() != self.nbytes(n) or src.device != self.device:
             raise ValueError(f"scatter: src must be uint8 [{self.nbytes(n)}] on {self.device}")
-        ids = torch.as_tensor(list(block_ids), dtype=torch.long).to(self.device)
+        ids = to_device(np.asarray(list(block_ids), dtype=np.int64), self.device)
         pos = 0
         for runs, bn in zip(self.layers, self.block_nbytes, strict=True):
             rows = src[pos : pos + n * bn].view(n, bn)

@@ -3,7 +3,9 @@
 :class:`Producer` serves one accepted KVRequest on a worker thread: the first group of
 a share plans it and reserves its ring range (P5), each group fills its own bytes (P4 +
 P6, staged gather or GN-HAWK transform; a source served in place exposes its block runs
-instead) and sends its own ``KVReady`` (P7). The
+instead) and sends its own ``KVReady`` (P7). Device work runs on the worker thread's
+own stream and ends with an event that is waited for before the KVReady
+(:mod:`~vllm_hawk.kvflow.device`); a worker issues none outside serving a KVRequest. The
 :class:`~vllm_hawk.kvflow.ledger.Ledger` decides at each step (dropped, cancelled,
 served, failed); the producer does what it says. It also frees share ranges (P8) for the
 endpoint, always with the endpoint's lock held, and turns every
@@ -19,6 +21,7 @@ import time
 
 import numpy as np
 
+from vllm_hawk.kvflow.device import own_stream
 from vllm_hawk.kvflow.errors import BufferFull, RingClosed
 from vllm_hawk.kvflow.ledger import Cancelled, Ledger, layers
 from vllm_hawk.kvflow.lifecycle import Refusal, RequestRecord, ShareRecord, Stream
@@ -112,11 +115,12 @@ class Producer:
         if prep.nbytes:
             t0 = time.perf_counter()
             view = ep.ring.view(off, prep.nbytes)
-            if st.whole:
-                prep.fill(ep.ring.base_addr + off, view)  # P4 + P6
-            else:
-                prep.fill_layers(ep.ring.base_addr + off, view, lo, hi)
-            ep.ring.synchronize()  # on a GPU: the bytes are in the ring before KVReady announces them
+            with own_stream(ep.source.device):  # this worker's own stream, never the legacy default one
+                if st.whole:
+                    prep.fill(ep.ring.base_addr + off, view)  # P4 + P6
+                else:
+                    prep.fill_layers(ep.ring.base_addr + off, view, lo, hi)
+                ep.ring.synchronize()  # an event after the fill: the bytes are in the ring before KVReady
             with self.lock:
                 add = not st.whole or rec.key != msg.req_id
                 self.ledger.note_produce(msg.req_id, time.perf_counter() - t0, add=add)

@@ -30,7 +30,7 @@ import time
 
 import torch
 
-from vllm_hawk.kvflow.device import memory_location, synchronize
+from vllm_hawk.kvflow.device import memory_location, own_stream, record, synchronize, wait
 from vllm_hawk.kvflow.errors import BufferFull, RingClosed
 from vllm_hawk.kvflow.exposure import check_registration
 
@@ -166,7 +166,10 @@ class RingBuffer:
     until its release; ``"whole"`` registers ``(base_addr, capacity)`` now and
     unregisters it at :meth:`close`; both under :attr:`location`. ``view(offset, nbytes)``
     is a uint8 tensor over ring bytes (no copy, on ``device``) that the transform writes
-    G' into; :meth:`synchronize` waits for what this thread queued there.
+    G' into; :meth:`synchronize` waits for what this thread queued there (by an event).
+    On a device with streams the ring is zeroed on the constructing thread's own stream
+    (:func:`~vllm_hawk.kvflow.device.own_stream`) and waited for: nothing of it lands on
+    the legacy default stream or stays queued after the constructor.
     """
 
     def __init__(
@@ -180,10 +183,11 @@ class RingBuffer:
         self.alloc = RingAllocator(capacity, align)
         self.capacity = self.alloc.capacity
         # zeroed now: the first touch (host page faults) stays out of the transform and the transfers
-        self.memory = torch.zeros(self.capacity, dtype=torch.uint8, device=device)
+        with own_stream(device):
+            self.memory = torch.zeros(self.capacity, dtype=torch.uint8, device=device)
+            synchronize(device)
         self.device = self.memory.device
         self.location = memory_location(self.device)
-        synchronize(self.device)
         self.base_addr = self.memory.data_ptr()  # an address in the device's space, for the transport only
         self._transport = transport
         self.registration = check_registration(registration)
@@ -217,8 +221,11 @@ class RingBuffer:
         self.alloc.abort()
 
     def synchronize(self) -> None:
-        """Block until the writes this thread queued into the ring have run (device rings)."""
-        synchronize(self.device)
+        """Block until the writes this thread queued into the ring have run (device rings):
+        an event recorded now on this thread's current stream (a worker's own, see
+        :func:`~vllm_hawk.kvflow.device.own_stream`), then waited for. Call it after the
+        writes, inside the same stream context."""
+        wait(record(self.device))
 
     def view(self, offset: int, nbytes: int) -> torch.Tensor:
         if not self.alloc.contains(offset, nbytes):

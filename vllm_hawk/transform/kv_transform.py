@@ -17,7 +17,9 @@ path is the reference, and the fallback where neither applies (no numba, no trit
 a float32 target): a strided permute copy per run of source blocks when the bank of a
 tile is a suffix of its digits, else a gather of the source tiles in G' order, then
 packing into each bank's segment. ``HAWK_TRANSFORM_IMPL=torch|cpu_kernel|triton`` forces
-one implementation (``triton`` on CPU tensors needs ``TRITON_INTERPRET=1``).
+one implementation (``triton`` on CPU tensors needs ``TRITON_INTERPRET=1``). Index tables
+go to the device by :func:`~vllm_hawk.transform.uploads.to_device` (pinned, asynchronous,
+on the caller's current stream).
 """
 
 from __future__ import annotations
@@ -33,6 +35,7 @@ from vllm_hawk.layout.formats import pack_tiles
 from vllm_hawk.layout.tiles import TILE, TILE_ELEMS, tile_view
 from vllm_hawk.transform import cpu_kernel
 from vllm_hawk.transform.plan import TransferPlan, block_runs
+from vllm_hawk.transform.uploads import to_device
 
 IMPLS = ("auto", "cpu_kernel", "torch", "triton")
 _HAVE_TRITON = importlib.util.find_spec("triton") is not None
@@ -73,8 +76,8 @@ def triton_transform(
 
     memo = {} if memo is None else memo
     if "triton_table" not in memo:
-        memo["triton_table"] = triton_kernel.to_device(triton_kernel.tile_table(plan, offset), out.device)
-        memo["triton_blocks"] = triton_kernel.to_device(np.ascontiguousarray(src, dtype=np.int64), out.device)
+        memo["triton_table"] = to_device(triton_kernel.tile_table(plan, offset), out.device)
+        memo["triton_blocks"] = to_device(np.ascontiguousarray(src, dtype=np.int64), out.device)
     n = triton_kernel.launch(
         layers, int(src.size), src_block_size, plan, out, lo, hi, memo["triton_table"], memo["triton_blocks"]
     )
@@ -140,7 +143,7 @@ def regroup_tokens(
     block_size, D]`` on the views' device, and their ids ``0..m-1``. The other layers'
     entries repeat layer ``lo``'s (never read: the transform's ``layer_range`` is lo..hi)."""
     device = layers[lo][0].device
-    idx = torch.from_numpy(src).to(device)
+    idx = to_device(src, device)
     out: list[tuple[torch.Tensor, torch.Tensor]] = []
     m = 0
     for layer in range(lo, hi):
@@ -271,8 +274,8 @@ def _torch_transform(
         fused = _FusedTilizer(plan, src[: plan.dst_blocks.size], split)
     else:
         sblk, head, s_tr, tc, valid = source_tile_index(plan, src, src_block_size, offset)
-        idx = [torch.from_numpy(a).to(device) for a in (sblk, head, s_tr, tc)]
-        invalid = None if valid.all() else torch.from_numpy(~valid).to(device)
+        idx = [to_device(a, device) for a in (sblk, head, s_tr, tc)]
+        invalid = None if valid.all() else to_device(~valid, device)
     direct_bf16 = fused is not None and spec.dtype == "bfloat16" and layers[0][0].dtype == torch.bfloat16
     slots = out.view(nb, n2l, -1) if uniform else None
     for layer in range(lo, hi):

@@ -35,6 +35,7 @@ import triton
 import triton.language as tl
 
 from vllm_hawk.layout.tiles import TILE
+from vllm_hawk.transform.uploads import to_device
 
 #: Target codes of the kernel (float32 G' is not a KV format: the torch path packs it).
 TARGETS = {"bfloat16": 0, "bfloat8_b": 7, "bfloat4_b": 3}
@@ -225,12 +226,3 @@ def launch(
 def interpreted() -> bool:
     """True when Triton runs kernels in its interpreter (``TRITON_INTERPRET=1``)."""
     return os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
-
-
-def to_device(a: np.ndarray, device: torch.device) -> torch.Tensor:
-    """A host array on ``device``: from pinned memory without blocking the host on CUDA
-    (on the current stream, which keeps the pinned buffer alive until the copy ran)."""
-    t = torch.from_numpy(a)
-    if device.type != "cuda":
-        return t.to(device)
-    return t.pin_memory().to(device, non_blocking=True)
