@@ -184,16 +184,157 @@ def test_broken_upstream_stream_ends_with_an_sse_error_event(upstream, mode, nee
     assert took < 3 and stats["truncated_streams"] == 1
 
 
-def test_hung_prefill_is_a_504_within_the_first_byte_timeout(upstream):
+@pytest.mark.parametrize("prefill", ["http_handler_hangs", "socket_accepts_and_is_silent"])
+def test_hung_prefill_is_a_504_within_the_first_byte_timeout(upstream, prefill):
+    """A prefill that takes the request and never answers (its handler hangs, or a socket
+    that accepts and never says a word) gets the client a 504 naming the prefill and the
+    flag at ``first_byte_s`` (1 s here), not at the old 600 s default."""
     upstream.prefill_delay_s = 5.0
+    silent = socket.create_server(("127.0.0.1", 0))  # accepts (kernel backlog), never reads or writes
+    p_url = f"http://127.0.0.1:{silent.getsockname()[1]}" if prefill.startswith("socket") else upstream.url + "/p"
 
-    async def fn(proxy, port):
+    async def fn(port):
         t0 = time.monotonic()
         out = await _http(port, _post("/v1/completions", b'{"prompt": "x"}'))
         return out, time.monotonic() - t0
 
-    out, took = asyncio.run(_proxy(upstream, fn))
-    assert out.startswith(b"HTTP/1.1 504") and b"prefill server" in out and took < 2.5
+    async def run():
+        proxy = Proxy([p_url], [upstream.url + "/d"], limits=LIMITS)
+        runner = await serve(proxy, "127.0.0.1", 0)
+        try:
+            return await fn(runner.addresses[0][1])
+        finally:
+            await runner.cleanup()
+
+    try:
+        out, took = asyncio.run(run())
+    finally:
+        silent.close()
+    assert out.startswith(b"HTTP/1.1 504") and p_url.encode() in out and b"--first-byte-timeout-s" in out, out
+    assert LIMITS.first_byte_s <= took < LIMITS.first_byte_s + 1.5, took
+
+
+def test_non_streaming_decode_has_the_generate_timeout(upstream):
+    """A non-streaming decode's headers come after its last token: it is bounded by
+    ``generate_s``, not by the (short) first-byte timeout."""
+
+    async def slow_decode(request):
+        await request.read()
+        await asyncio.sleep(1.5)  # longer than first_byte_s = 1 s
+        return web.json_response({"choices": [{"text": "d"}]})
+
+    async def start_slow():
+        app = web.Application()
+        app.router.add_post("/p/v1/completions", upstream.prefill)
+        app.router.add_post("/d/v1/completions", slow_decode)
+        r = web.AppRunner(app)
+        await r.setup()
+        await web.TCPSite(r, "127.0.0.1", 0).start()
+        return r
+
+    slow = asyncio.run_coroutine_threadsafe(start_slow(), upstream.loop).result(10)
+    base = f"http://127.0.0.1:{slow.addresses[0][1]}"
+
+    async def run(generate_s):
+        limits = Limits(first_byte_s=1.0, generate_s=generate_s)
+        proxy = Proxy([base + "/p"], [base + "/d"], limits=limits)
+        runner = await serve(proxy, "127.0.0.1", 0)
+        try:
+            return await _http(runner.addresses[0][1], _post("/v1/completions", b'{"prompt":"x"}'))
+        finally:
+            await runner.cleanup()
+
+    try:
+        served, cut = asyncio.run(run(10.0)), asyncio.run(run(0.5))
+    finally:
+        asyncio.run_coroutine_threadsafe(slow.cleanup(), upstream.loop).result(10)
+    assert served.startswith(b"HTTP/1.1 200"), served
+    assert cut.startswith(b"HTTP/1.1 504") and b"--generate-timeout-s" in cut, cut
+
+
+class _SlowBodies:
+    """``n`` clients that send complete headers announcing ``nbytes`` of body, then one
+    body byte every ``gap_s``; records when the proxy closed each and what it answered."""
+
+    def __init__(self, port: int, n: int, nbytes: int = 1000, gap_s: float = 0.2) -> None:
+        self.port, self.n, self.nbytes, self.gap_s = port, n, nbytes, gap_s
+        self.closed_after: list[float] = []
+        self.answers: list[bytes] = []
+
+    async def one(self) -> None:
+        r, w = await asyncio.open_connection("127.0.0.1", self.port)
+        w.write(
+            f"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+            f"Content-Length: {self.nbytes}\r\n\r\n".encode()
+        )
+        await w.drain()
+        t0 = time.monotonic()
+        reader = asyncio.ensure_future(r.read(65536))
+        answer = b""
+        try:
+            for _ in range(self.nbytes):
+                done, _pending = await asyncio.wait({reader}, timeout=self.gap_s)
+                if done:
+                    break
+                w.write(b" ")
+                with contextlib.suppress(ConnectionError):
+                    await w.drain()
+            # the proxy answered (or the loop ran out): read until it closes
+            while True:
+                chunk = await asyncio.wait_for(reader, 30)
+                if not chunk:
+                    break
+                answer += chunk
+                reader = asyncio.ensure_future(r.read(65536))
+        except (ConnectionError, TimeoutError):
+            pass
+        self.closed_after.append(time.monotonic() - t0)
+        self.answers.append(answer)
+        reader.cancel()
+        w.close()
+
+    async def run(self) -> None:
+        await asyncio.gather(*(self.one() for _ in range(self.n)))
+
+
+def test_slow_body_clients_are_cut_off_at_the_body_timeout(upstream):
+    """100 clients that send whole headers and then trickle the body (a byte every 0.2 s)
+    are each answered 408 naming the flag and closed at ``body_s`` (1 s here, measured
+    about 1.0 s: asserted below 2.5 s); a legitimate request, sent while they trickle and
+    whose body comes in two parts 0.3 s apart, is served."""
+    limits = Limits(body_s=1.0, header_s=1.0, first_byte_s=2.0)
+
+    async def fn(proxy, port):
+        flood = _SlowBodies(port, 100)
+        task = asyncio.ensure_future(flood.run())
+        await asyncio.sleep(0.3)
+        body = b'{"prompt": "x"}'
+        r, w = await asyncio.open_connection("127.0.0.1", port)
+        head = _post("/v1/completions", body)
+        t0 = time.monotonic()
+        w.write(head[: len(head) - 5])
+        await asyncio.sleep(0.3)
+        w.write(head[len(head) - 5 :])
+        legit = await asyncio.wait_for(r.read(), 10)
+        legit_s = time.monotonic() - t0
+        w.close()
+        await task
+        return flood, legit, legit_s, dict(proxy.stats)
+
+    flood, legit, legit_s, stats = asyncio.run(_proxy(upstream, fn, limits))
+    closed = sorted(flood.closed_after)
+    print(
+        f"proxy, 100 slow-body clients, body timeout 1 s: closed after {closed[0]:.2f}-{closed[-1]:.2f} s "
+        f"(median {closed[50]:.2f}); 408 seen by {sum(a.startswith(b'HTTP/1.1 408') for a in flood.answers)}; "
+        f"legitimate request served in {legit_s:.2f} s"
+    )
+    assert legit.startswith(b"HTTP/1.1 200"), legit[:200]
+    assert len(closed) == 100 and limits.body_s * 0.9 <= closed[0] and closed[-1] < 2.5, closed
+    assert stats["slow_bodies_dropped"] == 100
+    answered = [a for a in flood.answers if a]
+    assert len(answered) >= 90, len(answered)  # a close with unread trickle may reset a few
+    assert all(a.startswith(b"HTTP/1.1 408") and b"--body-timeout-s" in a for a in answered), answered[:3]
+    assert all(b"connection: close" in a.lower() for a in answered)
 
 
 def test_long_healthy_stream_is_not_cut(upstream):

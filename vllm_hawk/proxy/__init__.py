@@ -41,7 +41,15 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
         "--first-byte-timeout-s",
         type=float,
         default=d.first_byte_s,
-        help="upstream request sent -> its response headers (prefill compute, decode queue)",
+        help="upstream request sent -> its response headers: the prefill's queue and compute, a streaming "
+        "decode's headers (default: measured prefill x margin, docs/configuration.md#proxy-timeouts; raise it "
+        "for long prompts on slow prefills)",
+    )
+    p.add_argument(
+        "--generate-timeout-s",
+        type=float,
+        default=d.generate_s,
+        help="a non-streaming decode's whole answer (vLLM sends its headers after the last token)",
     )
     p.add_argument(
         "--idle-timeout-s",
@@ -51,6 +59,12 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     )
     p.add_argument(
         "--header-timeout-s", type=float, default=d.header_s, help="a client must send its request headers within this"
+    )
+    p.add_argument(
+        "--body-timeout-s",
+        type=float,
+        default=d.body_s,
+        help="a client must send its whole request body within this of its headers, else 408 and closed",
     )
     p.add_argument(
         "--write-timeout-s",
@@ -94,8 +108,10 @@ def limits_of(args: argparse.Namespace):
     return Limits(
         connect_s=args.connect_timeout_s,
         first_byte_s=args.first_byte_timeout_s,
+        generate_s=args.generate_timeout_s,
         idle_s=args.idle_timeout_s,
         header_s=args.header_timeout_s,
+        body_s=args.body_timeout_s,
         write_s=args.write_timeout_s,
         max_body_nbytes=args.max_body_bytes,
         max_json_tokens=args.max_json_tokens,

@@ -24,12 +24,16 @@ servers served a request and how long the prefill step took.
 Limits (:class:`Limits`, all aiohttp settings or asyncio timeouts around aiohttp calls):
 
 * upstream: ``connect_s`` (TCP connect, aiohttp ``ClientTimeout.sock_connect``),
-  ``first_byte_s`` (request sent -> response headers: the prefill's compute, the decode's
-  queue), ``idle_s`` (between two chunks of an upstream body); no total cap, so a long
+  ``first_byte_s`` (request sent -> response headers: the prefill's queue and compute, a
+  streaming decode's headers, which vLLM sends before it schedules the request),
+  ``generate_s`` (the same for a non-streaming decode, whose headers come after its last
+  token), ``idle_s`` (between two chunks of an upstream body); no total cap, so a long
   but healthy stream is never cut. A stream that breaks, stalls past ``idle_s`` or ends
   without ``data: [DONE]`` ends with an SSE ``data: {"error": ...}`` event, never silently.
 * clients: ``header_s`` (the request line and headers must arrive within it; aiohttp's
-  ``keepalive_timeout``, which also covers a connection's first request), ``write_s``
+  ``keepalive_timeout``, which also covers a connection's first request), ``body_s`` (the
+  whole request body must arrive within it, counted from the headers: an asyncio timeout
+  around ``request.read()``; 408 and the connection closed beyond it), ``write_s``
   (a client must accept each chunk within it: one that stops reading is dropped and its
   upstream closed, so the decode aborts the request), ``max_body_nbytes`` (aiohttp
   ``client_max_size``: 413 beyond it), and JSON amplification: a body with more than
@@ -49,6 +53,7 @@ upstream's ``/health`` and answers 503 naming the ones that fail), ``GET /v1/mod
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import errno
 import itertools
 import json
@@ -88,9 +93,11 @@ class Limits:
     """Timeouts (seconds) and sizes of the proxy; see the module doc."""
 
     connect_s: float = 10.0
-    first_byte_s: float = 600.0
+    first_byte_s: float = 60.0  # docs/configuration.md#proxy-timeouts: measured prefill x margin
+    generate_s: float = 600.0  # a non-streaming decode's whole answer (its headers follow the last token)
     idle_s: float = 120.0
     header_s: float = 10.0
+    body_s: float = 10.0  # docs/configuration.md#proxy-timeouts: 16 MiB at 13 Mbit/s
     write_s: float = 30.0
     max_body_nbytes: int = 16 << 20
     max_json_tokens: int = 1_000_000
@@ -164,6 +171,7 @@ class Proxy:
             "truncated_streams": 0,
             "slow_clients_dropped": 0,
             "refused_bodies": 0,
+            "slow_bodies_dropped": 0,
             "decode_refused": 0,
             "upstream_resent": 0,
             "upstream_emfile_retries": 0,
@@ -238,19 +246,20 @@ class Proxy:
         except (TimeoutError, aiohttp.ClientError) as e:
             return _error(502, f"decode server {url} unreachable: {e!s}")
 
-    async def _open(self, make) -> aiohttp.ClientResponse:
+    async def _open(self, make, first_byte_s: float | None = None) -> aiohttp.ClientResponse:
         """Send the upstream request ``make()`` builds; its response headers must come within
-        ``first_byte_s``. When the upstream closed a pooled keep-alive connection just as we
-        sent on it (``ServerDisconnectedError`` before any response; seen under load) the
-        request is sent once more. A connect that failed for lack of file descriptors (a
+        ``first_byte_s`` (default ``limits.first_byte_s``). When the upstream closed a pooled
+        keep-alive connection just as we sent on it (``ServerDisconnectedError`` before any
+        response; seen under load) the request is sent once more. A connect that failed for lack of file descriptors (a
         client flood at the fd limit: the evictions that free them close on the next loop
         turn) is tried again up to :data:`EMFILE_RETRIES` times, :data:`EMFILE_WAIT_S` apart."""
+        first_byte_s = self.limits.first_byte_s if first_byte_s is None else first_byte_s
         for attempt in range(EMFILE_RETRIES + 1):
             try:
-                return await asyncio.wait_for(make(), self.limits.first_byte_s)
+                return await asyncio.wait_for(make(), first_byte_s)
             except aiohttp.ServerDisconnectedError:
                 self.stats["upstream_resent"] += 1
-                return await asyncio.wait_for(make(), self.limits.first_byte_s)
+                return await asyncio.wait_for(make(), first_byte_s)
             except aiohttp.ClientConnectorError as e:
                 if getattr(e.os_error, "errno", None) != errno.EMFILE or attempt == EMFILE_RETRIES:
                     raise
@@ -275,10 +284,13 @@ class Proxy:
 
     async def _generate(self, request: web.Request, t_in: float) -> web.StreamResponse:
         try:
-            raw = await request.read()  # aiohttp refuses more than client_max_size (413)
+            async with asyncio.timeout(self.limits.body_s):
+                raw = await request.read()  # aiohttp refuses more than client_max_size (413)
         except web.HTTPRequestEntityTooLarge:
             self.stats["refused_bodies"] += 1
             raise
+        except TimeoutError:
+            return await self._body_timed_out(request)
         body, err = parse_body(raw, self.limits)
         if err is not None:
             self.stats["refused_bodies"] += 1
@@ -302,7 +314,8 @@ class Proxy:
             return _error(
                 504,
                 f"prefill server {p_url} did not answer within its deadline (first byte "
-                f"{self.limits.first_byte_s:.0f} s, idle {self.limits.idle_s:.0f} s)",
+                f"{self.limits.first_byte_s:g} s, hawk proxy --first-byte-timeout-s; idle "
+                f"{self.limits.idle_s:g} s, --idle-timeout-s)",
             )
         except aiohttp.ClientError as e:
             return _error(502, f"prefill server {p_url} unreachable: {e!s}")
@@ -322,6 +335,24 @@ class Proxy:
         # 2. decode (the prefill holds the KV through the hand-over by itself: handover_s)
         return await self._decode(request, path, body, params, headers, p_url, prefill_ms, t_in)
 
+    async def _body_timed_out(self, request: web.Request) -> web.StreamResponse:
+        """408 for a body that did not arrive within ``body_s``, then the connection closes
+        (no lingering read of the rest: aiohttp would wait ``lingering_time`` for it)."""
+        self.stats["slow_bodies_dropped"] += 1
+        resp = _error(
+            408,
+            f"request body did not arrive within {self.limits.body_s:g} s of its headers "
+            "(hawk proxy --body-timeout-s); send the whole body at once",
+            "RequestTimeout",
+        )
+        resp.force_close()  # Connection: close
+        with contextlib.suppress(ConnectionError, TimeoutError):
+            await resp.prepare(request)
+            await asyncio.wait_for(resp.write_eof(), self.limits.write_s)
+        if request.protocol is not None:
+            request.protocol.force_close()  # closes the transport once the 408 is flushed
+        return resp
+
     async def _decode(
         self,
         request: web.Request,
@@ -338,8 +369,12 @@ class Proxy:
         d_url = self.decode.pick()
         info = {"x-hawk-prefill": p_url, "x-hawk-decode": d_url, "x-hawk-prefill-ms": f"{prefill_ms:.2f}"}
         t_d = time.perf_counter()
+        # a non-streaming answer's headers come after its last token (vLLM): generate_s
+        first_byte_s = self.limits.first_byte_s if body.get("stream") else self.limits.generate_s
         try:
-            async with await self._open(lambda: self.session.post(d_url + path, json=d_body, headers=headers)) as r:
+            async with await self._open(
+                lambda: self.session.post(d_url + path, json=d_body, headers=headers), first_byte_s
+            ) as r:
                 if r.status != 200:
                     await self._decode_refused(params)
                 if r.status != 200 or not body.get("stream"):
@@ -357,10 +392,11 @@ class Proxy:
                 await resp.prepare(request)
                 return await self._stream(request, resp, r, d_url, (t_in, t_d))
         except TimeoutError:
+            flag = "--first-byte-timeout-s" if body.get("stream") else "--generate-timeout-s"
             return _error(
                 504,
                 f"decode server {d_url} did not answer within its deadline (first byte "
-                f"{self.limits.first_byte_s:.0f} s, idle {self.limits.idle_s:.0f} s)",
+                f"{first_byte_s:g} s, hawk proxy {flag}; idle {self.limits.idle_s:g} s, --idle-timeout-s)",
             )
         except aiohttp.ClientConnectorError as e:  # never reached: nobody will ask for the KV
             await self._decode_refused(params)
