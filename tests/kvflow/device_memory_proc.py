@@ -76,35 +76,57 @@ def tt_desc(dtype: str, block_size: int) -> LayoutDesc:
     )
 
 
-def serve(src, transport, dst: LayoutDesc, num_tokens: int, src_blocks, dst_blocks) -> dict:
-    """One request through an endpoint: add, KVRequest, KVReady, the bytes, Release."""
+def serve(src, transport, dst: LayoutDesc, num_tokens: int, src_blocks, dst_blocks, requests: int = 1, **kw) -> dict:
+    """``requests`` requests, one after another, through one endpoint: add, KVRequest,
+    KVReady, the bytes (the first one's), Release; then close. ``kw``: the endpoint's."""
     compat = make_compat("tiny", "bfloat16", 0, "any", "any", PROFILE)
-    ep = PrefillEndpoint(src, transport, compat, ring_nbytes=4 << 20)
-    got, done = {}, threading.Event()
-
-    def reply(msg):
-        got["msg"], got["busy_at_reply"] = msg, opaque_device.busy()
-        done.set()
-
+    ep = PrefillEndpoint(src, transport, compat, ring_nbytes=4 << 20, **kw)
+    live = getattr(transport, "live", lambda: [])
+    facts: dict = {"registration": ep.registration}
     try:
-        ep.add_request("r0", src_blocks, num_tokens)
-        msg = KVRequest(req_id="r0", dst_layout=dst, num_tokens=num_tokens, dst_block_ids=list(dst_blocks))
-        out = ep.on_kv_request("decode", msg, reply)
-        if out is not None:
-            reply(out)
-        assert done.wait(120), "no KVReady"
-        ready = got["msg"]
-        assert isinstance(ready, KVReady), ready
-        facts = {"busy_at_reply": got["busy_at_reply"], "segments": len(ready.segments)}
-        if ep.ring is not None:
-            facts["ring_device"] = str(ep.ring.device)
-            facts["bytes"] = ep.ring.view(ready.ring_offset, ready.total_nbytes).cpu().numpy().tobytes().hex()
-        facts["registered_live"] = [list(r) for r in getattr(transport, "live", lambda: [])()]
-        ep.on_release("decode", Release(req_id="r0"), lambda m: None)
-        facts["registered_after_release"] = len(getattr(transport, "live", lambda: [])())
-        return facts
+        for i in range(requests):
+            got, done, rid = {}, threading.Event(), f"r{i}"
+
+            def reply(msg, got=got, done=done):
+                got["msg"], got["busy_at_reply"] = msg, opaque_device.busy()
+                done.set()
+
+            ep.add_request(rid, src_blocks, num_tokens)
+            msg = KVRequest(req_id=rid, dst_layout=dst, num_tokens=num_tokens, dst_block_ids=list(dst_blocks))
+            out = ep.on_kv_request("decode", msg, reply)
+            if out is not None:
+                reply(out)
+            assert done.wait(120), "no KVReady"
+            ready = got["msg"]
+            assert isinstance(ready, KVReady), ready
+            facts["busy_at_reply"] = facts.get("busy_at_reply", False) or got["busy_at_reply"]
+            if i == 0:
+                facts["segments"] = len(ready.segments)
+                if ep.ring is not None:
+                    facts["ring_device"] = str(ep.ring.device)
+                    view = ep.ring.view(ready.ring_offset, ready.total_nbytes)
+                    facts["bytes"] = view.cpu().numpy().tobytes().hex()
+                facts["registered_live"] = [list(r) for r in live()]
+            ep.on_release("decode", Release(req_id=rid), lambda m: None)
+        facts["registered_after_release"] = len(live())
     finally:
         ep.close()
+    facts["registered_after_close"] = len(live())
+    facts["registrations"] = len(getattr(transport, "registered", ()))
+    return facts
+
+
+def registered_once(kind: str, registration: str = "auto") -> dict:
+    """Three requests through one endpoint over a device cache: a device ring (or a cache
+    served in place) is registered whole, once, under ``auto``; ``per_request`` registers
+    per request (the contrast)."""
+    dev = opaque_device.enable()
+    bs = 32
+    dst = tt_desc("bfloat16", 32) if kind == "hawk" else source(kind, caches_on("cpu", bs, 0), bs).layout
+    t = RecordingTransport({"cpu", f"{dev.type}:0"})
+    return serve(
+        source(kind, caches_on(dev, bs, 5), bs), t, dst, 70, [3, 9, 4], [0, 1, 2], 3, registration=registration
+    )
 
 
 def run(kind: str, src_bs: int, dst: LayoutDesc, tokens: int) -> dict:
@@ -356,6 +378,10 @@ SCENARIOS = {
     "in-place": lambda: run("vllm", 32, source("vllm", caches_on("cpu", 32, 0), 32).layout, 70),
     "host-staged-ring": lambda: host_staged_ring(source("staged", caches_on("cpu", 32, 0), 32).layout),
     "host-pointer-copy": host_pointer_copy,
+    "once-hawk": lambda: registered_once("hawk"),
+    "once-staged": lambda: registered_once("staged"),
+    "once-in-place": lambda: registered_once("vllm"),
+    "per-request-staged": lambda: registered_once("staged", "per_request"),
     "negative-raw-pointer-gather": lambda: negative("raw"),
     "negative-no-sync": lambda: negative("no-sync"),
     "startup-capture": startup_capture,

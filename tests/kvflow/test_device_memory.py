@@ -8,8 +8,10 @@ Checked for the GN-HAWK transform (bf16, bfloat8_b, 16-token source blocks into 
 
 * the ring (G' or the gathered streams) is on the cache's device and every byte equals
   what the same endpoint produces from the same cache in host memory;
-* every registration names the device's location (``hawkdev:0``; ``cuda:0`` on a GPU)
-  and is gone after Release;
+* every registration names the device's location (``hawkdev:0``; ``cuda:0`` on a GPU);
+  device memory is registered whole, once (``registration`` "auto"), for every request,
+  and is gone after the endpoint closes (``per_request``: each request's, gone after its
+  Release);
 * no work queued on the device is outstanding when KVReady goes out;
 * no host code wrote through a device pointer.
 
@@ -43,7 +45,19 @@ HERE = Path(__file__).resolve().parent
 ROOT = HERE.parents[1]
 
 
-POSITIVE = ["hawk-bf16", "hawk-bfp8", "hawk-16-to-64", "staged", "in-place", "host-staged-ring", "host-pointer-copy"]
+POSITIVE = [
+    "hawk-bf16",
+    "hawk-bfp8",
+    "hawk-16-to-64",
+    "staged",
+    "in-place",
+    "host-staged-ring",
+    "host-pointer-copy",
+    "once-hawk",
+    "once-staged",
+    "once-in-place",
+    "per-request-staged",
+]
 
 
 def run_scenarios(*names: str) -> dict:
@@ -70,8 +84,9 @@ def test_ring_sources_produce_on_the_device(facts, name):
     f = facts[name]
     assert f["ring_device"] == "hawkdev:0"
     assert f["equal_to_host"], "the device ring's bytes differ from the host path's"
-    assert f["registered_live"] and all(loc == "hawkdev:0" for _a, _n, loc in f["registered_live"])
-    assert f["registered_after_release"] == 0
+    assert f["registration"] == "whole"  # "auto" on a device: the ring, once
+    assert len(f["registered_live"]) == 1 and f["registered_live"][0][2] == "hawkdev:0"
+    assert f["registered_after_close"] == 0
     assert not f["busy_at_reply"], "KVReady went out with device work still queued"
     assert f["syncs"] >= 1 and f["decoys_untouched"]
 
@@ -79,13 +94,31 @@ def test_ring_sources_produce_on_the_device(facts, name):
 def test_blocks_served_in_place_are_registered_as_device_memory(facts):
     f = facts["in-place"]
     assert "ring_device" not in f and f["equal_to_host"]
-    assert len(f["registered_live"]) >= 2 and all(loc == "hawkdev:0" for _a, _n, loc in f["registered_live"])
-    assert f["registered_after_release"] == 0 and not f["busy_at_reply"] and f["decoys_untouched"]
+    assert f["registration"] == "whole" and f["registered_live"]
+    assert all(loc == "hawkdev:0" for _a, _n, loc in f["registered_live"])
+    assert f["registered_after_close"] == 0 and not f["busy_at_reply"] and f["decoys_untouched"]
+
+
+@pytest.mark.parametrize("name", ["once-hawk", "once-staged", "once-in-place"])
+def test_device_memory_is_registered_once_for_every_request(facts, name):
+    """Three requests, one registration of device memory per region (Mooncake registers a
+    GPU range on every NIC, and its dma-buf route may keep an fd per registration)."""
+    f = facts[name]
+    regions = len(f["registered_live"])
+    assert f["registration"] == "whole" and f["registrations"] == regions >= 1, f
+    assert f["registered_after_release"] == regions and f["registered_after_close"] == 0
+
+
+def test_per_request_registration_registers_each_request_and_frees_it(facts):
+    f = facts["per-request-staged"]
+    assert f["registration"] == "per_request" and f["registrations"] == 3
+    assert len(f["registered_live"]) == 1 and f["registered_after_release"] == 0
 
 
 def test_a_host_only_transport_gets_a_host_ring(facts):
     f = facts["host-staged-ring"]
     assert f["ring_device"] == "cpu" and f["equal_to_host"] and not f["busy_at_reply"]
+    assert f["registration"] == "per_request"  # "auto" in host memory
 
 
 def test_the_device_hides_its_bytes_from_host_pointers(facts):

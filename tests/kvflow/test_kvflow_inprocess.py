@@ -4,6 +4,9 @@ held on either side."""
 
 from __future__ import annotations
 
+import re
+import time
+
 import numpy as np
 import pytest
 import torch
@@ -173,8 +176,17 @@ def test_refusals_unknown_request_ring_too_small_and_reads_outside_the_ring(pair
     with pytest.raises(PeerFailed, match="unknown_request"):
         dec.fetch("never-prefilled", 64, [0], "staged", timeout_s=5)  # refused 1 s before the deadline
     pre.add_request("big", list(range(20)), 20 * BS)  # 20 blocks of bf16 = 1.25 MiB > 1 MiB ring
-    with pytest.raises(PeerFailed, match="no_space.*more than the whole"):
-        dec.fetch("big", 20 * BS, list(range(20)), "direct")
+    t0 = time.monotonic()
+    with pytest.raises(PeerFailed) as e:
+        dec.fetch("big", 20 * BS, list(range(20)), "direct", timeout_s=10)
+    # refused for good (not no_space, which the decode asks again until its deadline),
+    # naming the request's bytes, the ring's and the field to raise
+    text = str(e.value)
+    assert time.monotonic() - t0 < 5 and "layout_mismatch" in text
+    need = int(re.search(r"(\d+) bytes of ring", text).group(1))
+    assert need > pre.ring.capacity and f"whole {pre.ring.capacity}-byte ring" in text
+    assert "kv_connector_extra_config.ring_nbytes" in text
+    assert pre.stats.refusals.snapshot().get("ring_too_small") == 1
     assert pre.snapshot()["ring_used"] == 0 and dec.pool.is_idle()
     # The prefill registers only live ring ranges: a READ of its KV cache, of its idle ring,
     # or past the ring is refused by the transport; the decode's idle receive pool is not

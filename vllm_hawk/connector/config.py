@@ -24,6 +24,7 @@ from typing import Any
 
 from vllm_hawk import envs
 from vllm_hawk.kvflow.decode import AUTO_LAYER_GROUPS
+from vllm_hawk.kvflow.exposure import REGISTRATION_CHOICES
 from vllm_hawk.protocol import VLLM_PROFILE
 
 TRANSPORTS = ("mooncake-tcp", "mooncake-rdma", "host-staged")
@@ -34,6 +35,8 @@ MAX_SECRET_FILE_NBYTES = 4096
 MODES = ("direct", "staged")
 LAYOUT_FIXES = ("prefill", "decode")
 SIDES = ("prefill", "decode")
+RING_AUTO = "auto"  # ``ring_nbytes``: sized from max_model_len (the prefill), DECODE_RECV_NBYTES (the decode)
+DECODE_RECV_NBYTES = 64 << 20  # the decode's receive buffers under ring_nbytes "auto"
 #: ``device_profile`` in :data:`PAIRS`: a Tenstorrent profile, given explicitly
 TENSTORRENT = None
 
@@ -249,13 +252,29 @@ class HawkConfig:
     handshake_timeout_s: float = setting(
         5.0, """deadline for the first Hello to a prefill""", side="decode", limits=">= 0.1"
     )
-    ring_nbytes: int = setting(
-        64 << 20,
+    ring_nbytes: int | str = setting(
+        RING_AUTO,
         """prefill ring (staged, GN-HAWK) and decode receive buffers (staged), bytes. The prefill's ring
-        is on its KV cache's device (GPU memory on a GPU node with Mooncake's CUDA wheel; host memory
-        with ``host-staged``): [gpu-prefill.md](gpu-prefill.md)""",
+        is on its KV cache's device (GPU memory on a GPU node with Mooncake's CUDA wheel, outside
+        vLLM's ``--gpu-memory-utilization`` budget: lower that by the ring's share; host memory with
+        ``host-staged``, pinned next to a GPU): [gpu-prefill.md](gpu-prefill.md#ring-size). ``"auto"``:
+        the prefill sizes its ring for the largest request its engine admits, ``max_model_len`` tokens
+        of this TP rank's heads in the bytes it produces (GN-HAWK: bfloat16 tiles in 64-token blocks;
+        GG/GN-Host staged: its vLLM blocks), once, so shorter requests share it; the decode's receive
+        buffers take 64 MiB. A request larger than the ring is refused, naming both sizes""",
         side="both",
-        limits=">= 64 KiB",
+        limits='>= 64 KiB or `"auto"`',
+    )
+    registration: str = setting(
+        "auto",
+        """when KV memory is registered with the transport (what a transport peer can reach,
+        ``vllm_hawk/kvflow/exposure.py``): ``per_request`` (a request's ring range, blocks or receive
+        buffers, for as long as its transfer needs them), ``whole`` (the ring, cache or receive buffers
+        once, at start), ``auto``: ``whole`` for memory on a GPU (each registration of GPU memory costs
+        one per NIC and, on Mooncake's dma-buf route, may keep an fd), ``per_request`` for host memory
+        (the decode's sinks, a host ring)""",
+        side="both",
+        limits="`auto`, `whole`, `per_request`",
     )
     max_pulls: int = setting(2, """pulls running at once (worker threads)""", side="decode", limits="1-64")
     layer_groups: int = setting(
@@ -287,6 +306,12 @@ class HawkConfig:
         limits="0-1000",
     )
     secret_bytes: bytes | None = field(default=None, repr=False, compare=False)  # resolved, not a field
+
+    @property
+    def recv_nbytes(self) -> int:
+        """The decode's receive buffers, bytes over all banks: ``ring_nbytes``, or
+        :data:`DECODE_RECV_NBYTES` under ``"auto"``."""
+        return DECODE_RECV_NBYTES if self.ring_nbytes == RING_AUTO else int(self.ring_nbytes)
 
     def transport_kind_and_options(self) -> tuple[str, dict[str, Any]]:
         """Arguments for :func:`vllm_hawk.transport.make_transport`."""
@@ -444,6 +469,8 @@ def _check_strategy(out: dict, extra: dict) -> None:
         raise _err("transport", out["transport"], f"choose one of {list(TRANSPORTS)}")
     if out["mode"] not in MODES:
         raise _err("mode", out["mode"], f"choose one of {list(MODES)}")
+    if out["registration"] not in REGISTRATION_CHOICES:
+        raise _err("registration", out["registration"], f"choose one of {list(REGISTRATION_CHOICES)}")
     for name in ("rdma_device", "side_channel_host", "device_profile"):
         if not isinstance(out[name], str):
             raise _err(name, out[name], "expected a string")
@@ -475,7 +502,10 @@ def _check_numbers(out: dict, extra: dict, dp_rank: int) -> None:
     low = max(out["lease_s"], out["handover_s"])
     out["max_hold_s"] = float(_number("max_hold_s", value("max_hold_s"), integer=False, low=low))
     out["layer_groups"] = value("layer_groups")
-    out["ring_nbytes"] = _number("ring_nbytes", out["ring_nbytes"], integer=True, low=1 << 16)
+    if out["ring_nbytes"] != RING_AUTO:
+        if isinstance(out["ring_nbytes"], str):
+            raise _err("ring_nbytes", out["ring_nbytes"], f"expected a byte count >= {1 << 16} or {RING_AUTO!r}")
+        out["ring_nbytes"] = _number("ring_nbytes", out["ring_nbytes"], integer=True, low=1 << 16)
     out["max_pulls"] = _number("max_pulls", out["max_pulls"], integer=True, low=1, high=64)
     if out["layer_groups"] == "auto":
         out["layer_groups"] = AUTO_LAYER_GROUPS

@@ -26,7 +26,7 @@ import threading
 import time
 
 from vllm_hawk.connector import debug
-from vllm_hawk.connector.config import VLLM_PROFILE, HawkConfig, HawkConfigError, port_stride
+from vllm_hawk.connector.config import RING_AUTO, VLLM_PROFILE, HawkConfig, HawkConfigError, port_stride
 from vllm_hawk.connector.describe import LocalKV, describe_tt_cache, describe_vllm_caches, tt_cache_of
 from vllm_hawk.kvflow import (
     DecodeEndpoint,
@@ -38,9 +38,11 @@ from vllm_hawk.kvflow import (
     vllm_sink,
 )
 from vllm_hawk.kvflow.device import own_stream, synchronize_device
+from vllm_hawk.kvflow.exposure import resolve_registration
 from vllm_hawk.kvflow.gn_host import GNHostSink
 from vllm_hawk.kvflow.pull_plan import PullPlanner, check_targets
 from vllm_hawk.kvflow.regroup import Regroup
+from vllm_hawk.kvflow.ring import ring_nbytes_for
 from vllm_hawk.layout.tp import TPMismatch, shard_heads
 from vllm_hawk.npu.bank_buffer import recv_nbytes_per_bank
 from vllm_hawk.transport import make_transport
@@ -58,6 +60,7 @@ __all__ = [
     "make_sinks",
     "make_source",
     "make_transport_for",
+    "prefill_ring_nbytes",
     "prefill_transforms",
     "tp_rank_and_size",
 ]
@@ -180,6 +183,23 @@ def make_source(cfg: HawkConfig, kv: LocalKV):
     return VllmBlockSource(kv.region_map, kv.layout, kv.storages, kv.heads, kv.caches)
 
 
+def prefill_ring_nbytes(cfg: HawkConfig, source, vllm_config) -> int:
+    """The prefill ring's bytes: ``ring_nbytes`` when given, else (``"auto"``) one request
+    of the engine's ``max_model_len`` tokens in the bytes ``source`` produces for this TP
+    rank's heads (:meth:`~vllm_hawk.kvflow.base.KVSource.request_nbytes`), served as up to
+    one share per head (:func:`~vllm_hawk.kvflow.ring.ring_nbytes_for`). One such request,
+    not several: requests hold their ranges from P5 to their Release, so the ring holds
+    several shorter ones at once, and a request of the longest length waits for the ones
+    before it (``claim_wait_s``, the decode asks again); set ``ring_nbytes`` to a multiple
+    of this size to overlap such requests. 0 for a source without a ring."""
+    if not source.uses_ring:
+        return 0
+    if cfg.ring_nbytes != RING_AUTO:
+        return int(cfg.ring_nbytes)
+    max_tokens = int(vllm_config.model_config.max_model_len)
+    return ring_nbytes_for(source.request_nbytes(max_tokens), max(1, source.layout.num_kv_heads))
+
+
 def make_prefill(
     cfg: HawkConfig, kv: LocalKV, transport, vllm_config, *, tp_rank: int, tp_size: int, on_finished, debug_dir=None
 ) -> PrefillEndpoint:
@@ -216,11 +236,13 @@ def make_prefill(
         if kv.num_kv_heads
         else None
     )
+    ring_nbytes = prefill_ring_nbytes(cfg, source, vllm_config)
     prefill = PrefillEndpoint(
         source,
         transport,
         kv.compat,
-        ring_nbytes=cfg.ring_nbytes,
+        ring_nbytes=ring_nbytes or 1 << 16,  # no ring: unused
+        registration=cfg.registration,
         tp_info=tp_info,
         bind=f"tcp://{cfg.side_channel_host}:{port}",
         secret=cfg.secret_bytes,
@@ -233,12 +255,13 @@ def make_prefill(
         observer=observer,
     )  # server_id: random per start, so signed requests name this instance
     logger.info(
-        "HawkConnector prefill: side channel %s (auth %s), transfer endpoint %s, source %s, transport %s",
+        "HawkConnector prefill: side channel %s (auth %s), transfer endpoint %s, source %s, transport %s, %s",
         prefill.endpoint,
         cfg.auth,
         transport.endpoint,
         source.name,
         cfg.transport,
+        _ring_text(prefill, cfg),
     )
     if cfg.auth == "none":
         logger.warning(
@@ -247,6 +270,18 @@ def make_prefill(
             prefill.endpoint,
         )
     return prefill
+
+
+def _ring_text(prefill: PrefillEndpoint, cfg: HawkConfig) -> str:
+    """The ring's size, place and registration, for the start-up log."""
+    ring = prefill.ring
+    if ring is None:
+        return f"no ring, registration {prefill.registration}"
+    how = "ring_nbytes auto: max_model_len" if cfg.ring_nbytes == RING_AUTO else "ring_nbytes"
+    return (
+        f"ring {ring.capacity / (1 << 20):.1f} MiB ({how}) on {ring.location}"
+        f"{' pinned' if ring.memory.is_pinned() and ring.location == 'cpu' else ''}, registration {ring.registration}"
+    )
 
 
 def _tt_chips(kv: LocalKV) -> list:
@@ -261,8 +296,18 @@ def _tt_sinks(cfg: HawkConfig, kv: LocalKV, transport) -> list:
     sinks = []
     try:
         for c in _tt_chips(kv):
-            per_bank = recv_nbytes_per_bank(cfg.ring_nbytes, c.layout.num_banks, c.device.profile.dram_alignment_bytes)
-            sinks.append(TTSink(c.device, c.layout, c.buffers, transport, mode, recv_nbytes_per_bank=per_bank))
+            per_bank = recv_nbytes_per_bank(cfg.recv_nbytes, c.layout.num_banks, c.device.profile.dram_alignment_bytes)
+            sinks.append(
+                TTSink(
+                    c.device,
+                    c.layout,
+                    c.buffers,
+                    transport,
+                    mode,
+                    recv_nbytes_per_bank=per_bank,
+                    registration=_sink_registration(cfg),
+                )
+            )
     except BaseException:
         for x in sinks:
             x.close()
@@ -281,7 +326,7 @@ def make_sinks(cfg: HawkConfig, kv: LocalKV, transport) -> list:
                 "chip; use layout_fix 'prefill' (GN-HAWK) for a mesh, or HAWK_TT_CHIPS=1"
             )
         c = chips[0]
-        sink = GNHostSink(c.device, c.layout, c.buffers, transport, kv.wire, cfg.ring_nbytes)
+        sink = GNHostSink(c.device, c.layout, c.buffers, transport, kv.wire, cfg.recv_nbytes, _sink_registration(cfg))
         _compile_then_load(sink.warm, "GN-Host layout fix")
         return [sink]
     if kv.tt_cache is not None:
@@ -292,7 +337,25 @@ def make_sinks(cfg: HawkConfig, kv: LocalKV, transport) -> list:
             "the Tenstorrent platform plugin (HAWK_TT_PLATFORM)"
         )
     regroup = Regroup(kv.adapters, kv.caches) if kv.adapters else None  # a prefill with smaller blocks
-    return [vllm_sink(kv.region_map, kv.layout, transport, cfg.mode, kv.storages, cfg.ring_nbytes, regroup=regroup)]
+    return [
+        vllm_sink(
+            kv.region_map,
+            kv.layout,
+            transport,
+            cfg.mode,
+            kv.storages,
+            cfg.recv_nbytes,
+            _sink_registration(cfg),
+            regroup=regroup,
+        )
+    ]
+
+
+def _sink_registration(cfg: HawkConfig) -> str:
+    """``registration`` for the decode's sinks: they register what they land in as host
+    memory (receive rings, Tenstorrent bank windows, vLLM caches), so ``auto`` is
+    ``per_request`` there."""
+    return resolve_registration(cfg.registration, "cpu")
 
 
 def make_planner(cfg: HawkConfig, kv: LocalKV, sinks: list, peer, *, tp_rank: int, tp_size: int) -> PullPlanner:

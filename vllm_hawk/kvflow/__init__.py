@@ -22,7 +22,7 @@ buffers: :class:`RingBuffer` (prefill ring, decode receive ring), :class:`BankBu
 from vllm_hawk.kvflow.bank_pool import BankBufferPool, RecvSlice
 from vllm_hawk.kvflow.base import Capabilities, Prepared
 from vllm_hawk.kvflow.decode import WHOLE, DecodeEndpoint, FetchResult, Share
-from vllm_hawk.kvflow.errors import BufferFull, KVFlowError, PeerFailed, RingClosed, TransferUnsettled
+from vllm_hawk.kvflow.errors import BufferFull, KVFlowError, PeerFailed, RingClosed, RingTooSmall, TransferUnsettled
 from vllm_hawk.kvflow.gn_host import GNHostSink, WireLayout
 from vllm_hawk.kvflow.prefill import PrefillEndpoint
 from vllm_hawk.kvflow.ring import RingAllocator, RingBuffer
@@ -63,6 +63,7 @@ __all__ = [
     "RingAllocator",
     "RingBuffer",
     "RingClosed",
+    "RingTooSmall",
     "RingGatherSource",
     "SINK_MODES",
     "Share",

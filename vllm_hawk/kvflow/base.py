@@ -80,6 +80,11 @@ class KVSource:
         """Plan the bytes of source blocks ``src_blocks`` (already the requested ones)."""
         raise NotImplementedError
 
+    def request_nbytes(self, num_tokens: int) -> int:
+        """With ``uses_ring``: the ring bytes of the largest request of ``num_tokens`` tokens
+        (all this rank's heads), from the same plan ``prepare`` makes."""
+        raise NotImplementedError
+
 
 @dataclass
 class Landing:

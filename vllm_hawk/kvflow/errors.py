@@ -16,6 +16,15 @@ class BufferFull(KVFlowError):
     caller's deadline, or the request can never fit. Nothing was overwritten."""
 
 
+class RingTooSmall(BufferFull):
+    """A request needs more bytes than the whole ring (``nbytes`` > ``capacity``): it can
+    never fit, however long it waits; a ring of ``want`` bytes (``nbytes`` aligned) would."""
+
+    def __init__(self, msg: str, req_id: str = "", nbytes: int = 0, capacity: int = 0, want: int = 0) -> None:
+        super().__init__(msg, req_id)
+        self.nbytes, self.capacity, self.want = nbytes, capacity, want or nbytes
+
+
 class RingClosed(KVFlowError):
     """The ring was aborted (its endpoint is closing): no reservation is handed out and
     every caller waiting for room is woken with this error."""

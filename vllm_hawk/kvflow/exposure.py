@@ -7,9 +7,12 @@ READ and WRITE whatever is registered at that moment. So HAWK registers per tran
   and unregistered when it is done — the prefill's ring range from P5 to Release (or
   lease expiry), a GG-Direct prefill's block runs from KVReady to Release, a decode's
   receive buffers or KV pages for the duration of one READ batch;
-* ``whole``: the previous behaviour (the ring, the pool, the whole cache registered once
-  at start), kept to measure what per-request registration costs
-  (``hawk bench transfer --registration both``).
+* ``whole``: the ring, the pool, the whole cache registered once at start (also what
+  ``hawk bench transfer --registration both`` compares per-request registration with);
+* ``auto`` (:func:`resolve_registration`): ``whole`` for memory on a device (a GPU ring
+  or cache: registering a GPU range costs a registration per NIC, and Mooncake's dma-buf
+  route may keep an fd per registration, so it is registered once, as NIXL does),
+  ``per_request`` for host memory.
 
 :class:`Exposure` registers byte ranges for a key with reference counts: ranges of
 different keys may overlap (two requests sharing prefix blocks); an already registered
@@ -33,12 +36,24 @@ import contextlib
 import threading
 
 REGISTRATIONS = ("per_request", "whole")
+REGISTRATION_CHOICES = ("auto", *REGISTRATIONS)  # what a user may set
 MAX_RANGES = 64  # regions registered per acquire (see the module doc)
 
 
 def check_registration(value: str) -> str:
     if value not in REGISTRATIONS:
         raise ValueError(f"registration must be one of {REGISTRATIONS}, got {value!r}")
+    return value
+
+
+def resolve_registration(value: str, location: str) -> str:
+    """``value`` (one of :data:`REGISTRATION_CHOICES`) for memory at ``location``
+    (``"cpu"``, ``"cuda:0"``...): ``auto`` is ``whole`` on a device, ``per_request`` in
+    host memory (see the module doc); the others are themselves."""
+    if value == "auto":
+        return "per_request" if location == "cpu" else "whole"
+    if value not in REGISTRATIONS:
+        raise ValueError(f"registration must be one of {REGISTRATION_CHOICES}, got {value!r}")
     return value
 
 

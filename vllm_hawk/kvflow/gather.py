@@ -15,6 +15,7 @@ from collections.abc import Sequence
 import numpy as np
 import torch
 
+from vllm_hawk.kvflow.device import synchronize
 from vllm_hawk.layout.vllm_kv import block_byte_ranges
 from vllm_hawk.transform.uploads import to_device
 
@@ -55,9 +56,12 @@ class BlockGather:
 
     def __call__(self, block_ids: Sequence[int], out: torch.Tensor) -> None:
         """Write the streams of ``block_ids`` into uint8 ``out`` (``nbytes(len(block_ids))``
-        bytes), layer after layer. ``out`` on the caches' device: gathered in place; in host
-        memory (a ring a host-only transport reads): gathered on the device, then one
-        device -> host copy per layer."""
+        bytes), layer after layer. ``out`` on the caches' device: gathered in place (queued;
+        the caller synchronises). In host memory (a ring a host-only transport reads):
+        gathered on the device, then one device -> host copy per layer, queued
+        (``non_blocking``: asynchronous into a pinned ring, a CUDA DMA; synchronous into
+        pageable memory), and one synchronisation of the caches' device at the end, so the
+        bytes are in ``out`` when this returns."""
         n = len(block_ids)
         if out.dtype != torch.uint8 or out.numel() != self.nbytes(n):
             raise ValueError(f"gather: out must be uint8 [{self.nbytes(n)}], got {out.dtype} [{out.numel()}]")
@@ -75,8 +79,10 @@ class BlockGather:
                     stage[:, col : col + nb] = src.index_select(0, ids)
                 col += nb
             if not here:
-                dst.copy_(stage)
+                dst.copy_(stage, non_blocking=True)  # stage's reuse is queued after this copy (one stream)
             pos += n * bn
+        if not here:
+            synchronize(self.device)
 
     def scatter(self, block_ids: Sequence[int], src: torch.Tensor) -> None:
         """The inverse of a call: write uint8 ``src`` (layer streams of ``block_ids``, as a

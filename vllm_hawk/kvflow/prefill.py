@@ -53,12 +53,20 @@ Failure semantics, all here:
 * ring space is waited for at most ``claim_wait_s`` (and the request's deadline), then
   refused with ``no_space``.
 
-Only live requests' memory is registered with the transport (``registration=
-"per_request"``, :mod:`~vllm_hawk.kvflow.exposure`): a ring range from P5 to P8, or for a
-source served in place (GG-Direct) the request's block runs from KVReady to Release or
-lease expiry (a request served by layer groups: one ring range for all its groups). A
-peer's READ of anything else is refused by the transport.
-``registration="whole"`` registers the ring (or the source's exports) once.
+Registration (:mod:`~vllm_hawk.kvflow.exposure`): ``registration="auto"`` (default) is
+``whole`` for memory on a device (a GPU ring or cache: registered once, at start) and
+``per_request`` for host memory. With ``per_request`` only live requests' memory is
+registered with the transport: a ring range from P5 to P8, or for a source served in
+place (GG-Direct) the request's block runs from KVReady to Release or lease expiry (a
+request served by layer groups: one ring range for all its groups); a peer's READ of
+anything else is refused by the transport. ``whole`` registers the ring (or the
+source's exports) once.
+
+The ring (:class:`~vllm_hawk.kvflow.ring.RingBuffer`, ``ring_nbytes`` bytes) is on the
+source's device when the transport reaches memory there (:func:`ring_device`), else in
+host memory, pinned next to a CUDA cache (:func:`~vllm_hawk.kvflow.ring.pin_host_ring`).
+A request larger than the whole ring is refused at once (``layout_mismatch``, counted
+``ring_too_small``), naming its bytes and the ring's.
 
 Tensor parallelism (:mod:`vllm_hawk.layout.tp`): a decode rank or chip that holds only
 some of this rank's KV heads asks for a *share* (``KVRequest.head_start`` /
@@ -99,7 +107,7 @@ import time
 
 from vllm_hawk.kvflow.device import memory_location
 from vllm_hawk.kvflow.early import EARLY_RELEASE_S, EARLY_REQUEST_WAIT_S, MAX_EARLY, MAX_EARLY_BLOCK_IDS
-from vllm_hawk.kvflow.exposure import Exposure, check_registration
+from vllm_hawk.kvflow.exposure import Exposure, resolve_registration
 from vllm_hawk.kvflow.ledger import (
     MAX_DST_BLOCK_ID,
     NEVER_HANDED_OVER,
@@ -111,7 +119,7 @@ from vllm_hawk.kvflow.ledger import (
 )
 from vllm_hawk.kvflow.lifecycle import MAX_GONE, Refusal, share_key
 from vllm_hawk.kvflow.prefill_serve import Producer
-from vllm_hawk.kvflow.ring import RingBuffer
+from vllm_hawk.kvflow.ring import RingBuffer, pin_host_ring
 from vllm_hawk.kvflow.sources import KVSource
 from vllm_hawk.protocol import Ack, CompatFields, KVRequest, ProtocolServer, Release, Renew, Renewed
 from vllm_hawk.security import RateLimitedLog
@@ -165,7 +173,7 @@ class PrefillEndpoint:
         on_finished=None,
         observer=None,
         server_id: str = "",
-        registration: str = "per_request",
+        registration: str = "auto",
         tp_info: dict | None = None,
     ) -> None:
         self.source, self.transport, self.compat = source, transport, compat
@@ -188,7 +196,8 @@ class PrefillEndpoint:
         self._table = self.ledger.table  # the requests and their shares' states
         self.ring: RingBuffer | None = None
         self._exported: list[int] = []
-        self.registration = check_registration(registration)
+        self._registration = registration  # as given: a ring resolves "auto" for its own memory
+        self.registration = resolve_registration(registration, memory_location(source.device))
         self.exposure = Exposure(transport, memory_location(source.device))  # a source served in place
         self.export_regions: list[tuple[int, int]] = []
         self._producer = Producer(self, self.ledger, self._lock, self._notify, RateLimitedLog(logger))
@@ -207,15 +216,19 @@ class PrefillEndpoint:
         """The ring (or the source's exports), the workers, the lease reaper, the server."""
         source, transport, registration = self.source, self.transport, self.registration
         if source.uses_ring:
+            registration = self._registration
             device = ring_device(source, transport)
-            self.ring = RingBuffer(ring_nbytes, transport, registration=registration, device=device)
+            pin = pin_host_ring(device, source.device)
+            self.ring = RingBuffer(ring_nbytes, transport, registration=registration, device=device, pin_memory=pin)
+            self.registration = self.ring.registration  # where the ring is decides "auto"
             self.export_base, self.export_nbytes = self.ring.base_addr, self.ring.capacity
         else:
-            check_location(transport, memory_location(source.device), f"transport {transport.endpoint}")
+            location = memory_location(source.device)
+            check_location(transport, location, f"transport {transport.endpoint}")
             regions = source.exports()
             self.export_regions = list(regions)
             for a, n in regions if registration == "whole" else ():
-                transport.register(a, n)
+                transport.register(a, n, location)
                 self._exported.append(a)
             self.export_base = min(a for a, _ in regions)
             self.export_nbytes = max(a + n for a, n in regions) - self.export_base

@@ -22,7 +22,7 @@ import time
 import numpy as np
 
 from vllm_hawk.kvflow.device import own_stream
-from vllm_hawk.kvflow.errors import BufferFull, RingClosed
+from vllm_hawk.kvflow.errors import BufferFull, RingClosed, RingTooSmall
 from vllm_hawk.kvflow.ledger import Cancelled, Ledger, layers
 from vllm_hawk.kvflow.lifecycle import Refusal, RequestRecord, ShareRecord, Stream
 from vllm_hawk.kvflow.sources import src_block_span
@@ -168,6 +168,8 @@ class Producer:
             return self.ep.ring.reserve(key, nbytes, timeout)
         except RingClosed as e:
             raise Refused(Refusal("", "internal", f"prefill endpoint is closing: {e}")) from None
+        except RingTooSmall as e:  # never fits: refused for good (a no_space would be asked again)
+            raise Refused(Refusal("ring_too_small", "layout_mismatch", _ring_too_small(msg, e))) from None
         except BufferFull as e:
             raise Refused(Refusal("", "no_space", str(e))) from None
 
@@ -195,6 +197,16 @@ class Producer:
         else:
             logger.exception("prefill: serving %s failed", rid)
             reply(self.error(rid, Refusal("", "internal", f"{type(e).__name__}: {str(e)[:900]}")))
+
+
+def _ring_too_small(msg: KVRequest, e: RingTooSmall) -> str:
+    share = f" (heads {msg.head_start}..{msg.head_start + msg.num_heads - 1})" if msg.num_heads else ""
+    return (
+        f"request {msg.req_id[:64]!r}{share}: {msg.num_tokens} tokens need {e.nbytes} bytes of ring, more than the "
+        f"prefill's whole {e.capacity}-byte ring: raise the prefill's kv_connector_extra_config.ring_nbytes to at "
+        f'least {e.want} ("auto" sizes it for max_model_len, docs/gpu-prefill.md), or '
+        "lower --max-model-len"
+    )
 
 
 def _too_many_segments(n: int, source, msg: KVRequest) -> str:

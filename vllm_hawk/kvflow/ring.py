@@ -14,11 +14,18 @@ reservations, so a closing endpoint never waits out a reserve deadline.
 :class:`RingBuffer` is the allocator plus its memory (a uint8 torch tensor on the
 ``device`` it is made for: host memory, or the KV cache's GPU, so that the transform
 writes G' there and the decode's NIC reads it with GPUDirect RDMA) and its registration
-with a transport, under the memory's location (:mod:`~vllm_hawk.kvflow.device`): with
-``registration="per_request"`` (default) only the ranges of live requests are registered,
-each from ``reserve`` to ``release``, so a transport peer reaches nothing of an idle ring
-and no range but the live ones (:mod:`~vllm_hawk.kvflow.exposure`); ``"whole"`` registers
-the ring once.
+with a transport, under the memory's location (:mod:`~vllm_hawk.kvflow.device`):
+``registration="auto"`` (default, :func:`~vllm_hawk.kvflow.exposure.resolve_registration`)
+registers a device ring whole, once, at creation, and a host ring per request;
+``"per_request"`` registers only the ranges of live requests, each from ``reserve`` to
+``release``, so a transport peer reaches nothing of an idle ring and no range but the
+live ones (:mod:`~vllm_hawk.kvflow.exposure`); ``"whole"`` registers the ring once. A
+host ring that a GPU fills is pinned (``pin_memory``, :func:`pin_host_ring`), so the
+device -> host copies are DMA at full speed and may be asynchronous.
+
+Size: :func:`ring_nbytes_for` gives the capacity that holds the largest request a
+source produces (its bytes for the engine's ``max_model_len`` tokens) in all its shares;
+the ring then holds several shorter requests at once, or one of that length.
 """
 
 from __future__ import annotations
@@ -31,10 +38,27 @@ import time
 import torch
 
 from vllm_hawk.kvflow.device import memory_location, own_stream, record, synchronize, wait
-from vllm_hawk.kvflow.errors import BufferFull, RingClosed
-from vllm_hawk.kvflow.exposure import check_registration
+from vllm_hawk.kvflow.errors import BufferFull, RingClosed, RingTooSmall
+from vllm_hawk.kvflow.exposure import resolve_registration
 
 DEFAULT_ALIGN = 4096
+
+
+def ring_nbytes_for(request_nbytes: int, max_shares: int = 1, align: int = DEFAULT_ALIGN) -> int:
+    """The ring capacity (bytes) that holds one request of ``request_nbytes`` bytes served
+    as up to ``max_shares`` shares at once (each share's range starts aligned to
+    ``align``, so each may waste up to ``align - 1`` bytes)."""
+    if request_nbytes <= 0 or max_shares <= 0:
+        raise ValueError(f"ring size for a request of {request_nbytes} bytes in {max_shares} shares")
+    return -(-(request_nbytes + max_shares * align) // align) * align
+
+
+def pin_host_ring(ring_device: torch.device | str, cache_device: torch.device | str) -> bool:
+    """Whether a ring on ``ring_device`` filled from a KV cache on ``cache_device`` is
+    pinned: a host ring next to a CUDA cache (page-locked memory: the GPU's copies into it
+    are DMA and may be queued asynchronously). Pinning needs CUDA, so no CPU-only test
+    makes such a ring; this decision is what CI checks."""
+    return torch.device(ring_device).type == "cpu" and torch.device(cache_device).type == "cuda"
 
 
 class RingAllocator:
@@ -91,10 +115,13 @@ class RingAllocator:
             raise ValueError(f"ring reserve for {key!r}: nbytes must be > 0, got {nbytes}")
         size = -(-nbytes // self.align) * self.align
         if size > self.capacity:
-            raise BufferFull(
+            raise RingTooSmall(
                 f"ring: request {key!r} needs {nbytes} bytes, more than the whole "
-                f"{self.capacity}-byte ring; raise the ring size",
+                f"{self.capacity}-byte ring; raise the ring size (ring_nbytes) to at least {size}",
                 key,
+                nbytes,
+                self.capacity,
+                size,
             )
         deadline = time.monotonic() + max(0.0, timeout_s)
         with self._cond:
@@ -164,7 +191,9 @@ class RingBuffer:
 
     ``transport`` (optional): ``registration="per_request"`` registers each reserved range
     until its release; ``"whole"`` registers ``(base_addr, capacity)`` now and
-    unregisters it at :meth:`close`; both under :attr:`location`. ``view(offset, nbytes)``
+    unregisters it at :meth:`close`; both under :attr:`location`; ``"auto"``: ``whole``
+    for a device ring, else ``per_request`` (:attr:`registration` is the resolved one).
+    ``pin_memory``: host memory, page-locked (needs CUDA). ``view(offset, nbytes)``
     is a uint8 tensor over ring bytes (no copy, on ``device``) that the transform writes
     G' into; :meth:`synchronize` waits for what this thread queued there (by an event).
     On a device with streams the ring is zeroed on the constructing thread's own stream
@@ -177,23 +206,24 @@ class RingBuffer:
         capacity: int,
         transport=None,
         align: int = DEFAULT_ALIGN,
-        registration: str = "per_request",
+        registration: str = "auto",
         device: torch.device | str = "cpu",
+        pin_memory: bool = False,
     ) -> None:
         self.alloc = RingAllocator(capacity, align)
         self.capacity = self.alloc.capacity
         # zeroed now: the first touch (host page faults) stays out of the transform and the transfers
         with own_stream(device):
-            self.memory = torch.zeros(self.capacity, dtype=torch.uint8, device=device)
+            self.memory = torch.zeros(self.capacity, dtype=torch.uint8, device=device, pin_memory=pin_memory)
             synchronize(device)
         self.device = self.memory.device
         self.location = memory_location(self.device)
         self.base_addr = self.memory.data_ptr()  # an address in the device's space, for the transport only
         self._transport = transport
-        self.registration = check_registration(registration)
+        self.registration = resolve_registration(registration, self.location)
         self._ranges: dict[str, int] = {}  # key -> registered address (per_request)
         self._rlock = threading.Lock()
-        if transport is not None and registration == "whole":
+        if transport is not None and self.registration == "whole":
             transport.register(self.base_addr, self.capacity, self.location)
 
     def reserve(self, key: str, nbytes: int, timeout_s: float = 0.0) -> int:

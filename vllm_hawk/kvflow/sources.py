@@ -54,6 +54,11 @@ from vllm_hawk.transform import make_plan, transform_source
 MAX_BANKS = 64  # bound on a peer's num_banks when its device profile is unknown here
 MAX_PAGE_NBYTES = 1 << 20  # likewise for page_nbytes
 MAX_BLOCK_SIZE = 4096  # tokens per destination block (vLLM's largest kernel block is 1024)
+#: The destination a ring is sized for (:meth:`TileTransformSource.request_nbytes`): the
+#: decode's tile dtype and block size are named only in each KVRequest, so the largest
+#: tiles (bfloat16) in the largest blocks a Tenstorrent decode here runs (64 tokens,
+#: docs/tenstorrent.md; a 32-token decode pads less)
+RING_SIZING_DTYPE, RING_SIZING_BLOCK_SIZE = "bfloat16", 64
 
 
 def vllm_layout_desc(
@@ -211,6 +216,12 @@ class RingGatherSource(_VllmStreams):
             n * rmap.block_nbytes, lambda addr, view: gather(ids, view), lambda off: ring_segments(rmap, n, off)
         )
 
+    def request_nbytes(self, num_tokens: int) -> int:
+        """The layer streams of the ``ceil(num_tokens / block_size)`` blocks that hold
+        ``num_tokens`` tokens, as :meth:`prepare` sizes them (a decode with larger blocks
+        pulls the same source blocks)."""
+        return -(-num_tokens // self.layout.block_size) * self.region_map.block_nbytes
+
 
 def tt_paged_desc(src: LayoutDesc, dtype: str, profile: DeviceProfile, block_size: int = 0) -> LayoutDesc:
     """The destination a Tenstorrent decode on ``profile`` names for a source of ``src``'s
@@ -347,6 +358,18 @@ class TileTransformSource(KVSource):
             fill_layers,
             segments_layers,
         )
+
+    def request_nbytes(self, num_tokens: int) -> int:
+        """G' of ``num_tokens`` tokens for a decode of :data:`RING_SIZING_DTYPE` tiles in
+        :data:`RING_SIZING_BLOCK_SIZE`-token blocks (tokens padded to whole blocks): the
+        plan's ``total_nbytes``, as :meth:`prepare` makes it (every block has the same
+        tiles, so one block's plan times the blocks). A bfloat8_b decode's G' is 1088/2048
+        of it, a bfloat4_b decode's 576/2048."""
+        if self.profile is None:
+            raise ValueError("TileTransformSource.request_nbytes needs the decode's device profile")
+        d = tt_paged_desc(self.layout, RING_SIZING_DTYPE, self.profile, RING_SIZING_BLOCK_SIZE)
+        n = -(-num_tokens // d.block_size)
+        return n * int(make_plan(tt_layout_of(d, 1), [0], "staged").total_nbytes)
 
     def warm(self, profile: DeviceProfile) -> None:
         """Compile the transform kernels (numba: seconds on first use, under a second from

@@ -50,7 +50,7 @@ def kv_span_per_bank(buffers: Sequence) -> int:
 
 def choose_landing(cache, cfg, links: Sequence[ChipLink], *, dev_root: str = "/") -> LandingRoute:
     """The route for ``cache`` (a :class:`~vllm_hawk.tenstorrent.vllm_tt.kv_cache.TTNNMeshKVCache`
-    on the chips ``links``) and the connector config ``cfg`` (``mode``, ``ring_nbytes``,
+    on the chips ``links``) and the connector config ``cfg`` (``mode``, ``recv_nbytes``,
     ``device_profile``)."""
     profile = load_profile(cfg.device_profile)
     chip = cache.chips[0]
@@ -60,7 +60,7 @@ def choose_landing(cache, cfg, links: Sequence[ChipLink], *, dev_root: str = "/"
         chip.num_banks,
         links,
         kv_span_per_bank=kv_span_per_bank(chip.buffers),
-        recv_bytes_per_bank=recv_nbytes_per_bank(cfg.ring_nbytes, chip.num_banks, profile.dram_alignment_bytes),
+        recv_bytes_per_bank=recv_nbytes_per_bank(cfg.recv_nbytes, chip.num_banks, profile.dram_alignment_bytes),
         kv_base_per_bank=min(b.address for b in chip.buffers),
         recv_base_per_bank=profile.dram_unreserved_base,
         simulator=os.environ.get("TT_METAL_SIMULATOR") or None,
