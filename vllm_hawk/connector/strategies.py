@@ -280,7 +280,7 @@ def _ring_text(prefill: PrefillEndpoint, cfg: HawkConfig) -> str:
     how = "ring_nbytes auto: max_model_len" if cfg.ring_nbytes == RING_AUTO else "ring_nbytes"
     return (
         f"ring {ring.capacity / (1 << 20):.1f} MiB ({how}) on {ring.location}"
-        f"{' pinned' if ring.memory.is_pinned() and ring.location == 'cpu' else ''}, registration {ring.registration}"
+        f"{' pinned' if ring.location == 'cpu' and ring.memory.is_pinned() else ''}, registration {ring.registration}"
     )
 
 
