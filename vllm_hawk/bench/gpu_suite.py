@@ -76,7 +76,7 @@ def _matrix(out: _Out, device: torch.device) -> None:
         c[0] += 1
         c[1] += r["bytes_equal"]
     print(
-        f"{'impl':<8} {'cases':>6} {'equal':>6}   (reference: numba where tile-aligned, else the torch path on the CPU)"
+        f"{'impl':<8} {'cases':>6} {'equal':>6}   (references on the CPU: numba, regrouped if not tile-aligned; torch)"
     )
     for impl, (n, eq) in per.items():
         print(f"{impl:<8} {n:>6} {eq:>6}")
