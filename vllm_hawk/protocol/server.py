@@ -195,6 +195,9 @@ class ProtocolServer:
         self._max_sessions = max_sessions
         self._sessions: collections.OrderedDict[bytes, str] = collections.OrderedDict()
         self._control: set[bytes] = set()  # sessions opened by ControlHello (subset of _sessions)
+        # sender id -> the IP address its handshaken connection comes from (ZMQ's Peer-Address)
+        self._hosts: collections.OrderedDict[str, str | None] = collections.OrderedDict()
+        self._frame = None  # the last frame of the message being handled
         self.stats = ServerStats()
         self._rlog = RateLimitedLog(logger)
         self._bucket = [UNSIGNED_REPLIES_PER_S, time.monotonic()]
@@ -265,6 +268,12 @@ class ProtocolServer:
     def sessions(self) -> int:
         return len(self._sessions)
 
+    def peer_host(self, sender: str) -> str | None:
+        """The IP address that ``sender``'s latest accepted Hello came from (None: unknown,
+        e.g. not over TCP). With ``auth`` ``curve`` or ``hmac`` only a holder of the secret
+        gets here: the prefill admits this address to its transfer engine's ports."""
+        return self._hosts.get(sender)
+
     # ---------------------------------------------------------------- loop
     def _loop(self) -> None:
         poller = zmq.Poller()
@@ -282,10 +291,11 @@ class ProtocolServer:
                 if self._sock in events:
                     for _ in range(256):  # bounded burst, then service the outbox again
                         try:
-                            frames = self._sock.recv_multipart(zmq.NOBLOCK, copy=True)
+                            raw = self._sock.recv_multipart(zmq.NOBLOCK, copy=False)
                         except zmq.Again:
                             break
-                        self._on_frames(frames)
+                        self._frame = raw[-1]  # its Peer-Address names where a Hello came from
+                        self._on_frames([f.bytes for f in raw])
                         self._flush_outbox()
         finally:
             self._wakeup.close_receiver()
@@ -486,6 +496,10 @@ class ProtocolServer:
             self.stats.refusals.count("session_evicted")
         self._sessions[identity] = sender
         self._sessions.move_to_end(identity)
+        self._hosts[sender] = _peer_address(self._frame)
+        self._hosts.move_to_end(sender)
+        while len(self._hosts) > self._max_sessions:
+            self._hosts.popitem(last=False)
         if control:
             self._control.add(identity)
         else:
@@ -522,3 +536,11 @@ class _OnceReply:
                 return
             self._used = True
         self._server._send(self._identity, msg, self._seq, self._peer)
+
+
+def _peer_address(frame) -> str | None:
+    """A received frame's ``Peer-Address`` property (the sending TCP peer's IP), or None."""
+    try:
+        return frame.get("Peer-Address") or None
+    except (zmq.ZMQError, AttributeError, TypeError):
+        return None
