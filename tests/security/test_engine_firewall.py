@@ -64,6 +64,21 @@ def _nft(ns: str, *args: str) -> str:
     return out.stdout
 
 
+def _on_off_times(ns: str, table: str, pull) -> dict[str, list[float]]:
+    """``pull()`` seconds with P's firewall on, and off (a leading accept rule), alternated."""
+    times = {"on": [], "off": []}
+    for r in range(16):
+        for mode in ("on", "off") if r % 2 else ("off", "on"):
+            handle = None
+            if mode == "off":
+                out = _nft(ns, "--echo", "--handle", "insert", "rule", "inet", table, "input", "accept")
+                handle = out.rsplit("# handle", 1)[1].split()[0]
+            times[mode] += [pull() for _ in range(3)]
+            if handle:
+                _nft(ns, "delete", "rule", "inet", table, "input", "handle", handle)
+    return times
+
+
 def test_stranger_gets_nothing_while_a_request_is_held_or_in_flight(lan):
     os.environ.setdefault("MC_FORCE_TCP", "1")
     cfg = {
@@ -155,22 +170,13 @@ def test_stranger_gets_nothing_while_a_request_is_held_or_in_flight(lan):
 
             # the legitimate pair's latency, firewall on against a leading accept rule (off)
             table = _nft(lan.ns_p, "list", "tables", "inet").split()[-1]
-            times = {"on": [], "off": []}
-            for r in range(16):
-                for mode in ("on", "off") if r % 2 else ("off", "on"):
-                    handle = None
-                    if mode == "off":
-                        out = _nft(lan.ns_p, "--echo", "--handle", "insert", "rule", "inet", table, "input", "accept")
-                        handle = out.rsplit("# handle", 1)[1].split()[0]
-                    times[mode] += [pull() for _ in range(3)]
-                    if handle:
-                        _nft(lan.ns_p, "delete", "rule", "inet", table, "input", "handle", handle)
             # the control: with the accept rule in, the stranger reads the held ring
             out = _nft(lan.ns_p, "--echo", "--handle", "insert", "rule", "inet", table, "input", "accept")
             got = s.call(op="read", peer=peer, addr=ring)
             _nft(lan.ns_p, "delete", "rule", "inet", table, "input", "handle", out.rsplit("# handle", 1)[1].split()[0])
             assert got["ok"] and got["got_bytes"] > 0, got
             assert s.call(op="read", peer=peer, addr=ring) == {"ok": False, "got_bytes": 0}
+            times = _on_off_times(lan.ns_p, table, pull)
             ratio = statistics.median(times["on"]) / statistics.median(times["off"])
             print(
                 f"\nengine firewall: READ of {n} B, median on {statistics.median(times['on']) * 1e3:.2f} ms, "
