@@ -195,9 +195,7 @@ class ProtocolServer:
         self._max_sessions = max_sessions
         self._sessions: collections.OrderedDict[bytes, str] = collections.OrderedDict()
         self._control: set[bytes] = set()  # sessions opened by ControlHello (subset of _sessions)
-        # sender id -> the IP address its handshaken connection comes from (ZMQ's Peer-Address)
-        self._hosts: collections.OrderedDict[str, str | None] = collections.OrderedDict()
-        self._frame = None  # the last frame of the message being handled
+        self._hosts, self._frame = collections.OrderedDict(), None  # sender -> IP; the frame in hand
         self.stats = ServerStats()
         self._rlog = RateLimitedLog(logger)
         self._bucket = [UNSIGNED_REPLIES_PER_S, time.monotonic()]
@@ -269,9 +267,7 @@ class ProtocolServer:
         return len(self._sessions)
 
     def peer_host(self, sender: str) -> str | None:
-        """The IP address that ``sender``'s latest accepted Hello came from (None: unknown,
-        e.g. not over TCP). With ``auth`` ``curve`` or ``hmac`` only a holder of the secret
-        gets here: the prefill admits this address to its transfer engine's ports."""
+        """The IP ``sender``'s accepted Hello came from (None: unknown): engine_firewall.py."""
         return self._hosts.get(sender)
 
     # ---------------------------------------------------------------- loop
@@ -294,7 +290,7 @@ class ProtocolServer:
                             raw = self._sock.recv_multipart(zmq.NOBLOCK, copy=False)
                         except zmq.Again:
                             break
-                        self._frame = raw[-1]  # its Peer-Address names where a Hello came from
+                        self._frame = raw[-1]
                         self._on_frames([f.bytes for f in raw])
                         self._flush_outbox()
         finally:
@@ -496,10 +492,7 @@ class ProtocolServer:
             self.stats.refusals.count("session_evicted")
         self._sessions[identity] = sender
         self._sessions.move_to_end(identity)
-        self._hosts[sender] = _peer_address(self._frame)
-        self._hosts.move_to_end(sender)
-        while len(self._hosts) > self._max_sessions:
-            self._hosts.popitem(last=False)
+        _remember(self._hosts, sender, _peer_address(self._frame), self._max_sessions)
         if control:
             self._control.add(identity)
         else:
@@ -536,6 +529,13 @@ class _OnceReply:
                 return
             self._used = True
         self._server._send(self._identity, msg, self._seq, self._peer)
+
+
+def _remember(hosts: collections.OrderedDict, sender: str, addr: str | None, bound: int) -> None:
+    hosts[sender] = addr
+    hosts.move_to_end(sender)
+    while len(hosts) > bound:
+        hosts.popitem(last=False)
 
 
 def _peer_address(frame) -> str | None:

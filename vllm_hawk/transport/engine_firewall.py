@@ -1,4 +1,4 @@
-"""A firewall the node manages itself for Mooncake's ports (issue 31, docs/security.md).
+"""A firewall the node manages itself for Mooncake's ports (docs/security.md).
 
 Mooncake 0.3.13 listens on every interface, its handshake (RPC) port and its TCP data port
 alike, and answers anyone (docs/mooncake.md). :class:`EngineFirewall` owns one nftables
