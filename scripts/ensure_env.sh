@@ -50,6 +50,13 @@ system_pkgs() {
         log "apt-get install libibverbs1"
         "$(dirname "${BASH_SOURCE[0]}")/apt_install.sh" libibverbs1
     fi
+    # the Mooncake engine's own firewall (vllm_hawk/transport/engine_firewall.py) drives
+    # libnftables.so.1; without it and root, an engine on a non-loopback netns refuses to start
+    if ! ldconfig -p | grep -q 'libnftables.so.1'; then
+        if [ "$(id -u)" != 0 ]; then log "missing Debian package nftables (run as root: apt-get install nftables)"; return 0; fi
+        log "apt-get install nftables"
+        "$(dirname "${BASH_SOURCE[0]}")/apt_install.sh" nftables
+    fi
 }
 
 build_venv() {  # build_venv KIND PYVER REQFILE POSTSTEP [MORE KEY FILES...]

@@ -195,6 +195,7 @@ class ProtocolServer:
         self._max_sessions = max_sessions
         self._sessions: collections.OrderedDict[bytes, str] = collections.OrderedDict()
         self._control: set[bytes] = set()  # sessions opened by ControlHello (subset of _sessions)
+        self._hosts, self._frame = collections.OrderedDict(), None  # sender -> IP; the frame in hand
         self.stats = ServerStats()
         self._rlog = RateLimitedLog(logger)
         self._bucket = [UNSIGNED_REPLIES_PER_S, time.monotonic()]
@@ -265,6 +266,10 @@ class ProtocolServer:
     def sessions(self) -> int:
         return len(self._sessions)
 
+    def peer_host(self, sender: str) -> str | None:
+        """The IP ``sender``'s accepted Hello came from (None: unknown): engine_firewall.py."""
+        return self._hosts.get(sender)
+
     # ---------------------------------------------------------------- loop
     def _loop(self) -> None:
         poller = zmq.Poller()
@@ -282,10 +287,11 @@ class ProtocolServer:
                 if self._sock in events:
                     for _ in range(256):  # bounded burst, then service the outbox again
                         try:
-                            frames = self._sock.recv_multipart(zmq.NOBLOCK, copy=True)
+                            raw = self._sock.recv_multipart(zmq.NOBLOCK, copy=False)
                         except zmq.Again:
                             break
-                        self._on_frames(frames)
+                        self._frame = raw[-1]
+                        self._on_frames([f.bytes for f in raw])
                         self._flush_outbox()
         finally:
             self._wakeup.close_receiver()
@@ -486,6 +492,7 @@ class ProtocolServer:
             self.stats.refusals.count("session_evicted")
         self._sessions[identity] = sender
         self._sessions.move_to_end(identity)
+        _remember(self._hosts, sender, _peer_address(self._frame), self._max_sessions)
         if control:
             self._control.add(identity)
         else:
@@ -522,3 +529,18 @@ class _OnceReply:
                 return
             self._used = True
         self._server._send(self._identity, msg, self._seq, self._peer)
+
+
+def _remember(hosts: collections.OrderedDict, sender: str, addr: str | None, bound: int) -> None:
+    hosts[sender] = addr
+    hosts.move_to_end(sender)
+    while len(hosts) > bound:
+        hosts.popitem(last=False)
+
+
+def _peer_address(frame) -> str | None:
+    """A received frame's ``Peer-Address`` property (the sending TCP peer's IP), or None."""
+    try:
+        return frame.get("Peer-Address") or None
+    except (zmq.ZMQError, AttributeError, TypeError):
+        return None
