@@ -19,6 +19,11 @@ Authentication (``auth``):
   (and an fd) for as long as it likes: weaker against idle-connection floods.
 * ``"none"`` (no secret): nothing is authenticated; only for a private, trusted network.
 
+Peers without the secret are bounded in what they cost: on an IPv4 endpoint the
+listening socket carries an :class:`~vllm_hawk.protocol.accept_gate.AcceptGate`, a
+kernel filter that drops the SYNs of sources over their budget of unauthenticated
+connections (per address and all together); sources that sent an accepted Hello pass.
+
 Control peers (``ControlHello``: the proxy, with the shared secret) handshake without
 compatibility fields; their sessions may send only ``Release`` (a KVRequest or a Renew
 is refused ``bad_message``, counted ``control_kv_request`` / ``control_renew``: the
@@ -53,6 +58,7 @@ from typing import Protocol
 import zmq
 from zmq.utils.monitor import parse_monitor_message  # imported now: opening files may fail under fd floods
 
+from vllm_hawk.protocol.accept_gate import bind_gated
 from vllm_hawk.protocol.compat import (
     check_vllm_pair,
     compat_hash,
@@ -226,8 +232,9 @@ class ProtocolServer:
                 self._sock.curve_server = True
                 self._sock.curve_publickey, self._sock.curve_secretkey = spub, ssec
                 self._sock.setsockopt(zmq.ZAP_ENFORCE_DOMAIN, 0)
-            self._monitor = self._sock.get_monitor_socket(_MONITOR_EVENTS)
-            self._sock.bind(bind)
+            self._gate, self._monitor = bind_gated(
+                self._sock, bind, BACKLOG, _MONITOR_EVENTS, self.stats.refusals.count
+            )
         except BaseException:
             self._teardown()  # e.g. port in use: leave nothing open behind the error
             raise
@@ -283,6 +290,7 @@ class ProtocolServer:
                     self._wakeup.drain()
                 if self._monitor in events:
                     self._drain_monitor()
+                self._gate.tick()
                 self._flush_outbox()
                 if self._sock in events:
                     for _ in range(256):  # bounded burst, then service the outbox again
@@ -303,6 +311,9 @@ class ProtocolServer:
             except zmq.Again:
                 return
             kind = ev["event"]
+            if kind == zmq.EVENT_ACCEPTED:
+                self._gate.accepted(ev["value"])
+                continue
             self.stats.zmtp_handshake_failures += 1
             self.stats.refusals.count("zmtp_handshake")
             self._rlog(
@@ -359,6 +370,8 @@ class ProtocolServer:
         seq, peer = header.seq, header.sender
         try:
             self._dispatch(identity, header, msg)
+            if isinstance(msg, (Hello, ControlHello)) and identity in self._sessions:
+                self._gate.admit(_peer_address(self._frame))  # an accepted Hello (authenticated, with a secret)
         except Exception as e:  # noqa: BLE001 - a handler bug must not kill the server
             self.stats.handler_errors += 1
             logger.exception("protocol server: handler failed")
