@@ -310,21 +310,10 @@ class ProtocolServer:
                 ev = parse_monitor_message(self._monitor.recv_multipart(zmq.NOBLOCK))
             except zmq.Again:
                 return
-            kind = ev["event"]
-            if kind == zmq.EVENT_ACCEPTED:
+            if ev["event"] == zmq.EVENT_ACCEPTED:
                 self._gate.accepted(ev["value"])
-                continue
-            self.stats.zmtp_handshake_failures += 1
-            self.stats.refusals.count("zmtp_handshake")
-            self._rlog(
-                "zmtp",
-                "protocol server %s: a peer failed the ZMTP handshake (%s, value %s): wrong "
-                "or missing shared secret, or auth mode differs (this side: %s)",
-                self.endpoint,
-                zmq.Event(kind).name,
-                ev["value"],
-                self.auth,
-            )
+            else:
+                _zmtp_failed(self, ev)
 
     def _flush_outbox(self) -> None:
         while True:
@@ -557,3 +546,18 @@ def _peer_address(frame) -> str | None:
         return frame.get("Peer-Address") or None
     except (zmq.ZMQError, AttributeError, TypeError):
         return None
+
+
+def _zmtp_failed(server: ProtocolServer, ev: dict) -> None:
+    """A peer failed the ZMTP handshake (monitor event ``ev``): counted, logged at a bounded rate."""
+    server.stats.zmtp_handshake_failures += 1
+    server.stats.refusals.count("zmtp_handshake")
+    server._rlog(
+        "zmtp",
+        "protocol server %s: a peer failed the ZMTP handshake (%s, value %s): wrong "
+        "or missing shared secret, or auth mode differs (this side: %s)",
+        server.endpoint,
+        zmq.Event(ev["event"]).name,
+        ev["value"],
+        server.auth,
+    )
