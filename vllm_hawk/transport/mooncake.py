@@ -157,8 +157,10 @@ class MooncakeTransport:
                 "libibverbs1, libnuma1 and libcurl4 even for TCP"
             ) from e
         self._engine = TransferEngine()
-        before = listening_ports()
-        rc, self.effective_protocol = _initialize(self._engine, local_host, protocol, device_name)
+        with _START_LOCK:  # one engine starts at a time: the new listeners are its own
+            before = listening_ports()
+            rc, self.effective_protocol = _initialize(self._engine, local_host, protocol, device_name)
+            new_ports = listening_ports() - before
         if rc != 0:
             raise TransportError(
                 f"Mooncake initialize({local_host!r}, P2PHANDSHAKE, {protocol!r}, {device_name!r}) returned {rc}"
@@ -166,7 +168,7 @@ class MooncakeTransport:
         rpc_port = self._engine.get_rpc_port()
         self._endpoint = f"{local_host}:{rpc_port}"
         #: the engine's listening TCP ports: the handshake (RPC) port and, over TCP, the data port
-        self.ports = engine_ports(rpc_port, listening_ports() - before)
+        self.ports = engine_ports(rpc_port, new_ports)
         try:
             self.firewall = open_firewall(self.ports, firewall, self._endpoint, ttl_s=firewall_ttl_s)
         except TransportError:
@@ -392,6 +394,7 @@ class MooncakeTransport:
 
 
 _LEAKED: list = []  # engines kept alive because a thread was stuck inside them
+_START_LOCK = threading.Lock()  # engines of one process start one at a time (their ports)
 _ENV_LOCK = threading.Lock()
 
 
