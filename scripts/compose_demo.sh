@@ -27,7 +27,7 @@ PROJECT=${HAWK_COMPOSE_PROJECT:-hawk-demo}
 COMPOSE_FILE=$here/examples/compose/docker-compose.yml
 LOCK=$here/examples/compose/requirements-cpu.lock
 ROUTER_LOCK=$here/examples/compose/requirements-router.lock
-BASE_PKGS=python3,python3-venv,ca-certificates,libibverbs1,librdmacm1,ibverbs-providers,libcurl4,libnuma1,libgomp1
+BASE_PKGS=python3,python3-venv,ca-certificates,libibverbs1,librdmacm1,ibverbs-providers,libcurl4,libnuma1,libgomp1,libnftables1
 SUITE=bookworm  # CPython 3.11, the interpreter of requirements/cpu.txt
 export DOCKER_HOST=unix://$D/docker.sock DOCKER_BUILDKIT=0 COMPOSE_DOCKER_CLI_BUILD=0
 export HAWK_IMAGE_PREFIX=${HAWK_IMAGE_PREFIX:-vllm-hawk} HAWK_IMAGE_TAG=${HAWK_IMAGE_TAG:-latest}

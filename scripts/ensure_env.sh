@@ -50,6 +50,22 @@ system_pkgs() {
         log "apt-get install libibverbs1"
         "$(dirname "${BASH_SOURCE[0]}")/apt_install.sh" libibverbs1
     fi
+    # the Mooncake engine's own firewall (vllm_hawk/transport/engine_firewall.py) drives
+    # libnftables.so.1; without it and root, an engine on a non-loopback netns refuses to start
+    if ! ldconfig -p | grep -q 'libnftables.so.1'; then
+        if [ "$(id -u)" != 0 ]; then log "missing Debian package nftables (run as root: apt-get install nftables)"; return 0; fi
+        log "apt-get install nftables"
+        "$(dirname "${BASH_SOURCE[0]}")/apt_install.sh" nftables
+    fi
+}
+
+prune_unused() {  # prune_unused KIND KEEP: remove builds of KIND nobody used for PRUNE_DAYS days, but KEEP
+    local kind=$1 keep=$2 ready old
+    find "$cache" -maxdepth 2 -path "$cache/venv-$kind-*/.hawk-ready" -mtime +"$PRUNE_DAYS" 2>/dev/null |
+        while read -r ready; do
+            old=$(dirname "$ready"); [ "$old" != "$keep" ] && rm -rf "$old" "$old.lock" && log "pruned unused $old"
+        done
+    return 0
 }
 
 build_venv() {  # build_venv KIND PYVER REQFILE POSTSTEP [MORE KEY FILES...]
@@ -71,11 +87,7 @@ build_venv() {  # build_venv KIND PYVER REQFILE POSTSTEP [MORE KEY FILES...]
     $post "$venv" "$req"
     touch "$venv/.hawk-ready"
     log "built $venv in $(( $(date +%s) - t0 )) s ($(du -sh "$venv" | cut -f1))"
-    # prune builds of this kind that nobody has used for PRUNE_DAYS days
-    find "$cache" -maxdepth 2 -path "$cache/venv-$kind-*/.hawk-ready" -mtime +"$PRUNE_DAYS" 2>/dev/null |
-        while read -r ready; do
-            old=$(dirname "$ready"); [ "$old" != "$venv" ] && rm -rf "$old" "$old.lock" && log "pruned unused $old"
-        done
+    prune_unused "$kind" "$venv"
     echo "$venv/bin/python"
 }
 
@@ -98,10 +110,7 @@ build_target() {  # build_target KIND REQFILE: pip install --target a cached fol
     "$py" -m pip install -q --disable-pip-version-check --progress-bar off --no-deps --target "$dir" -r "$req" >&2
     touch "$dir/.hawk-ready"
     log "built $dir in $(( $(date +%s) - t0 )) s ($(du -sh "$dir" | cut -f1))"
-    find "$cache" -maxdepth 2 -path "$cache/venv-$kind-*/.hawk-ready" -mtime +"$PRUNE_DAYS" 2>/dev/null |
-        while read -r ready; do
-            old=$(dirname "$ready"); [ "$old" != "$dir" ] && rm -rf "$old" "$old.lock" && log "pruned unused $old"
-        done
+    prune_unused "$kind" "$dir"
     echo "$dir"
 }
 

@@ -27,7 +27,10 @@ sys.path.insert(0, str(HERE.parent / "transport"))  # peer.py
 from peer import mp_context, start_peer  # noqa: E402
 
 IP = os.environ.get("HAWK_GUEST_IP", "10.0.2.15")
-RDMA = {"protocol": "rdma", "device_name": "rxe0", "local_host": IP}
+# The guest is a VM of its own whose engines reach only each other: no firewall table (its
+# bare rootfs has no nftables); this stage checks verbs and the wire, not admission
+# (tests/security/test_engine_firewall.py does, in network namespaces).
+RDMA = {"protocol": "rdma", "device_name": "rxe0", "local_host": IP, "firewall": "open-to-network"}
 CNT = Path("/sys/class/infiniband/rxe0/ports/1/hw_counters")
 MiB = 1 << 20
 FAILED: list[str] = []

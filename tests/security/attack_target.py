@@ -7,7 +7,9 @@ prints one JSON line (its endpoints), then answers JSON commands on stdin:
 * ``prefill``: a :class:`~vllm_hawk.kvflow.PrefillEndpoint` (``kind`` staged | vllm |
   hawk) over a seeded paged cache, on transport ``transport`` (mooncake | host_staged |
   inprocess), with ``auth`` / ``secret``;
-* ``host_staged``: a bare host-staged transport with one registered, seeded buffer.
+* ``host_staged``: a bare host-staged transport with one registered, seeded buffer;
+* ``stranger``: a bare Mooncake engine on ``host``, without the secret: commands
+  ``{"op": "read" | "write", "peer", "addr", "n"}`` answer ``{"ok", "got_bytes"}``.
 
 Commands: ``{"op": "add", ...}`` (prefill: hand over a request), ``{"op": "stats"}`` (CPU
 seconds, RSS, open fds, refusal counters, snapshot), ``{"op": "exit"}``.
@@ -59,7 +61,7 @@ def _main(cfg: dict) -> None:
 
         cache = PagedKVCache(*cfg["shape"]).fill_random(cfg.get("seed", 0))
         opts = {"secret": secret} if cfg["transport"] == "host_staged" else {}
-        t = make_transport(cfg["transport"], **opts)
+        t = make_transport(cfg["transport"], **opts, **cfg.get("transport_options", {}))
         compat = make_compat(*cfg["compat"])
         ep = prefill_endpoint(
             cache,
@@ -70,12 +72,14 @@ def _main(cfg: dict) -> None:
             secret=secret,
             auth=cfg.get("auth"),
             lease_s=cfg.get("lease_s", 60.0),
+            bind=cfg.get("bind", "tcp://127.0.0.1:0"),
         )
         out = {
             "endpoint": ep.endpoint,
             "transfer": t.endpoint,
             "cache_addr": cache.base_addr,
             "cache_nbytes": cache.nbytes,
+            "ports": sorted(getattr(t, "ports", ())),
         }
     elif cfg["what"] == "host_staged":
         import numpy as np
@@ -86,11 +90,24 @@ def _main(cfg: dict) -> None:
         buf = np.random.default_rng(1).integers(0, 256, cfg.get("nbytes", 1 << 20), dtype=np.uint8)
         t.register(buf.ctypes.data, buf.nbytes)
         out = {"transfer": t.endpoint, "addr": buf.ctypes.data, "nbytes": buf.nbytes}
+    elif cfg["what"] == "stranger":  # a Mooncake engine of its own, without the secret
+        import numpy as np
+        from mooncake.engine import TransferEngine
+
+        t = TransferEngine()
+        assert t.initialize(cfg["host"], "P2PHANDSHAKE", "tcp", "") == 0
+        buf = np.zeros(1 << 16, dtype=np.uint8)
+        assert t.register_memory(buf.ctypes.data, buf.nbytes) == 0
     print(json.dumps(out), flush=True)
     for line in sys.stdin:
         cmd = json.loads(line)
         op = cmd["op"]
-        if op == "add":
+        if op in ("read", "write"):  # stranger: one READ / WRITE of n bytes at addr
+            buf[:] = 0 if op == "read" else 0xAB
+            fn = t.transfer_sync_read if op == "read" else t.transfer_sync_write
+            rc = fn(cmd["peer"], buf.ctypes.data, cmd["addr"], cmd.get("n", 4096))
+            reply = {"ok": rc == 0, "got_bytes": int(np.count_nonzero(buf)) if op == "read" else 0}
+        elif op == "add":
             ep.add_request(cmd["rid"], cmd["blocks"], cmd["tokens"])
             reply = {}
         elif op == "stats":
@@ -102,23 +119,33 @@ def _main(cfg: dict) -> None:
                 reply["server"] = {"received": ep.server.stats.received, "sessions": ep.server.sessions()}
             else:
                 reply["refusals"] = t.stats.snapshot()
+            fw = getattr(t, "firewall", None)
+            reply["admitted"] = sorted(fw.admitted()) if fw is not None else None
         else:
             break
         print(json.dumps(reply), flush=True)
     if ep is not None:
         ep.close()
-    t.close()
+    if cfg["what"] == "stranger":
+        t.unregister_memory(buf.ctypes.data)
+    else:
+        t.close()
 
 
 class Target:
-    def __init__(self, cfg: dict, python: str = sys.executable) -> None:
+    def __init__(self, cfg: dict, python: str = sys.executable, prefix: tuple[str, ...] = ()) -> None:
+        """``prefix``: a command to run the child under (e.g. ``ip netns exec NS``)."""
         env = dict(
             os.environ,
             PYTHONPATH=os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")])),
             MC_FORCE_TCP="1",
         )
         self.proc = subprocess.Popen(
-            [python, __file__, json.dumps(cfg)], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, env=env
+            [*prefix, python, __file__, json.dumps(cfg)],
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            text=True,
+            env=env,
         )
         line = self.proc.stdout.readline()
         if not line:

@@ -10,11 +10,13 @@ import threading
 
 
 class RawFlood:
-    """``n`` idle TCP connections to ``host:port``, reopened as the target drops them."""
+    """``n`` idle TCP connections to ``host:port``, reopened as the target drops them, from
+    ``source`` (another host's address: not the legitimate peers' 127.0.0.1, which the
+    side channel's accept gate would otherwise block along with the flood)."""
 
-    def __init__(self, endpoint: str, n: int, zmtp_null: bool = False) -> None:
+    def __init__(self, endpoint: str, n: int, zmtp_null: bool = False, source: str = "127.0.0.2") -> None:
         host, _, port = endpoint.replace("tcp://", "").rpartition(":")
-        self.addr, self.n, self.zmtp_null = (host, int(port)), n, zmtp_null
+        self.addr, self.n, self.zmtp_null, self.source = (host, int(port)), n, zmtp_null, source
         self.sel = selectors.DefaultSelector()
         self.stop = threading.Event()
         self.reopened = 0
@@ -25,6 +27,7 @@ class RawFlood:
 
     def _open(self) -> None:
         s = socket.socket()
+        s.bind((self.source, 0))
         s.setblocking(False)
         s.connect_ex(self.addr)
         if self.zmtp_null:  # ZMTP 3.0 greeting, NULL mechanism: what a ZMQ socket without keys sends

@@ -144,6 +144,23 @@ def _post(path: str, body: bytes, extra: str = "") -> bytes:
     ).encode() + body
 
 
+def _with_decode(u: Upstream, decode) -> tuple[web.AppRunner, str]:
+    """An app of its own (a started app's router is frozen) on ``u``'s loop: ``u``'s prefill
+    at /p, ``decode`` at /d; (its runner, its base URL)."""
+
+    async def start():
+        app = web.Application()
+        app.router.add_post("/p/v1/completions", u.prefill)
+        app.router.add_post("/d/v1/completions", decode)
+        r = web.AppRunner(app)
+        await r.setup()
+        await web.TCPSite(r, "127.0.0.1", 0).start()
+        return r
+
+    runner = asyncio.run_coroutine_threadsafe(start(), u.loop).result(10)
+    return runner, f"http://127.0.0.1:{runner.addresses[0][1]}"
+
+
 def _rss_mib() -> float:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
 
@@ -223,17 +240,7 @@ def test_non_streaming_decode_has_the_generate_timeout(upstream):
         await asyncio.sleep(1.5)  # longer than first_byte_s = 1 s
         return web.json_response({"choices": [{"text": "d"}]})
 
-    async def start_slow():
-        app = web.Application()
-        app.router.add_post("/p/v1/completions", upstream.prefill)
-        app.router.add_post("/d/v1/completions", slow_decode)
-        r = web.AppRunner(app)
-        await r.setup()
-        await web.TCPSite(r, "127.0.0.1", 0).start()
-        return r
-
-    slow = asyncio.run_coroutine_threadsafe(start_slow(), upstream.loop).result(10)
-    base = f"http://127.0.0.1:{slow.addresses[0][1]}"
+    slow, base = _with_decode(upstream, slow_decode)
 
     async def run(generate_s):
         limits = Limits(first_byte_s=1.0, generate_s=generate_s)
@@ -350,17 +357,7 @@ def test_long_healthy_stream_is_not_cut(upstream):
         await resp.write(b"data: [DONE]\n\n")
         return resp
 
-    async def start_slow():  # its own app: a started app's router is frozen
-        app = web.Application()
-        app.router.add_post("/p/v1/completions", upstream.prefill)
-        app.router.add_post("/d/v1/completions", slow_decode)
-        r = web.AppRunner(app)
-        await r.setup()
-        await web.TCPSite(r, "127.0.0.1", 0).start()
-        return r
-
-    slow = asyncio.run_coroutine_threadsafe(start_slow(), upstream.loop).result(10)
-    base = f"http://127.0.0.1:{slow.addresses[0][1]}"
+    slow, base = _with_decode(upstream, slow_decode)
 
     async def run():
         proxy = Proxy([base + "/p"], [base + "/d"], limits=limits)

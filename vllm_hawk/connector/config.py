@@ -26,6 +26,7 @@ from vllm_hawk import envs
 from vllm_hawk.kvflow.decode import AUTO_LAYER_GROUPS
 from vllm_hawk.kvflow.exposure import REGISTRATION_CHOICES
 from vllm_hawk.protocol import VLLM_PROFILE
+from vllm_hawk.transport.engine_firewall import FIREWALL_MODES
 
 TRANSPORTS = ("mooncake-tcp", "mooncake-rdma", "host-staged")
 MOONCAKE = ("mooncake-tcp", "mooncake-rdma")
@@ -140,6 +141,19 @@ class HawkConfig:
         side="both",
         limits="not empty",
         unset="side_channel_host",
+    )
+    engine_firewall: str = setting(
+        "require",
+        """who may reach Mooncake's ports (the engine listens on every interface and authenticates
+        no one): ``require`` puts them behind an nftables table the node manages itself in its network
+        namespace, open only to loopback and, on a prefill, to the address a decode's accepted,
+        authenticated KVRequest came from, until its last request is released or expires; it needs
+        ``CAP_NET_ADMIN`` there (compose ``cap_add: [NET_ADMIN]``) and, without it, start-up fails
+        wherever an interface other than loopback is up. ``open-to-network`` accepts the risk: no
+        firewall, anyone on the network can read and write the registered KV, a warning at every
+        start ([security.md](security.md#transfer-engine-ports))""",
+        side="both",
+        limits="`require`, `open-to-network`; Mooncake only",
     )
     mode: str = setting(
         "direct",
@@ -322,6 +336,9 @@ class HawkConfig:
             "local_host": self.transfer_engine_host,
             "protocol": protocol,
             "device_name": self.rdma_device,
+            "firewall": self.engine_firewall,
+            # the kernel's safety net on an admitted decode: its longest hold plus a lease
+            "firewall_ttl_s": 0.0 if not self.max_hold_s else self.max_hold_s + self.lease_s + 60.0,
         }
 
 
@@ -482,6 +499,8 @@ def _check_strategy(out: dict, extra: dict) -> None:
         raise _err("transfer_engine_host", out["transfer_engine_host"], "expected a host name or address")
     if out["rdma_device"] and out["transport"] != "mooncake-rdma":
         raise _err("rdma_device", out["rdma_device"], "only meaningful with transport='mooncake-rdma'")
+    if out["engine_firewall"] not in FIREWALL_MODES:
+        raise _err("engine_firewall", out["engine_firewall"], f"choose one of {list(FIREWALL_MODES)}")
 
 
 def _check_numbers(out: dict, extra: dict, dp_rank: int) -> None:

@@ -498,6 +498,10 @@ class Ledger:
             notify.append(Notify(rid, False))
         return Outcome(free=tuple(free), late=tuple(self.early.expire(mono)), notify=tuple(notify))
 
+    def owners(self) -> set[str]:
+        """The peers that own a live request (their accepted KVRequests' leases are not over)."""
+        return set().union(*(req.owners for req in self.table.requests.values()))
+
     def counts(self) -> dict:
         """Held requests, shares with a KVReady out (``served_live``) or not yet
         (``pending``), early arrivals, and the counters."""

@@ -123,7 +123,7 @@ from vllm_hawk.kvflow.ring import RingBuffer, pin_host_ring
 from vllm_hawk.kvflow.sources import KVSource
 from vllm_hawk.protocol import Ack, CompatFields, KVRequest, ProtocolServer, Release, Renew, Renewed
 from vllm_hawk.security import RateLimitedLog
-from vllm_hawk.transport.base import check_location
+from vllm_hawk.transport.base import TransportError, check_location
 
 __all__ = [
     "EARLY_RELEASE_S",
@@ -201,6 +201,8 @@ class PrefillEndpoint:
         self.exposure = Exposure(transport, memory_location(source.device))  # a source served in place
         self.export_regions: list[tuple[int, int]] = []
         self._producer = Producer(self, self.ledger, self._lock, self._notify, RateLimitedLog(logger))
+        self._fw_hosts: dict[str, str] = {}  # peer -> the address admitted for it (firewall)
+        self._rlog = RateLimitedLog(logger)
         self._stop = threading.Event()
         self._pool: cf.ThreadPoolExecutor | None = None
         self._reaper: threading.Thread | None = None
@@ -293,6 +295,7 @@ class PrefillEndpoint:
         with self._lock:
             out = self.ledger.admit(peer, msg, reply, closing=self._stop.is_set())
             if isinstance(out, Serve):
+                self._admit(peer)  # before its KVReady: the decode READs right after
                 try:
                     self._pool.submit(self._serve, msg, reply)
                     return None
@@ -319,6 +322,7 @@ class PrefillEndpoint:
         if out.free and not msg.ok:  # the share is done (not cancelled, not early)
             logger.warning("prefill: decode reported a failed transfer of %s", msg.req_id)
         self._carry_out(out)  # P9: the blocks are free for the engine
+        self._revoke_idle()
         return Ack(req_id=msg.req_id)
 
     def on_renew(self, peer: str, msg: Renew, reply):
@@ -333,6 +337,39 @@ class PrefillEndpoint:
         if out.refusal is not None:
             self._producer.error(msg.req_ids[0], out.refusal)
         return Renewed(renewed=out.renewed, gone=out.gone)
+
+    # ------------------------------------------------------------------ the engine's firewall
+    def _admit(self, peer: str) -> None:
+        """Open the transport's firewall (:attr:`MooncakeTransport.firewall`) to the address
+        ``peer``'s authenticated side-channel connection comes from. Lock held."""
+        fw = getattr(self.transport, "firewall", None)
+        if fw is None:
+            return
+        host = self.server.peer_host(peer) if self.server is not None else None
+        if host is None:
+            self._rlog("fw", "prefill: no address for peer %s; its READs will be refused", peer)
+            return
+        try:
+            fw.admit(host)
+        except TransportError as e:  # nftables failed: the decode's READs will be refused
+            self._rlog("fw", "prefill: %s", e)
+            return
+        self._fw_hosts[peer] = host
+
+    def _revoke_idle(self) -> None:
+        """Close the firewall to every admitted address whose decodes own no live request any
+        more (Release, expiry): their open connections are reset. Under the lock, so that an
+        admission of the same address cannot interleave."""
+        fw = getattr(self.transport, "firewall", None)
+        if fw is None or not self._fw_hosts:
+            return
+        with self._lock:
+            live = self.ledger.owners()
+            for p in [p for p in self._fw_hosts if p not in live]:
+                del self._fw_hosts[p]
+            needed = set(self._fw_hosts.values())
+            for host in fw.admitted() - needed:
+                fw.revoke(host)
 
     def _carry_out(self, out: Outcome) -> None:
         """The effects of ``out`` that run without the lock: answer the KVRequests of ids
@@ -367,6 +404,7 @@ class PrefillEndpoint:
         for n in out.notify:
             logger.warning("prefill: lease of %s expired without Release; freeing it", n.req_id)
         self._carry_out(out)  # P9: the blocks are free for the engine
+        self._revoke_idle()
         return [n.req_id for n in out.notify]
 
     def engine_step(self) -> None:

@@ -19,6 +19,11 @@ Authentication (``auth``):
   (and an fd) for as long as it likes: weaker against idle-connection floods.
 * ``"none"`` (no secret): nothing is authenticated; only for a private, trusted network.
 
+Peers without the secret are bounded in what they cost: on an IPv4 endpoint the
+listening socket carries an :class:`~vllm_hawk.protocol.accept_gate.AcceptGate`, a
+kernel filter that drops the SYNs of sources over their budget of unauthenticated
+connections (per address and all together); sources that sent an accepted Hello pass.
+
 Control peers (``ControlHello``: the proxy, with the shared secret) handshake without
 compatibility fields; their sessions may send only ``Release`` (a KVRequest or a Renew
 is refused ``bad_message``, counted ``control_kv_request`` / ``control_renew``: the
@@ -53,6 +58,7 @@ from typing import Protocol
 import zmq
 from zmq.utils.monitor import parse_monitor_message  # imported now: opening files may fail under fd floods
 
+from vllm_hawk.protocol.accept_gate import bind_gated
 from vllm_hawk.protocol.compat import (
     check_vllm_pair,
     compat_hash,
@@ -195,6 +201,7 @@ class ProtocolServer:
         self._max_sessions = max_sessions
         self._sessions: collections.OrderedDict[bytes, str] = collections.OrderedDict()
         self._control: set[bytes] = set()  # sessions opened by ControlHello (subset of _sessions)
+        self._hosts, self._frame = collections.OrderedDict(), None  # sender -> IP; the frame in hand
         self.stats = ServerStats()
         self._rlog = RateLimitedLog(logger)
         self._bucket = [UNSIGNED_REPLIES_PER_S, time.monotonic()]
@@ -225,8 +232,9 @@ class ProtocolServer:
                 self._sock.curve_server = True
                 self._sock.curve_publickey, self._sock.curve_secretkey = spub, ssec
                 self._sock.setsockopt(zmq.ZAP_ENFORCE_DOMAIN, 0)
-            self._monitor = self._sock.get_monitor_socket(_MONITOR_EVENTS)
-            self._sock.bind(bind)
+            self._gate, self._monitor = bind_gated(
+                self._sock, bind, BACKLOG, _MONITOR_EVENTS, self.stats.refusals.count
+            )
         except BaseException:
             self._teardown()  # e.g. port in use: leave nothing open behind the error
             raise
@@ -265,6 +273,10 @@ class ProtocolServer:
     def sessions(self) -> int:
         return len(self._sessions)
 
+    def peer_host(self, sender: str) -> str | None:
+        """The IP ``sender``'s accepted Hello came from (None: unknown): engine_firewall.py."""
+        return self._hosts.get(sender)
+
     # ---------------------------------------------------------------- loop
     def _loop(self) -> None:
         poller = zmq.Poller()
@@ -278,14 +290,16 @@ class ProtocolServer:
                     self._wakeup.drain()
                 if self._monitor in events:
                     self._drain_monitor()
+                self._gate.tick()
                 self._flush_outbox()
                 if self._sock in events:
                     for _ in range(256):  # bounded burst, then service the outbox again
                         try:
-                            frames = self._sock.recv_multipart(zmq.NOBLOCK, copy=True)
+                            raw = self._sock.recv_multipart(zmq.NOBLOCK, copy=False)
                         except zmq.Again:
                             break
-                        self._on_frames(frames)
+                        self._frame = raw[-1]
+                        self._on_frames([f.bytes for f in raw])
                         self._flush_outbox()
         finally:
             self._wakeup.close_receiver()
@@ -296,18 +310,10 @@ class ProtocolServer:
                 ev = parse_monitor_message(self._monitor.recv_multipart(zmq.NOBLOCK))
             except zmq.Again:
                 return
-            kind = ev["event"]
-            self.stats.zmtp_handshake_failures += 1
-            self.stats.refusals.count("zmtp_handshake")
-            self._rlog(
-                "zmtp",
-                "protocol server %s: a peer failed the ZMTP handshake (%s, value %s): wrong "
-                "or missing shared secret, or auth mode differs (this side: %s)",
-                self.endpoint,
-                zmq.Event(kind).name,
-                ev["value"],
-                self.auth,
-            )
+            if ev["event"] == zmq.EVENT_ACCEPTED:
+                self._gate.accepted(ev["value"])
+            else:
+                _zmtp_failed(self, ev)
 
     def _flush_outbox(self) -> None:
         while True:
@@ -353,6 +359,8 @@ class ProtocolServer:
         seq, peer = header.seq, header.sender
         try:
             self._dispatch(identity, header, msg)
+            if isinstance(msg, (Hello, ControlHello)) and identity in self._sessions:
+                self._gate.admit(_peer_address(self._frame))  # an accepted Hello (authenticated, with a secret)
         except Exception as e:  # noqa: BLE001 - a handler bug must not kill the server
             self.stats.handler_errors += 1
             logger.exception("protocol server: handler failed")
@@ -486,6 +494,7 @@ class ProtocolServer:
             self.stats.refusals.count("session_evicted")
         self._sessions[identity] = sender
         self._sessions.move_to_end(identity)
+        _remember(self._hosts, sender, _peer_address(self._frame), self._max_sessions)
         if control:
             self._control.add(identity)
         else:
@@ -522,3 +531,33 @@ class _OnceReply:
                 return
             self._used = True
         self._server._send(self._identity, msg, self._seq, self._peer)
+
+
+def _remember(hosts: collections.OrderedDict, sender: str, addr: str | None, bound: int) -> None:
+    hosts[sender] = addr
+    hosts.move_to_end(sender)
+    while len(hosts) > bound:
+        hosts.popitem(last=False)
+
+
+def _peer_address(frame) -> str | None:
+    """A received frame's ``Peer-Address`` property (the sending TCP peer's IP), or None."""
+    try:
+        return frame.get("Peer-Address") or None
+    except (zmq.ZMQError, AttributeError, TypeError):
+        return None
+
+
+def _zmtp_failed(server: ProtocolServer, ev: dict) -> None:
+    """A peer failed the ZMTP handshake (monitor event ``ev``): counted, logged at a bounded rate."""
+    server.stats.zmtp_handshake_failures += 1
+    server.stats.refusals.count("zmtp_handshake")
+    server._rlog(
+        "zmtp",
+        "protocol server %s: a peer failed the ZMTP handshake (%s, value %s): wrong "
+        "or missing shared secret, or auth mode differs (this side: %s)",
+        server.endpoint,
+        zmq.Event(ev["event"]).name,
+        ev["value"],
+        server.auth,
+    )

@@ -67,6 +67,7 @@ from vllm_hawk.transport.base import (
     closed_transfer,
     wait_handle,
 )
+from vllm_hawk.transport.engine_firewall import REQUIRE, listening_ports, open_firewall
 from vllm_hawk.transport.mooncake_cuda import CudaReach, install_hint
 
 logger = logging.getLogger(__name__)
@@ -125,6 +126,11 @@ class MooncakeTransport:
     protocol: "tcp" (forces TCP via MC_FORCE_TCP) or "rdma"; device_name: HCA filter for
     RDMA, e.g. "mlx5_0" ("" = all). max_inflight: engine entries in flight per peer.
     poll_min_s / poll_max_s: the polling thread's sleep range (seconds).
+    firewall: ``require`` (the engine's ports admit only loopback and the peers a prefill
+    :meth:`~vllm_hawk.transport.engine_firewall.EngineFirewall.admit`, see
+    :mod:`~vllm_hawk.transport.engine_firewall`; refused without ``CAP_NET_ADMIN`` where
+    another interface is up) or ``open-to-network`` (no firewall, a warning); ``firewall_ttl_s``:
+    the kernel timeout of an admitted peer. :attr:`firewall` is the table (None: none).
     """
 
     def __init__(
@@ -136,6 +142,8 @@ class MooncakeTransport:
         max_inflight: int = 512,
         poll_min_s: float = 50e-6,
         poll_max_s: float = POLL_MAX_S,
+        firewall: str = REQUIRE,
+        firewall_ttl_s: float = 3600.0,
     ) -> None:
         if protocol not in ("tcp", "rdma"):
             raise ValueError(f"protocol must be 'tcp' or 'rdma', got {protocol!r}")
@@ -149,12 +157,23 @@ class MooncakeTransport:
                 "libibverbs1, libnuma1 and libcurl4 even for TCP"
             ) from e
         self._engine = TransferEngine()
-        rc, self.effective_protocol = _initialize(self._engine, local_host, protocol, device_name)
+        with _START_LOCK:  # one engine starts at a time: the new listeners are its own
+            before = listening_ports()
+            rc, self.effective_protocol = _initialize(self._engine, local_host, protocol, device_name)
+            new_ports = listening_ports() - before
         if rc != 0:
             raise TransportError(
                 f"Mooncake initialize({local_host!r}, P2PHANDSHAKE, {protocol!r}, {device_name!r}) returned {rc}"
             )
-        self._endpoint = f"{local_host}:{self._engine.get_rpc_port()}"
+        rpc_port = self._engine.get_rpc_port()
+        self._endpoint = f"{local_host}:{rpc_port}"
+        #: the engine's listening TCP ports: the handshake (RPC) port and, over TCP, the data port
+        self.ports = engine_ports(rpc_port, new_ports)
+        try:
+            self.firewall = open_firewall(self.ports, firewall, self._endpoint, ttl_s=firewall_ttl_s)
+        except TransportError:
+            self._engine = None  # the engine's ports close with it
+            raise
         if self.effective_protocol != protocol:
             logger.warning(
                 "Mooncake engine %s: protocol %r requested but MC_FORCE_TCP=%r is set in "
@@ -253,6 +272,9 @@ class MooncakeTransport:
             )
             _LEAKED.append(self._engine)
         self._engine = None
+        if self.firewall is not None:
+            self.firewall.close()
+            self.firewall = None
 
     # ---------------------------------------------------------------- peer threads
     def _worker(self, peer: str) -> _PeerWorker:
@@ -372,7 +394,18 @@ class MooncakeTransport:
 
 
 _LEAKED: list = []  # engines kept alive because a thread was stuck inside them
+_START_LOCK = threading.Lock()  # engines of one process start one at a time (their ports)
 _ENV_LOCK = threading.Lock()
+
+
+def engine_ports(rpc_port: int, new_ports: set[int]) -> set[int]:
+    """The engine's ports: ``rpc_port`` and those of ``new_ports`` (this process's listeners
+    that appeared while the engine started) in Mooncake's port range (``MC_MIN_RPC_PORT`` ..
+    ``MC_MAX_RPC_PORT``, default 15000-17000), where its TCP data port is picked too (the
+    Python API names only the RPC port)."""
+    low = int(os.environ.get("MC_MIN_RPC_PORT", "15000"))
+    high = int(os.environ.get("MC_MAX_RPC_PORT", "17000"))
+    return {rpc_port} | {p for p in new_ports if low <= p <= high}
 
 
 def _initialize(engine, local_host: str, protocol: str, device_name: str) -> tuple[int, str]:
