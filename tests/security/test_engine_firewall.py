@@ -5,7 +5,9 @@ S (a stranger with its own Mooncake engine, no secret) on one L2 segment (lan_ne
 * while D holds a request (KVReady out, no Release) and while D's READ batches are in
   flight, S can neither READ nor WRITE P's ring range nor D's registered landing buffer:
   its engine never gets through the handshake port (RST), and no byte changes;
-* after D's Release, P closes its ports to D again: D's next READ fails;
+* after D's Release, P closes its ports to new connections from D's address; D's next
+  request is admitted again and READs over the connection its engine pooled (connections
+  an admitted address opened keep working: a reset one would fail that transfer);
 * D's READ latency with the firewall against without it (a leading accept rule in the same
   table, toggled within the run): the ratio is printed, and must stay under 1.5;
 * without CAP_NET_ADMIN on a namespace with an interface up, the engine refuses to start,
@@ -18,6 +20,7 @@ from __future__ import annotations
 
 import os
 import shutil
+import socket
 import statistics
 import subprocess
 import sys
@@ -184,12 +187,28 @@ def test_stranger_gets_nothing_while_a_request_is_held_or_in_flight(lan):
             )
             assert ratio < 1.5
 
-            # Release: the last lease of D ends, P closes its ports to D
+            # Release: the last lease of D ends, P closes its ports to new connections from D
             client.release("held")
             assert p.stats()["admitted"] == []
+            host, port = peer.rsplit(":", 1)
+            with pytest.raises(OSError):  # reset at the SYN: refused
+                socket.create_connection((host, int(port)), timeout=5).close()
+            # D's engine still uses the connection it pooled while admitted: a READ of the
+            # released range crosses it (refused: the range is unregistered) ...
             h = t.submit("read", peer, [(land.ctypes.data, ring, n)])
-            with pytest.raises(Exception):  # noqa: B017 - refused: connection reset / refused
+            with pytest.raises(Exception):  # noqa: B017 - the remote range is refused
                 t.wait(h, 10)
+            # ... and is not reset for it: D's next request is admitted again and its READ
+            # runs on that connection (a reset pooled connection fails the next transfer)
+            p.call(op="add", rid="next", blocks=list(range(1, 9)), tokens=8 * BS)
+            again = client.request_kv(
+                KVRequest(req_id="next", dst_layout=desc.desc, num_tokens=8 * BS, dst_block_ids=list(range(8)))
+            )
+            assert p.stats()["admitted"] == [lan.d]
+            h = t.submit("read", peer, [(land.ctypes.data, ack.export_base_addr + again.ring_offset, n)])
+            t.wait(h, 10)
+            assert np.array_equal(land[:n], first)  # the same blocks, the same bytes
+            client.release("next")
         finally:
             client.close()
             desc.close()

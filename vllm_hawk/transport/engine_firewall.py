@@ -6,12 +6,16 @@ table in this process's network namespace, ``inet hawk_<pid>_<n>``, that lets th
 exactly those ports only loopback and the addresses in its sets (IPv4 and IPv6)::
 
     iif lo accept
-    tcp dport { RPC, DATA } ip saddr @peers4 accept
-    tcp dport { RPC, DATA } ip6 saddr @peers6 accept
+    tcp dport { RPC, DATA } ct mark CT_MARK accept
+    tcp dport { RPC, DATA } ip saddr @peers4 ct mark set CT_MARK accept
+    tcp dport { RPC, DATA } ip6 saddr @peers6 ct mark set CT_MARK accept
     tcp dport { RPC, DATA } reject with tcp reset
 
-Every packet is matched (not only new flows), so :meth:`revoke` cuts a peer's open lanes at
-once. A prefill admits (:meth:`EngineFirewall.admit`) a decode's address when it accepts that decode's
+A connection an admitted address opened carries :data:`CT_MARK` (conntrack) and keeps
+passing after :meth:`revoke`: Mooncake pools its connections, and a reset one fails the
+peer's next transfer (``writeHeader failed``), so revoking closes the ports to *new*
+connections of that address only. Connections anyone else opened (no mark) are reset on
+their next packet. A prefill admits (:meth:`EngineFirewall.admit`) a decode's address when it accepts that decode's
 authenticated KVRequest and revokes it when the decode's last request is gone; a decode
 admits no one (nobody connects to it). Elements carry a kernel timeout (``ttl_s``) so a
 process that dies cannot leave a peer open; its table is removed by the next start in the
@@ -41,6 +45,8 @@ from vllm_hawk.transport.base import TransportError
 logger = logging.getLogger(__name__)
 
 _SEQ = itertools.count()
+#: conntrack mark of the connections an admitted peer opened ("HAWK"; only on our ports' flows)
+CT_MARK = 0x4841574B
 _TABLE_RE = re.compile(r"^table inet (hawk_(\d+)_\d+)", re.M)
 
 
@@ -126,15 +132,17 @@ class EngineFirewall:
         self._lock = threading.Lock()
         _remove_dead_tables(self._nft)
         ports_s = ", ".join(map(str, self.ports))
+        rule, mark = f"add rule inet {self.table} input tcp dport {{ {ports_s} }}", f"{CT_MARK:#x}"
         ok, _, err = self._nft.run(
             f"add table inet {self.table}\n"
             f"add set inet {self.table} peers4 {{ type ipv4_addr; flags timeout; }}\n"
             f"add set inet {self.table} peers6 {{ type ipv6_addr; flags timeout; }}\n"
             f"add chain inet {self.table} input {{ type filter hook input priority filter; policy accept; }}\n"
             f"add rule inet {self.table} input iif lo accept\n"
-            f"add rule inet {self.table} input tcp dport {{ {ports_s} }} ip saddr @peers4 accept\n"
-            f"add rule inet {self.table} input tcp dport {{ {ports_s} }} ip6 saddr @peers6 accept\n"
-            f"add rule inet {self.table} input tcp dport {{ {ports_s} }} reject with tcp reset\n"
+            f"{rule} ct mark {mark} accept\n"
+            f"{rule} ip saddr @peers4 ct mark set {mark} accept\n"
+            f"{rule} ip6 saddr @peers6 ct mark set {mark} accept\n"
+            f"{rule} reject with tcp reset\n"
         )
         if not ok:
             self._nft.run(f"delete table inet {self.table}")
@@ -163,7 +171,8 @@ class EngineFirewall:
             self._admitted[ip] = time.monotonic()
 
     def revoke(self, addr: str) -> None:
-        """``addr`` may no longer reach the ports (its open connections are reset)."""
+        """``addr`` may open no new connection to the ports (those it opened while admitted
+        keep working: module doc)."""
         ip = _plain(addr)
         with self._lock:
             if ip not in self._admitted:
