@@ -72,6 +72,19 @@ def test_auto_chooses_triton_only_for_a_cuda_g_prime():
     assert not kt.uses_triton("auto", x, meta, "bfloat8_b")
 
 
+def test_the_dispatchers_copy_of_the_kernels_dtypes_is_the_kernels():
+    """kv_transform keeps the kernel's targets and sources without importing Triton."""
+    d = _triton_dir()
+    code = (
+        "import torch; from vllm_hawk.transform import kv_transform as kt, triton_kernel as t\n"
+        "assert kt.TRITON_TARGETS == tuple(t.TARGETS), (kt.TRITON_TARGETS, t.TARGETS)\n"
+        "assert kt.TRITON_SOURCES == t.SOURCE_DTYPES, (kt.TRITON_SOURCES, t.SOURCE_DTYPES)\n"
+    )
+    env = {**os.environ, "TRITON_INTERPRET": "1", "PYTHONPATH": os.pathsep.join([d, str(ROOT)])}
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300, env=env)
+    assert r.returncode == 0, r.stderr[-2000:]
+
+
 def test_forcing_triton_on_cpu_without_the_interpreter_is_refused():
     d = _triton_dir()
     code = (
