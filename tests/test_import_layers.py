@@ -1,4 +1,5 @@
 """The folders tell the data flow: layout -> transform -> kvflow -> transport / protocol,
+with integrity (the checksum both ends take) beside them,
 with connector, tenstorrent and proxy as adapters on top. No module imports a layer above
 its own (checked on the source, so a lazy import inside a function counts too)."""
 
@@ -15,7 +16,8 @@ ALLOWED = {
     "npu": {"layout"},
     "transport": set(),
     "protocol": set(),
-    "kvflow": {"layout", "transform", "npu", "transport", "protocol"},
+    "integrity": set(),
+    "kvflow": {"layout", "transform", "npu", "transport", "protocol", "integrity"},
     # the engine integrations: they read the connector's configuration, the connector finds
     # their cache through tenstorrent.registry
     "tenstorrent": {"layout", "npu", "protocol", "connector", "cpu_amx"},

@@ -191,15 +191,17 @@ def test_only_a_gg_decode_with_a_multiple_of_the_prefill_block_size_regroups():
     assert "--block-size" in names_only and "ours" not in names_only
 
 
-def test_protocol_version_is_8_with_renew_control_hello_head_shares_vllm_versions_and_block_size():
+def test_protocol_version_is_9_with_renew_control_hello_head_shares_vllm_versions_block_size_and_checksums():
     # 4 = sec's recipient-bound envelope (HAWK/4, auth_failed) + main's layer-group fields;
     # 5 adds Renew/Renewed (lease heartbeats) and ControlHello (the proxy's Release);
     # 6 tensor-parallel shares; 7 each side's vLLM version in Hello / HelloAck;
-    # 8 HelloAck.block_size (a GG decode regroups smaller blocks).
+    # 8 HelloAck.block_size (a GG decode regroups smaller blocks);
+    # 9 KVRequest.checksum and KVReady.checksums (end-to-end integrity).
     from vllm_hawk.protocol import ControlHello, Hello, HelloAck, Renew, Renewed
     from vllm_hawk.protocol.envelope import MAGIC, Header
 
-    assert PROTOCOL_VERSION == 8 and MAGIC == b"HAWK/8"
+    assert PROTOCOL_VERSION == 9 and MAGIC == b"HAWK/9"
+    assert "checksum" in KVRequest.__struct_fields__ and "checksums" in KVReady.__struct_fields__
     assert "vllm_version" in Hello.__struct_fields__ and "vllm_version" in HelloAck.__struct_fields__
     assert "block_size" in HelloAck.__struct_fields__
     assert Renew.__struct_config__.tag == "renew" and "gone" in Renewed.__struct_fields__

@@ -301,6 +301,19 @@ class HawkConfig:
         limits='1-64 or `"auto"`',
         unset="'auto'",
     )
+    integrity: bool = setting(
+        True,
+        """**end-to-end integrity**: the decode asks the prefill for a checksum of every segment it
+        sends (``wsum64``, taken on the prefill's device over the bytes as produced) and checks each one
+        where it landed (receive buffer, KV pages, vLLM cache) before the request runs; a mismatch is a
+        load failure (``kv_load_failure_policy``: recompute or fail), counted in
+        ``vllm:hawk_integrity_failures_total``, never served. **Warning:** ``false`` serves whatever
+        landed: a bit flipped in flight, a block the prefill freed and reused before the READ, or bytes
+        of another dtype reach the answers silently (a warning at every start). Costs one more read of
+        the KV on each side, [benchmarks.md](benchmarks.md#integrity)""",
+        side="decode",
+        limits="`true`, `false`",
+    )
     prefill_tp: int = setting(
         0,
         """the prefills' tensor_parallel_size, checked at start-up against this decode's TP (or chips)
@@ -393,8 +406,21 @@ def parse_config(extra: Mapping[str, Any] | None, *, dp_rank: int = 0, side: str
         _warn_old_keys(out, extra, side)
     if out["auth"] not in AUTH_MODES:
         raise _err("auth", out["auth"], f"choose one of {list(AUTH_MODES)}")
+    _check_integrity(out, side)
     out["secret_bytes"] = _resolve_secret(out)
     return HawkConfig(**out)
+
+
+def _check_integrity(out: dict, side: str | None) -> None:
+    """``integrity`` is a boolean; off on a decode, a warning names what it lets through."""
+    if not isinstance(out["integrity"], bool):
+        raise _err("integrity", out["integrity"], "expected true or false")
+    if not out["integrity"] and side != "prefill":
+        logger.warning(
+            "kv_connector_extra_config.integrity=false: the KV this decode receives is not checked; a bit flipped "
+            "in flight, a block the prefill reused before the READ, or bytes of another dtype reach the answers "
+            "silently (docs/configuration.md)"
+        )
 
 
 def _check_names(extra: dict) -> None:

@@ -34,7 +34,7 @@ from vllm_hawk.connector.describe import LocalKV
 from vllm_hawk.connector.metadata import RecvSpec
 from vllm_hawk.connector.peers import PeerPool
 from vllm_hawk.connector.stats import HawkKVConnectorStats
-from vllm_hawk.kvflow import FetchResult, LeaseKeeper, TransferUnsettled
+from vllm_hawk.kvflow import FetchResult, IntegrityError, LeaseKeeper, TransferUnsettled
 from vllm_hawk.kvflow.decode import SETTLE_LIMIT_S, WHOLE, Share
 from vllm_hawk.kvflow.pull_plan import PullPlanner
 from vllm_hawk.kvflow.shares import fetch_shares
@@ -203,6 +203,8 @@ class Puller:
         except Exception as e:  # noqa: BLE001 - every failure becomes a failed receive
             self._drop_wants(spec)
             fig["error"] = str(e)[:500]
+            if isinstance(e, IntegrityError):  # logged below with the request, chip, segment and bank
+                self.results.count("integrity")
             logger.error(
                 "HawkConnector decode: KV pull of %s (remote %s at %s) failed: %s",
                 rid,

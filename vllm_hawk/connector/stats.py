@@ -43,7 +43,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.metrics import (
 )
 
 _SERIES = ("transfer_s", "kv_ready_s", "read_s", "nbytes", "segments", "operations")
-_COUNTS = ("failed", "expired", "released", "refused")
+_COUNTS = ("failed", "integrity", "expired", "released", "refused")
 
 
 @dataclass
@@ -96,6 +96,7 @@ class HawkKVConnectorStats(KVConnectorStats):
             "Throughput (MB/s)": round(b / 2**20 / t, 1) if t else 0,
             "Avg ops per pull": round(sum(self.data["operations"]) / n, 1) if n else 0,
             "Failed pulls": self.data["failed"],
+            "Integrity failures": self.data["integrity"],
             "Expired leases": self.data["expired"],
             "Refused input": self.data["refused"],
         }
@@ -148,6 +149,10 @@ class HawkPromMetrics(KVConnectorPromMetrics):
             [1, 2, 4, 8, 16, 32, 64, 128, 256, 1024, 4096],
         )
         self.failed = counter("vllm:hawk_failed_transfers", "HawkConnector: KV pulls that failed.")
+        self.integrity = counter(
+            "vllm:hawk_integrity_failures",
+            "HawkConnector: KV pulls whose landed bytes did not match the prefill's checksums (never served).",
+        )
         self.expired = counter(
             "vllm:hawk_expired_leases", "HawkConnector: held prefill requests freed on lease expiry."
         )
@@ -170,6 +175,7 @@ class HawkPromMetrics(KVConnectorPromMetrics):
                 metric[engine_idx].observe(v)
         for key, metric in (
             ("failed", self.failed),
+            ("integrity", self.integrity),
             ("expired", self.expired),
             ("released", self.released),
             ("refused", self.refused),

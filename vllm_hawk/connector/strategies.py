@@ -390,6 +390,7 @@ def decode_endpoint(cfg: HawkConfig, transport, kv: LocalKV, side_channel: str) 
         pull_timeout_s=cfg.pull_timeout_s,
         claim_wait_s=cfg.claim_wait_s,
         handshake_timeout_s=cfg.handshake_timeout_s,
+        integrity=cfg.integrity,
     )
 
 

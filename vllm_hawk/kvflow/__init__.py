@@ -22,7 +22,15 @@ buffers: :class:`RingBuffer` (prefill ring, decode receive ring), :class:`BankBu
 from vllm_hawk.kvflow.bank_pool import BankBufferPool, RecvSlice
 from vllm_hawk.kvflow.base import Capabilities, Prepared
 from vllm_hawk.kvflow.decode import WHOLE, DecodeEndpoint, FetchResult, Share
-from vllm_hawk.kvflow.errors import BufferFull, KVFlowError, PeerFailed, RingClosed, RingTooSmall, TransferUnsettled
+from vllm_hawk.kvflow.errors import (
+    BufferFull,
+    IntegrityError,
+    KVFlowError,
+    PeerFailed,
+    RingClosed,
+    RingTooSmall,
+    TransferUnsettled,
+)
 from vllm_hawk.kvflow.gn_host import GNHostSink, WireLayout
 from vllm_hawk.kvflow.prefill import PrefillEndpoint
 from vllm_hawk.kvflow.ring import RingAllocator, RingBuffer
@@ -49,6 +57,7 @@ __all__ = [
     "DecodeEndpoint",
     "FetchResult",
     "GNHostSink",
+    "IntegrityError",
     "KVFlowError",
     "KVPageAddresses",
     "KVRegionMap",

@@ -15,6 +15,7 @@ from typing import ClassVar
 import numpy as np
 import torch
 
+from vllm_hawk.integrity import wire_format
 from vllm_hawk.protocol import KVReady, KVRequest, LayoutDesc, Segment
 
 Entry = tuple[int, int, int]  # one READ: (local_addr, remote_addr, nbytes)
@@ -49,13 +50,15 @@ class Prepared:
     the range); ``segments(offset)``: where they are, offsets from the export base.
     Sources with ``caps.layer_groups`` also give ``fill_layers(addr, view, lo, hi)`` and
     ``segments_layers(offset, lo, hi)``: the same for layers lo..hi-1 only, inside the
-    whole request's range."""
+    whole request's range. ``wire_format``: the format of the bytes produced
+    (:func:`vllm_hawk.integrity.wire_format`), which seeds their checksums."""
 
     nbytes: int
     fill: Callable[[int, object], None]
     segments: Callable[[int], list[Segment]]
     fill_layers: Callable[[int, object, int, int], None] | None = None
     segments_layers: Callable[[int, int, int], list[Segment]] | None = None
+    wire_format: str = ""
 
 
 class KVSource:
@@ -85,10 +88,20 @@ class KVSource:
         (all this rank's heads), from the same plan ``prepare`` makes."""
         raise NotImplementedError
 
+    def export_view(self, addr: int, nbytes: int) -> torch.Tensor:
+        """Without ``uses_ring``: ``nbytes`` bytes of the exported region at ``addr`` as a
+        uint8 tensor on ``device`` (a view, no copy), for checksums taken on the device."""
+        raise NotImplementedError
+
 
 @dataclass
 class Landing:
-    """One request's READ batch and what to do after it (see :mod:`~vllm_hawk.kvflow.sinks`)."""
+    """One request's READ batch and what to do after it (see :mod:`~vllm_hawk.kvflow.sinks`).
+
+    Integrity (:mod:`~vllm_hawk.kvflow.landing_check`): the entries' bytes are checked
+    where they landed, before ``complete`` runs, or after it with ``check_after_complete``
+    (the bytes reach the KV pages only in ``complete``); ``read(i)``: entry ``i``'s bytes
+    where host memory at its local address is not where they landed (None: it is)."""
 
     entries: list[Entry]
     complete: Callable[[], dict]
@@ -96,6 +109,8 @@ class Landing:
     dst_blocks: tuple[int, ...] = ()
     figures: dict = field(default_factory=dict)
     unexpose: Callable[[], None] | None = None  # unregister what land() registered (direct sinks)
+    read: Callable[[int], np.ndarray] | None = None
+    check_after_complete: bool = False
 
 
 class KVSink:
@@ -104,6 +119,12 @@ class KVSink:
     layout: LayoutDesc  # sent in the KVRequest
     mode: str
     caps: ClassVar[Capabilities] = Capabilities()
+    wire_kind: ClassVar[str] = "vllm-blocks"  # what its bytes are: vLLM block bytes, or "tt-tiles"
+
+    @property
+    def wire_format(self) -> str:
+        """The format this sink asks for, which the landed bytes' checksums must carry."""
+        return wire_format(self.wire_kind, self.layout.dtype)
 
     def plan(self, dst_blocks: np.ndarray):
         """This sink's transfer plan for destination blocks (raises ValueError on bad ids)."""

@@ -43,7 +43,9 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from vllm_hawk.kvflow.base import KVSink, Landing
-from vllm_hawk.kvflow.errors import BufferFull, KVFlowError, PeerFailed, TransferUnsettled
+from vllm_hawk.integrity import ALGORITHM
+from vllm_hawk.kvflow.errors import BufferFull, IntegrityError, KVFlowError, PeerFailed, TransferUnsettled
+from vllm_hawk.kvflow.landing_check import Landed, verify_landed
 from vllm_hawk.kvflow.prefill_channel import RELEASE_TIMEOUT_S, PrefillChannel
 from vllm_hawk.kvflow.settle import ReceiveFrees
 from vllm_hawk.protocol import CompatFields, HelloAck, KVReady, KVRequest, ProtocolTimeout, RemoteError
@@ -194,6 +196,8 @@ class _Fetch:
     hello: HelloAck | None = None
     futs: list = field(default_factory=list)
     handles: list = field(default_factory=list)
+    checksum: str = ""  # the checksum asked for and verified ("": none)
+    landed: list = field(default_factory=list)  # the batches to verify (landing_check.Landed)
 
     def __post_init__(self) -> None:
         self.t_ready, self.read_deadline = self.t0, self.deadline
@@ -262,6 +266,7 @@ def _kv_request(fs: _Fetch) -> KVRequest:
         consumers=share.consumers,
         share=share.index,
         dst_chip=share.chip,
+        checksum=fs.checksum,
     )
 
 
@@ -289,8 +294,10 @@ class DecodeEndpoint:
         pull_timeout_s: float = 10.0,
         claim_wait_s: float = 5.0,
         handshake_timeout_s: float | None = None,
+        integrity: bool = True,
     ) -> None:
         self.transport, self.pull_timeout_s, self.claim_wait_s = transport, pull_timeout_s, claim_wait_s
+        self.integrity = integrity
         self._frees = ReceiveFrees()
         self.quarantined = self._frees.quarantined  # requests whose receive memory stays held (batch never settled)
         self._channel = PrefillChannel(
@@ -347,6 +354,8 @@ class DecodeEndpoint:
         t0 = time.monotonic()
         dst = _check_dst(req_id, num_tokens, sink, dst_blocks, first_block)
         fs = _Fetch(req_id, num_tokens, sink, dst, first_block, share, timeout, t0, t0 + timeout, release, time_cap_s)
+        if self.integrity and time_cap_s is None:  # a time-capped (per-tile benchmark) run lands in part
+            fs.checksum = ALGORITHM
         if layer_groups == AUTO_LAYER_GROUPS:
             layer_groups = auto_layer_groups(sink, len(dst))
         groups = split_layers(sink.layout.num_layers, layer_groups)
@@ -391,25 +400,48 @@ class DecodeEndpoint:
             if fs.time_cap_s is not None and time.monotonic() - t2 > fs.time_cap_s:
                 break
         res.fraction = done / max(1, len(landing.entries))
+        fs.landed.append(Landed(fs.ready, landing.entries, landing.read))
         t3 = time.monotonic()
         res.transfer_s = t3 - t2
         return t3
 
     def _finish(self, fs: _Fetch, t3: float) -> FetchResult:
-        """D6-D8 once every READ ended at ``t3``: the sink's copies (a failure Releases
-        and raises PeerFailed), copy_s and total_s, then (with ``release``) the Release."""
-        res = fs.res
+        """D6-D8 once every READ ended at ``t3``: the integrity check where the bytes
+        landed, the sink's copies (a failure Releases and raises PeerFailed), copy_s and
+        total_s, then (with ``release``) the Release."""
+        res, after = fs.res, fs.landing.check_after_complete
+        if not after:
+            self._check(fs)
         try:
             res.extra.update(fs.landing.complete())  # D6-D7 (frees the receive memory)
         except Exception as e:
             self._release_quietly(fs.req_id, ok=False, share=fs.share)
             raise PeerFailed(f"request {fs.req_id}: copying into the destination failed: {e}", fs.req_id) from e
+        if after:
+            self._check(fs)
         t4 = time.monotonic()
         res.copy_s, res.total_s = t4 - t3, t4 - fs.t0
         if fs.release:  # D8
             self._release_done(fs)
             res.release_s = time.monotonic() - t4
         return res
+
+    def _check(self, fs: _Fetch) -> None:
+        """D7: the landed bytes against the prefill's checksums (when asked for); a
+        mismatch frees the receive memory, Releases and raises IntegrityError."""
+        if not fs.checksum:
+            return
+        t0 = time.monotonic()
+        try:
+            verify_landed(
+                fs.req_id, fs.share.chip, fs.sink.wire_format, fs.hello.export_base_addr, fs.landed
+            )
+        except IntegrityError:
+            if fs.landing.free is not None and not fs.landing.check_after_complete:
+                fs.landing.free()
+            self._release_quietly(fs.req_id, ok=False, share=fs.share)
+            raise
+        fs.res.extra["check_s"] = time.monotonic() - t0
 
     def _fetch_groups(self, fs: _Fetch, groups: list[tuple[int, int]]) -> FetchResult:
         """:meth:`fetch` by layer groups: every group's D1 at once; D2 (receive memory)
@@ -444,6 +476,7 @@ class DecodeEndpoint:
                     fs.share.key(fs.req_id), fs.plan, fs.claim_wait(self.claim_wait_s)
                 )  # D2
             entries = fs.landing.entries(ready, fs.hello.export_base_addr, lo, hi)
+            fs.landed.append(Landed(ready, entries, fs.landing.reader(lo, hi)))
             fs.handles.append(self.transport.submit("read", fs.hello.transfer_endpoint, entries))
             fs.res.entries += len(entries)
             fs.res.nbytes += sum(e[2] for e in entries)

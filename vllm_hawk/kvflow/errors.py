@@ -45,3 +45,15 @@ class TransferUnsettled(PeerFailed):
         super().__init__(msg, req_id)
         self.unsafe_blocks = tuple(unsafe_blocks)
         self.settled = settled
+
+
+class IntegrityError(PeerFailed):
+    """The bytes that landed are not the bytes the prefill produced (a checksum mismatch,
+    or a KVReady without the checksums asked for): the KV is never used, the pull fails
+    and vLLM's ``kv_load_failure_policy`` recomputes or fails the request. ``chip``: the
+    destination chip (or decode rank); ``mismatches``: the segments that failed
+    (:class:`vllm_hawk.integrity.Mismatch`)."""
+
+    def __init__(self, msg: str, req_id: str = "", chip: int = 0, mismatches: tuple = ()) -> None:
+        super().__init__(msg, req_id)
+        self.chip, self.mismatches = chip, tuple(mismatches)

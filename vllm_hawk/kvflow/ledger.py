@@ -25,6 +25,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
+from vllm_hawk.integrity.checksum import ALGORITHM
 from vllm_hawk.kvflow.early import ALREADY_IN_FLIGHT, NOT_OWNER, EarlyArrivals
 from vllm_hawk.kvflow.lifecycle import (
     Refusal,
@@ -155,6 +156,16 @@ def check_counts(msg: KVRequest, req: RequestRecord) -> str:
     return ""
 
 
+def check_checksum(msg: KVRequest) -> str:
+    """'' when this prefill computes the checksum ``msg`` asks for (or none)."""
+    if msg.checksum and msg.checksum != ALGORITHM:
+        return (
+            f"checksum {msg.checksum[:32]!r} asked for; this prefill computes {ALGORITHM!r} (run both sides at "
+            "the same vllm-hawk version, or set integrity false on the decode)"
+        )
+    return ""
+
+
 def check_layers(msg: KVRequest, layer_groups: bool, source_name: str) -> str:
     """'' when ``msg``'s layer group can be served, else why not."""
     if not layer_groups:
@@ -278,7 +289,12 @@ class Ledger:
             return SHARE_RELEASED
         if rec is not None and rec.in_flight:
             return self._join(msg, rec)
-        err = check_counts(msg, req) or (self._check_layers(msg) if grouped(msg) else "") or self.check_source(msg)
+        err = (
+            check_counts(msg, req)
+            or check_checksum(msg)
+            or (self._check_layers(msg) if grouped(msg) else "")
+            or self.check_source(msg)
+        )
         if err:
             self.stats.refused += 1
             return Refusal("", "layout_mismatch", err)

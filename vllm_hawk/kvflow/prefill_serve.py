@@ -21,12 +21,14 @@ import time
 
 import numpy as np
 
+from vllm_hawk.integrity import of_tensors, seeded
+from vllm_hawk.kvflow.base import Prepared
 from vllm_hawk.kvflow.device import own_stream
 from vllm_hawk.kvflow.errors import BufferFull, RingClosed, RingTooSmall
 from vllm_hawk.kvflow.ledger import Cancelled, Ledger, layers
 from vllm_hawk.kvflow.lifecycle import Refusal, RequestRecord, ShareRecord, Stream
 from vllm_hawk.kvflow.sources import src_block_span
-from vllm_hawk.protocol import ErrorMsg, KVReady, KVRequest
+from vllm_hawk.protocol import ErrorMsg, KVReady, KVRequest, Segment, SegmentSum
 from vllm_hawk.protocol.messages import MAX_SEGMENTS, MAX_STR
 
 logger = logging.getLogger("vllm.hawk.kvflow.prefill")
@@ -138,10 +140,23 @@ class Producer:
             segments=segs,
             lease_ms=int(ep.lease_s * 1000),
             chip=msg.dst_chip,
+            checksums=self._checksums(prep, segs) if msg.checksum else [],
         )
         with self.lock:  # the cancel check and the move to served are one step
             _stop(self.ledger.served(rec, time.monotonic()))
         return out
+
+    def _checksums(self, prep: Prepared, segs: list[Segment]) -> list[SegmentSum]:
+        """Each segment's checksum over its bytes as the decode will read them (the ring
+        range just filled, or the cache runs served in place), taken on the source's device
+        on this worker's own stream, seeded by the bytes' format (:mod:`vllm_hawk.integrity`)."""
+        ep = self.ep
+        with own_stream(ep.source.device):
+            if prep.nbytes:  # ring offsets are from the ring's base, the export base
+                views = [ep.ring.view(s.offset_bytes, s.nbytes) for s in segs]
+            else:
+                views = [ep.source.export_view(ep.export_base + s.offset_bytes, s.nbytes) for s in segs]
+            return [SegmentSum(*seeded(raw, prep.wire_format)) for raw in of_tensors(views)]
 
     def _plan(self, msg: KVRequest, st: Stream, src: np.ndarray, key: str):
         """The share's plan and ring offset: made (and the range reserved, P5) by the first

@@ -8,7 +8,8 @@ share.
 
 A share that fails does not stop the others; once all have ended, the first failure
 is raised (a :class:`~vllm_hawk.kvflow.errors.TransferUnsettled` first: its blocks must
-not be reused). Each share released itself, so nothing stays held on any prefill rank.
+not be reused; then an :class:`~vllm_hawk.kvflow.errors.IntegrityError`, so that it is
+counted as one). Each share released itself, so nothing stays held on any prefill rank.
 The planning names stay importable from here (the benchmarks and tests use them).
 """
 
@@ -18,7 +19,7 @@ import threading
 from collections.abc import Callable
 
 from vllm_hawk.kvflow.decode import FetchResult
-from vllm_hawk.kvflow.errors import TransferUnsettled
+from vllm_hawk.kvflow.errors import IntegrityError, TransferUnsettled
 from vllm_hawk.kvflow.pull_plan import PlannedShare, idle_ranks, plan_shares
 
 __all__ = ["PlannedShare", "plan_shares", "idle_ranks", "fetch_shares"]
@@ -71,7 +72,8 @@ def fetch_shares(
         t.join()
     errors = [r for r in results if isinstance(r, BaseException)]
     if errors:
-        raise next((e for e in errors if isinstance(e, TransferUnsettled)), errors[0])
+        first = next((e for e in errors if isinstance(e, IntegrityError)), errors[0])
+        raise next((e for e in errors if isinstance(e, TransferUnsettled)), first)
     return _summed(req_id, [ps for _ep, _sink, ps in shares], results, on_result)
 
 

@@ -398,6 +398,7 @@ class TTSink(KVSink):
     exposed to the transport's peers. A failing ``__init__`` leaves nothing registered."""
 
     caps = Capabilities(group_landing=True, snapshot=True)
+    wire_kind = "tt-tiles"
 
     def __init__(
         self,
@@ -483,7 +484,16 @@ class TTSink(KVSink):
             tuple(int(b) for b in plan.dst_blocks),
             figures,
             unexpose=_expose(self.exposure, self.registration, req_id, entries, self._domains),
+            read=self._page_reader(ops.bank, ops.dst_offset, ops.nbytes),
+            check_after_complete=True,
         )
+
+    def _page_reader(self, bank: np.ndarray, offset: np.ndarray, nbytes: np.ndarray) -> Callable[[int], np.ndarray]:
+        """``read(i)``: the bytes of op ``i`` (``bank``, device ``offset``, ``nbytes``) read
+        from the KV pages through the device (after ``dma_written``: on a simulator the
+        mapped host regions are only shadows of them)."""
+        bank, offset, nbytes = (np.asarray(x, dtype=np.int64) for x in (bank, offset, nbytes))
+        return lambda i: np.frombuffer(self.device.read_bank(int(bank[i]), int(offset[i]), int(nbytes[i])), np.uint8)
 
     # ------------------------------------------------------------------ layer groups
 
@@ -556,6 +566,7 @@ class GroupLanding:
         }
         self.recv = None
         self.unexpose: Callable[[], None] | None = None  # direct, per_request: the endpoint calls it after the READs
+        self.check_after_complete = sink.mode != "staged"  # direct: the bytes are in the KV pages after complete()
         if sink.mode == "staged":  # the pool registers the slice (per_request) until it is released
             self.recv = sink.pool.acquire(req_id, plan.recv_nbytes_per_bank, claim_wait_s)
             self.free = lambda: sink.pool.release(req_id)
@@ -586,6 +597,14 @@ class GroupLanding:
         sel = (self._slot >= 2 * lo) & (self._slot < 2 * hi)
         remote = remote_base + ready.ring_offset + self._ops.src_offset[sel]
         return list(zip(self._local[sel].tolist(), remote.tolist(), self._ops.nbytes[sel].tolist(), strict=False))
+
+    def reader(self, lo: int, hi: int) -> Callable[[int], np.ndarray] | None:
+        """``read(i)`` for the entries of layers lo..hi-1 (:meth:`entries`): None when they
+        landed in the receive buffers' host memory, else reads from the KV pages."""
+        if self.recv is not None:
+            return None
+        sel = (self._slot >= 2 * lo) & (self._slot < 2 * hi)
+        return self.sink._page_reader(self._ops.bank[sel], self._ops.dst_offset[sel], self._ops.nbytes[sel])
 
     def complete(self) -> dict:
         """D6-D7 once every group has landed (staged: intra-bank copies, then free)."""

@@ -41,6 +41,7 @@ import msgspec
 import numpy as np
 import torch
 
+from vllm_hawk.integrity import wire_format
 from vllm_hawk.kvflow.base import Capabilities, KVSource, Prepared
 from vllm_hawk.kvflow.gather import BlockGather
 from vllm_hawk.kvflow.streams import KVRegionMap, PerHeadRange, ring_segments, source_segments
@@ -138,6 +139,12 @@ class _VllmStreams(KVSource):
     def _setup(self) -> None:
         """What a subclass builds from the caches once."""
 
+    @property
+    def wire_format(self) -> str:
+        """The format of the bytes served: the caches' own element dtype (not the one the
+        layout claims), so a decode that expects another never verifies them."""
+        return wire_format("vllm-blocks", self.caches[0].dtype)
+
     def share_map(self, msg: KVRequest) -> KVRegionMap:
         """The region map of the heads ``msg`` asks for (built once per head range)."""
         sh = share_heads(msg, self.layout.num_kv_heads)
@@ -188,7 +195,16 @@ class VllmBlockSource(_VllmStreams):
 
     def prepare(self, msg: KVRequest, src_blocks: np.ndarray, export_base: int) -> Prepared:
         segs = source_segments(self.share_map(msg), src_blocks.tolist(), export_base)
-        return Prepared(0, lambda addr, view: None, lambda off: segs)
+        return Prepared(0, lambda addr, view: None, lambda off: segs, wire_format=self.wire_format)
+
+    def export_view(self, addr: int, nbytes: int) -> torch.Tensor:
+        """The cache bytes at ``addr`` (an address in the caches' own space, as exported),
+        viewed through the cache tensor whose storage holds them."""
+        for c in self.caches:
+            base = c.data_ptr() - c.storage_offset() * c.element_size()
+            if base <= addr and addr + nbytes <= base + c.untyped_storage().nbytes():
+                return torch.as_strided(c.view(torch.uint8), (nbytes,), (1,), addr - base)
+        raise ValueError(f"{nbytes} bytes at {addr:#x} lie in no KV cache tensor of this prefill")
 
 
 class RingGatherSource(_VllmStreams):
@@ -213,7 +229,10 @@ class RingGatherSource(_VllmStreams):
         gather = self._whole if sh is None else self._gathers(*sh)
         n = len(ids)
         return Prepared(
-            n * rmap.block_nbytes, lambda addr, view: gather(ids, view), lambda off: ring_segments(rmap, n, off)
+            n * rmap.block_nbytes,
+            lambda addr, view: gather(ids, view),
+            lambda off: ring_segments(rmap, n, off),
+            wire_format=self.wire_format,
         )
 
     def request_nbytes(self, num_tokens: int) -> int:
@@ -357,6 +376,7 @@ class TileTransformSource(KVSource):
             lambda off: segments_layers(off, 0, L),
             fill_layers,
             segments_layers,
+            wire_format("tt-tiles", plan.layout.spec.dtype),  # the tiles the kernel writes
         )
 
     def request_nbytes(self, num_tokens: int) -> int:

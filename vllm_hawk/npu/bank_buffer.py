@@ -114,6 +114,11 @@ class BankBufferAPI(Protocol):
         """Every write into DRAM so far (the NIC's, the copies') is visible to the device;
         a sink calls it before it reports a receive finished."""
 
+    def read_bank(self, bank: int, address: int, nbytes: int) -> np.ndarray | bytes:
+        """``nbytes`` bytes of device memory in ``bank`` at device address ``address``
+        (uint8 array or bytes): what the device's cores would read there (the integrity
+        check of a direct landing reads its KV pages through it)."""
+
 
 def recv_nbytes_per_bank(ring_nbytes: int, num_banks: int, alignment: int) -> int:
     """A Tenstorrent sink's receive buffer per bank (bytes): ``ring_nbytes`` over the banks,

@@ -125,6 +125,13 @@ class EmulatedDevice:
             raise ValueError(f"write_page: {arr.size} B into a {buf.page_size} B page")
         self.banks[bank][off : off + arr.size] = arr
 
+    def read_bank(self, bank: int, address: int, nbytes: int) -> np.ndarray:
+        """``nbytes`` bytes of bank ``bank`` at device address ``address`` (a view, no copy)."""
+        b = self.banks[self._check_bank(bank)]
+        if address < 0 or address + nbytes > b.size:
+            raise BankBufferError(f"bank {bank}: bytes [{address}, {address + nbytes}) outside its {b.size} bytes")
+        return b[address : address + nbytes]
+
     def read_page(self, buf: DeviceBuffer, page: int) -> np.ndarray:
         bank, off = self._page(buf, page)
         return self.banks[bank][off : off + buf.page_size].copy()

@@ -38,7 +38,7 @@ from msgspec import Meta, Struct
 from vllm_hawk.protocol.messages import U64, ErrorMsg, Message, ProtocolError, decode, encode
 from vllm_hawk.security import derive_key
 
-MAGIC = b"HAWK/8"
+MAGIC = b"HAWK/9"
 MAC_NBYTES = 32
 DEFAULT_MAX_MESSAGE_NBYTES = 1 << 20
 

@@ -52,9 +52,14 @@ Version 7: ``Hello`` and ``HelloAck`` name each side's vLLM version (``vllm_vers
 pair whose versions HawkConnector does not handle together is refused at the first handshake,
 naming both (:func:`vllm_hawk.protocol.compat.check_vllm_pair`).
 
-Version 8 (this one): ``HelloAck.block_size`` tells the decode the prefill's tokens per
+Version 8: ``HelloAck.block_size`` tells the decode the prefill's tokens per
 block, so that a GG decode with larger blocks regroups the prefill's (see
-:func:`vllm_hawk.protocol.compat.regroups`). Envelope magic ``HAWK/8``.
+:func:`vllm_hawk.protocol.compat.regroups`).
+
+Version 9 (this one): end-to-end integrity (:mod:`vllm_hawk.integrity`).
+``KVRequest.checksum`` names the checksum the decode will verify (``"wsum64"``; ``""``:
+none), and ``KVReady.checksums`` carries one :class:`SegmentSum` per segment, over the
+bytes as the prefill produced them. Envelope magic ``HAWK/9``.
 """
 
 from __future__ import annotations
@@ -64,7 +69,7 @@ from typing import Annotated, Literal
 import msgspec
 from msgspec import Meta, Struct
 
-PROTOCOL_VERSION = 8
+PROTOCOL_VERSION = 9
 
 MAX_SEGMENTS = 4096  # per KVReady: N_ch banks x layers x K/V stays well below this
 MAX_BLOCK_IDS = 1 << 16
@@ -80,6 +85,7 @@ Name = Annotated[str, Meta(max_length=MAX_STR)]
 ReqId = Annotated[str, Meta(min_length=1, max_length=MAX_STR)]
 Detail = Annotated[str, Meta(max_length=MAX_DETAIL)]
 Hash = Annotated[str, Meta(pattern="^[0-9a-f]{64}$")]
+Word64 = Annotated[int, Meta(ge=0)]  # 0 .. 2**64 - 1 (msgpack's uint64 caps it)
 
 ErrorCode = Literal[
     "unknown_request", "expired", "layout_mismatch", "no_space", "bad_message", "auth_failed", "internal"
@@ -105,6 +111,15 @@ class Segment(Struct, frozen=True, forbid_unknown_fields=True, array_like=True):
     bank: Annotated[int, Meta(ge=0, le=1023)]
     offset_bytes: U64
     nbytes: Annotated[int, Meta(gt=0, le=2**48)]
+
+
+class SegmentSum(Struct, frozen=True, forbid_unknown_fields=True, array_like=True):
+    """The checksum of one KVReady segment (``wsum64``: see :mod:`vllm_hawk.integrity`):
+    ``a`` the sum of its 32-bit words, ``b`` their position-weighted sum, each modulo 2**64
+    and offset by the seed of the bytes' format."""
+
+    a: Word64
+    b: Word64
 
 
 class LayoutDesc(_Base):
@@ -190,7 +205,9 @@ class KVRequest(_Base, tag="kv_request"):
     is the share's head count); consumers: how many shares of this request the decode
     side pulls from this prefill in all (the prefill frees the blocks after that many
     Releases); share: this share's index among them (0 .. consumers - 1); dst_chip: the
-    decode chip (or tensor-parallel rank) the share lands on, named back in KVReady."""
+    decode chip (or tensor-parallel rank) the share lands on, named back in KVReady;
+    checksum: the checksum the decode verifies the bytes with (``"wsum64"``), which the
+    prefill computes and sends with KVReady; ``""``: none."""
 
     req_id: ReqId
     dst_layout: LayoutDesc
@@ -205,6 +222,7 @@ class KVRequest(_Base, tag="kv_request"):
     consumers: Annotated[int, Meta(ge=1, le=MAX_CONSUMERS)] = 1
     share: Annotated[int, Meta(ge=0, lt=MAX_CONSUMERS)] = 0
     dst_chip: Annotated[int, Meta(ge=0, le=1023)] = 0
+    checksum: Annotated[str, Meta(max_length=32)] = ""
 
 
 class KVReady(_Base, tag="kv_ready"):
@@ -212,7 +230,9 @@ class KVReady(_Base, tag="kv_ready"):
     the export base; 0 when served in place); ``segments`` list the bytes per bank (G')
     or per layer (vLLM streams). lease_ms: how long from this message the prefill keeps
     the bytes without a Release (0 = until Release). chip: the destination chip of the
-    segments' banks (the KVRequest's ``dst_chip``; a mesh gets one G' per chip)."""
+    segments' banks (the KVRequest's ``dst_chip``; a mesh gets one G' per chip).
+    checksums: one per segment, in segment order, when the KVRequest asked for a
+    ``checksum`` (else empty)."""
 
     req_id: ReqId
     ring_offset: U64
@@ -220,6 +240,7 @@ class KVReady(_Base, tag="kv_ready"):
     segments: Annotated[list[Segment], Meta(max_length=MAX_SEGMENTS)]
     lease_ms: U64 = 0
     chip: Annotated[int, Meta(ge=0, le=1023)] = 0
+    checksums: Annotated[list[SegmentSum], Meta(max_length=MAX_SEGMENTS)] = []
 
 
 class Release(_Base, tag="release"):
@@ -292,6 +313,8 @@ def validate(msg: Message) -> None:
             total += s.nbytes
         if total != msg.total_nbytes:
             raise ProtocolError(f"segments sum to {total} bytes, total_nbytes is {msg.total_nbytes}")
+        if msg.checksums and len(msg.checksums) != len(msg.segments):
+            raise ProtocolError(f"{len(msg.checksums)} checksums for {len(msg.segments)} segments")
         spans = sorted((s.offset_bytes, s.offset_bytes + s.nbytes) for s in msg.segments)
         for (_a0, a1), (b0, _b1) in zip(spans, spans[1:], strict=False):
             if b0 < a1:

@@ -309,6 +309,12 @@ class TtKmdBankBuffers:
                 count += 1
         return count
 
+    def read_bank(self, bank: int, address: int, nbytes: int) -> bytes:
+        """``nbytes`` bytes of ``bank`` at device address ``address``, copied through the
+        mapped window (a write-combined mapping: reads cross PCIe uncached, slow; NOT
+        exercised on hardware)."""
+        return ctypes.string_at(self.host_address(bank, address, nbytes), nbytes)
+
     # -- extras -----------------------------------------------------------------------------
     def bank_mapping(self, buffer: DeviceBuffer, bank: int) -> BankMapping:
         """The :class:`BankMapping` of a mapped buffer's bank (dma-buf fd, window, plan)."""
