@@ -21,6 +21,7 @@ import opaque_device
 import torch
 
 from vllm_hawk.bench.recording_transport import RecordingTransport
+from vllm_hawk.integrity import ALGORITHM
 from vllm_hawk.kvflow import PrefillEndpoint, RingGatherSource, TileTransformSource, VllmBlockSource
 from vllm_hawk.kvflow.device import synchronize
 from vllm_hawk.kvflow.sources import vllm_layout_desc
@@ -76,9 +77,12 @@ def tt_desc(dtype: str, block_size: int) -> LayoutDesc:
     )
 
 
-def serve(src, transport, dst: LayoutDesc, num_tokens: int, src_blocks, dst_blocks, requests: int = 1, **kw) -> dict:
-    """``requests`` requests, one after another, through one endpoint: add, KVRequest,
-    KVReady, the bytes (the first one's), Release; then close. ``kw``: the endpoint's."""
+def serve(
+    src, transport, dst: LayoutDesc, num_tokens, src_blocks, dst_blocks, requests=1, checksum=ALGORITHM, **kw
+) -> dict:
+    """``requests`` requests, one after another, through one endpoint: add, KVRequest
+    (asking for ``checksum``), KVReady, the bytes and checksums (the first one's), Release;
+    then close. ``kw``: the endpoint's."""
     compat = make_compat("tiny", "bfloat16", 0, "any", "any", PROFILE)
     ep = PrefillEndpoint(src, transport, compat, ring_nbytes=4 << 20, **kw)
     live = getattr(transport, "live", lambda: [])
@@ -92,7 +96,9 @@ def serve(src, transport, dst: LayoutDesc, num_tokens: int, src_blocks, dst_bloc
                 done.set()
 
             ep.add_request(rid, src_blocks, num_tokens)
-            msg = KVRequest(req_id=rid, dst_layout=dst, num_tokens=num_tokens, dst_block_ids=list(dst_blocks))
+            msg = KVRequest(
+                req_id=rid, dst_layout=dst, num_tokens=num_tokens, dst_block_ids=list(dst_blocks), checksum=checksum
+            )
             out = ep.on_kv_request("decode", msg, reply)
             if out is not None:
                 reply(out)
@@ -102,6 +108,7 @@ def serve(src, transport, dst: LayoutDesc, num_tokens: int, src_blocks, dst_bloc
             facts["busy_at_reply"] = facts.get("busy_at_reply", False) or got["busy_at_reply"]
             if i == 0:
                 facts["segments"] = len(ready.segments)
+                facts["checksums"] = [[c.a, c.b] for c in ready.checksums]
                 if ep.ring is not None:
                     facts["ring_device"] = str(ep.ring.device)
                     view = ep.ring.view(ready.ring_offset, ready.total_nbytes)
@@ -129,7 +136,7 @@ def registered_once(kind: str, registration: str = "auto") -> dict:
     )
 
 
-def run(kind: str, src_bs: int, dst: LayoutDesc, tokens: int) -> dict:
+def run(kind: str, src_bs: int, dst: LayoutDesc, tokens: int, checksum: str = ALGORITHM) -> dict:
     dev = opaque_device.enable()
     rng = np.random.default_rng(3)
     n_src = -(-tokens // src_bs)
@@ -143,14 +150,21 @@ def run(kind: str, src_bs: int, dst: LayoutDesc, tokens: int) -> dict:
         tokens,
         src_blocks,
         dst_blocks,
+        checksum=checksum,
     )
     t = make_transport("inprocess")
     try:
-        on_host = serve(source(kind, caches_on("cpu", src_bs, 5), src_bs), t, dst, tokens, src_blocks, dst_blocks)
+        on_host = serve(
+            source(kind, caches_on("cpu", src_bs, 5), src_bs), t, dst, tokens, src_blocks, dst_blocks, checksum=checksum
+        )
     finally:
         t.close()
     on_dev["syncs"] = opaque_device.syncs() - syncs0
     on_dev["equal_to_host"] = on_dev.pop("bytes", None) == on_host.get("bytes")
+    # the checksums taken on the device (torch operations on its stream) are the host kernel's
+    on_dev["checksums_equal_to_host"] = len(on_dev["checksums"]) == on_dev["segments"] and on_dev.pop(
+        "checksums"
+    ) == on_host.get("checksums")
     on_dev["decoys_untouched"] = opaque_device.decoys_untouched()
     return on_dev
 
@@ -208,7 +222,8 @@ def negative(kind: str) -> dict:
         RingGatherSource.prepare = prepare
     else:
         RingBuffer.synchronize = lambda self: None
-    return run("staged", 32, source("staged", caches_on("cpu", 32, 0), 32).layout, 70)
+    # no checksums: their copy to the host would wait for the device and hide the missing sync
+    return run("staged", 32, source("staged", caches_on("cpu", 32, 0), 32).layout, 70, checksum="")
 
 
 CAPTURE_S = 1.5  # how long the capture stays open while the endpoint idles

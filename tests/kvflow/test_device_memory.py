@@ -84,6 +84,7 @@ def test_ring_sources_produce_on_the_device(facts, name):
     f = facts[name]
     assert f["ring_device"] == "hawkdev:0"
     assert f["equal_to_host"], "the device ring's bytes differ from the host path's"
+    assert f["checksums_equal_to_host"], "the checksums taken on the device differ from the host kernel's"
     assert f["registration"] == "whole"  # "auto" on a device: the ring, once
     assert len(f["registered_live"]) == 1 and f["registered_live"][0][2] == "hawkdev:0"
     assert f["registered_after_close"] == 0
@@ -93,7 +94,7 @@ def test_ring_sources_produce_on_the_device(facts, name):
 
 def test_blocks_served_in_place_are_registered_as_device_memory(facts):
     f = facts["in-place"]
-    assert "ring_device" not in f and f["equal_to_host"]
+    assert "ring_device" not in f and f["equal_to_host"] and f["checksums_equal_to_host"]
     assert f["registration"] == "whole" and f["registered_live"]
     assert all(loc == "hawkdev:0" for _a, _n, loc in f["registered_live"])
     assert f["registered_after_close"] == 0 and not f["busy_at_reply"] and f["decoys_untouched"]

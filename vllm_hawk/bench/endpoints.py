@@ -111,6 +111,7 @@ class TTDecode(_Endpoint):
         timeout_s: float = 10.0,
         claim_wait_s: float = 5.0,
         registration: str = "per_request",
+        integrity: bool = True,
     ) -> None:
         self.device, self.transport, self.recv, self.shared_pool = device, transport, recv_nbytes_per_bank, pool
         self.registration = registration
@@ -128,6 +129,7 @@ class TTDecode(_Endpoint):
                 auth=auth,
                 pull_timeout_s=timeout_s,
                 claim_wait_s=claim_wait_s,
+                integrity=integrity,
             )
         except BaseException:
             self.close()
@@ -195,6 +197,7 @@ class VllmDecode(_Endpoint):
         timeout_s: float = 10.0,
         recv_nbytes: int = 64 << 20,
         registration: str = "per_request",
+        integrity: bool = True,
     ) -> None:
         self.cache = cache
         regroup = Regroup([cache.adapter] * cache.num_layers, cache.layers)  # a prefill with smaller blocks
@@ -202,7 +205,9 @@ class VllmDecode(_Endpoint):
             cache.region_map, cache.desc, transport, mode, cache.storages, recv_nbytes, registration, regroup
         )
         try:
-            self.ep = DecodeEndpoint(transport, endpoint, compat, secret=secret, auth=auth, pull_timeout_s=timeout_s)
+            self.ep = DecodeEndpoint(
+                transport, endpoint, compat, secret=secret, auth=auth, pull_timeout_s=timeout_s, integrity=integrity
+            )
         except BaseException:
             self.sink.close()
             raise
@@ -238,6 +243,7 @@ class GNHostDecode(_Endpoint):
         registration: str = "per_request",
         layout=None,
         bufs=None,
+        integrity: bool = True,
     ) -> None:
         self.device, self.sink, self.ep = device, None, None
         self._own = layout is None
@@ -252,6 +258,7 @@ class GNHostDecode(_Endpoint):
                 auth=auth,
                 pull_timeout_s=timeout_s,
                 claim_wait_s=claim_wait_s,
+                integrity=integrity,
             )
         except BaseException:
             self.close()

@@ -476,7 +476,7 @@ class DecodeEndpoint:
                     fs.share.key(fs.req_id), fs.plan, fs.claim_wait(self.claim_wait_s)
                 )  # D2
             entries = fs.landing.entries(ready, fs.hello.export_base_addr, lo, hi)
-            fs.landed.append(Landed(ready, entries, fs.landing.reader(lo, hi)))
+            fs.landed.append(Landed(ready, entries, fs.landing.reader(lo, hi), f"layers {lo}..{hi - 1}"))
             fs.handles.append(self.transport.submit("read", fs.hello.transfer_endpoint, entries))
             fs.res.entries += len(entries)
             fs.res.nbytes += sum(e[2] for e in entries)

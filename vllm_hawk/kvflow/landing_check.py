@@ -32,6 +32,7 @@ class Landed:
     ready: KVReady
     entries: Sequence[tuple[int, int, int]]
     read: Callable[[int], np.ndarray] | None = None
+    label: str = ""  # which batch of the fetch (a layer group: "layers 2..3")
 
 
 def verify_landed(req_id: str, chip: int, fmt: str, remote_base: int, landed: Sequence[Landed]) -> None:
@@ -47,16 +48,18 @@ def verify_landed(req_id: str, chip: int, fmt: str, remote_base: int, landed: Se
                 chip,
             )
         try:
-            bad += check_segments(b.ready.segments, b.ready.checksums, fmt, remote_base, b.entries, b.read)
+            found = check_segments(b.ready.segments, b.ready.checksums, fmt, remote_base, b.entries, b.read)
         except ValueError as e:
             raise IntegrityError(f"request {req_id} (chip {chip}): its landing cannot be verified: {e}", req_id, chip)
+        bad += [(b.label, m) for m in found]
     if bad:
         total = sum(len(b.ready.segments) for b in landed)
-        named = "; ".join(m.describe() for m in bad[:NAMED]) + ("; ..." if len(bad) > NAMED else "")
+        named = "; ".join(f"{label + ' ' if label else ''}{m.describe()}" for label, m in bad[:NAMED])
+        named += "; ..." if len(bad) > NAMED else ""
         raise IntegrityError(
             f"request {req_id} (chip {chip}): {len(bad)} of {total} segments failed the integrity check "
             f"(format {fmt}): {named}. The KV is not used",
             req_id,
             chip,
-            bad,
+            [m for _label, m in bad],
         )
