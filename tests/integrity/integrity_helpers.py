@@ -1,17 +1,15 @@
-"""Shared by the integrity tests: a fault-injecting transport (test code, named as such:
-it wraps a real transport and corrupts on purpose) and every prefill/decode pair of the
-paper, built from the same wiring the benchmarks and the connector use
-(:mod:`vllm_hawk.bench.endpoints`), over real transports (Mooncake TCP, host-staged)."""
+"""Shared by the integrity tests: every prefill/decode pair of the paper, built from the
+same wiring the benchmarks and the connector use (:mod:`vllm_hawk.bench.endpoints`), over
+real transports (Mooncake TCP, host-staged), with the decode's transport wrapped in the
+fault-injecting :class:`~faulty_transport.FaultyTransport` (a FAKE, named as such)."""
 
 from __future__ import annotations
 
 import contextlib
-import ctypes
-import threading
 from dataclasses import dataclass
 
-import numpy as np
 import torch
+from faulty_transport import FaultyTransport
 
 from vllm_hawk.bench.endpoints import GNHostDecode, TTDecode, VllmDecode, source_for
 from vllm_hawk.kvflow import PrefillEndpoint
@@ -26,61 +24,6 @@ from vllm_hawk.transport import make_transport
 L, H, BS, D, NB = 2, 2, 32, 64, 24
 #: a request of 3 full blocks and one partial (the last block padded)
 NUM_TOKENS, SRC_BLOCKS, DST_BLOCKS = 100, [5, 9, 2, 14], [3, 0, 7, 1]
-
-
-class FaultyTransport:
-    """A FAKE at the network boundary: the decode's real transport, plus one fault.
-
-    ``flip``: once, after a READ batch completed, one bit of one landed byte flips (a bit
-    flipped in flight). ``reuse``: once, before a READ batch is submitted, the prefill's
-    memory it will read is overwritten with other bytes (the prefill freed the range or
-    block and another request's KV was written there before the READ). Everything else is
-    the wrapped transport's."""
-
-    def __init__(self, inner, fault: str, pick: float = 0.5) -> None:
-        if fault not in ("flip", "reuse", "none"):
-            raise ValueError(f"fault must be flip, reuse or none, got {fault!r}")
-        self.inner, self.fault, self.pick = inner, fault, pick
-        self.fired: list[tuple[int, int]] = []  # (address, nbytes) corrupted
-        self._entries: dict[int, list] = {}
-        self._lock = threading.Lock()
-
-    def __getattr__(self, name):
-        return getattr(self.inner, name)
-
-    def _target(self, entries) -> tuple[int, int, int] | None:
-        """The entry and byte to corrupt: the one at ``pick`` of the batch's bytes."""
-        total = sum(e[2] for e in entries)
-        at = int(total * self.pick)
-        for loc, rem, n in entries:
-            if at < n:
-                return loc, rem, at
-            at -= n
-        return None
-
-    def submit(self, kind, peer, entries):
-        with self._lock:
-            t = self._target(entries) if self.fault == "reuse" and kind == "read" and not self.fired else None
-            if t is not None:
-                _, rem, at = t
-                n = min(4096, sum(e[2] for e in entries) - at)
-                buf = (ctypes.c_uint8 * n).from_address(rem)
-                np.frombuffer(buf, dtype=np.uint8)[:] ^= 0x5A  # another request's bytes
-                self.fired.append((rem, n))
-        h = self.inner.submit(kind, peer, entries)
-        self._entries[id(h)] = list(entries) if kind == "read" else []
-        return h
-
-    def wait(self, handle, timeout_s):
-        self.inner.wait(handle, timeout_s)
-        entries = self._entries.pop(id(handle), [])
-        with self._lock:
-            t = self._target(entries) if self.fault == "flip" and entries and not self.fired else None
-            if t is not None:
-                loc, _, at = t
-                byte = ctypes.c_uint8.from_address(loc + at)
-                byte.value ^= 0x10  # one bit
-                self.fired.append((loc + at, 1))
 
 
 @dataclass

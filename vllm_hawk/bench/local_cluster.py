@@ -256,6 +256,9 @@ class LocalCluster:
     decode_tt_plugin: dict | None = None
     extra_args: list = field(default_factory=list)  # vLLM CLI args for both servers
     extra_env: dict = field(default_factory=dict)  # environment of both servers
+    #: environment of the prefill (decode) servers only; a PYTHONPATH there is added to the cluster's
+    prefill_env: dict = field(default_factory=dict)
+    decode_env: dict = field(default_factory=dict)
     auth: str = "curve"  # side-channel authentication of both servers (a fresh secret file unless "none")
     startup_timeout_s: float = 400.0
     prefill_tp: int = 1  # --tensor-parallel-size of each side (ranks bind both CPUs: VLLM_CPU_OMP_THREADS_BIND 0|1)
@@ -411,6 +414,10 @@ class LocalCluster:
         tt = role == "decode" and bool(self.decode_tt)
         name = name or role
         env = self._env(cpu, tt)
+        own = {k: str(v) for k, v in (self.decode_env if role == "decode" else self.prefill_env).items()}
+        if "PYTHONPATH" in own:
+            own["PYTHONPATH"] = os.pathsep.join((env["PYTHONPATH"], own["PYTHONPATH"]))
+        env.update(own)
         graceful = role == "decode" and bool(self.decode_tt_plugin)
         if graceful:
             argv += self._tt_plugin_args()
