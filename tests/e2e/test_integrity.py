@@ -86,7 +86,9 @@ def test_a_bit_flipped_in_flight_is_recomputed_never_served(flipping):
 def test_a_block_reused_before_the_read_fails_the_request_never_answers(reusing):
     body = {"model": "tiny", "max_tokens": 4, "temperature": 0, "ignore_eos": True}
     for n in (40, 100):
-        status, out = http_post_json(reusing.proxy_url + "/v1/completions", {**body, "prompt": token_prompts(17, (n,))[0]})
+        status, out = http_post_json(
+            reusing.proxy_url + "/v1/completions", {**body, "prompt": token_prompts(17, (n,))[0]}
+        )
         text = out if isinstance(out, str) else (out.get("choices") or [{}])[0].get("text")
         assert status != 200 or not text, (n, status, out)
     short = token_prompts(19, (BLOCK,))[0]  # one block: a Tenstorrent decode pulls nothing

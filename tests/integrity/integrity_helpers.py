@@ -12,8 +12,8 @@ import torch
 from faulty_transport import FaultyTransport
 
 from vllm_hawk.bench.endpoints import GNHostDecode, TTDecode, VllmDecode, source_for
-from vllm_hawk.kvflow import PrefillEndpoint
 from vllm_hawk.bench.paged_cache import PagedKVCache
+from vllm_hawk.kvflow import PrefillEndpoint
 from vllm_hawk.kvflow.gn_host import wire_layout_of
 from vllm_hawk.layout.tt_kv_cache import TTKVCacheSpec
 from vllm_hawk.npu.emulated import EmulatedDevice
@@ -111,7 +111,9 @@ def pair(
     try:
         if dec_kind.startswith("vllm"):
             mode = dec_kind.split("-")[1]
-            dec = VllmDecode(PagedKVCache(L, 8, H, BS, D), td, pre.endpoint, compat, mode=mode, recv_nbytes=4 << 20, **kw)
+            dec = VllmDecode(
+                PagedKVCache(L, 8, H, BS, D), td, pre.endpoint, compat, mode=mode, recv_nbytes=4 << 20, **kw
+            )
         elif dec_kind == "gn-host":
             ref = PagedKVCache(L, 1, H, BS, D)  # the decode expects bf16 blocks in the flash layout
             wire = wire_layout_of(ref.adapter, ref.layers[0])

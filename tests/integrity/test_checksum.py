@@ -17,8 +17,8 @@ import torch
 from hypothesis import given
 from hypothesis import strategies as st
 
-from vllm_hawk.integrity import checksum as cs
 from vllm_hawk.integrity import check_segments, landed_sums, of_array, seed, seeded, wire_format
+from vllm_hawk.integrity import checksum as cs
 from vllm_hawk.protocol import Segment, SegmentSum
 
 ROOT = Path(__file__).resolve().parents[2]

@@ -233,3 +233,19 @@ def test_two_prefill_ranks_fill_one_decode_gg_rows(tmp_path, capsys):
     assert all(s["requests"] == 0 for s in res["prefill_snapshot"].values())
     assert {k.split("@")[1] for k in res["prefill_snapshot"]} == {"rank0", "rank1"}
     assert "ranks 0+1 -> chip 0" in capsys.readouterr().out
+
+
+def test_integrity_both_reports_the_cost_of_the_check_as_ratios(tmp_path, capsys):
+    """``--integrity both``: checked and unchecked pulls alternate in one run; every row
+    gives its latency and CPU time over the unchecked ones, and the decode's check time."""
+    out = tmp_path / "i.json"
+    argv = ["--model", "llama-3.1-8b", "--prefill-tp", "1", "--sizes-mb", "2", "--repeats", "2"]
+    argv += ["--rows", "GG-Direct", "GN-HAWK staged", "GN-HAWK direct", "--integrity", "both"]
+    rc = transfer_bench.main([*argv, "--out", str(out), "--plot", ""])
+    assert rc == 0
+    res = json.loads(out.read_text())
+    assert res["config"]["integrity"] == "both"
+    for r in res["rows"]:
+        assert r["integrity"] == "both" and r["check_ratio"] > 0 and r["latency_unchecked_ms"] > 0, r
+        assert r["check_ms"] > 0, r  # the decode checked the pulls it timed
+    assert "/unchecked" in capsys.readouterr().out

@@ -40,6 +40,13 @@ GG-Direct cache, the receive pools and the KV pool registered once at start); ``
 the two one after the other in this invocation and prints per-request / whole latency ratios per row and size.
 Block tables are contiguous runs (a fresh cache) unless ``--fragmented``.
 
+Integrity (:mod:`vllm_hawk.integrity`): ``--integrity on`` (default, the connector's) has
+the decode ask for checksums, the prefill take them on its device and the decode check
+them where the bytes landed; ``off`` skips both; ``both`` alternates the two request by
+request (on, off, off, on, ...) in this run and reports, per row and size, the latency and
+CPU time with the check over those without it, and the decode's check time (``check ms``;
+the prefill's part is in ``request ms``).
+
 Tensor parallelism (default: the paper's Llama-3.1-70B, prefill TP=4 -> 4 p150a chips):
 ``--prefill-tp P`` spawns one prefill process per rank holding its shard, ``--decode-tp D``
 (alias ``--chips``) makes one emulated device per chip with its own decodes. Each chip pulls
@@ -89,6 +96,7 @@ EXTRA_ROWS = ("GG-Staged",)  # opt-in (--rows): GG through the prefill's ring, t
 HAWK_BFP8_ROWS = ("GN-HAWK staged", "GN-HAWK direct", "GN-HAWK pipelined", "GN-HAWK direct pipelined")
 HAWK_ROWS = ("GN-HAWK staged", "GN-HAWK direct", "GN-HAWK pipelined", "GN-HAWK direct pipelined")
 DEFAULT_SIZES = (10, 40, 160, 640)
+INTEGRITY_MODES = ("on", "off", "both")  # --integrity: checked pulls, unchecked, or alternating (ratios)
 
 
 # ---------------------------------------------------------------------------- prefill process
@@ -249,6 +257,7 @@ def run(
     seed: int = 0,
     layer_groups: int = 2,
     registration: str = "per_request",
+    integrity: str = "on",
 ) -> dict:
     """Measure every row for requests of ``sizes_mb`` MB (bf16 KV of all the model's KV heads)
     moved from ``prefill_tp`` prefill processes to ``decode_tp`` chips (default prefill_tp;
@@ -269,6 +278,7 @@ def run(
         seed,
         layer_groups,
         registration,
+        integrity,
     )
     try:
         bench.start()
@@ -468,6 +478,14 @@ class _DecodeSide:
             return c["gn_host"].ep, c["gn_host"].sink, ps
         return c["hawk"][dtype].ep, c["hawk"][dtype].sink(mode), ps
 
+    def set_integrity(self, check: bool) -> None:
+        """Every decode endpoint of every chip asks for and checks checksums (``check``) or
+        not, from its next pull on (the connector's ``integrity`` field, per request here)."""
+        for c in self.chips:
+            decodes = [*c["hawk"].values(), *(c[k] for k in (*self.gg_kinds, "gn_host"))]
+            for ep in [d.ep for d in decodes] + [*c["more_eps"].values(), *c["idle_eps"].values()]:
+                ep.integrity = check
+
     def close_steps(self) -> list:
         """The chip threads stopped; then what closes every decode, device and endpoint (the
         last opened first) and the transports."""
@@ -497,6 +515,7 @@ class _TransferRun:
         seed: int,
         layer_groups: int,
         registration: str,
+        integrity: str = "on",
     ) -> None:
         from vllm_hawk.kvflow.shares import idle_ranks
         from vllm_hawk.layout.model_shapes import load_model_shape
@@ -505,6 +524,9 @@ class _TransferRun:
         self.device_profile, self.block_size, self.sizes_mb = device_profile, block_size, sizes_mb
         self.repeats, self.rows, self.per_tile_cap_s, self.fragmented = repeats, rows, per_tile_cap_s, fragmented
         self.seed, self.layer_groups, self.registration = seed, layer_groups, registration
+        if integrity not in INTEGRITY_MODES:
+            raise ValueError(f"integrity must be one of {INTEGRITY_MODES}, got {integrity!r}")
+        self.integrity = integrity
         self.plans = tp_plan(model, prefill_tp, decode_tp, rows)  # raises before any process starts
         shape = self.shape = load_model_shape(model)
         self.heads = shape.kv_heads_per_rank(decode_tp)  # per chip
@@ -630,8 +652,9 @@ class _TransferRun:
         progress(len(cases), len(cases), "done")
 
     def _measure(self, row: str, dtype: str, mb, rng) -> None:
-        """One case: a warm-up request, then the repeats; its row into ``results``, or into
-        ``failed`` when the prefill refuses the pull."""
+        """One case: a warm-up request per integrity setting, then the repeats (alternating
+        the settings under ``both``); its row into ``results``, or into ``failed`` when the
+        prefill refuses the pull."""
         from vllm_hawk.kvflow import PeerFailed
 
         n = self.n_blocks[mb]
@@ -640,17 +663,36 @@ class _TransferRun:
         else:
             src, dst = np.arange(1, n + 1), np.arange(1, n + 1)
         reps = self.repeats if row != "per-tile" else (1 if mb >= 160 else min(self.repeats, 3))
+        checks = {"on": (True,), "off": (False,), "both": (True, False)}[self.integrity]
         try:
-            self._one(row, dtype, n, src, dst)  # warm-up
+            for check in checks:  # warm-up
+                self.decode.set_integrity(check)
+                self._one(row, dtype, n, src, dst)
         except PeerFailed as e:  # the pull is refused (e.g. too many segments): reported, the rest runs
             self.failed.append({"row": row, "dtype": dtype, "size_mb": mb, "error": str(e)})
             return
-        c0 = _cpu_s() + self._prefill_cpu_s()
-        runs = [self._one(row, dtype, n, src, dst) for _ in range(reps)]
-        cpu_ms = (_cpu_s() + self._prefill_cpu_s() - c0) / reps * 1e3
-        self.results.append(
-            _row_figures(row, dtype, mb, n, self.block_size, self.per_token, runs, reps, cpu_ms, self.chips)
-        )
+        runs: dict[bool, list] = {c: [] for c in checks}
+        cpu: dict[bool, float] = dict.fromkeys(checks, 0.0)
+        for i in range(reps):
+            for check in checks if i % 2 == 0 else checks[::-1]:
+                self.decode.set_integrity(check)
+                c0 = _cpu_s() + self._prefill_cpu_s()
+                runs[check].append(self._one(row, dtype, n, src, dst))
+                cpu[check] += _cpu_s() + self._prefill_cpu_s() - c0
+        fig = {
+            c: _row_figures(
+                row, dtype, mb, n, self.block_size, self.per_token, runs[c], reps, cpu[c] / reps * 1e3, self.chips
+            )
+            for c in checks
+        }
+        out = fig[checks[0]]
+        out["integrity"] = self.integrity
+        if self.integrity == "both":
+            off = fig[False]
+            out["latency_unchecked_ms"], out["cpu_unchecked_ms"] = off["latency_ms"], off["cpu_ms"]
+            out["check_ratio"] = out["latency_ms"] / off["latency_ms"]
+            out["check_cpu_ratio"] = out["cpu_ms"] / off["cpu_ms"] if off["cpu_ms"] > 0 else float("nan")
+        self.results.append(out)
 
     def snapshot(self) -> dict:
         """Every prefill endpoint's counters, keyed ``kind@rankR``."""
@@ -695,6 +737,7 @@ class _TransferRun:
             "cores": os.cpu_count(),
             "load_average": os.getloadavg(),
             "registration": self.registration,
+            "integrity": self.integrity,
         }
 
 
@@ -788,6 +831,7 @@ def _row_figures(row, dtype, mb, n, block_size, per_token, runs, reps, cpu_ms, c
         "transform_ms": med(lambda r: r.extra.get("transform_s", r.extra.get("fix_transform_s", 0.0))) * 1e3,
         "transfer_ms": med(lambda r: r.transfer_s / r.fraction) * 1e3,
         "copy_ms": med(lambda r: r.copy_s) * 1e3,
+        "check_ms": med(lambda r: r.extra.get("check_s", 0.0)) * 1e3,
         "fraction_done": frac,
         "capped": frac < 1.0,
         "cpu_ms": cpu_ms,
@@ -972,6 +1016,13 @@ def _parser() -> argparse.ArgumentParser:
         choices=("per_request", "whole", "both"),
         help="what is registered with the transport (see the module doc); both: ratios per_request/whole",
     )
+    ap.add_argument(
+        "--integrity",
+        default="on",
+        choices=INTEGRITY_MODES,
+        help="the decode checks each pull's checksums (on, the connector's default) or not (off); both: "
+        "alternate request by request and report the cost of the check as ratios",
+    )
     ap.add_argument("--out", default="results/bench_transfer.json")
     ap.add_argument("--plot", default=None, help="PNG path (default: --out with .png; '' for none)")
     return ap
@@ -1004,6 +1055,7 @@ def main(argv: list[str] | None = None) -> int:
         a.fragmented,
         layer_groups=a.layer_groups,
         registration=a.registration,
+        integrity=a.integrity,
     )
     _print_header(res["config"], a)
     _print_rows(res, a.rows)
@@ -1063,6 +1115,12 @@ def _print_rows(res: dict, rows) -> None:
             ("transform_ms", "transform ms", ".1f"),
             ("transfer_ms", "transfer ms", ".1f"),
             ("copy_ms", "copy/fix ms", ".1f"),
+            ("check_ms", "check ms", ".1f"),
+            *(
+                [("check_ratio", "/unchecked", ".3f"), ("check_cpu_ratio", "CPU/unchecked", ".3f")]
+                if any("check_ratio" in r for r in res["rows"])
+                else []
+            ),
             ("fraction_done", "done", ".2f"),
             ("cpu_ms", "CPU ms", ".1f"),
             ("cpu_norm_gg_direct", "CPU/GG-Direct", ".2f"),

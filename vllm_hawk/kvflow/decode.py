@@ -42,8 +42,8 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from vllm_hawk.kvflow.base import KVSink, Landing
 from vllm_hawk.integrity import ALGORITHM
+from vllm_hawk.kvflow.base import KVSink, Landing
 from vllm_hawk.kvflow.errors import BufferFull, IntegrityError, KVFlowError, PeerFailed, TransferUnsettled
 from vllm_hawk.kvflow.landing_check import Landed, verify_landed
 from vllm_hawk.kvflow.prefill_channel import RELEASE_TIMEOUT_S, PrefillChannel
@@ -433,9 +433,7 @@ class DecodeEndpoint:
             return
         t0 = time.monotonic()
         try:
-            verify_landed(
-                fs.req_id, fs.share.chip, fs.sink.wire_format, fs.hello.export_base_addr, fs.landed
-            )
+            verify_landed(fs.req_id, fs.share.chip, fs.sink.wire_format, fs.hello.export_base_addr, fs.landed)
         except IntegrityError:
             if fs.landing.free is not None and not fs.landing.check_after_complete:
                 fs.landing.free()

@@ -50,7 +50,8 @@ def verify_landed(req_id: str, chip: int, fmt: str, remote_base: int, landed: Se
         try:
             found = check_segments(b.ready.segments, b.ready.checksums, fmt, remote_base, b.entries, b.read)
         except ValueError as e:
-            raise IntegrityError(f"request {req_id} (chip {chip}): its landing cannot be verified: {e}", req_id, chip)
+            msg = f"request {req_id} (chip {chip}): its landing cannot be verified: {e}"
+            raise IntegrityError(msg, req_id, chip) from None
         bad += [(b.label, m) for m in found]
     if bad:
         total = sum(len(b.ready.segments) for b in landed)

@@ -41,8 +41,10 @@ def _reuse(module) -> None:
     def checksums_then_reuse(self, prep, segs):
         out = taken(self, prep, segs)
         ep, s = self.ep, segs[0]
-        view = ep.ring.view(s.offset_bytes, s.nbytes) if prep.nbytes else ep.source.export_view(
-            ep.export_base + s.offset_bytes, s.nbytes
+        view = (
+            ep.ring.view(s.offset_bytes, s.nbytes)
+            if prep.nbytes
+            else ep.source.export_view(ep.export_base + s.offset_bytes, s.nbytes)
         )
         corrupt(view.data_ptr(), min(64, s.nbytes))  # host memory (the CPU engines here)
         return out
