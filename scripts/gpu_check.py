@@ -20,7 +20,7 @@ needed there; the other wheels travel in ``--wheels``).
    same endpoint's over the host copy; where the ring is and under which location it is
    registered (``cuda:0``); produce GB/s against a device copy; KVRequest -> KVReady ms.
 
-``--suite full``: four sections, each written to ``--out-dir/<section>.json`` as soon
+``--suite full``: five sections, each written to ``--out-dir/<section>.json`` as soon
 as it finishes (then ``summary.json``), each with a table:
 
 * ``matrix`` (:mod:`vllm_hawk.bench.gpu_matrix`): every source layout x source blocks
@@ -30,6 +30,9 @@ as it finishes (then ``summary.json``), each with a table:
 * ``speed`` (:mod:`vllm_hawk.bench.gpu_speed`): GB/s against a device copy (CUDA events),
   kernels per request, host ms, peak-memory growth, for Llama-8B TP1 16 -> 64 at 4k
   tokens and 70B TP4 at 160 MB, contiguous and scattered blocks;
+* ``checksum`` (:mod:`vllm_hawk.bench.gpu_checksum`): the integrity checksum on the device
+  (the Triton kernel on CUDA) equal to the host kernel, and its GB/s against a device copy
+  at 1, 20 and 160 MiB;
 * ``capture`` and ``replay`` (:mod:`vllm_hawk.bench.gpu_capture`): 10 graph captures on
   a non-blocking stream right after the connector's ``make_prefill`` (its warm-up as
   the connector runs it); 20 KVRequests idle and while graphs that write KV replay.

@@ -69,7 +69,9 @@ def test_gpu_check_full_suite_on_the_cpu_writes_every_section(tmp_path):
     )
     assert r.returncode == 0, r.stdout + r.stderr
     summary = json.loads((out / "summary.json").read_text())
-    assert summary["ok"] and set(summary["sections"]) == {"matrix", "speed", "capture", "replay"}
+    assert summary["ok"] and set(summary["sections"]) == {"matrix", "speed", "checksum", "capture", "replay"}
+    checks = json.loads((out / "checksum.json").read_text())["rows"]
+    assert [x["impl"] for x in checks] == ["numba", "numba"] and all(x["equal_host"] for x in checks)
     matrix = json.loads((out / "matrix.json").read_text())
     torch_rows = [x for x in matrix["rows"] if x["impl"] == "torch"]
     assert len(torch_rows) == 6 * 3 * 2 * 3 * 3 and all(x["bytes_equal"] for x in torch_rows)

@@ -1,4 +1,4 @@
-"""``scripts/gpu_check.py --suite full``: the matrix, speed, capture and replay sections
+"""``scripts/gpu_check.py --suite full``: the matrix, speed, checksum, capture and replay sections
 in order, each written to ``<out_dir>/<section>.json`` as soon as it finishes and
 printed as a table; ``summary.json`` last. Sizes follow the device: the GPU sizes of the
 issue on CUDA, small ones on the CPU (CI). A section, or the rest of one, that would
@@ -15,7 +15,7 @@ from pathlib import Path
 
 import torch
 
-from vllm_hawk.bench import gpu_capture, gpu_matrix, gpu_speed
+from vllm_hawk.bench import gpu_capture, gpu_checksum, gpu_matrix, gpu_speed
 
 __all__ = ["run_full"]
 
@@ -115,6 +115,20 @@ def _speed(out: _Out, device: torch.device, repeats: int) -> None:
     out.write("speed", {"rows": rows, "skipped": skipped}, ok, t)
 
 
+def _checksum(out: _Out, device: torch.device, repeats: int) -> None:
+    t = time.monotonic()
+    sizes = [1 << 20, 20 << 20, 160 << 20] if device.type == "cuda" else [1 << 16, 4 << 20]
+    rows = gpu_checksum.checksum_rows(device, sizes, repeats)
+    print(f"{'bytes':>11} {'impl':<7} {'equal':>5} {'GB/s':>8} {'copy GB/s':>9} {'ratio':>6}")
+    for r in rows:
+        print(
+            f"{r['nbytes']:>11,} {r['impl']:<7} {'yes' if r['equal_host'] else 'NO':>5} "
+            f"{r['checksum_gbps']:8.2f} {r['copy_gbps']:9.2f} {r['ratio']:6.2f}"
+        )
+    print("integrity checksum (wsum64) on the device vs the host kernel; ratio: copy time / checksum time")
+    out.write("checksum", {"rows": rows}, all(r["equal_host"] for r in rows), t)
+
+
 def _sizes(device: torch.device) -> dict:
     """The capture/replay geometry: Llama-3.1-8B TP1 16 -> 64 at 1,024 tokens on CUDA."""
     if device.type == "cuda":
@@ -171,6 +185,7 @@ def run_full(device, out_dir: Path, budget_s: float, repeats: int) -> bool:
     sections = (
         ("matrix", lambda: _matrix(out, device)),
         ("speed", lambda: _speed(out, device, repeats)),
+        ("checksum", lambda: _checksum(out, device, repeats)),
         ("capture", lambda: _capture(out, device)),
         ("replay", lambda: _replay(out, device)),
     )

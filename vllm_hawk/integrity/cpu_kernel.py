@@ -19,7 +19,7 @@ import numpy as np
 
 _HAVE_NUMBA = importlib.util.find_spec("numba") is not None
 _lock = threading.Lock()
-_kernel = None
+_kernels = None
 
 
 def available() -> bool:
@@ -27,9 +27,9 @@ def available() -> bool:
 
 
 def _compile():
-    global _kernel
+    global _kernels
     with _lock:
-        if _kernel is None:
+        if _kernels is None:
             from vllm_hawk import envs
 
             if "NUMBA_CACHE_DIR" not in os.environ:  # the transform kernels' folder (cpu_kernel.numba_cache_dir)
@@ -39,18 +39,28 @@ def _compile():
                     os.environ["NUMBA_CACHE_DIR"] = str(d)
             from vllm_hawk.integrity import cpu_kernel_numba
 
-            _kernel = cpu_kernel_numba.wsum
-    return _kernel
+            _kernels = cpu_kernel_numba
+    return _kernels
 
 
 def words_sum(words: np.ndarray):
     """``Sum`` of a 1-D uint32 array (see :mod:`~vllm_hawk.integrity.checksum`)."""
     from vllm_hawk.integrity.checksum import Sum
 
-    a, b = (_kernel or _compile())(words)
+    a, b = (_kernels or _compile()).wsum(words)
     return Sum(int(a), int(b))
 
 
+def pieces_sums(addrs: np.ndarray, nwords: np.ndarray, word_offsets: np.ndarray, segs: np.ndarray, nseg: int):
+    """Per segment, (a, b) uint64 arrays of the pieces of host memory that belong to it
+    (piece ``k``: ``nwords[k]`` words at address ``addrs[k]``, at word offset
+    ``word_offsets[k]`` of segment ``segs[k]``): one call for a whole landing."""
+    u64 = lambda x: np.ascontiguousarray(x, dtype=np.uint64)  # noqa: E731
+    return (_kernels or _compile()).pieces_sums(u64(addrs), u64(nwords), u64(word_offsets), u64(segs), nseg)
+
+
 def warm() -> None:
-    """Compile (or load from the cache) the kernel before the first request."""
-    words_sum(np.zeros(4, dtype=np.uint32))
+    """Compile (or load from the cache) the kernels before the first request."""
+    w = np.zeros(4, dtype=np.uint32)
+    words_sum(w)
+    pieces_sums(np.array([w.ctypes.data]), np.array([4]), np.array([0]), np.array([0]), 1)

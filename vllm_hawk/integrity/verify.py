@@ -18,6 +18,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from vllm_hawk.integrity import cpu_kernel
 from vllm_hawk.integrity.checksum import WORD_NBYTES, ZERO, Sum, of_array, of_host, seeded
 
 Entry = tuple[int, int, int]  # (local_addr, remote_addr, nbytes)
@@ -45,33 +46,53 @@ class Mismatch:
         )
 
 
+def _pieces(segments, order, starts, i: int, rem: int, n: int):
+    """``(segment, offset in it, offset in the entry, bytes)`` of entry ``i``'s remote range
+    ``[rem, rem + n)``, split at segment boundaries; ValueError outside every segment or
+    off a word boundary."""
+    done = 0
+    while done < n:
+        j = bisect.bisect_right(starts, rem + done) - 1
+        k = order[j] if j >= 0 else -1
+        off = rem + done - starts[j] if j >= 0 else -1
+        if k < 0 or off >= segments[k].nbytes:
+            raise ValueError(f"READ {i} covers remote address {rem + done:#x}, inside no segment of the KVReady")
+        if off % WORD_NBYTES:
+            raise ValueError(f"READ {i} lands segment {k} from byte {off}, not on a {WORD_NBYTES}-byte word")
+        take = min(n - done, segments[k].nbytes - off)
+        yield k, off, done, take
+        done += take
+
+
 def landed_sums(
     segments: Sequence, remote_base: int, entries: Sequence[Entry], read: Callable[[int], np.ndarray] | None = None
 ) -> tuple[list[Sum], list[int]]:
     """Per segment, the unseeded sum of its bytes as ``entries`` landed them, and how many
     bytes landed. ``read(i)``: entry ``i``'s landed bytes (uint8, ``nbytes`` long) where
     host memory at its local address is not where they landed (a device read); default:
-    that host memory. Raises ValueError for a piece outside every segment or not on a word
-    boundary of its segment."""
+    that host memory, summed in one kernel call for the whole landing. Raises ValueError
+    for a piece outside every segment or not on a word boundary of its segment."""
     order = sorted(range(len(segments)), key=lambda k: segments[k].offset_bytes)
     starts = [remote_base + segments[k].offset_bytes for k in order]
     sums, landed = [ZERO] * len(segments), [0] * len(segments)
+    host: list[tuple[int, int, int, int]] = []  # (address, words, word offset, segment): one kernel call
+    batch = cpu_kernel.available()
     for i, (loc, rem, n) in enumerate(entries):
         data = read(i) if read is not None else None
-        done = 0
-        while done < n:
-            j = bisect.bisect_right(starts, rem + done) - 1
-            k = order[j] if j >= 0 else -1
-            off = rem + done - starts[j] if j >= 0 else -1
-            if k < 0 or off >= segments[k].nbytes:
-                raise ValueError(f"READ {i} covers remote address {rem + done:#x}, inside no segment of the KVReady")
-            if off % WORD_NBYTES:
-                raise ValueError(f"READ {i} lands segment {k} from byte {off}, not on a {WORD_NBYTES}-byte word")
-            take = min(n - done, segments[k].nbytes - off)
-            part = of_host(loc + done, take) if data is None else of_array(data[done : done + take])
-            sums[k] = sums[k].plus(part, off // WORD_NBYTES)
+        for k, off, done, take in _pieces(segments, order, starts, i, rem, n):
             landed[k] += take
-            done += take
+            if data is not None:
+                sums[k] = sums[k].plus(of_array(data[done : done + take]), off // WORD_NBYTES)
+                continue
+            words, tail = divmod(take, WORD_NBYTES) if batch else (0, take)
+            if words:
+                host.append((loc + done, words, off // WORD_NBYTES, k))
+            if tail:  # the segment's last, partial word (or every piece without numba)
+                at = words * WORD_NBYTES
+                sums[k] = sums[k].plus(of_host(loc + done + at, tail), (off + at) // WORD_NBYTES)
+    if host:
+        a, b = cpu_kernel.pieces_sums(*np.array(host, dtype=np.uint64).T, len(segments))
+        sums = [s.plus(Sum(int(x), int(y))) for s, x, y in zip(sums, a, b, strict=True)]
     return sums, landed
 
 

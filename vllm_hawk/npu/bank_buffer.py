@@ -68,6 +68,9 @@ class BankBufferAPI(Protocol):
     device (lockstep) addresses inside a bank."""
 
     profile: DeviceProfile  # bank count, DRAM alignment (the receive pool's allocator reads it)
+    #: True where a mapped buffer's host addresses are the device's memory (what its cores
+    #: read), False where they are host shadows that ``dma_written`` moves to the device
+    host_mapped: bool
 
     @property
     def num_banks(self) -> int:

@@ -46,6 +46,8 @@ class EmulatedDevice:
     the OS (MAP_NORESERVE): untouched pages cost nothing.
     """
 
+    host_mapped = True  # the banks are host memory: a mapped buffer's host addresses are the device's
+
     def __init__(self, profile: DeviceProfile | str = "p150a", bank_size_bytes: int | None = None):
         self.profile = load_profile(profile) if isinstance(profile, str) else profile
         size = bank_size_bytes or min(DEFAULT_EMULATED_BANK_BYTES, self.profile.usable_bank_bytes)

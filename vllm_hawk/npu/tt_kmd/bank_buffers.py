@@ -77,6 +77,8 @@ class TtKmdBankBuffers:
     to 7 banks); its bank count must be this device's.
     """
 
+    host_mapped = True  # a mapped buffer's host addresses are TLB windows onto the DRAM
+
     def __init__(
         self,
         device: TlbDevice,
