@@ -25,9 +25,12 @@ import logging
 import threading
 import time
 
+import torch
+
 from vllm_hawk.connector import debug
 from vllm_hawk.connector.config import RING_AUTO, VLLM_PROFILE, HawkConfig, HawkConfigError, port_stride
 from vllm_hawk.connector.describe import LocalKV, describe_tt_cache, describe_vllm_caches, tt_cache_of
+from vllm_hawk.integrity import of_tensors
 from vllm_hawk.kvflow import (
     DecodeEndpoint,
     PrefillEndpoint,
@@ -66,8 +69,12 @@ __all__ = [
 ]
 
 
-def _compile_then_load(warm, what: str) -> None:
-    """Compile the CPU transform kernels before the engine is up (the KV is in host
+#: the modules whose numba kernels a node compiles at start-up (each has a ``warm()``)
+TRANSFORM_KERNELS, CHECKSUM_KERNELS = "vllm_hawk.transform.cpu_kernel", "vllm_hawk.integrity.cpu_kernel"
+
+
+def _compile_then_load(warm, what: str, modules: tuple[str, ...] = (TRANSFORM_KERNELS,)) -> None:
+    """Compile the CPU kernels of ``modules`` before the engine is up (the KV is in host
     memory), then load them (``warm``) while it starts. The compile runs in a child process
     (:func:`~vllm_hawk.transform.cpu_kernel.warm_in_child`; this thread waits without the
     GIL), so no request finds them uncompiled and this process, whose side channel must
@@ -75,7 +82,7 @@ def _compile_then_load(warm, what: str) -> None:
     from vllm_hawk.transform.cpu_kernel import warm_in_child
 
     t0 = time.monotonic()
-    if not warm_in_child():
+    if not warm_in_child(modules):
         logger.warning("HawkConnector: %s kernels did not compile in a child process; compiling here", what)
 
     def run() -> None:
@@ -200,6 +207,30 @@ def prefill_ring_nbytes(cfg: HawkConfig, source, vllm_config) -> int:
     return ring_nbytes_for(source.request_nbytes(max_tokens), max(1, source.layout.num_kv_heads))
 
 
+def _warm_prefill(source) -> None:
+    """The prefill's kernels before its first request: the GN-HAWK transform and the
+    integrity checksum (:mod:`vllm_hawk.integrity`) over a host cache in a thread after a
+    child process compiled them; over a GPU cache here, finished and synchronised before vLLM
+    captures graphs."""
+    from vllm_hawk.integrity import cpu_kernel
+
+    tile = isinstance(source, TileTransformSource)
+    on_cpu = _on_cpu(source.views) if tile else source.device.type == "cpu"
+    if on_cpu:
+        modules = ((TRANSFORM_KERNELS,) if tile else ()) + (() if cpu_kernel.loaded() else (CHECKSUM_KERNELS,))
+        if modules:
+            warm = (lambda: (source.warm(source.profile), cpu_kernel.warm())) if tile else cpu_kernel.warm
+            _compile_then_load(warm, "prefill transform and checksum" if tile else "prefill checksum", modules)
+        return
+
+    def on_device() -> None:
+        if tile:
+            source.warm(source.profile)
+        of_tensors([torch.zeros(1 << 12, dtype=torch.uint8, device=source.device)])
+
+    _warm_on_device(on_device, "prefill transform and checksum" if tile else "prefill checksum", source.device)
+
+
 def make_prefill(
     cfg: HawkConfig, kv: LocalKV, transport, vllm_config, *, tp_rank: int, tp_size: int, on_finished, debug_dir=None
 ) -> PrefillEndpoint:
@@ -209,11 +240,7 @@ def make_prefill(
     this returns (:func:`_warm_on_device`); over a host cache in a thread
     (:func:`_compile_then_load`)."""
     source = make_source(cfg, kv)
-    if isinstance(source, TileTransformSource):  # a GPU's warm-up ends here, before vLLM captures graphs
-        if _on_cpu(source.views):
-            _compile_then_load(lambda: source.warm(source.profile), "prefill transform")
-        else:
-            _warm_on_device(lambda: source.warm(source.profile), "prefill transform", source.device)
+    _warm_prefill(source)
     observer = None
     if debug_dir is not None:
         every = prefill_transforms(cfg) or cfg.layout_fix == "decode" or tp_size > 1
@@ -317,7 +344,12 @@ def _tt_sinks(cfg: HawkConfig, kv: LocalKV, transport) -> list:
 
 def make_sinks(cfg: HawkConfig, kv: LocalKV, transport) -> list:
     """The decode's sinks for this configuration (see module doc): one per chip of a
-    Tenstorrent mesh (each chip's banks, its heads), else one."""
+    Tenstorrent mesh (each chip's banks, its heads), else one. With ``integrity`` the
+    checksum kernels are compiled (child process) and loaded before the first pull."""
+    from vllm_hawk.integrity import cpu_kernel
+
+    if cfg.integrity and not cpu_kernel.loaded():
+        _compile_then_load(cpu_kernel.warm, "integrity checksum", (CHECKSUM_KERNELS,))
     if kv.tt_cache is not None and cfg.layout_fix == "decode":
         chips = _tt_chips(kv)
         if len(chips) != 1:

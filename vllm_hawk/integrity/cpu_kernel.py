@@ -26,6 +26,11 @@ def available() -> bool:
     return _HAVE_NUMBA
 
 
+def loaded() -> bool:
+    """The kernels are loaded in this process (a start-up need not compile them again)."""
+    return _kernels is not None
+
+
 def _compile():
     global _kernels
     with _lock:
