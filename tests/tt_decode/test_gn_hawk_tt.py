@@ -17,7 +17,9 @@ block of the cache holds a non-zero byte; the outputs through the proxy equal th
 server's own (the same model decoding alone on that platform), and those equal the tiny
 Llama's reference (transformers, float32) — each except at top-2 ties (GN_TIE_MARGIN); a
 request the decode refuses frees its prefill blocks; with the prefill killed mid-pull the
-request is recomputed or fails as the policy says; afterwards nothing is held on either side,
+request is recomputed or fails as the policy says, and so is one whose KV the prefill
+overwrote after taking its checksums (a FAKE fault, tests/integrity/faults); afterwards
+nothing is held on either side,
 and at shutdown the worker stops the connector before it closes the mesh.
 """
 
@@ -28,6 +30,7 @@ import signal
 import sys
 import threading
 import time
+from pathlib import Path
 
 import pytest
 from e2e.e2e_helpers import GN_TIE_MARGIN, check_new_transfers, greedy_divergence, tt_transfer_blocks
@@ -36,6 +39,8 @@ from vllm_fixtures import complete, connector_states, http_post_json, kv_usage, 
 
 BLOCK = 32
 MAX_TOKENS = 8
+FAULTS = str(Path(__file__).resolve().parents[1] / "integrity" / "faults")
+REUSED_TOKENS = 7 * BLOCK  # pulls of 7 blocks (a 225-token prompt's) meet a block reused before the READ
 CONFIGS = {
     "p150a-bf16-staged": dict(device="p150a", kv_dtype="bfloat16", mode="staged", policy="recompute"),
     "n150-bfp8-direct": dict(device="n150", kv_dtype="bfloat8_b", mode="direct", policy="fail"),
@@ -76,6 +81,9 @@ def gn(request, manifest, prefill_python, tmp_path_factory):
         prefill_config={"lease_s": 30.0},
         extra_args=["--no-enable-prefix-caching"],
         extra_env={"HAWK_DEBUG_DIR": str(dump)},
+        # a FAKE fault for test_a_block_reused_before_the_read_is_never_served: the prefill
+        # overwrites its KV after the checksums of pulls of REUSED_TOKENS tokens only
+        prefill_env={"HAWK_TEST_FAULT": "reuse", "HAWK_TEST_FAULT_TOKENS": REUSED_TOKENS, "PYTHONPATH": FAULTS},
         startup_timeout_s=900.0,
     )
     c.hawk_name, c.hawk_cfg, c.hawk_dump, c.hawk_checked = request.param, cfg, dump, set()
@@ -144,6 +152,25 @@ def test_decode_refusal_frees_the_prefill(gn):
 def test_nothing_held_afterwards(gn):
     seen = wait_idle(gn, gn.hawk_dump, timeout_s=60)
     assert seen["decode"]["inflight"] == 0 and seen["decode"].get("recv_live", 0) == 0, seen
+
+
+def test_a_block_reused_before_the_read_is_never_served(gn):
+    """The prefill overwrites the KV of a 7-block pull after taking its checksums (the FAKE
+    fault): the decode's check fails the pull, logged with the request, segment and bank;
+    ``recompute``: the decode prefills locally and answers as alone; ``fail``: the request
+    fails. Never an answer from the bad KV."""
+    p = token_prompts(29, (REUSED_TOKENS + 1,))[0]
+    alone = complete(gn.decode_url, p, max_tokens=MAX_TOKENS)
+    body = {"model": "tiny", "prompt": p, "max_tokens": MAX_TOKENS, "temperature": 0, "ignore_eos": True}
+    status, out = http_post_json(gn.proxy_url + "/v1/completions", {**body, "return_token_ids": True})
+    if gn.hawk_cfg["policy"] == "recompute":
+        assert status == 200 and out["choices"][0]["token_ids"] == alone["token_ids"], out
+        fig = out["kv_transfer_params"]["hawk_transfer"]
+        assert fig["ok"] is False and "failed the integrity check" in fig["error"], fig
+    else:
+        assert status != 200 or out["choices"][0]["finish_reason"] not in ("length", "stop"), out
+    log = (gn.hawk_dump.parent / "decode.log").read_text()
+    assert "failed the integrity check (format tt-tiles/" in log and "segment 0 (bank 0" in log, log[-3000:]
 
 
 def test_prefill_killed_mid_pull(gn):

@@ -9,7 +9,8 @@ set (every Python process of that server inherits it, the engine core and its wo
   ``vllm_hawk.connector.strategies.make_transport_for`` builds);
 * ``reuse`` (a prefill): after the prefill took a KVReady's checksums and before it sends
   it, 64 bytes of the first segment are overwritten, as when a block is freed and reused
-  by another request before the decode's READ (``Producer._checksums`` wrapped).
+  by another request before the decode's READ (``Producer._produce`` wrapped); with
+  ``HAWK_TEST_FAULT_TOKENS`` (comma-separated) only for KVRequests of those ``num_tokens``.
 
 The patches go in when those modules are first imported (a ``sys.meta_path`` hook), never
 earlier: vLLM must start as it always does.
@@ -36,20 +37,23 @@ def _reuse(module) -> None:
     sys.path.insert(0, os.path.dirname(HERE))
     from faulty_transport import corrupt
 
-    taken = module.Producer._checksums
+    produce = module.Producer._produce
+    only = {int(t) for t in os.environ.get("HAWK_TEST_FAULT_TOKENS", "").split(",") if t}
 
-    def checksums_then_reuse(self, prep, segs):
-        out = taken(self, prep, segs)
-        ep, s = self.ep, segs[0]
-        view = (
-            ep.ring.view(s.offset_bytes, s.nbytes)
-            if prep.nbytes
-            else ep.source.export_view(ep.export_base + s.offset_bytes, s.nbytes)
-        )
-        corrupt(view.data_ptr(), min(64, s.nbytes))  # host memory (the CPU engines here)
+    def produce_then_reuse(self, msg, req, rec):
+        out = produce(self, msg, req, rec)  # the KVReady, its checksums taken
+        if not only or msg.num_tokens in only:
+            ep, s = self.ep, out.segments[0]
+            in_ring = ep.ring is not None and ep.source.uses_ring
+            at = (
+                ep.ring.view(s.offset_bytes, s.nbytes)
+                if in_ring
+                else ep.source.export_view(ep.export_base + s.offset_bytes, s.nbytes)
+            )
+            corrupt(at.data_ptr(), min(64, s.nbytes))  # host memory (the CPU engines here)
         return out
 
-    module.Producer._checksums = checksums_then_reuse
+    module.Producer._produce = produce_then_reuse
 
 
 PATCHES = {"flip": ("vllm_hawk.connector.strategies", _flip), "reuse": ("vllm_hawk.kvflow.prefill_serve", _reuse)}
