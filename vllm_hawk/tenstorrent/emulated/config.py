@@ -17,7 +17,10 @@ never changes what vLLM does on a GPU node. Every variable, its values and its d
                         split the model's heads fails at engine start-up naming this variable
 ``HAWK_TT_KV_DTYPE``    tile format of the KV cache: ``bfloat16`` (default) | ``bfloat8_b`` |
                         ``bfloat4_b``. vLLM's ``kv_cache_dtype`` must stay ``auto`` or ``bfloat16``:
-                        it is a closed set of names that has no block-float entry.
+                        it is a closed set of names that has no block-float entry. The
+                        block-float formats are lossy; one that misses the accuracy contract
+                        on the shipped test models (bfloat4_b) is warned about when the KV
+                        cache is made (:mod:`vllm_hawk.tenstorrent.kv_accuracy`)
 ``HAWK_TT_BANK_MIB``    emulated DRAM per bank in MiB (default 256; untouched pages cost nothing)
 ``HAWK_TT_KV_FRACTION`` share of each bank the KV cache may take (default 0.5; the rest stays
                         free for the connector's per-bank receive buffers)
