@@ -30,7 +30,7 @@ from vllm_hawk.bench.local_cluster import LocalCluster
 
 __all__ = ["TIE_MARGINS", "agreement", "complete", "run_prompts", "serve_format", "top2_gaps"]
 
-#: top-2 logprob gaps below which the bf16 reference counts as a tie, by model dtype: a bf16
+#: top-2 logprob gaps at or below which the bf16 reference counts as a tie, by model dtype: a bf16
 #: ulp or two of a logit for bf16 weights (the GN end-to-end tests' margin), 1e-3 for float32
 TIE_MARGINS = {"bfloat16": 2.0**-6, "float32": 1e-3}
 
