@@ -38,7 +38,9 @@ variable                   default                 meaning
 ``HAWK_TT_CHIPS``          profile's ``chips``     chips the KV heads are sharded over (n300: 2;
                                                    p150a: 1, or 2 / 4 for a Blackhole group)
 ``HAWK_TT_KV_DTYPE``       ``bfloat16``            KV dtype in the Tenstorrent cache
-                                                   (``bfloat16`` | ``bfloat8_b``)
+                                                   (``bfloat16`` | ``bfloat8_b`` | ``bfloat4_b``;
+                                                   ``bfloat4_b`` is warned about: it misses the
+                                                   KV accuracy contract, docs/tenstorrent.md)
 ``HAWK_TT_BANK_MIB``       ``256``                 emulated DRAM per bank (MiB)
 ``HAWK_TT_KV_FRACTION``    ``0.5``                 share of each bank for the KV cache
 =========================  ======================  ============================================

@@ -19,8 +19,8 @@ Llama's reference (transformers, float32) — each except at top-2 ties (GN_TIE_
 request the decode refuses frees its prefill blocks; with the prefill killed mid-pull the
 request is recomputed or fails as the policy says, and so is one whose KV the prefill
 overwrote after taking its checksums (a FAKE fault, tests/integrity/faults); afterwards
-nothing is held on either side,
-and at shutdown the worker stops the connector before it closes the mesh.
+nothing is held on either side, and at shutdown the worker stops the connector before it
+closes the mesh. Neither KV dtype is warned about (both meet the KV accuracy contract).
 """
 
 from __future__ import annotations
@@ -101,6 +101,20 @@ def test_worker_names_the_landing_route(gn):
     assert "landing route host-staged (mode staged" in log, log[-3000:]
     if gn.hawk_cfg["mode"] == "direct":
         assert "mode direct was asked for: tt-metal runs on its simulator (TT_METAL_SIMULATOR=" in log
+
+
+def test_accuracy_warning_only_beyond_the_contract(gn):
+    """The worker warns about the model's KV cache dtype exactly when it misses the KV
+    accuracy contract (docs/tenstorrent.md "KV accuracy"): bf16 and bfloat8_b meet it."""
+    from vllm_hawk.tenstorrent.kv_accuracy import kv_dtype_warning
+    from vllm_hawk.tenstorrent.vllm_tt.worker import KV_DTYPE_SOURCE
+
+    log = (gn.hawk_dump.parent / "decode.log").read_text()
+    warning = kv_dtype_warning(gn.hawk_cfg["kv_dtype"], KV_DTYPE_SOURCE)
+    if warning is None:
+        assert "beyond the accuracy contract" not in log
+    else:
+        assert log.count(warning) == 1, log[-3000:]
 
 
 def test_kv_bytes_and_outputs(gn):

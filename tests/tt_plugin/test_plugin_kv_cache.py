@@ -1,11 +1,12 @@
-"""The emulated device's paged KV cache and the attention that reads it, without vLLM."""
+"""The emulated device's paged KV cache and the attention that reads it, without vLLM: token
+writes give the byte-exact packer's tiles and read back as its values, in every tile format."""
 
 from __future__ import annotations
 
 import pytest
 import torch
 
-from vllm_hawk.layout.formats import tilize_pack
+from vllm_hawk.layout.formats import tilize_pack, unpack_untilize
 from vllm_hawk.layout.tt_kv_cache import TTKVCacheSpec
 from vllm_hawk.npu.emulated import EmulatedDevice
 from vllm_hawk.tenstorrent.emulated.kv_cache import TTPagedKVCache, kv_budget_blocks, paged_attention
@@ -27,7 +28,7 @@ def _tokens(blocks: list[int], n: int, heads: int, bs: int, dim: int, seed: int)
 
 
 @pytest.mark.parametrize("profile", ["p150a", "n150"])
-@pytest.mark.parametrize("dtype", ["bfloat16", "bfloat8_b"])
+@pytest.mark.parametrize("dtype", ["bfloat16", "bfloat8_b", "bfloat4_b"])
 def test_token_writes_give_tilize_pack_bytes(profile, dtype):
     c = _cache(profile, dtype)
     blocks, n = [3, 7, 1], 150
@@ -44,6 +45,8 @@ def test_token_writes_give_tilize_pack_bytes(profile, dtype):
         )
     assert torch.equal(c.read_block_bytes("l1", 0, blocks), tilize_pack(k, dtype))
     assert torch.equal(c.read_block_bytes("l1", 1, blocks), tilize_pack(v, dtype))
+    # the attention's read path gives the packer's values back (lossy formats: what they keep)
+    assert torch.equal(c.read_blocks("l1", 0, blocks), unpack_untilize(tilize_pack(k, dtype), dtype, k.shape))
     assert c.read_block_bytes("l0", 0, blocks).count_nonzero() == 0  # other layer untouched
     c.copy_blocks([(3, 8)])  # 8 tiles per block: bank-crossing on n150
     assert torch.equal(c.read_block_bytes("l1", 1, [8]), c.read_block_bytes("l1", 1, [3]))

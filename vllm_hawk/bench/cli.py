@@ -10,6 +10,7 @@ BENCHES = {
     "transfer": "vllm_hawk.bench.transfer_bench",
     "serve": "vllm_hawk.bench.serve_bench",
     "entries": "vllm_hawk.bench.entries_bench",
+    "accuracy": "vllm_hawk.bench.accuracy_bench",
 }
 
 

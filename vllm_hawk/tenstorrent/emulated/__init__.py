@@ -4,10 +4,10 @@ One backend, chosen explicitly with ``HAWK_TT_PLATFORM`` (see :mod:`.config` for
 ``HAWK_TT_*`` variables), never by detection, so a GPU node is unaffected:
 
 * ``emulated``: runs on the CPU (:mod:`.platform`). The KV cache lives in an emulated
-  Tenstorrent device's DRAM banks in the device's paged tile layout (bf16 or bfloat8_b)
-  and decode attention reads it in that layout (:mod:`.attention`, :mod:`.kv_cache`);
-  on several chips (``HAWK_TT_CHIPS``, an n300) the KV heads are sharded over them
-  (:mod:`.mesh`). ``make demo`` and machines without ttnn decode this way.
+  Tenstorrent device's DRAM banks in the device's paged tile layout (bf16, bfloat8_b or
+  bfloat4_b) and decode attention reads it in that layout (:mod:`.attention`,
+  :mod:`.kv_cache`); on several chips (``HAWK_TT_CHIPS``, an n300) the KV heads are
+  sharded over them (:mod:`.mesh`). ``make demo`` and machines without ttnn decode this way.
 
 A real (or simulated) Tenstorrent device is served by Tenstorrent's own plugin,
 vllm-tt-plugin, with the HAWK decode worker of :mod:`vllm_hawk.tenstorrent.vllm_tt` (docs/tenstorrent.md).

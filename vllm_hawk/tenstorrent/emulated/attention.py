@@ -3,7 +3,7 @@ tiled, bank-interleaved paged cache (:class:`~vllm_hawk.tenstorrent.emulated.kv_
 one per chip, KV heads sharded over the chips (:class:`~vllm_hawk.tenstorrent.emulated.mesh.TTMeshKVCache`).
 
 * KV update (``do_kv_cache_update``, called by vLLM before ``forward``): the new tokens'
-  K/V are packed to the tile format (bf16 or bfloat8_b) and written into the banks.
+  K/V are packed to the tile format (bf16, bfloat8_b or bfloat4_b) and written into the banks.
 * ``forward``: for each request, the tiles of its blocks up to its sequence length are
   read from the banks and unpacked, then causal attention runs in float32 (GQA,
   any mix of prefill, chunked prefill and decode in one batch). Prefill attends over
@@ -93,7 +93,7 @@ class TTPagedAttentionBackend(AttentionBackend):
         """Page size = the bytes one block takes on the device: K and V tiles of all heads.
 
         Per (head, token) that is ``2 * head_size * tile_nbytes / 1024`` bytes (bf16: 4 per
-        value pair, bfloat8_b: 2.125). Lockstep rounding of the last page row per bank is
+        value pair, bfloat8_b: 2.125, bfloat4_b: 1.125). Lockstep rounding of the last page row per bank is
         accounted for when the worker sizes the cache, not here."""
         import dataclasses
 

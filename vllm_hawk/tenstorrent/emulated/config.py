@@ -15,9 +15,12 @@ never changes what vLLM does on a GPU node. Every variable, its values and its d
                         2 or 4 is a Blackhole group). Chip ``c`` holds KV heads ``[c*H/n,
                         (c+1)*H/n)`` (:func:`vllm_hawk.layout.tp.shard_heads`); a count that cannot
                         split the model's heads fails at engine start-up naming this variable
-``HAWK_TT_KV_DTYPE``    tile format of the KV cache: ``bfloat16`` (default) | ``bfloat8_b``.
-                        vLLM's ``kv_cache_dtype`` must stay ``auto`` or ``bfloat16``: it is a
-                        closed set of names that has no block-float entry.
+``HAWK_TT_KV_DTYPE``    tile format of the KV cache: ``bfloat16`` (default) | ``bfloat8_b`` |
+                        ``bfloat4_b``. vLLM's ``kv_cache_dtype`` must stay ``auto`` or ``bfloat16``:
+                        it is a closed set of names that has no block-float entry. The
+                        block-float formats are lossy; one that misses the accuracy contract
+                        on the shipped test models (bfloat4_b) is warned about when the KV
+                        cache is made (:mod:`vllm_hawk.tenstorrent.kv_accuracy`)
 ``HAWK_TT_BANK_MIB``    emulated DRAM per bank in MiB (default 256; untouched pages cost nothing)
 ``HAWK_TT_KV_FRACTION`` share of each bank the KV cache may take (default 0.5; the rest stays
                         free for the connector's per-bank receive buffers)
@@ -31,6 +34,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 
 from vllm_hawk import envs
+from vllm_hawk.layout.tt_kv_cache import KV_DTYPES
 
 ENV_PLATFORM = "HAWK_TT_PLATFORM"
 ENV_DEVICE = "HAWK_TT_DEVICE"
@@ -43,7 +47,6 @@ BACKENDS = ("emulated",)
 #: name and class of the attention backend (registered with vLLM by .platform)
 ATTN_BACKEND_NAME = "HAWK_TT_PAGED"
 ATTN_BACKEND_PATH = "vllm_hawk.tenstorrent.emulated.attention.TTPagedAttentionBackend"
-KV_DTYPES = ("bfloat16", "bfloat8_b")
 _OFF = ("", "0", "off", "none", "false", "no")
 
 

@@ -1,7 +1,7 @@
 """A vLLM engine's KV cache held in an emulated Tenstorrent device, in the device's layout.
 
 Per layer two interleaved DRAM buffers, K and V, each ``[num_blocks, num_kv_heads,
-block_size, head_dim]`` in TILE layout (bf16 or bfloat8_b tiles, one tile per page), as
+block_size, head_dim]`` in TILE layout (bf16, bfloat8_b or bfloat4_b tiles, one tile per page), as
 :class:`~vllm_hawk.layout.tt_kv_cache.TTKVCacheLayout` describes. vLLM block ids index
 dim 0. Tile ``t`` of a tensor lives in bank ``t % num_banks``, page row ``t // num_banks``
 of that tensor's region in the bank; so a vLLM block is NOT one contiguous byte range:

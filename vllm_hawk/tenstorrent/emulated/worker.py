@@ -16,7 +16,9 @@ host) with the KV cache moved into an :class:`~vllm_hawk.npu.emulated.EmulatedDe
   (:class:`~vllm_hawk.tenstorrent.emulated.mesh.TTMeshKVCache`), attaches it to each
   attention layer, registers it for connectors (:mod:`vllm_hawk.tenstorrent.registry`) and gives vLLM one
   ``[num_blocks, 1]`` uint8 placeholder per layer instead of a KV view, so that code
-  which copies "block i" by position moves nothing instead of corrupting tiles.
+  which copies "block i" by position moves nothing instead of corrupting tiles. A tile
+  format beyond the accuracy contract (:mod:`vllm_hawk.tenstorrent.kv_accuracy`) is
+  warned about then, once per engine.
 * block zeroing and copy-on-write copies, which vLLM does on its own views, are done
   through the layout on every chip (``TTMeshKVCache.zero_blocks`` / ``copy_blocks``).
 """
@@ -36,9 +38,10 @@ from vllm_hawk.npu.emulated import EmulatedDevice
 from vllm_hawk.tenstorrent import registry
 from vllm_hawk.tenstorrent.device import decode_device
 from vllm_hawk.tenstorrent.emulated.attention import TTPagedAttentionBackend, tt_kv_dtype
-from vllm_hawk.tenstorrent.emulated.config import ENV_CHIPS, ENV_DEVICE, TTPluginConfig
+from vllm_hawk.tenstorrent.emulated.config import ENV_CHIPS, ENV_DEVICE, ENV_KV_DTYPE, TTPluginConfig
 from vllm_hawk.tenstorrent.emulated.kv_cache import kv_budget_blocks
 from vllm_hawk.tenstorrent.emulated.mesh import TPMismatch, TTMeshKVCache, chip_shards
+from vllm_hawk.tenstorrent.kv_accuracy import log_kv_dtype
 
 logger = logging.getLogger("vllm.hawk.tt_plugin")
 
@@ -164,6 +167,7 @@ class TTEmulatedModelRunner(CPUModelRunner):
             chip.spec.tiles_per_tensor,
             chip.num_banks,
         )
+        log_kv_dtype(logger, tt_spec.dtype, ENV_KV_DTYPE)  # a lossy format beyond the accuracy contract
         placeholder = torch.zeros((num_blocks, 1), dtype=torch.uint8)
         kv_caches = {n: placeholder for n in names}
         bind_kv_cache(kv_caches, self.compilation_config.static_forward_context, self.kv_caches, kv_cache_groups=groups)

@@ -40,6 +40,7 @@ from vllm_tt_plugin.worker import TTWorker, close_mesh_device
 from vllm_hawk.connector.config import parse_config
 from vllm_hawk.npu.ttnn_chip import TTNNChip
 from vllm_hawk.tenstorrent import registry
+from vllm_hawk.tenstorrent.kv_accuracy import log_kv_dtype
 from vllm_hawk.tenstorrent.vllm_tt import WORKER_CLS
 from vllm_hawk.tenstorrent.vllm_tt.kv_cache import TTNNMeshKVCache
 from vllm_hawk.tenstorrent.vllm_tt.landing import chip_links, choose_landing, nic_chips
@@ -48,6 +49,8 @@ from vllm_hawk.tenstorrent.vllm_tt.model_runner import HawkTTModelRunner
 __all__ = ["HawkTTWorker", "WORKER_CLS"]
 
 logger = logging.getLogger("vllm.hawk.tt_decode")
+#: where a vllm-tt-plugin decode's KV tile format comes from: the model allocates its cache
+KV_DTYPE_SOURCE = "the model's cache; tt_transformers: bfloat8_b, or bfloat16 with optimizations 'accuracy'"
 
 
 def _one_rank_groups(worker) -> None:
@@ -131,6 +134,7 @@ class HawkTTWorker(TTWorker):
             cache.num_kv_heads,
             chip.layout.addresses[0][0],
         )
+        log_kv_dtype(logger, cache.spec.dtype, KV_DTYPE_SOURCE)  # a lossy format beyond the accuracy contract
         logger.info("HAWK Tenstorrent decode: landing route %s", route.describe())
         get_kv_transfer_group().register_kv_caches({})
 
