@@ -268,3 +268,15 @@ def wait_idle(cluster, dump_dir: str | os.PathLike, timeout_s: float = 30.0) -> 
         if time.monotonic() > deadline:
             raise AssertionError(f"not idle after {timeout_s} s: {seen}")
         time.sleep(0.25)
+
+
+def triton_dir() -> str:
+    """The side folder holding Triton (``HAWK_TRITON_DIR``, ``make triton-env``), for the
+    kernels run under Triton's interpreter; a test without it fails under CI, skips locally."""
+    d = os.environ.get("HAWK_TRITON_DIR", "")
+    if d and (Path(d) / "triton").is_dir():
+        return d
+    why = f"no Triton folder (HAWK_TRITON_DIR={d!r}; run `make triton-env`)"
+    if os.environ.get("CI"):
+        pytest.fail(why)
+    pytest.skip(why)

@@ -16,6 +16,7 @@ import pytest
 import torch
 from hypothesis import given
 from hypothesis import strategies as st
+from vllm_fixtures import triton_dir
 
 from vllm_hawk.integrity import check_segments, landed_sums, of_array, seed, seeded, wire_format
 from vllm_hawk.integrity import checksum as cs
@@ -131,12 +132,7 @@ def test_a_piece_off_a_word_boundary_is_refused_not_guessed():
 
 
 def test_the_triton_kernel_under_its_interpreter_equals_the_definition():
-    d = os.environ.get("HAWK_TRITON_DIR", "")
-    if not (d and (Path(d) / "triton").is_dir()):
-        why = f"no Triton folder (HAWK_TRITON_DIR={d!r}; run `make triton-env`)"
-        if os.environ.get("CI"):
-            pytest.fail(why)
-        pytest.skip(why)
+    d = triton_dir()
     code = (
         "import json, numpy as np, torch\n"
         "from vllm_hawk.integrity import checksum as cs, triton_kernel as tk\n"

@@ -15,8 +15,8 @@ import subprocess
 import sys
 from pathlib import Path
 
-import pytest
 import torch
+from vllm_fixtures import triton_dir
 
 from vllm_hawk.transform import kv_transform as kt
 
@@ -24,18 +24,8 @@ HERE = Path(__file__).resolve().parent
 ROOT = HERE.parents[1]
 
 
-def _triton_dir() -> str:
-    d = os.environ.get("HAWK_TRITON_DIR", "")
-    if d and (Path(d) / "triton").is_dir():
-        return d
-    why = f"no Triton folder (HAWK_TRITON_DIR={d!r}; run `make triton-env`)"
-    if os.environ.get("CI"):
-        pytest.fail(why)
-    pytest.skip(why)
-
-
 def test_interpreted_kernel_equals_torch_and_numba_over_the_matrix():
-    d = _triton_dir()
+    d = triton_dir()
     env = {**os.environ, "TRITON_INTERPRET": "1", "PYTHONPATH": os.pathsep.join([d, str(ROOT), str(HERE)])}
     r = subprocess.run(
         [sys.executable, str(HERE / "triton_matrix.py")], capture_output=True, text=True, timeout=900, cwd=HERE, env=env
@@ -74,7 +64,7 @@ def test_auto_chooses_triton_only_for_a_cuda_g_prime():
 
 def test_the_dispatchers_copy_of_the_kernels_dtypes_is_the_kernels():
     """kv_transform keeps the kernel's targets and sources without importing Triton."""
-    d = _triton_dir()
+    d = triton_dir()
     code = (
         "import torch; from vllm_hawk.transform import kv_transform as kt, triton_kernel as t\n"
         "assert kt.TRITON_TARGETS == tuple(t.TARGETS), (kt.TRITON_TARGETS, t.TARGETS)\n"
@@ -86,7 +76,7 @@ def test_the_dispatchers_copy_of_the_kernels_dtypes_is_the_kernels():
 
 
 def test_forcing_triton_on_cpu_without_the_interpreter_is_refused():
-    d = _triton_dir()
+    d = triton_dir()
     code = (
         "import torch; from test_cpu_kernel import _plan; from vllm_hawk.transform import triton_kernel as t\n"
         "p = _plan(1, 1, 32, 32, 'bfloat16', [0])\n"

@@ -39,13 +39,7 @@ def pieces_sums(addrs, nwords, word_offsets, segs, nseg):
     a_out = np.zeros(nseg, np.uint64)
     b_out = np.zeros(nseg, np.uint64)
     for k in range(addrs.size):
-        w = numba.carray(_words_at(addrs[k]), (nwords[k],))
-        a = np.uint64(0)
-        b = np.uint64(0)
-        for i in range(w.size):
-            x = np.uint64(w[i])
-            a += x
-            b += x * np.uint64(i + 1)
+        a, b = wsum(numba.carray(_words_at(addrs[k]), (nwords[k],)))
         s = segs[k]
         a_out[s] += a
         b_out[s] += b + np.uint64(word_offsets[k]) * a
