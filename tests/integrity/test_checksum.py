@@ -11,6 +11,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+import msgspec
 import numpy as np
 import pytest
 import torch
@@ -147,3 +148,37 @@ def test_the_triton_kernel_under_its_interpreter_equals_the_definition():
     r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=600, env=env)
     assert r.returncode == 0, r.stderr[-3000:]
     assert json.loads(r.stdout.strip().splitlines()[-1]) == {"equal": True, "n": 7}
+
+
+def test_an_unknown_checksum_is_refused_naming_both_and_a_short_list_is_bad_input():
+    from vllm_hawk.kvflow.ledger import check_checksum
+    from vllm_hawk.protocol import KVReady, KVRequest, LayoutDesc, ProtocolError, decode, encode
+
+    d = LayoutDesc(
+        name="x",
+        dtype="bfloat16",
+        block_size=32,
+        num_layers=1,
+        num_kv_heads=1,
+        head_dim=32,
+        num_banks=1,
+        tile_nbytes=2048,
+        page_nbytes=2048,
+    )
+    msg = KVRequest(req_id="r", dst_layout=d, num_tokens=32, dst_block_ids=[1], checksum="crc32c")
+    err = check_checksum(msg)
+    assert "'crc32c' asked for" in err and "'wsum64'" in err
+    assert (
+        check_checksum(msgspec.structs.replace(msg, checksum=""))
+        == ""
+        == check_checksum(msgspec.structs.replace(msg, checksum="wsum64"))
+    )
+    bad = KVReady(
+        req_id="r",
+        ring_offset=0,
+        total_nbytes=8,
+        segments=[Segment(0, 0, 4), Segment(1, 4, 4)],
+        checksums=[SegmentSum(1, 2)],
+    )
+    with pytest.raises(ProtocolError, match="1 checksums for 2 segments"):
+        decode(encode(bad))
