@@ -134,6 +134,7 @@ class _VllmStreams(KVSource):
         self.heads, self.caches = heads, list(caches)
         self.device = self.caches[0].device
         self._maps = PerHeadRange(heads) if heads is not None else None
+        self._storages: list | None = None  # export_view's storages, found on first use
         self._setup()
 
     def _setup(self) -> None:
@@ -199,11 +200,16 @@ class VllmBlockSource(_VllmStreams):
 
     def export_view(self, addr: int, nbytes: int) -> torch.Tensor:
         """The cache bytes at ``addr`` (an address in the caches' own space, as exported),
-        viewed through the cache tensor whose storage holds them."""
-        for c in self.caches:
-            base = c.data_ptr() - c.storage_offset() * c.element_size()
-            if base <= addr and addr + nbytes <= base + c.untyped_storage().nbytes():
-                return torch.as_strided(c.view(torch.uint8), (nbytes,), (1,), addr - base)
+        viewed through a cache tensor whose storage holds them."""
+        if self._storages is None:  # (start, end, a uint8 tensor on it) per storage, found once
+            seen: dict[tuple[int, int], torch.Tensor] = {}
+            for c in self.caches:  # layers are views of one storage (vLLM): one range
+                base = c.data_ptr() - c.storage_offset() * c.element_size()
+                seen.setdefault((base, base + c.untyped_storage().nbytes()), c.view(torch.uint8))
+            self._storages = [(a, b, u8) for (a, b), u8 in seen.items()]
+        for start, end, u8 in self._storages:
+            if start <= addr and addr + nbytes <= end:
+                return torch.as_strided(u8, (nbytes,), (1,), addr - start)
         raise ValueError(f"{nbytes} bytes at {addr:#x} lie in no KV cache tensor of this prefill")
 
 
