@@ -84,6 +84,10 @@ def test_prompt_of_counts_one_prompt_and_leaves_batches_and_embeddings():
     msgs = [{"role": "user", "content": "hi"}]
     assert prompt_of({"messages": msgs}, chat) == Prompt("chat", msgs)
     assert prompt_of({"messages": []}, chat) is None
+    parts = [{"role": "user", "content": [{"type": "text", "text": "a"}, {"type": "text", "text": "b"}]}]
+    assert prompt_of({"messages": parts}, chat) == Prompt("chat", parts)
+    image = [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "http://x/y.png"}}]}]
+    assert prompt_of({"messages": msgs + image}, chat) is None  # /tokenize would fetch the image
 
 
 def test_tokenize_body_is_vllm_032s_request_for_the_same_prompt():

@@ -221,18 +221,57 @@ class Target:
 
 
 def sweep(
-    targets: list[Target], model: str, datasets: dict, rates: list[float], num: int, seed: int, log, tick
+    targets: list[Target],
+    model: str,
+    datasets: dict,
+    rates: list[float],
+    num: int,
+    seed: int,
+    log,
+    tick,
+    rounds: int = 1,
 ) -> list[dict]:
-    """Every workload at every rate against each of ``targets`` in turn (one run of each
-    before the next rate): one point each (raw per-request results; metrics are computed
-    later, when the scaled SLOs are known)."""
+    """Every workload at every rate against each of ``targets`` in turn, ``rounds`` times
+    (A B A B ...: a load that drifts during the sweep falls on each target alike), one
+    point per target, workload and rate with the rounds' requests together (raw
+    per-request results; metrics are computed later, when the scaled SLOs are known)."""
     points = []
     for wname, paths in datasets.items():
         for i, rate in enumerate(rates):
-            for target in targets:
-                tick(f"{target.name} {wname} {rate:g} req/s")
-                points.append(_run_point(target, model, wname, paths[i], rate, num, seed + i, log))
+            runs: dict[str, list[dict]] = {}
+            for r in range(rounds):
+                for target in targets:
+                    tick(f"{target.name} {wname} {rate:g} req/s" + (f" ({r + 1}/{rounds})" if rounds > 1 else ""))
+                    point = _run_point(target, model, wname, paths[i], rate, num, seed + i, log)
+                    runs.setdefault(target.name, []).append(point)
+            points += [merge_rounds(ps) for ps in runs.values()]
     return points
+
+
+def merge_rounds(points: list[dict]) -> dict:
+    """One point from several runs of one target, workload and rate: their requests and
+    counts together, durations added (so throughput is over all of them), breakdown stages
+    averaged over the runs (weighted by requests) and prefill counts added."""
+    out = dict(points[0])
+    if len(points) == 1:
+        return out
+    for k in ("duration_s", "wall_s", "completed", "failed", "output_tokens"):
+        out[k] = sum(p[k] for p in points)
+    out["requests"] = [r for p in points for r in p["requests"]]
+    out["errors"] = sorted({e for p in points for e in p["errors"]})[:3]
+    out["rounds"] = len(points)
+    if "breakdown" in out:
+        bds = [p["breakdown"] for p in points]
+        n = sum(b["requests"] for b in bds) or 1
+        merged = {k: sum(b[k] * b["requests"] for b in bds) / n for k in (*STAGES, "proxy_ttft_ms")}
+        merged.update(requests=sum(b["requests"] for b in bds), pulls=sum(b["pulls"] for b in bds))
+        for k in ("decode_prompt_tokens", "pull_kib"):
+            merged[k] = sum(b[k] * b["requests"] for b in bds) / n
+        merged["dominant"] = max(STAGES, key=lambda k: -1 if math.isnan(merged[k]) else merged[k])
+        out["breakdown"] = merged
+    if "prefills" in out:
+        out["prefills"] = {k: sum(p["prefills"].get(k, 0.0) for p in points) for k in points[0]["prefills"]}
+    return out
 
 
 def _run_point(target: Target, model: str, wname: str, path: str, rate: float, num: int, seed: int, log) -> dict:
@@ -533,6 +572,13 @@ def _parser() -> argparse.ArgumentParser:
     ap.add_argument("--workloads", nargs="+", default=None, choices=list(wl.WORKLOADS))
     ap.add_argument("--rates", type=float, nargs="+", default=None, help="Poisson request rates (req/s)")
     ap.add_argument("--num-prompts", type=int, default=None, help="requests per rate and workload")
+    ap.add_argument(
+        "--rounds",
+        type=int,
+        default=1,
+        help="run each workload and rate this many times per target, targets in turn (A B A B ...), requests "
+        "pooled: on a shared machine a drifting load then falls on every target alike",
+    )
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--model", default=None, help="model folder (default: the tiny bf16 Llama, built offline)")
     ap.add_argument("--max-model-len", type=int, default=1024)
@@ -557,6 +603,7 @@ class _Plan:
     plot_path: str
     settings: list = dataclasses.field(default_factory=list)  # decode_first.Setting per extra proxy
     prefix_caching: bool = False
+    rounds: int = 1
 
 
 def _plan(ap: argparse.ArgumentParser, a: argparse.Namespace) -> _Plan:
@@ -577,7 +624,11 @@ def _plan(ap: argparse.ArgumentParser, a: argparse.Namespace) -> _Plan:
     settings = _settings(ap, a, configs)
     work = Path(a.workdir or tempfile.mkdtemp(prefix="hawk-bench-serve-"))
     work.mkdir(parents=True, exist_ok=True)
-    return _Plan(configs, workloads, rates, num, _parse_urls(a.url), work, out, plot_path, settings, a.prefix_caching)
+    if a.rounds < 1:
+        ap.error("--rounds must be >= 1")
+    return _Plan(
+        configs, workloads, rates, num, _parse_urls(a.url), work, out, plot_path, settings, a.prefix_caching, a.rounds
+    )
 
 
 def _settings(ap: argparse.ArgumentParser, a: argparse.Namespace, configs: list[str]) -> list:
@@ -628,7 +679,8 @@ class _Sweeper:
         """Warm each of ``ts`` up, then sweep them in turn (:func:`sweep`)."""
         for t in ts:
             warm_up(t, self.model, self.warm, self.log)
-        return sweep(ts, self.model, self.datasets, self.plan.rates, self.plan.num, self.seed, self.log, self.tick)
+        plan = self.plan
+        return sweep(ts, self.model, self.datasets, plan.rates, plan.num, self.seed, self.log, self.tick, plan.rounds)
 
 
 def _sweep_local(sw: _Sweeper, c: str, max_model_len: int, collocated: bool) -> tuple[list[dict], bool]:
@@ -669,7 +721,7 @@ def _serve_all(a: argparse.Namespace, plan: _Plan, model: str, datasets: dict, w
     ``--no-collocated``); the points, raw per request. ``t_start``: ``time.monotonic`` seconds."""
     configs, urls = plan.configs, plan.urls
     collocated = not a.no_collocated and COLLOCATED not in configs
-    steps = (len(configs) * (1 + len(plan.settings)) + collocated) * len(plan.workloads) * len(plan.rates)
+    steps = (len(configs) * (1 + len(plan.settings)) + collocated) * len(plan.workloads) * len(plan.rates) * plan.rounds
     log = open(plan.work / "vllm_bench_serve.log", "a")  # noqa: SIM115 - closed after the sweep
     sw = _Sweeper(model, datasets, warm, plan, a.seed, log, steps)
     points: list[dict] = []

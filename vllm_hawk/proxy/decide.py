@@ -105,10 +105,11 @@ class Prompt:
 
 def prompt_of(body: dict, path: str) -> Prompt | None:
     """The one prompt of a ``/v1/completions`` or ``/v1/chat/completions`` body, or None
-    (several prompts, prompt embeddings, or not a prompt the proxy can count)."""
+    (several prompts, prompt embeddings, messages with images or other media, or not a
+    prompt the proxy can count)."""
     if path.endswith("/chat/completions"):
         msgs = body.get("messages")
-        return Prompt("chat", msgs) if isinstance(msgs, list) and msgs else None
+        return Prompt("chat", msgs) if isinstance(msgs, list) and msgs and all(map(_text_only, msgs)) else None
     p = body.get("prompt")
     if body.get("prompt_embeds") is not None:
         return None
@@ -119,6 +120,16 @@ def prompt_of(body: dict, path: str) -> Prompt | None:
     if isinstance(p, list) and p and all(isinstance(t, int) and not isinstance(t, bool) and t >= 0 for t in p):
         return Prompt("ids", p)
     return None
+
+
+def _text_only(message) -> bool:
+    """A chat message whose content is text (no image, audio or video part to fetch)."""
+    if not isinstance(message, dict):
+        return False
+    content = message.get("content")
+    if content is None or isinstance(content, str):
+        return True
+    return isinstance(content, list) and all(isinstance(p, dict) and p.get("type") == "text" for p in content)
 
 
 def text_token_bound(text: str) -> int:
