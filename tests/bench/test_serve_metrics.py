@@ -2,6 +2,7 @@
 
 import json
 import math
+from pathlib import Path
 
 import pytest
 
@@ -147,10 +148,11 @@ def _point(config, rate, ttfts, out, dur, **extra):
 def test_rounds_pool_requests_and_add_durations():
     a = _point("C x", 1.0, [10, 20], 8, 2.0, baseline="C", setting="x", prefills={"local/short_prompt": 2.0})
     b = _point("C x", 1.0, [30], 4, 1.0, baseline="C", setting="x", prefills={"local/short_prompt": 1.0})
+    b["prefills"]["remote/long_prompt"] = 1.0  # a reason of the second round only
     m = sb.merge_rounds([a, b])
     assert [r["ttft_ms"] for r in m["requests"]] == [10, 20, 30] and m["rounds"] == 2
     assert m["duration_s"] == 3.0 and m["output_tokens"] == 12 and m["completed"] == 3
-    assert m["prefills"] == {"local/short_prompt": 3.0} and sb.merge_rounds([a]) == a
+    assert m["prefills"] == {"local/short_prompt": 3.0, "remote/long_prompt": 1.0} and sb.merge_rounds([a]) == a
 
 
 def test_decode_first_ratios_are_on_over_off_of_the_same_workload_and_rate():
@@ -164,6 +166,17 @@ def test_decode_first_ratios_are_on_over_off_of_the_same_workload_and_rate():
     assert (e["config"], e["setting"], e["rate"]) == ("C", "x", 2.0)
     assert e["p50_ttft_ms_ratio"] == 0.5 and e["mean_ttft_ms_ratio"] == 0.5 and e["output_throughput_ratio"] == 1.1
     assert e["local_share"] == 2 / 3 and e["tokenize_mean_ms"] == 10.0
+
+
+def test_each_round_serves_new_prompts_and_every_target_of_a_round_the_same(tmp_path, tok):
+    plan = sb._plan(sb._parser(), sb._parser().parse_args(["--workloads", "sharegpt", "--rates", "1", "2"]))
+    plan.work, plan.num, plan.rounds = tmp_path, 3, 2
+    datasets, described, _ = sb._make_datasets(plan, tok, 0, 1024)
+    files = datasets["sharegpt"]
+    assert [len(f) for f in files] == [2, 2] and len({p for f in files for p in f}) == 4
+    texts = [[Path(p).read_text() for p in f] for f in files]
+    assert texts[0][0] != texts[0][1] and texts[0][0] != texts[1][0]
+    assert [(d["rate"], d["round"]) for d in described] == [(1.0, 0), (1.0, 1), (2.0, 0), (2.0, 1)]
 
 
 def test_decode_first_settings_name_each_rule_alone():

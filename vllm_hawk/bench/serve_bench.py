@@ -232,9 +232,10 @@ def sweep(
     rounds: int = 1,
 ) -> list[dict]:
     """Every workload at every rate against each of ``targets`` in turn, ``rounds`` times
-    (A B A B ...: a load that drifts during the sweep falls on each target alike), one
-    point per target, workload and rate with the rounds' requests together (raw
-    per-request results; metrics are computed later, when the scaled SLOs are known)."""
+    (A B A B ...: a load that drifts during the sweep falls on each target alike; round
+    ``r`` serves ``datasets[workload][rate][r]``), one point per target, workload and rate
+    with the rounds' requests together (raw per-request results; metrics are computed
+    later, when the scaled SLOs are known)."""
     points = []
     for wname, paths in datasets.items():
         for i, rate in enumerate(rates):
@@ -242,7 +243,7 @@ def sweep(
             for r in range(rounds):
                 for target in targets:
                     tick(f"{target.name} {wname} {rate:g} req/s" + (f" ({r + 1}/{rounds})" if rounds > 1 else ""))
-                    point = _run_point(target, model, wname, paths[i], rate, num, seed + i, log)
+                    point = _run_point(target, model, wname, paths[i][r], rate, num, seed + i, log)
                     runs.setdefault(target.name, []).append(point)
             points += [merge_rounds(ps) for ps in runs.values()]
     return points
@@ -270,7 +271,8 @@ def merge_rounds(points: list[dict]) -> dict:
         merged["dominant"] = max(STAGES, key=lambda k: -1 if math.isnan(merged[k]) else merged[k])
         out["breakdown"] = merged
     if "prefills" in out:
-        out["prefills"] = {k: sum(p["prefills"].get(k, 0.0) for p in points) for k in points[0]["prefills"]}
+        keys = dict.fromkeys(k for p in points for k in p["prefills"])  # a reason may appear in one round only
+        out["prefills"] = {k: sum(p["prefills"].get(k, 0.0) for p in points) for k in keys}
     return out
 
 
@@ -649,16 +651,22 @@ def _settings(ap: argparse.ArgumentParser, a: argparse.Namespace, configs: list[
 
 
 def _make_datasets(plan: _Plan, tok, seed: int, max_model_len: int) -> tuple[dict, list[dict], str]:
-    """Per workload one dataset file per rate (``seed + 1000 * i`` for rate ``i``), their
-    descriptions, and a two-request warm-up dataset's path."""
+    """Per workload, per rate ``i`` and per round ``r`` one dataset file (seed ``seed + 1000 *
+    i + 100_000 * r``: every target of a round serves the same prompts, each round new ones,
+    so that nothing a proxy or an engine remembers of a round meets the same prompt again),
+    their descriptions, and a two-request warm-up dataset's path."""
     datasets, described = {}, []
     for w in plan.workloads:
         datasets[w] = []
         for i in range(len(plan.rates)):
-            path = plan.work / f"{w}_{i}.json"
-            d = wl.make_workload(w, tok, plan.num, seed + 1000 * i, path, max_model_len, LocalCluster.block_size)
-            datasets[w].append(d["path"])
-            described.append({**d, "rate": plan.rates[i]})
+            datasets[w].append([])
+            for r in range(plan.rounds):
+                path = plan.work / (f"{w}_{i}.json" if r == 0 else f"{w}_{i}_round{r}.json")
+                d = wl.make_workload(
+                    w, tok, plan.num, seed + 1000 * i + 100_000 * r, path, max_model_len, LocalCluster.block_size
+                )
+                datasets[w][i].append(d["path"])
+                described.append({**d, "rate": plan.rates[i], **({"round": r} if plan.rounds > 1 else {})})
     warm = wl.make_workload("sharegpt", tok, 2, 12345, plan.work / "warmup.json", max_model_len)["path"]
     return datasets, described, warm
 
@@ -731,10 +739,10 @@ def _serve_all(a: argparse.Namespace, plan: _Plan, model: str, datasets: dict, w
         f"{plan.workloads}, rates {plan.rates} req/s, {plan.num} requests each; logs in {plan.work}",
         flush=True,
     )
-    for c in configs:
-        if c in urls or c == COLLOCATED and COLLOCATED in urls:
-            points += sw.targets([Target.from_url(c, urls[c])])
-            continue
+    given = [Target.from_url(c, urls[c]) for c in configs if c in urls]
+    if given:  # in turn, as the proxies of one local cluster
+        points += sw.targets(given)
+    for c in (c for c in configs if c not in urls):
         got, served_collocated = _sweep_local(sw, c, a.max_model_len, collocated)
         points += got
         collocated = collocated and not served_collocated
