@@ -332,9 +332,17 @@ def test_decode_first_short_prompt_reaches_the_decode_only(cluster, decode_first
         assert not (got[str(prompt)]["kv_transfer_params"] or {}).get("hawk_transfer")  # nothing pulled
     assert scrape_metrics(cluster.prefill_url).get("vllm:prompt_tokens_total", 0.0) == prefill0  # never asked
     c = _prefills(decode_first)
-    assert c.get("local/short_prompt") == 2 and c.get("tokenize_count", 0) == 0, c
+    assert c.get("local/short_prompt") == 2 and c.get("tokenize_count", 0) == 0, c  # the bound decided both
     for prompt in (ids, text):
         _same_as_single_engine(cluster, prompt, got[str(prompt)])
+    # a client's own kv_transfer_params never reach the decode (it would pull from where they say)
+    bogus = {"do_remote_prefill": True, "remote_engine_id": "x", "remote_request_id": "cmpl-x-0"}
+    bogus.update(remote_block_ids=[1], remote_num_tokens=40, remote_host="127.0.0.1", remote_port=9)
+    status, headers, out = _post_with_headers(
+        decode_first + "/v1/completions",
+        {"model": "tiny", "prompt": ids, "max_tokens": 2, "kv_transfer_params": bogus},
+    )
+    assert status == 200 and headers["x-hawk-prefill"] == "local", out
 
 
 def test_decode_first_long_prompt_still_goes_pd_then_its_extension_stays_local(cluster, decode_first):

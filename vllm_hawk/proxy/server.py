@@ -398,9 +398,10 @@ class Proxy:
         t_in: float,
     ) -> web.StreamResponse:
         """The request on ``placed``'s decode: with the prefill's ``kv_transfer_params``
-        (``prefill``: its URL and ms), or as the client sent it (``params`` None: the decode
+        (``prefill``: its URL and ms), or without any (``params`` None: the decode
         prefills)."""
         d_body = dict(body)
+        d_body.pop("kv_transfer_params", None)  # a client's own never reaches an engine
         if params is not None:
             d_body["kv_transfer_params"] = params
         d_url = placed.url
