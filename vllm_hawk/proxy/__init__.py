@@ -120,18 +120,24 @@ def _add_policy_args(p: argparse.ArgumentParser) -> None:
         help="a prompt whose prefix the proxy has seen the chosen decode take covers at least this fraction of it "
         "goes straight to that decode (0: off; default %(default)s)",
     )
-    p.add_argument("--decode-block-size", type=int, default=d.block_size, help="the decodes' KV block size in tokens")
+    p.add_argument(
+        "--decode-block-size",
+        type=int,
+        default=d.block_size,
+        help="the decodes' KV block size in tokens (default %(default)s)",
+    )
     p.add_argument(
         "--prefix-record-blocks",
         type=int,
         default=d.record_blocks,
-        help="block hashes the proxy's prefix record keeps over all decodes (about 110 bytes each: 7 MiB by default)",
+        help="block hashes the proxy's prefix record keeps over all decodes (default %(default)s; about 110 bytes "
+        "each: 7 MiB)",
     )
     p.add_argument(
         "--tokenize-timeout-s",
         type=float,
         default=d.tokenize_timeout_s,
-        help="a decode's /tokenize round trip; beyond it, or on an error, the request goes P/D",
+        help="a decode's /tokenize round trip (default %(default)s s); beyond it, or on an error, the request goes P/D",
     )
     p.add_argument(
         "--tokenize-always",
