@@ -2,6 +2,7 @@
 
 import json
 import math
+from pathlib import Path
 
 import pytest
 
@@ -124,3 +125,74 @@ def test_cli_rejects_unknown_configuration(capsys):
     with pytest.raises(SystemExit):
         sb.main(["--configs", "GX-Nope"])
     assert "GX-Nope" in capsys.readouterr().err
+
+
+def test_multiturn_sessions_share_their_prefixes(tmp_path, tok):
+    d = wl.make_workload("multiturn", tok, 12, 5, tmp_path / "m.json", max_model_len=1024)
+    rows = json.loads((tmp_path / "m.json").read_text())
+    prompts = [r["conversations"][0]["value"] for r in rows]
+    turns = wl.WORKLOADS["multiturn"]["turns"]
+    for i, p in enumerate(prompts):
+        if i % turns:  # a later turn extends the one before it (unless its session was full)
+            assert p.startswith(prompts[i - 1]) or len(tok.encode(prompts[i - 1])) > 600, i
+        assert len(tok.encode(p)) + len(tok.encode(rows[i]["conversations"][1]["value"])) <= 1024
+    assert d["served_prompt_tokens"] == [len(tok.encode(p)) for p in prompts]
+
+
+def _point(config, rate, ttfts, out, dur, **extra):
+    reqs = [{"ok": True, "ttft_ms": t, "tpot_ms": 1.0, "e2e_ms": t + 10, "out": 4} for t in ttfts]
+    p = {"config": config, "workload": "w", "rate": rate, "duration_s": dur, "wall_s": dur, "completed": len(reqs)}
+    return {**p, "failed": 0, "output_tokens": out, "requests": reqs, "errors": [], **extra}
+
+
+def test_rounds_pool_requests_and_add_durations():
+    a = _point("C x", 1.0, [10, 20], 8, 2.0, baseline="C", setting="x", prefills={"local/short_prompt": 2.0})
+    b = _point("C x", 1.0, [30], 4, 1.0, baseline="C", setting="x", prefills={"local/short_prompt": 1.0})
+    b["prefills"]["remote/long_prompt"] = 1.0  # a reason of the second round only
+    m = sb.merge_rounds([a, b])
+    assert [r["ttft_ms"] for r in m["requests"]] == [10, 20, 30] and m["rounds"] == 2
+    assert m["duration_s"] == 3.0 and m["output_tokens"] == 12 and m["completed"] == 3
+    assert m["prefills"] == {"local/short_prompt": 3.0, "remote/long_prompt": 1.0} and sb.merge_rounds([a]) == a
+
+
+def test_decode_first_ratios_are_on_over_off_of_the_same_workload_and_rate():
+    from vllm_hawk.bench import decode_first as df
+
+    off = _point("C", 2.0, [100, 200, 300], 30, 3.0)
+    on = _point("C x", 2.0, [50, 100, 150], 33, 3.0, baseline="C", setting="x")
+    on["prefills"] = {"local/short_prompt": 2.0, "remote/long_prompt": 1.0, "tokenize_sum": 0.02, "tokenize_count": 2}
+    rows = sb.analyse([off, on, _point("C", 4.0, [1], 1, 1.0)], [])
+    (e,) = df.ratios(rows)
+    assert (e["config"], e["setting"], e["rate"]) == ("C", "x", 2.0)
+    assert e["p50_ttft_ms_ratio"] == 0.5 and e["mean_ttft_ms_ratio"] == 0.5 and e["output_throughput_ratio"] == 1.1
+    assert e["local_share"] == 2 / 3 and e["tokenize_mean_ms"] == 10.0
+
+
+def test_each_round_serves_new_prompts_and_every_target_of_a_round_the_same(tmp_path, tok):
+    plan = sb._plan(sb._parser(), sb._parser().parse_args(["--workloads", "sharegpt", "--rates", "1", "2"]))
+    plan.work, plan.num, plan.rounds = tmp_path, 3, 2
+    datasets, described, _ = sb._make_datasets(plan, tok, 0, 1024)
+    files = datasets["sharegpt"]
+    assert [len(f) for f in files] == [2, 2] and len({p for f in files for p in f}) == 4
+    texts = [[Path(p).read_text() for p in f] for f in files]
+    assert texts[0][0] != texts[0][1] and texts[0][0] != texts[1][0]
+    assert [(d["rate"], d["round"]) for d in described] == [(1.0, 0), (1.0, 1), (2.0, 0), (2.0, 1)]
+
+
+def test_decode_first_settings_name_each_rule_alone():
+    from vllm_hawk.bench import decode_first as df
+
+    s = df.settings_of(True, [64], [0.5], 32)
+    assert [x.name for x in s] == ["decode-first", "local<64", "cached>=0.5"]
+    assert s[1].args == (
+        "--local-prefill-max-tokens",
+        "64",
+        "--local-prefill-min-cached",
+        "0",
+        "--decode-block-size",
+        "32",
+    )
+    with pytest.raises(ValueError, match="repeat"):
+        df.settings_of(False, [64, 64], [], 32)
+    with pytest.raises(SystemExit):
+        sb._plan(sb._parser(), sb._parser().parse_args(["--local-prefill-min-cached", "1.5"]))

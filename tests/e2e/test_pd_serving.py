@@ -13,6 +13,11 @@ without ``kv_transfer_params``. Where outputs differ, the reference's top-2 logp
 gap at the first differing position must be below ``GG_TIE_MARGIN`` (a tie), and ties
 are reported. The decode's KV after each pull equals the prefill's K/V of the blocks
 it sent, token for token (both sides dump them, ``HAWK_DEBUG_DIR``).
+
+Decode-first serving runs on the same trio through more proxies over its engines
+(``LocalCluster.add_proxy``): a short prompt and a prompt the decode holds most of reach
+the decode only (the prefill sees nothing), a long one still goes P/D, and a ``/tokenize``
+that fails (times out) sends the request P/D; ``/metrics`` counts each.
 """
 
 from __future__ import annotations
@@ -264,3 +269,122 @@ def test_vllm_bench_serve_targets_the_proxy(cluster):
     assert out.returncode == 0, out.stderr[-3000:]
     assert "Successful requests:                     8" in out.stdout
     assert "Failed requests:                         0" in out.stdout
+
+
+# ---------------------------------------------------------------- decode-first serving
+DF_MAX_TOKENS = 64  # the decode-first proxy's --local-prefill-max-tokens here
+
+
+def _prefills(proxy_url: str) -> dict[str, float]:
+    from vllm_hawk.bench.decode_first import scrape_prefills
+
+    return scrape_prefills(proxy_url)
+
+
+def _post_with_headers(url: str, body: dict) -> tuple[int, dict, dict]:
+    u = urllib.parse.urlsplit(url)
+    conn = http.client.HTTPConnection(u.hostname, u.port, timeout=120)
+    try:
+        conn.request("POST", u.path, json.dumps(body), {"Content-Type": "application/json"})
+        r = conn.getresponse()
+        return r.status, {k.lower(): v for k, v in r.getheaders()}, json.loads(r.read())
+    finally:
+        conn.close()
+
+
+def _greedy(url: str, prompt, n: int = GG_MAX_TOKENS) -> tuple[dict, dict]:
+    """(response headers, first choice) of a greedy completion through ``url``."""
+    body = {"model": "tiny", "prompt": prompt, "max_tokens": n, "temperature": 0, "ignore_eos": True}
+    status, headers, out = _post_with_headers(url + "/v1/completions", {**body, "return_token_ids": True})
+    assert status == 200, out
+    return headers, {**out["choices"][0], "kv_transfer_params": out.get("kv_transfer_params")}
+
+
+def _same_as_single_engine(cluster, prompt, got: dict) -> None:
+    """``got`` equals the prefill engine's own greedy answer (asked without
+    ``kv_transfer_params``: one engine alone), up to top-2 ties."""
+    ref = complete(cluster.prefill_url, prompt, max_tokens=GG_MAX_TOKENS, logprobs=2)
+    div = greedy_divergence(got["token_ids"], ref)
+    assert div is None or div[1] < GG_TIE_MARGIN, f"output differs at {div} (position, top-2 gap)"
+
+
+@pytest.fixture(scope="module")
+def decode_first(cluster):
+    """A proxy with decode-first serving on (both rules) over the trio's engines."""
+    return cluster.add_proxy(
+        "decode-first",
+        ["--local-prefill-max-tokens", str(DF_MAX_TOKENS), "--local-prefill-min-cached", "0.5"]
+        + ["--decode-block-size", str(DECODE_BLOCK)],
+    )
+
+
+def test_decode_first_short_prompt_reaches_the_decode_only(cluster, decode_first):
+    from vllm_hawk.bench.local_cluster import scrape_metrics
+
+    prefill0 = scrape_metrics(cluster.prefill_url).get("vllm:prompt_tokens_total", 0.0)
+    ids = [0] + list(range(11, 11 + DF_MAX_TOKENS - 2))  # one token under the threshold
+    text = "The decode engine reads the cache"  # the byte bound shows it short: no /tokenize
+    got = {}
+    for prompt in (ids, text):
+        headers, got[str(prompt)] = _greedy(decode_first, prompt)
+        assert headers["x-hawk-prefill"] == "local" and headers["x-hawk-prefill-reason"] == "short_prompt"
+        assert headers["x-hawk-decode"] == cluster.decode_url and "x-hawk-prefill-ms" not in headers
+        assert not (got[str(prompt)]["kv_transfer_params"] or {}).get("hawk_transfer")  # nothing pulled
+    assert scrape_metrics(cluster.prefill_url).get("vllm:prompt_tokens_total", 0.0) == prefill0  # never asked
+    c = _prefills(decode_first)
+    assert c.get("local/short_prompt") == 2 and c.get("tokenize_count", 0) == 0, c  # the bound decided both
+    for prompt in (ids, text):
+        _same_as_single_engine(cluster, prompt, got[str(prompt)])
+    # a client's own kv_transfer_params never reach the decode (it would pull from where they say)
+    bogus = {"do_remote_prefill": True, "remote_engine_id": "x", "remote_request_id": "cmpl-x-0"}
+    bogus.update(remote_block_ids=[1], remote_num_tokens=40, remote_host="127.0.0.1", remote_port=9)
+    status, headers, out = _post_with_headers(
+        decode_first + "/v1/completions",
+        {"model": "tiny", "prompt": ids, "max_tokens": 2, "kv_transfer_params": bogus},
+    )
+    assert status == 200 and headers["x-hawk-prefill"] == "local", out
+
+
+def test_decode_first_long_prompt_still_goes_pd_then_its_extension_stays_local(cluster, decode_first):
+    """A prompt of DF_MAX_TOKENS or more goes P/D (and is recorded as the decode's); the same
+    prompt with a short question added is covered by what the decode holds (> half of it)
+    and reaches the decode only, which takes the prefix from its own cache."""
+    from vllm_hawk.bench.local_cluster import scrape_metrics
+
+    c0 = _prefills(decode_first)
+    long = "Tokens of a long document about banks and rings. " * 12  # a text: counted by /tokenize
+    headers, got = _greedy(decode_first, long)
+    assert headers["x-hawk-prefill"] == cluster.prefill_url and headers["x-hawk-prefill-reason"] == "long_prompt"
+    assert float(headers["x-hawk-prefill-ms"]) > 0 and got["kv_transfer_params"]["hawk_transfer"]["ok"]
+    _same_as_single_engine(cluster, long, got)
+
+    prefill0 = scrape_metrics(cluster.prefill_url).get("vllm:prompt_tokens_total", 0.0)
+    hits0 = scrape_metrics(cluster.decode_url).get("vllm:prefix_cache_hits_total", 0.0)
+    follow = long + "What does the decode read?"
+    headers, got = _greedy(decode_first, follow)
+    assert headers["x-hawk-prefill"] == "local" and headers["x-hawk-prefill-reason"] == "cached_prefix"
+    assert scrape_metrics(cluster.prefill_url).get("vllm:prompt_tokens_total", 0.0) == prefill0
+    assert scrape_metrics(cluster.decode_url).get("vllm:prefix_cache_hits_total", 0.0) >= hits0 + DECODE_BLOCK
+    _same_as_single_engine(cluster, follow, got)
+    c = _prefills(decode_first)
+    assert c.get("remote/long_prompt", 0) - c0.get("remote/long_prompt", 0) == 1, c
+    assert c.get("local/cached_prefix", 0) - c0.get("local/cached_prefix", 0) == 1, c
+    assert c["tokenize_count"] - c0.get("tokenize_count", 0) == 2 and "tokenize_fallbacks/timeout" not in c
+
+
+def test_decode_first_tokenize_that_times_out_falls_back_to_pd(cluster):
+    """A /tokenize round trip that takes longer than --tokenize-timeout-s (here 0.1 ms, less
+    than any real round trip) is counted, and the request goes P/D and succeeds."""
+    url = cluster.add_proxy(
+        "tokenize-timeout",
+        ["--local-prefill-max-tokens", str(DF_MAX_TOKENS), "--tokenize-timeout-s", "0.0001"]
+        + ["--decode-block-size", str(DECODE_BLOCK)],
+    )
+    prompt = "A prompt long enough that the byte bound cannot show it short, so the proxy asks"
+    headers, got = _greedy(url, prompt)
+    assert headers["x-hawk-prefill"] == cluster.prefill_url and headers["x-hawk-prefill-reason"] == "tokenize_failed"
+    assert got["kv_transfer_params"]["hawk_transfer"]["ok"]
+    _same_as_single_engine(cluster, prompt, got)
+    c = _prefills(url)
+    assert c.get("tokenize_fallbacks/timeout") == 1 and c.get("remote/tokenize_failed") == 1, c
+    assert "proxy: /tokenize at" in cluster.servers["proxy-tokenize-timeout"].log_tail()

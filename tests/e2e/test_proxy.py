@@ -11,7 +11,10 @@ import pytest
 aiohttp = pytest.importorskip("aiohttp")
 from aiohttp import web  # noqa: E402
 
+from vllm_hawk.proxy.decide import Policy  # noqa: E402
 from vllm_hawk.proxy.server import Proxy, prefill_body, serve  # noqa: E402
+
+PD_ONLY = Policy(max_local_tokens=0, min_cached=0)  # every request through the prefill (decode-first off)
 
 
 class Fake:
@@ -58,7 +61,9 @@ async def _start_fake(fake: Fake) -> web.AppRunner:
 
 async def _with_proxy(prefill: list[Fake], decode: list[Fake], fn, extra_prefill=(), extra_decode=()):
     runners = [await _start_fake(f) for f in prefill + decode]
-    proxy = Proxy([f.url for f in prefill] + list(extra_prefill), [f.url for f in decode] + list(extra_decode))
+    proxy = Proxy(
+        [f.url for f in prefill] + list(extra_prefill), [f.url for f in decode] + list(extra_decode), policy=PD_ONLY
+    )
     prunner = await serve(proxy, "127.0.0.1", 0)  # port 0: the kernel picks, we read it back
     port = prunner.addresses[0][1]
     try:

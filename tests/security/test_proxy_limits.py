@@ -24,6 +24,7 @@ from aiohttp import web
 from security_helpers import RawFlood
 
 from vllm_hawk.bench.local_cluster import scrape_metrics
+from vllm_hawk.proxy.decide import Policy
 from vllm_hawk.proxy.server import Limits, Proxy, serve
 
 REPO = Path(__file__).resolve().parents[2]
@@ -100,6 +101,7 @@ def upstream():
     u.close()
 
 
+PD_ONLY = Policy(max_local_tokens=0, min_cached=0)  # every request through the prefill, as these tests expect
 LIMITS = Limits(
     connect_s=2,
     first_byte_s=1.0,
@@ -112,7 +114,7 @@ LIMITS = Limits(
 
 
 async def _proxy(u: Upstream, fn, limits: Limits = LIMITS):
-    proxy = Proxy([u.url + "/p"], [u.url + "/d"], limits=limits)
+    proxy = Proxy([u.url + "/p"], [u.url + "/d"], limits=limits, policy=PD_ONLY)
     runner = await serve(proxy, "127.0.0.1", 0)
     try:
         return await fn(proxy, runner.addresses[0][1])
@@ -216,7 +218,7 @@ def test_hung_prefill_is_a_504_within_the_first_byte_timeout(upstream, prefill):
         return out, time.monotonic() - t0
 
     async def run():
-        proxy = Proxy([p_url], [upstream.url + "/d"], limits=LIMITS)
+        proxy = Proxy([p_url], [upstream.url + "/d"], limits=LIMITS, policy=PD_ONLY)
         runner = await serve(proxy, "127.0.0.1", 0)
         try:
             return await fn(runner.addresses[0][1])
@@ -244,7 +246,7 @@ def test_non_streaming_decode_has_the_generate_timeout(upstream):
 
     async def run(generate_s):
         limits = Limits(first_byte_s=1.0, generate_s=generate_s)
-        proxy = Proxy([base + "/p"], [base + "/d"], limits=limits)
+        proxy = Proxy([base + "/p"], [base + "/d"], limits=limits, policy=PD_ONLY)
         runner = await serve(proxy, "127.0.0.1", 0)
         try:
             return await _http(runner.addresses[0][1], _post("/v1/completions", b'{"prompt":"x"}'))
@@ -360,7 +362,7 @@ def test_long_healthy_stream_is_not_cut(upstream):
     slow, base = _with_decode(upstream, slow_decode)
 
     async def run():
-        proxy = Proxy([base + "/p"], [base + "/d"], limits=limits)
+        proxy = Proxy([base + "/p"], [base + "/d"], limits=limits, policy=PD_ONLY)
         runner = await serve(proxy, "127.0.0.1", 0)
         try:
             return await _http(runner.addresses[0][1], _post("/v1/completions", b'{"prompt":"x","stream":true}'))

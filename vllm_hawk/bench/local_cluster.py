@@ -26,6 +26,12 @@ vLLM's router (``vllm-router --vllm-pd-disaggregation``) over any subset of them
                             routers={"2p1d": ((0, 1), (0,)), "1p2d": ((0,), (0, 1))})
     c.router_url("2p1d")
 
+The proxy sends every request P/D (``proxy_args``: decode-first serving off), as the
+tests and the benchmark's P/D rows need; :meth:`LocalCluster.add_proxy` starts another
+``hawk proxy`` over the same engines with other flags (decode-first on, for one):
+
+    url = c.add_proxy("decode-first", [])   # hawk proxy's defaults
+
 On machines with 2+ CPUs the prefill's model threads are bound to the first CPU and the
 decode's to the second (``VLLM_CPU_OMP_THREADS_BIND``); vLLM's default binds both to the
 same core.
@@ -49,6 +55,8 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
+#: ``hawk proxy`` flags that send every request through a prefill (decode-first serving off)
+PD_ONLY_PROXY_ARGS = ("--local-prefill-max-tokens", "0", "--local-prefill-min-cached", "0")
 CHAT_TEMPLATE = (
     "{% for m in messages %}{{ m['role'] }}: {{ m['content'] }}\n{% endfor %}"
     "{% if add_generation_prompt %}assistant:{% endif %}"
@@ -227,6 +235,13 @@ def _group_alive(pgid: int) -> bool:
 TP_RANK_ENV = {"VLLM_CPU_OMP_THREADS_BIND": "nobind", "OMP_NUM_THREADS": "1"}
 
 
+def _proxy_auth(p_cfg: dict) -> list[str]:
+    """``hawk proxy``'s auth flags for prefills configured with ``p_cfg``: their ``auth`` and
+    secret file, so that it can release the KV of a request a decode refused."""
+    secret = ["--shared-secret-file", p_cfg["shared_secret_file"]] if p_cfg.get("shared_secret_file") else []
+    return ["--side-channel-auth", p_cfg.get("auth", "curve"), *secret]
+
+
 @dataclass
 class LocalCluster:
     """Prefill and decode servers (one of each by default), the proxy over all of them, and
@@ -269,6 +284,8 @@ class LocalCluster:
     routers: dict = field(default_factory=dict)
     #: the proxy's upstreams: (prefill indices, decode indices); empty = all of them
     proxy_over: tuple = ()
+    #: the proxy's own flags (default: decode-first serving off, every request P/D)
+    proxy_args: tuple = PD_ONLY_PROXY_ARGS
     python: str = sys.executable
     servers: dict[str, Server] = field(default_factory=dict)
 
@@ -471,15 +488,8 @@ class LocalCluster:
 
     def _start_fronts(self, p_cfg: dict, progress: Progress | None) -> None:
         """``hawk proxy`` over every prefill and decode, then the vLLM routers."""
-        work = Path(self.workdir)
-        pport = free_port()
-        auth = p_cfg.get("auth", "curve")
-        secret = ["--shared-secret-file", p_cfg["shared_secret_file"]] if p_cfg.get("shared_secret_file") else []
-        pre, dec = self.proxy_over or (range(self.prefills), range(self.decodes))
-        ups = [a for i in pre for a in ("--prefill", self.prefill_urls[i])]
-        ups += [a for i in dec for a in ("--decode", self.decode_urls[i])]
-        argv = [self.python, "-m", "vllm_hawk.proxy", *ups, "--port", str(pport), "--side-channel-auth", auth, *secret]
-        self.servers["proxy"] = Server("proxy", argv, self._env(None), work / "proxy.log", f"http://127.0.0.1:{pport}")
+        self._proxy_cfg = p_cfg
+        self.servers["proxy"] = self._proxy("proxy", list(self.proxy_args))
         self.servers["proxy"].start()
         for name, (pre, dec) in self.routers.items():
             self.servers[f"router-{name}"] = self._router(
@@ -487,6 +497,27 @@ class LocalCluster:
             )
             self.servers[f"router-{name}"].start()
         self._wait(["proxy", *(f"router-{n}" for n in self.routers)], progress)
+
+    def _proxy(self, name: str, args: list[str]) -> Server:
+        """``hawk proxy`` over the upstreams of :attr:`proxy_over` (its port picked free)
+        with the extra flags ``args``."""
+        pre, dec = self.proxy_over or (range(self.prefills), range(self.decodes))
+        ups = [a for i in pre for a in ("--prefill", self.prefill_urls[i])]
+        ups += [a for i in dec for a in ("--decode", self.decode_urls[i])]
+        port = free_port()
+        argv = [self.python, "-m", "vllm_hawk.proxy", *ups, "--port", str(port), *_proxy_auth(self._proxy_cfg), *args]
+        return Server(name, argv, self._env(None), Path(self.workdir) / f"{name}.log", f"http://127.0.0.1:{port}")
+
+    def add_proxy(self, name: str, args: list[str]) -> str:
+        """Start one more ``hawk proxy`` over the running cluster's engines with ``args``, not
+        :attr:`proxy_args` (server ``proxy-NAME``, stopped with the cluster); its URL."""
+        key = f"proxy-{name}"
+        if key in self.servers:
+            raise ValueError(f"proxy {name!r} is running already")
+        self.servers[key] = self._proxy(key, args)
+        self.servers[key].start()
+        self._wait([key], None)
+        return self.servers[key].url
 
     def _router(self, name: str, prefill: list[str], decode: list[str]) -> Server:
         """vLLM's router in PD mode over ``prefill`` and ``decode`` (round robin over each;
@@ -553,7 +584,7 @@ class LocalCluster:
                 time.sleep(1.0)
 
     def stop(self) -> None:
-        fronts = [n for n in self.servers if n == "proxy" or n.startswith("router-")]
+        fronts = [n for n in self.servers if n.startswith("proxy") or n.startswith("router-")]
         decodes = [n for n in self.servers if n.startswith("decode")]
         for name in (*fronts, *decodes, *(n for n in self.servers if n.startswith("prefill"))):
             self.servers[name].stop()

@@ -32,6 +32,15 @@ spread over every decode request, some of which pull nothing (a Tenstorrent deco
 recomputes a prompt of one block or less). ``pulls`` counts the pulls, ``requests`` the
 proxy's requests.
 
+Decode-first serving (``--decode-first``: ``hawk proxy``'s defaults; ``--local-prefill-max-tokens
+N...`` and ``--local-prefill-min-cached F...``: one setting per value, each rule alone): one
+more proxy per setting over the same cluster's engines, the same workloads and rates, run
+after run in turn with the P/D proxy; their rows are named ``CONFIG SETTING`` and the on/off
+ratios of TTFT (P50, P90, mean), TPOT P90 and throughput are tabled
+(:mod:`~vllm_hawk.bench.decode_first`). ``--prefix-caching`` runs the engines with prefix
+caching on and empties every engine's cache before each run (vLLM's dev-mode
+``/reset_prefix_cache``), so that each run starts with the same caches.
+
 Output: a progress bar, tables, ``results/bench_serve*.json`` and a PNG next to it.
 ``--quick``: GG-Direct, GN-HAWK and collocated, one workload, two rates (< 5 min here).
 """
@@ -48,8 +57,10 @@ import os
 import sys
 import tempfile
 import time
+import urllib.request
 from pathlib import Path
 
+from vllm_hawk.bench import decode_first as df
 from vllm_hawk.bench import serve_workloads as wl
 from vllm_hawk.bench.common import print_table, progress, write_json
 from vllm_hawk.bench.local_cluster import CONFIGURATIONS, LocalCluster, http_get, scrape_metrics
@@ -179,10 +190,21 @@ def _scrape_after(proxy_url: str, decode_url: str, before_d: dict, expect: int, 
 # ---------------------------------------------------------------- targets
 class Target:
     """What one configuration is served by: a base URL, and the decode's URL (P/D) for
-    the breakdown (None: a single engine)."""
+    the breakdown (None: a single engine). A decode-first proxy names the configuration it
+    is compared with (``baseline``) and its setting; ``engines``: URLs whose prefix caches
+    are emptied before each run (``--prefix-caching``)."""
 
-    def __init__(self, name: str, url: str, decode_url: str | None) -> None:
+    def __init__(
+        self,
+        name: str,
+        url: str,
+        decode_url: str | None,
+        baseline: str | None = None,
+        setting: str | None = None,
+        engines: tuple[str, ...] = (),
+    ) -> None:
         self.name, self.url, self.decode_url = name, url, decode_url
+        self.baseline, self.setting, self.engines = baseline, setting, engines
 
     @classmethod
     def from_url(cls, name: str, url: str) -> Target:
@@ -198,36 +220,108 @@ class Target:
         return cls(name, url, decode)
 
 
-def sweep(target: Target, model: str, datasets: dict, rates: list[float], num: int, seed: int, log, tick) -> list[dict]:
-    """Every workload at every rate against ``target``: one point each (raw per-request
-    results; metrics are computed later, when the scaled SLOs are known)."""
+def sweep(
+    targets: list[Target],
+    model: str,
+    datasets: dict,
+    rates: list[float],
+    num: int,
+    seed: int,
+    log,
+    tick,
+    rounds: int = 1,
+) -> list[dict]:
+    """Every workload at every rate against each of ``targets`` in turn, ``rounds`` times
+    (A B A B ...: a load that drifts during the sweep falls on each target alike; round
+    ``r`` serves ``datasets[workload][rate][r]``), one point per target, workload and rate
+    with the rounds' requests together (raw per-request results; metrics are computed
+    later, when the scaled SLOs are known)."""
     points = []
     for wname, paths in datasets.items():
         for i, rate in enumerate(rates):
-            tick(f"{target.name} {wname} {rate:g} req/s")
-            pd = target.decode_url is not None
-            before = (scrape_metrics(target.url), scrape_metrics(target.decode_url)) if pd else None
-            t0 = time.monotonic()
-            res = run_load(target.url, model, paths[i], num, rate, seed + i, log)
-            reqs = wl.per_request(res)
-            point = {
-                "config": target.name,
-                "workload": wname,
-                "rate": rate,
-                "duration_s": res["duration"],
-                "wall_s": time.monotonic() - t0,
-                "completed": res["completed"],
-                "failed": res["failed"],
-                "output_tokens": res["total_output_tokens"],
-                "requests": reqs,
-                "errors": sorted({e for e in res["errors"] if e})[:3],
-            }
-            if pd:
-                ok = sum(r["ok"] for r in reqs)
-                d_after = _scrape_after(target.url, target.decode_url, before[1], ok)
-                point["breakdown"] = breakdown((before[0], scrape_metrics(target.url)), (before[1], d_after))
-            points.append(point)
+            runs: dict[str, list[dict]] = {}
+            for r in range(rounds):
+                for target in targets:
+                    tick(f"{target.name} {wname} {rate:g} req/s" + (f" ({r + 1}/{rounds})" if rounds > 1 else ""))
+                    point = _run_point(target, model, wname, paths[i][r], rate, num, seed + i, log)
+                    runs.setdefault(target.name, []).append(point)
+            points += [merge_rounds(ps) for ps in runs.values()]
     return points
+
+
+def merge_rounds(points: list[dict]) -> dict:
+    """One point from several runs of one target, workload and rate: their requests and
+    counts together, durations added (so throughput is over all of them), breakdown stages
+    averaged over the runs (weighted by requests) and prefill counts added."""
+    out = dict(points[0])
+    if len(points) == 1:
+        return out
+    for k in ("duration_s", "wall_s", "completed", "failed", "output_tokens"):
+        out[k] = sum(p[k] for p in points)
+    out["requests"] = [r for p in points for r in p["requests"]]
+    out["errors"] = sorted({e for p in points for e in p["errors"]})[:3]
+    out["rounds"] = len(points)
+    if "breakdown" in out:
+        bds = [p["breakdown"] for p in points]
+        n = sum(b["requests"] for b in bds) or 1
+        merged = {k: sum(b[k] * b["requests"] for b in bds) / n for k in (*STAGES, "proxy_ttft_ms")}
+        merged.update(requests=sum(b["requests"] for b in bds), pulls=sum(b["pulls"] for b in bds))
+        for k in ("decode_prompt_tokens", "pull_kib"):
+            merged[k] = sum(b[k] * b["requests"] for b in bds) / n
+        merged["dominant"] = max(STAGES, key=lambda k: -1 if math.isnan(merged[k]) else merged[k])
+        out["breakdown"] = merged
+    if "prefills" in out:
+        keys = dict.fromkeys(k for p in points for k in p["prefills"])  # a reason may appear in one round only
+        out["prefills"] = {k: sum(p["prefills"].get(k, 0.0) for p in points) for k in keys}
+    return out
+
+
+def _run_point(target: Target, model: str, wname: str, path: str, rate: float, num: int, seed: int, log) -> dict:
+    """One run of ``num`` requests of ``path`` at ``rate`` req/s against ``target``: its
+    point, with the TTFT breakdown (P/D) or the proxy's prefill counts (decode-first)."""
+    reset_prefix_caches(target.engines)
+    pd = target.decode_url is not None and target.setting is None
+    before = (scrape_metrics(target.url), scrape_metrics(target.decode_url)) if pd else None
+    counts = df.scrape_prefills(target.url) if target.setting else None
+    t0 = time.monotonic()
+    res = run_load(target.url, model, path, num, rate, seed, log)
+    reqs = wl.per_request(res)
+    point = {
+        "config": target.name,
+        "workload": wname,
+        "rate": rate,
+        "duration_s": res["duration"],
+        "wall_s": time.monotonic() - t0,
+        "completed": res["completed"],
+        "failed": res["failed"],
+        "output_tokens": res["total_output_tokens"],
+        "requests": reqs,
+        "errors": sorted({e for e in res["errors"] if e})[:3],
+    }
+    if pd:
+        ok = sum(r["ok"] for r in reqs)
+        d_after = _scrape_after(target.url, target.decode_url, before[1], ok)
+        point["breakdown"] = breakdown((before[0], scrape_metrics(target.url)), (before[1], d_after))
+    if target.setting:
+        point.update(baseline=target.baseline, setting=target.setting)
+        point["prefills"] = df.prefill_counts(counts, df.scrape_prefills(target.url))
+    return point
+
+
+def reset_prefix_caches(engines: tuple[str, ...], timeout_s: float = 30.0) -> None:
+    """Empty the prefix cache of every engine in ``engines`` (vLLM's ``POST
+    /reset_prefix_cache``, served with ``VLLM_SERVER_DEV_MODE=1``), trying again while an
+    engine still holds blocks (a prefill's hand-over), up to ``timeout_s``."""
+    for url in engines:
+        deadline = time.monotonic() + timeout_s
+        while True:
+            req = urllib.request.Request(url + "/reset_prefix_cache", data=b"", method="POST")
+            with urllib.request.urlopen(req, timeout=10) as r:
+                if json.loads(r.read() or b"{}").get("success", True):
+                    break
+            if time.monotonic() > deadline:
+                raise RuntimeError(f"{url}/reset_prefix_cache: still failing after {timeout_s:g} s (blocks held)")
+            time.sleep(0.5)
 
 
 def warm_up(target: Target, model: str, warm_path: str, log) -> None:
@@ -269,8 +363,7 @@ def analyse(points: list[dict], pairs: list[dict]) -> list[dict]:
         for i, s in enumerate(q for q in pairs if q["workload"] in (None, p["workload"])):
             att, good = wl.attainment(reqs, s["ttft_ms"], s["tpot_ms"])
             row[f"slo{i}"], row[f"goodput{i}"] = att, good / p["duration_s"] if p["duration_s"] else 0.0
-        if "breakdown" in p:
-            row["breakdown"] = p["breakdown"]
+        row.update({k: p[k] for k in ("breakdown", "baseline", "setting", "prefills") if k in p})
         rows.append(row)
     return rows
 
@@ -453,9 +546,41 @@ def _parser() -> argparse.ArgumentParser:
         metavar="NAME=URL",
         help="serve NAME with a running proxy or engine at URL instead of a local cluster",
     )
+    ap.add_argument(
+        "--decode-first", action="store_true", help="also serve through a proxy with hawk proxy's decode-first defaults"
+    )
+    ap.add_argument(
+        "--local-prefill-max-tokens",
+        type=int,
+        nargs="+",
+        default=[],
+        metavar="N",
+        help="also serve through a proxy per N: prompts under N tokens prefilled on the decode (the token rule alone)",
+    )
+    ap.add_argument(
+        "--local-prefill-min-cached",
+        type=float,
+        nargs="+",
+        default=[],
+        metavar="F",
+        help="also serve through a proxy per F: prompts whose prefix the decode holds for F of them prefilled there "
+        "(the cached rule alone; with --prefix-caching)",
+    )
+    ap.add_argument(
+        "--prefix-caching",
+        action="store_true",
+        help="engines with prefix caching on, every engine's cache emptied before each run (default: off)",
+    )
     ap.add_argument("--workloads", nargs="+", default=None, choices=list(wl.WORKLOADS))
     ap.add_argument("--rates", type=float, nargs="+", default=None, help="Poisson request rates (req/s)")
     ap.add_argument("--num-prompts", type=int, default=None, help="requests per rate and workload")
+    ap.add_argument(
+        "--rounds",
+        type=int,
+        default=1,
+        help="run each workload and rate this many times per target, targets in turn (A B A B ...), requests "
+        "pooled: on a shared machine a drifting load then falls on every target alike",
+    )
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--model", default=None, help="model folder (default: the tiny bf16 Llama, built offline)")
     ap.add_argument("--max-model-len", type=int, default=1024)
@@ -478,6 +603,9 @@ class _Plan:
     work: Path
     out: str
     plot_path: str
+    settings: list = dataclasses.field(default_factory=list)  # decode_first.Setting per extra proxy
+    prefix_caching: bool = False
+    rounds: int = 1
 
 
 def _plan(ap: argparse.ArgumentParser, a: argparse.Namespace) -> _Plan:
@@ -495,22 +623,50 @@ def _plan(ap: argparse.ArgumentParser, a: argparse.Namespace) -> _Plan:
         ap.error("--num-prompts and --rates must be positive")
     out = a.out or f"results/bench_serve{'_quick' if a.quick else ''}.json"
     plot_path = os.path.splitext(out)[0] + ".png" if a.plot is None else a.plot
+    settings = _settings(ap, a, configs)
     work = Path(a.workdir or tempfile.mkdtemp(prefix="hawk-bench-serve-"))
     work.mkdir(parents=True, exist_ok=True)
-    return _Plan(configs, workloads, rates, num, _parse_urls(a.url), work, out, plot_path)
+    if a.rounds < 1:
+        ap.error("--rounds must be >= 1")
+    return _Plan(
+        configs, workloads, rates, num, _parse_urls(a.url), work, out, plot_path, settings, a.prefix_caching, a.rounds
+    )
+
+
+def _settings(ap: argparse.ArgumentParser, a: argparse.Namespace, configs: list[str]) -> list:
+    """The decode-first proxies ``a`` asks for; ``ap.error`` names the flag at fault."""
+    if any(n < 1 for n in a.local_prefill_max_tokens):
+        ap.error("--local-prefill-max-tokens: each N must be >= 1 (the P/D rows are the rule off)")
+    if any(not 0 < f < 1 for f in a.local_prefill_min_cached):
+        ap.error("--local-prefill-min-cached: each F must be above 0 and below 1 (the P/D rows are the rule off)")
+    try:
+        settings = df.settings_of(
+            a.decode_first, a.local_prefill_max_tokens, a.local_prefill_min_cached, LocalCluster.block_size
+        )
+    except ValueError as e:
+        ap.error(f"--local-prefill-max-tokens / --local-prefill-min-cached: {e}")
+    if settings and (a.url or not set(configs) & set(CONFIGURATIONS)):
+        ap.error("--decode-first and its sweeps need a local P/D cluster (--configs from the configurations, no --url)")
+    return settings
 
 
 def _make_datasets(plan: _Plan, tok, seed: int, max_model_len: int) -> tuple[dict, list[dict], str]:
-    """Per workload one dataset file per rate (``seed + 1000 * i`` for rate ``i``), their
-    descriptions, and a two-request warm-up dataset's path."""
+    """Per workload, per rate ``i`` and per round ``r`` one dataset file (seed ``seed + 1000 *
+    i + 100_000 * r``: every target of a round serves the same prompts, each round new ones,
+    so that nothing a proxy or an engine remembers of a round meets the same prompt again),
+    their descriptions, and a two-request warm-up dataset's path."""
     datasets, described = {}, []
     for w in plan.workloads:
         datasets[w] = []
         for i in range(len(plan.rates)):
-            path = plan.work / f"{w}_{i}.json"
-            d = wl.make_workload(w, tok, plan.num, seed + 1000 * i, path, max_model_len, LocalCluster.block_size)
-            datasets[w].append(d["path"])
-            described.append({**d, "rate": plan.rates[i]})
+            datasets[w].append([])
+            for r in range(plan.rounds):
+                path = plan.work / (f"{w}_{i}.json" if r == 0 else f"{w}_{i}_round{r}.json")
+                d = wl.make_workload(
+                    w, tok, plan.num, seed + 1000 * i + 100_000 * r, path, max_model_len, LocalCluster.block_size
+                )
+                datasets[w][i].append(d["path"])
+                described.append({**d, "rate": plan.rates[i], **({"round": r} if plan.rounds > 1 else {})})
     warm = wl.make_workload("sharegpt", tok, 2, 12345, plan.work / "warmup.json", max_model_len)["path"]
     return datasets, described, warm
 
@@ -527,31 +683,42 @@ class _Sweeper:
         progress(self.done, self.steps, label)
         self.done += 1
 
-    def target(self, t: Target) -> list[dict]:
-        warm_up(t, self.model, self.warm, self.log)
-        return sweep(t, self.model, self.datasets, self.plan.rates, self.plan.num, self.seed, self.log, self.tick)
+    def targets(self, ts: list[Target]) -> list[dict]:
+        """Warm each of ``ts`` up, then sweep them in turn (:func:`sweep`)."""
+        for t in ts:
+            warm_up(t, self.model, self.warm, self.log)
+        plan = self.plan
+        return sweep(ts, self.model, self.datasets, plan.rates, plan.num, self.seed, self.log, self.tick, plan.rounds)
 
 
 def _sweep_local(sw: _Sweeper, c: str, max_model_len: int, collocated: bool) -> tuple[list[dict], bool]:
-    """Configuration ``c`` on a local cluster, started and stopped here; with ``collocated``
+    """Configuration ``c`` on a local cluster, started and stopped here, through its P/D
+    proxy and one proxy per decode-first setting of the plan (in turn); with ``collocated``
     and a GPU decode, also its decode server alone as the collocated reference. Its points,
     and whether the reference was served."""
+    caching = sw.plan.prefix_caching
     cluster = LocalCluster.configured(
         c,
         sw.model,
         sw.plan.work / c,
         dtype="bfloat16",
         max_model_len=max_model_len,
-        extra_args=["--no-enable-prefix-caching"],
+        extra_args=[] if caching else ["--no-enable-prefix-caching"],
+        extra_env={"VLLM_SERVER_DEV_MODE": "1"} if caching else {},  # /reset_prefix_cache
     )
     progress(sw.done, sw.steps, f"starting {c} ...")
     points: list[dict] = []
     try:
         cluster.start()
-        points += sw.target(Target(c, cluster.proxy_url, cluster.decode_url))
+        engines = tuple(cluster.prefill_urls + cluster.decode_urls) if caching else ()
+        targets = [Target(c, cluster.proxy_url, cluster.decode_url, engines=engines)]
+        for st in sw.plan.settings:
+            url = cluster.add_proxy(st.name.replace("<", "lt").replace(">=", "ge"), list(st.args))
+            targets.append(Target(f"{c} {st.name}", url, cluster.decode_url, c, st.name, engines))
+        points += sw.targets(targets)
         single = collocated and not CONFIGURATIONS[c].get("tt")
         if single:
-            points += sw.target(Target(COLLOCATED, cluster.decode_url, None))
+            points += sw.targets([Target(COLLOCATED, cluster.decode_url, None, engines=engines)])
     finally:
         cluster.stop()
     return points, single
@@ -562,19 +729,20 @@ def _serve_all(a: argparse.Namespace, plan: _Plan, model: str, datasets: dict, w
     ``--no-collocated``); the points, raw per request. ``t_start``: ``time.monotonic`` seconds."""
     configs, urls = plan.configs, plan.urls
     collocated = not a.no_collocated and COLLOCATED not in configs
-    steps = (len(configs) + collocated) * len(plan.workloads) * len(plan.rates)
+    steps = (len(configs) * (1 + len(plan.settings)) + collocated) * len(plan.workloads) * len(plan.rates) * plan.rounds
     log = open(plan.work / "vllm_bench_serve.log", "a")  # noqa: SIM115 - closed after the sweep
     sw = _Sweeper(model, datasets, warm, plan, a.seed, log, steps)
     points: list[dict] = []
     print(
-        f"hawk bench serve: configs {configs}{' + collocated' if collocated else ''}, workloads "
+        f"hawk bench serve: configs {configs}{' + collocated' if collocated else ''}"
+        f"{', decode-first ' + str([st.name for st in plan.settings]) if plan.settings else ''}, workloads "
         f"{plan.workloads}, rates {plan.rates} req/s, {plan.num} requests each; logs in {plan.work}",
         flush=True,
     )
-    for c in configs:
-        if c in urls or c == COLLOCATED and COLLOCATED in urls:
-            points += sw.target(Target.from_url(c, urls[c]))
-            continue
+    given = [Target.from_url(c, urls[c]) for c in configs if c in urls]
+    if given:  # in turn, as the proxies of one local cluster
+        points += sw.targets(given)
+    for c in (c for c in configs if c not in urls):
         got, served_collocated = _sweep_local(sw, c, a.max_model_len, collocated)
         points += got
         collocated = collocated and not served_collocated
@@ -592,6 +760,8 @@ def _report(
     rows = analyse(points, pairs)
     summary = summarise(rows, pairs)
     print_results(rows, pairs, summary)
+    on_off = df.ratios(rows)
+    df.print_ratios(on_off)
     result = {
         "bench": "serve",
         "args": vars(a),
@@ -606,6 +776,7 @@ def _report(
         "breakdown_stages": STAGES,
         "rows": rows,
         "summary": summary,
+        "decode_first": on_off,
         "points": [{k: v for k, v in p.items() if k != "requests"} for p in points],
     }
     path = write_json(plan.out, result)

@@ -16,7 +16,11 @@ prompt + output fits ``max_model_len``:
   included). A Tenstorrent decode, which resumes a transferred prompt at the last block
   boundary before its last token, recomputes a whole block of a ``block-edge`` prompt and
   one token of a ``block-edge+1`` prompt (what a vLLM decode recomputes of either);
-  ``k >= 2`` so that every prompt transfers at least one block.
+  ``k >= 2`` so that every prompt transfers at least one block;
+* ``multiturn``: chat sessions of ``turns`` turns, each turn's prompt the previous turn's
+  prompt, its answer and a new message (ShareGPT's lengths for the first message, the
+  answers and the new messages), so that a session's prompts share their prefixes: what a
+  decode's prefix cache holds between turns.
 
 Metrics follow the paper (section 5.3): a request meets an SLO pair (TTFT ms, TPOT ms)
 when both hold; failed requests miss it. Attainment = requests meeting it / requests sent.
@@ -48,6 +52,12 @@ WORKLOADS: dict[str, dict] = {
         "prompt": {"median": 48, "sigma": 0.9, "lo": 8, "hi": 512},
         "output": {"median": 40, "sigma": 0.6, "lo": 8, "hi": 160},
         "snap": 0,
+    },
+    "multiturn": {
+        "shape": "chat sessions of 4 turns: each prompt extends the previous turn's prompt and answer",
+        "prompt": {"median": 48, "sigma": 0.9, "lo": 8, "hi": 256},
+        "output": {"median": 40, "sigma": 0.6, "lo": 8, "hi": 160},
+        "turns": 4,
     },
     "block-edge+1": {
         "shape": "ShareGPT-like, prompts of a whole number (>= 2) of blocks plus a token: every decode recomputes one",
@@ -95,6 +105,22 @@ def _served_text(tokenizer, n: int, rnd: random.Random) -> str:
     raise ValueError(f"tokenizer {tokenizer.name_or_path!r}: no text of exactly {n} served tokens found")
 
 
+def _next_turn(tokenizer, history: str, n: int, out_len: int, max_model_len: int, rnd) -> tuple[str, int, str]:
+    """A session's next prompt: ``history`` (the earlier turns' prompt and answer) and a new
+    message of about ``n`` tokens, cut so that it and ``out_len`` output tokens fit
+    ``max_model_len``; (prompt, its tokens without special tokens, the history after this
+    turn's answer of ``out_len`` tokens)."""
+    room = max_model_len - out_len - 16  # BOS and re-tokenisation drift
+    have = len(tokenizer.encode(history, add_special_tokens=False)) if history else 0
+    if have + 8 > room:  # the session is full: start a new one
+        history, have = "", 0
+    msg, _ = _text(tokenizer, max(1, min(n, room - have)), rnd)
+    prompt = f"{history} {msg}" if history else msg
+    pn = len(tokenizer.encode(prompt, add_special_tokens=False))
+    answer, _ = _text(tokenizer, out_len, rnd)
+    return prompt, pn, f"{prompt} {answer}"
+
+
 def snapped_prompt_len(drawn: int, snap: int, block_size: int, room: int) -> int:
     """A drawn prompt length (tokens) snapped to ``block_size * k + snap`` served tokens:
     ``k`` the nearest whole number of blocks, at least 2, at most what fits in ``room``
@@ -132,9 +158,12 @@ def make_workload(
     rng, rnd = np.random.default_rng(seed), random.Random(seed)
     prompts, outputs = _lengths(rng, w["prompt"], num), _lengths(rng, w["output"], num)
     rows, plens, olens, served, served_lens = [], [], [], set(), []
-    for pl, ol in zip(prompts, outputs, strict=False):
+    history = ""  # multiturn: the session so far (prompt and answers)
+    for i, (pl, ol) in enumerate(zip(prompts, outputs, strict=False)):
         ol = min(ol, max_model_len // 4)
-        if "snap" in w:
+        if "turns" in w:
+            prompt, pn, history = _next_turn(tokenizer, history if i % w["turns"] else "", pl, ol, max_model_len, rnd)
+        elif "snap" in w:
             room = max_model_len - ol - 8  # the completion's BOS and re-tokenisation drift
             prompt = _served_text(tokenizer, snapped_prompt_len(pl, w["snap"], block_size, room), rnd)
             pn = len(tokenizer.encode(prompt, add_special_tokens=False))
@@ -197,13 +226,14 @@ def per_request(result: dict) -> list[dict]:
 
 
 def latency_stats(reqs: list[dict]) -> dict:
-    """P50/P90/P99 of TTFT, TPOT and E2E (ms) over the completed requests."""
+    """P50/P90/P99 and mean of TTFT, TPOT and E2E (ms) over the completed requests."""
     ok = [r for r in reqs if r["ok"]]
     out: dict = {}
     for key in ("ttft_ms", "tpot_ms", "e2e_ms"):
         vals = [r[key] for r in ok]
         for p in (50, 90, 99):
             out[f"p{p}_{key}"] = float(np.percentile(vals, p)) if vals else math.nan
+        out[f"mean_{key}"] = float(np.mean(vals)) if vals else math.nan
     return out
 
 

@@ -3,7 +3,8 @@
     hawk proxy --prefill http://127.0.0.1:8100 --decode http://127.0.0.1:8200 --port 8000
 
 Several ``--prefill`` / ``--decode`` URLs are served round robin. See
-:mod:`vllm_hawk.proxy.server` for the request flow.
+:mod:`vllm_hawk.proxy.server` for the request flow, :mod:`vllm_hawk.proxy.decide` for
+decode-first serving (short or cached prompts prefilled on the decode).
 """
 
 from __future__ import annotations
@@ -15,7 +16,7 @@ import signal
 import sys
 from collections.abc import Sequence
 
-__all__ = ["limits_of", "main", "parse_args", "releaser_of"]
+__all__ = ["limits_of", "main", "parse_args", "policy_of", "releaser_of"]
 
 
 def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
@@ -92,9 +93,75 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
         default=None,
         help="the connectors' auth (default: curve with a secret, else none)",
     )
+    _add_policy_args(p)
     p.add_argument("--renew-interval-s", type=float, default=None, help=argparse.SUPPRESS)  # removed
     p.add_argument("--timeout-s", type=float, default=None, help=argparse.SUPPRESS)  # renamed
     return p.parse_args(argv)
+
+
+def _add_policy_args(p: argparse.ArgumentParser) -> None:
+    """Decode-first serving's flags (:class:`~vllm_hawk.proxy.decide.Policy`)."""
+    from vllm_hawk.proxy.decide import Policy
+
+    d = Policy()
+    p.add_argument(
+        "--local-prefill-max-tokens",
+        type=int,
+        default=d.max_local_tokens,
+        metavar="N",
+        help="a prompt of fewer than N tokens goes straight to a decode, which prefills it (0: off; default "
+        "%(default)s, measured: docs/configuration.md#decode-first-serving)",
+    )
+    p.add_argument(
+        "--local-prefill-min-cached",
+        type=float,
+        default=d.min_cached,
+        metavar="F",
+        help="a prompt whose prefix the proxy has seen the chosen decode take covers at least this fraction of it "
+        "goes straight to that decode (0: off; default %(default)s)",
+    )
+    p.add_argument(
+        "--decode-block-size",
+        type=int,
+        default=d.block_size,
+        help="the decodes' KV block size in tokens (default %(default)s)",
+    )
+    p.add_argument(
+        "--prefix-record-blocks",
+        type=int,
+        default=d.record_blocks,
+        help="block hashes the proxy's prefix record keeps over all decodes (default %(default)s; about 110 bytes "
+        "each: 7 MiB)",
+    )
+    p.add_argument(
+        "--tokenize-timeout-s",
+        type=float,
+        default=d.tokenize_timeout_s,
+        help="a decode's /tokenize round trip (default %(default)s s); beyond it, or on an error, the request goes P/D",
+    )
+    p.add_argument(
+        "--tokenize-always",
+        action="store_true",
+        help="count every text prompt with /tokenize (the byte bound assumes a tokenizer that never makes more "
+        "tokens than UTF-8 bytes + 4: no normalizer that lengthens text, such as NFKC)",
+    )
+
+
+def policy_of(args: argparse.Namespace):
+    """The proxy's :class:`~vllm_hawk.proxy.decide.Policy`; a bad flag exits naming it."""
+    from vllm_hawk.proxy.decide import Policy
+
+    try:
+        return Policy(
+            max_local_tokens=args.local_prefill_max_tokens,
+            min_cached=args.local_prefill_min_cached,
+            block_size=args.decode_block_size,
+            record_blocks=args.prefix_record_blocks,
+            tokenize_timeout_s=args.tokenize_timeout_s,
+            tokenize_always=args.tokenize_always,
+        )
+    except ValueError as e:
+        raise SystemExit(f"hawk proxy: {e}") from None
 
 
 def limits_of(args: argparse.Namespace):
@@ -168,17 +235,21 @@ def main(argv: Sequence[str] | None = None) -> int:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s hawk-proxy %(message)s")
     from vllm_hawk.proxy.server import Proxy, serve
 
-    limits = limits_of(args)
+    limits, policy = limits_of(args), policy_of(args)
     _raise_fd_limit()
 
     async def run() -> None:
-        proxy = Proxy(args.prefill, args.decode, limits=limits, releaser=releaser_of(args))
+        proxy = Proxy(args.prefill, args.decode, limits=limits, releaser=releaser_of(args), policy=policy)
         runner = await serve(proxy, args.host, args.port)
         stop = asyncio.Event()
         loop = asyncio.get_running_loop()
         for sig in (signal.SIGINT, signal.SIGTERM):
             loop.add_signal_handler(sig, stop.set)
-        print(f"hawk proxy on http://{args.host}:{args.port}  prefill={args.prefill} decode={args.decode}", flush=True)
+        print(
+            f"hawk proxy on http://{args.host}:{args.port}  prefill={args.prefill} decode={args.decode}  "
+            f"local prefill: < {policy.max_local_tokens} tokens or >= {policy.min_cached:g} cached (0: off)",
+            flush=True,
+        )
         await stop.wait()
         await runner.cleanup()
 

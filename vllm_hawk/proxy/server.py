@@ -2,11 +2,15 @@
 
 For each ``/v1/completions`` or ``/v1/chat/completions`` request:
 
+0. choose the decode server and where the prompt is prefilled
+   (:mod:`vllm_hawk.proxy.placement`, decode-first serving): a short prompt, or one whose
+   prefix the decode holds, goes straight to the decode, which prefills it itself (the
+   request as the client sent it, no ``kv_transfer_params``); the others go P/D:
 1. pick a prefill server (round robin) and send it the request with ``max_tokens = 1``,
    no streaming, and ``kv_transfer_params = {"do_remote_decode": true}``; its answer
    carries the ``kv_transfer_params`` that locate the KV (engine, blocks, side channel);
-2. pick a decode server (round robin) and send it the ORIGINAL request plus those
-   ``kv_transfer_params``; stream (or return) its answer to the client unchanged.
+2. send the decode server the ORIGINAL request plus those ``kv_transfer_params``; stream
+   (or return) its answer to the client unchanged.
 
 A request the decode refuses (an error status before any output: its API server
 rejected it, so its engine never saw it) has its prefill blocks released at once by
@@ -18,8 +22,9 @@ engine's heartbeat takes it up, as behind any other front (vLLM's router).
 Upstream errors keep their HTTP status and body; an unreachable upstream is 502 (the
 message names the server). A client that disconnects cancels the handler, which closes
 the upstream connection, and vLLM aborts the request there (its blocks are freed).
-Headers ``x-hawk-prefill``, ``x-hawk-decode`` and ``x-hawk-prefill-ms`` tell which
-servers served a request and how long the prefill step took.
+Headers ``x-hawk-prefill`` (the prefill server, or ``local``: the decode prefilled),
+``x-hawk-prefill-reason`` (why, as in ``hawk_proxy_prefills_total``), ``x-hawk-decode``
+and ``x-hawk-prefill-ms`` (a remote prefill's step) tell who served a request.
 
 Limits (:class:`Limits`, all aiohttp settings or asyncio timeouts around aiohttp calls):
 
@@ -65,7 +70,9 @@ from dataclasses import dataclass, field, fields
 import aiohttp
 from aiohttp import web
 
+from vllm_hawk.proxy.decide import Policy
 from vllm_hawk.proxy.metrics import ProxyMetrics
+from vllm_hawk.proxy.placement import Placed, Placement
 
 logger = logging.getLogger(__name__)
 
@@ -84,8 +91,11 @@ class Pool:
             raise ValueError("need at least one upstream URL")
         self.urls = [u.rstrip("/") for u in self.urls]
 
+    def next_index(self) -> int:
+        return next(self._next) % len(self.urls)
+
     def pick(self) -> str:
-        return self.urls[next(self._next) % len(self.urls)]
+        return self.urls[self.next_index()]
 
 
 @dataclass(frozen=True)
@@ -155,7 +165,18 @@ def prefill_body(body: dict, path: str) -> dict:
 
 
 class Proxy:
-    def __init__(self, prefill: list[str], decode: list[str], *, limits: Limits | None = None, releaser=None) -> None:
+    """The proxy's routes over ``prefill`` and ``decode`` base URLs. ``policy``: decode-first
+    serving (:class:`~vllm_hawk.proxy.decide.Policy`; its defaults are ``hawk proxy``'s)."""
+
+    def __init__(
+        self,
+        prefill: list[str],
+        decode: list[str],
+        *,
+        limits: Limits | None = None,
+        releaser=None,
+        policy: Policy | None = None,
+    ) -> None:
         self.prefill = Pool(list(prefill))
         self.releaser = releaser  # PrefillReleaser, or None: refused requests wait for their lease
         self.decode = Pool(list(decode))
@@ -177,6 +198,7 @@ class Proxy:
             "upstream_emfile_retries": 0,
         }
         self.metrics = ProxyMetrics()
+        self.placement = Placement(policy or Policy(), self.decode, self.metrics)
 
     # ---------------------------------------------------------------- app
     def app(self) -> web.Application:
@@ -299,8 +321,21 @@ class Proxy:
         path = request.path
         rid = request.headers.get("X-Request-Id") or f"hawk-{uuid.uuid4().hex}"
         headers = self._headers(request, rid)
+        placed = await self.placement.place(self.session, body, path, headers)  # 0. decode, local or remote
+        try:
+            if placed.local:
+                return await self._decode(request, path, body, None, headers, placed, None, t_in)
+            got = await self._prefill(path, body, headers)  # 1. prefill
+            if isinstance(got, web.Response):
+                return got
+            # 2. decode (the prefill holds the KV through the hand-over by itself: handover_s)
+            return await self._decode(request, path, body, got[2], headers, placed, got[:2], t_in)
+        finally:
+            self.placement.release(placed)
 
-        # 1. prefill
+    async def _prefill(self, path: str, body: dict, headers: dict) -> tuple[str, float, dict] | web.Response:
+        """The P/D path's first step on the next prefill server: (its URL, ms, the
+        ``kv_transfer_params`` it answered), or the error response for the client."""
         p_url = self.prefill.pick()
         t0 = time.perf_counter()
         try:
@@ -331,9 +366,7 @@ class Proxy:
                 f"prefill server {p_url} returned no kv_transfer_params "
                 "(is it a vLLM with HawkConnector as kv_producer?)",
             )
-
-        # 2. decode (the prefill holds the KV through the hand-over by itself: handover_s)
-        return await self._decode(request, path, body, params, headers, p_url, prefill_ms, t_in)
+        return p_url, prefill_ms, params
 
     async def _body_timed_out(self, request: web.Request) -> web.StreamResponse:
         """408 for a body that did not arrive within ``body_s``, then the connection closes
@@ -358,16 +391,24 @@ class Proxy:
         request: web.Request,
         path: str,
         body: dict,
-        params: dict,
+        params: dict | None,
         headers: dict[str, str],
-        p_url: str,
-        prefill_ms: float,
+        placed: Placed,
+        prefill: tuple[str, float] | None,
         t_in: float,
     ) -> web.StreamResponse:
+        """The request on ``placed``'s decode: with the prefill's ``kv_transfer_params``
+        (``prefill``: its URL and ms), or without any (``params`` None: the decode
+        prefills)."""
         d_body = dict(body)
-        d_body["kv_transfer_params"] = params
-        d_url = self.decode.pick()
-        info = {"x-hawk-prefill": p_url, "x-hawk-decode": d_url, "x-hawk-prefill-ms": f"{prefill_ms:.2f}"}
+        d_body.pop("kv_transfer_params", None)  # a client's own never reaches an engine
+        if params is not None:
+            d_body["kv_transfer_params"] = params
+        d_url = placed.url
+        info = {"x-hawk-prefill": prefill[0] if prefill else "local", "x-hawk-prefill-reason": placed.reason}
+        info["x-hawk-decode"] = d_url
+        if prefill:
+            info["x-hawk-prefill-ms"] = f"{prefill[1]:.2f}"
         t_d = time.perf_counter()
         # a non-streaming answer's headers come after its last token (vLLM): generate_s
         first_byte_s = self.limits.first_byte_s if body.get("stream") else self.limits.generate_s
@@ -375,7 +416,9 @@ class Proxy:
             async with await self._open(
                 lambda: self.session.post(d_url + path, json=d_body, headers=headers), first_byte_s
             ) as r:
-                if r.status != 200:
+                if r.status == 200:
+                    self.placement.served(placed)
+                elif params is not None:
                     await self._decode_refused(params)
                 if r.status != 200 or not body.get("stream"):
                     return web.Response(
@@ -399,7 +442,8 @@ class Proxy:
                 f"{first_byte_s:g} s, hawk proxy {flag}; idle {self.limits.idle_s:g} s, --idle-timeout-s)",
             )
         except aiohttp.ClientConnectorError as e:  # never reached: nobody will ask for the KV
-            await self._decode_refused(params)
+            if params is not None:
+                await self._decode_refused(params)
             return _error(502, f"decode server {d_url} failed: {e!s}")
         except aiohttp.ClientError as e:
             return _error(502, f"decode server {d_url} failed: {e!s}")
