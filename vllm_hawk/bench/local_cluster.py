@@ -242,6 +242,30 @@ def _proxy_auth(p_cfg: dict) -> list[str]:
     return ["--side-channel-auth", p_cfg.get("auth", "curve"), *secret]
 
 
+def server_env(cpu: str | None, extra: dict, own: dict, tt_dir: str | None) -> dict[str, str]:
+    """A server's environment: this one's, the cluster's ``extra`` and the role's ``own`` (a
+    PYTHONPATH there goes after the rest), ``cpu`` its OpenMP binding (``nobind``: a TP rank),
+    ``tt_dir`` the Tenstorrent decode's entry points."""
+    env = dict(os.environ)
+    env.update(
+        HF_HUB_OFFLINE="1",
+        VLLM_CPU_KVCACHE_SPACE=env.get("VLLM_CPU_KVCACHE_SPACE", "1"),
+        TOKENIZERS_PARALLELISM="false",
+    )
+    env.pop("VLLM_TARGET_DEVICE", None)
+    for k in [k for k in env if k.startswith("HAWK_TT_") or k.startswith("HAWK_SHARED_SECRET")]:
+        env.pop(k)  # only the --tt-* flags choose the platform; only _auth_config the secret
+    own = {k: str(v) for k, v in own.items()}
+    env.update({k: str(v) for k, v in extra.items()}, **{k: v for k, v in own.items() if k != "PYTHONPATH"})
+    if cpu == "nobind":
+        env.update(TP_RANK_ENV)
+    elif cpu is not None:
+        env["VLLM_CPU_OMP_THREADS_BIND"] = cpu
+    root = str(Path(__file__).resolve().parents[2])
+    env["PYTHONPATH"] = os.pathsep.join(p for p in (root, tt_dir, env.get("PYTHONPATH"), own.get("PYTHONPATH")) if p)
+    return env
+
+
 @dataclass
 class LocalCluster:
     """Prefill and decode servers (one of each by default), the proxy over all of them, and
@@ -271,9 +295,8 @@ class LocalCluster:
     decode_tt_plugin: dict | None = None
     extra_args: list = field(default_factory=list)  # vLLM CLI args for both servers
     extra_env: dict = field(default_factory=dict)  # environment of both servers
-    #: environment of the prefill (decode) servers only; a PYTHONPATH there is added to the cluster's
-    prefill_env: dict = field(default_factory=dict)
-    decode_env: dict = field(default_factory=dict)
+    prefill_env: dict = field(default_factory=dict)  # the prefill servers' only (PYTHONPATH: added last)
+    decode_env: dict = field(default_factory=dict)  # the decode servers' only, likewise
     auth: str = "curve"  # side-channel authentication of both servers (a fresh secret file unless "none")
     startup_timeout_s: float = 400.0
     prefill_tp: int = 1  # --tensor-parallel-size of each side (ranks bind both CPUs: VLLM_CPU_OMP_THREADS_BIND 0|1)
@@ -352,25 +375,8 @@ class LocalCluster:
             else:
                 os.environ["PYTHONPATH"] = saved
 
-    def _env(self, cpu: str | None, tt: bool = False) -> dict[str, str]:
-        env = dict(os.environ)
-        env.update(
-            HF_HUB_OFFLINE="1",
-            VLLM_CPU_KVCACHE_SPACE=env.get("VLLM_CPU_KVCACHE_SPACE", "1"),
-            TOKENIZERS_PARALLELISM="false",
-        )
-        env.pop("VLLM_TARGET_DEVICE", None)
-        for k in [k for k in env if k.startswith("HAWK_TT_") or k.startswith("HAWK_SHARED_SECRET")]:
-            env.pop(k)  # only the --tt-* flags choose the platform; only _auth_config the secret
-        env.update({k: str(v) for k, v in self.extra_env.items()})
-        if cpu == "nobind":
-            env.update(TP_RANK_ENV)
-        elif cpu is not None:
-            env["VLLM_CPU_OMP_THREADS_BIND"] = cpu
-        root = str(Path(__file__).resolve().parents[2])
-        tt_dir = self._tt_entry_point_dir() if tt else None
-        env["PYTHONPATH"] = os.pathsep.join(p for p in (root, tt_dir, env.get("PYTHONPATH")) if p)
-        return env
+    def _env(self, cpu: str | None, tt: bool = False, own: dict | None = None) -> dict[str, str]:
+        return server_env(cpu, self.extra_env, own or {}, self._tt_entry_point_dir() if tt else None)
 
     def _vllm(self, role: str, kv_role: str, config: dict, cpu: str | None, name: str = "") -> Server:
         work = Path(self.workdir)
@@ -430,11 +436,7 @@ class LocalCluster:
         ]
         tt = role == "decode" and bool(self.decode_tt)
         name = name or role
-        env = self._env(cpu, tt)
-        own = {k: str(v) for k, v in (self.decode_env if role == "decode" else self.prefill_env).items()}
-        if "PYTHONPATH" in own:
-            own["PYTHONPATH"] = os.pathsep.join((env["PYTHONPATH"], own["PYTHONPATH"]))
-        env.update(own)
+        env = self._env(cpu, tt, self.decode_env if role == "decode" else self.prefill_env)
         graceful = role == "decode" and bool(self.decode_tt_plugin)
         if graceful:
             argv += self._tt_plugin_args()

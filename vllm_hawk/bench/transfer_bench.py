@@ -1172,7 +1172,8 @@ def _print_legend_and_targets(targets: list[dict]) -> None:
     print(
         "request = D1 -> P7 (includes the prefill transform for HAWK rows); transform = prefill transform "
         "(HAWK) or decode-side layout fix (GN-Host); copy/fix = intra-bank copies (staged) or the GN-Host fix "
-        "+ write; bfloat8_b rows move fewer bytes: that gain is the format, not a faster transfer."
+        "+ write, and the decode's integrity check (check ms; the prefill's checksums are in request); bfloat8_b "
+        "rows move fewer bytes: that gain is the format, not a faster transfer."
     )
     print("\ntargets (ratios within this run):")
     for t in targets:
