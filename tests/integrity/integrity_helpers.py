@@ -42,6 +42,13 @@ class Pair:
     def fetch(self, req_id: str):
         return self.dec.fetch(req_id, NUM_TOKENS, DST_BLOCKS, **self.fetch_kw)
 
+    def receive_idle(self) -> bool:
+        """The decode holds no receive memory (bank-buffer slices, a receive ring)."""
+        if isinstance(self.dec, TTDecode):
+            return all(s.idle() for s in self.dec.sinks.values())
+        recv = getattr(self.dec.sink, "recv", None)  # GN-Host and staged vLLM sinks: a receive ring
+        return recv is None or recv.alloc.is_empty()
+
     def landed(self) -> bytes:
         """The destination blocks' bytes (every layer, K and V)."""
         if hasattr(self.dec, "read_blocks"):

@@ -31,6 +31,7 @@ def _pull_fails(p, req_id: str, error=IntegrityError) -> PeerFailed:
         p.fetch(req_id)
     if p.name in STAGED_LANDINGS:
         assert p.landed() == before, "a failed check must not reach the destination blocks"
+    assert p.receive_idle(), "a failed pull must free its receive memory"
     return ei.value
 
 

@@ -40,7 +40,7 @@ from vllm_hawk.kvflow import (
     VllmBlockSource,
     vllm_sink,
 )
-from vllm_hawk.kvflow.device import own_stream, synchronize_device
+from vllm_hawk.kvflow.device import memory_location, own_stream, synchronize_device
 from vllm_hawk.kvflow.exposure import resolve_registration
 from vllm_hawk.kvflow.gn_host import GNHostSink
 from vllm_hawk.kvflow.pull_plan import PullPlanner, check_targets
@@ -207,28 +207,35 @@ def prefill_ring_nbytes(cfg: HawkConfig, source, vllm_config) -> int:
     return ring_nbytes_for(source.request_nbytes(max_tokens), max(1, source.layout.num_kv_heads))
 
 
-def _warm_prefill(source) -> None:
-    """The prefill's kernels before its first request: the GN-HAWK transform and the
-    integrity checksum (:mod:`vllm_hawk.integrity`) over a host cache in a thread after a
-    child process compiled them; over a GPU cache here, finished and synchronised before vLLM
-    captures graphs."""
+def _warm_prefill(source, transport) -> None:
+    """The prefill's kernels before its first request: the GN-HAWK transform (where the
+    cache is) and the integrity checksum (where the bytes it sums are: the ring's device,
+    or the cache's for blocks served in place, :mod:`vllm_hawk.integrity`). Host kernels in
+    a thread after a child process compiled them; device ones here, finished and
+    synchronised before vLLM captures graphs."""
     from vllm_hawk.integrity import cpu_kernel
 
     tile = isinstance(source, TileTransformSource)
-    on_cpu = _on_cpu(source.views) if tile else source.device.type == "cpu"
-    if on_cpu:
-        modules = ((TRANSFORM_KERNELS,) if tile else ()) + (() if cpu_kernel.loaded() else (CHECKSUM_KERNELS,))
-        if modules:
-            warm = (lambda: (source.warm(source.profile), cpu_kernel.warm())) if tile else cpu_kernel.warm
-            _compile_then_load(warm, "prefill transform and checksum" if tile else "prefill checksum", modules)
-        return
+    transform_on_cpu = tile and _on_cpu(source.views)
+    in_place = not source.uses_ring or transport.accepts_memory(memory_location(source.device))
+    sums_on = source.device if in_place else torch.device("cpu")  # a host ring (kvflow.prefill.ring_device)
+    modules = ((TRANSFORM_KERNELS,) if transform_on_cpu else ()) + (
+        (CHECKSUM_KERNELS,) if sums_on.type == "cpu" and not cpu_kernel.loaded() else ()
+    )
+    if modules:
+        warms = ([lambda: source.warm(source.profile)] if transform_on_cpu else []) + [cpu_kernel.warm]
+        _compile_then_load(
+            lambda: [w() for w in warms], "prefill " + " and ".join(m.split(".")[1] for m in modules), modules
+        )
+    if (tile and not transform_on_cpu) or sums_on.type != "cpu":
 
-    def on_device() -> None:
-        if tile:
-            source.warm(source.profile)
-        of_tensors([torch.zeros(1 << 12, dtype=torch.uint8, device=source.device)])
+        def on_device() -> None:
+            if tile and not transform_on_cpu:
+                source.warm(source.profile)
+            if sums_on.type != "cpu":
+                of_tensors([torch.zeros(1 << 12, dtype=torch.uint8, device=sums_on)])
 
-    _warm_on_device(on_device, "prefill transform and checksum" if tile else "prefill checksum", source.device)
+        _warm_on_device(on_device, "prefill transform and checksum", source.device)
 
 
 def make_prefill(
@@ -240,7 +247,7 @@ def make_prefill(
     this returns (:func:`_warm_on_device`); over a host cache in a thread
     (:func:`_compile_then_load`)."""
     source = make_source(cfg, kv)
-    _warm_prefill(source)
+    _warm_prefill(source, transport)
     observer = None
     if debug_dir is not None:
         every = prefill_transforms(cfg) or cfg.layout_fix == "decode" or tp_size > 1

@@ -21,7 +21,7 @@ import triton.language as tl
 from vllm_hawk.integrity.checksum import CHUNK_WORDS, WORD_NBYTES, Sum, _word, combine_chunks, tail_bytes
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["n_words"])  # one compiled variant for every segment size
 def chunk_sums(words, n_words, a_out, b_out, CHUNK: tl.constexpr):
     c = tl.program_id(0)
     j = tl.arange(0, CHUNK)
@@ -38,6 +38,7 @@ def words_sums(xs: list[torch.Tensor]) -> list[Sum]:
         return []
     n4s = [x.numel() // WORD_NBYTES for x in xs]
     ms = [triton.cdiv(n, CHUNK_WORDS) for n in n4s]
+    ms = [m + m % 2 for m in ms]  # each view's partials 16-byte aligned: the warm-up's variant serves them all
     parts = torch.empty(2, max(1, sum(ms)), dtype=torch.int64, device=xs[0].device)
     at = 0
     for x, n4, m in zip(xs, n4s, ms, strict=True):

@@ -13,13 +13,13 @@ guessed around.
 from __future__ import annotations
 
 import bisect
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import numpy as np
 
 from vllm_hawk.integrity import cpu_kernel
-from vllm_hawk.integrity.checksum import WORD_NBYTES, ZERO, Sum, of_array, of_host, seeded
+from vllm_hawk.integrity.checksum import WORD_NBYTES, ZERO, Sum, of_host, seeded
 
 Entry = tuple[int, int, int]  # (local_addr, remote_addr, nbytes)
 
@@ -64,13 +64,9 @@ def _pieces(segments, order, starts, i: int, rem: int, n: int):
         done += take
 
 
-def landed_sums(
-    segments: Sequence, remote_base: int, entries: Sequence[Entry], read: Callable[[int], np.ndarray] | None = None
-) -> tuple[list[Sum], list[int]]:
-    """Per segment, the unseeded sum of its bytes as ``entries`` landed them, and how many
-    bytes landed. ``read(i)``: entry ``i``'s landed bytes (uint8, ``nbytes`` long) where
-    host memory at its local address is not where they landed (a device read); default:
-    that host memory, summed in one kernel call for the whole landing. Raises ValueError
+def landed_sums(segments: Sequence, remote_base: int, entries: Sequence[Entry]) -> tuple[list[Sum], list[int]]:
+    """Per segment, the unseeded sum of its bytes as ``entries`` landed them in host memory
+    (one kernel call for the whole landing), and how many bytes landed. Raises ValueError
     for a piece outside every segment or not on a word boundary of its segment."""
     order = sorted(range(len(segments)), key=lambda k: segments[k].offset_bytes)
     starts = [remote_base + segments[k].offset_bytes for k in order]
@@ -78,12 +74,8 @@ def landed_sums(
     host: list[tuple[int, int, int, int]] = []  # (address, words, word offset, segment): one kernel call
     batch = cpu_kernel.available()
     for i, (loc, rem, n) in enumerate(entries):
-        data = read(i) if read is not None else None
         for k, off, done, take in _pieces(segments, order, starts, i, rem, n):
             landed[k] += take
-            if data is not None:
-                sums[k] = sums[k].plus(of_array(data[done : done + take]), off // WORD_NBYTES)
-                continue
             words, tail = divmod(take, WORD_NBYTES) if batch else (0, take)
             if words:
                 host.append((loc + done, words, off // WORD_NBYTES, k))
@@ -102,12 +94,11 @@ def check_segments(
     fmt: str,
     remote_base: int,
     entries: Sequence[Entry],
-    read: Callable[[int], np.ndarray] | None = None,
 ) -> list[Mismatch]:
     """The segments whose landed bytes do not match ``checksums`` (one ``(a, b)`` per
     segment, seeded by the producer's format) for format ``fmt``, the one the decode asked
     for; [] when every one verifies."""
-    got, landed = landed_sums(segments, remote_base, entries, read)
+    got, landed = landed_sums(segments, remote_base, entries)
     bad = []
     for k, (s, want) in enumerate(zip(segments, checksums, strict=True)):
         g = seeded(got[k], fmt)

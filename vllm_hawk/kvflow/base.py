@@ -98,10 +98,11 @@ class KVSource:
 class Landing:
     """One request's READ batch and what to do after it (see :mod:`~vllm_hawk.kvflow.sinks`).
 
-    Integrity (:mod:`~vllm_hawk.kvflow.landing_check`): the entries' bytes are checked
-    where they landed, before ``complete`` runs, or after it with ``check_after_complete``
-    (the bytes reach the KV pages only in ``complete``); ``read(i)``: entry ``i``'s bytes
-    where host memory at its local address is not where they landed (None: it is)."""
+    Integrity (:mod:`~vllm_hawk.kvflow.landing_check`): the entries' bytes are checked at
+    their local (host) addresses, where they landed, before ``complete`` runs, or after it
+    with ``check_after_complete`` (KV pages: after the device's ``dma_written`` and DRAM
+    barrier). Every device that lands READs in its KV pages maps them into host memory
+    (the emulated banks, tt-kmd's TLB windows); ttnn on a simulator lands staged only."""
 
     entries: list[Entry]
     complete: Callable[[], dict]
@@ -109,7 +110,6 @@ class Landing:
     dst_blocks: tuple[int, ...] = ()
     figures: dict = field(default_factory=dict)
     unexpose: Callable[[], None] | None = None  # unregister what land() registered (direct sinks)
-    read: Callable[[int], np.ndarray] | None = None
     check_after_complete: bool = False
 
 

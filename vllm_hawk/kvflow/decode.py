@@ -82,8 +82,9 @@ WHOLE = Share()
 class FetchResult:
     """Timings (seconds, monotonic) of one fetch and what moved.
 
-    request_s: D1 -> P7 (includes the prefill's transform); transfer_s: batch submit ->
-    done; copy_s: the sink's copies (staged); total_s: D1 -> KV in place; release_s: D8
+    request_s: D1 -> P7 (includes the prefill's transform and checksums); transfer_s: batch
+    submit -> done; copy_s: the sink's copies (staged); ``extra["check_s"]``: the integrity
+    check; total_s: D1 -> KV in place; release_s: D8
     round trip (not in total_s). nbytes: bytes moved; entries: transfer entries;
     segments: segments in KVReady; fraction: share of the entries moved (< 1 only when a
     per-tile run hit its time cap); extra: the sink's figures (bytes per bank, ...).
@@ -400,7 +401,7 @@ class DecodeEndpoint:
             if fs.time_cap_s is not None and time.monotonic() - t2 > fs.time_cap_s:
                 break
         res.fraction = done / max(1, len(landing.entries))
-        fs.landed.append(Landed(fs.ready, landing.entries, landing.read))
+        fs.landed.append(Landed(fs.ready, landing.entries))
         t3 = time.monotonic()
         res.transfer_s = t3 - t2
         return t3
@@ -420,7 +421,7 @@ class DecodeEndpoint:
         if after:
             self._check(fs)
         t4 = time.monotonic()
-        res.copy_s, res.total_s = t4 - t3, t4 - fs.t0
+        res.copy_s, res.total_s = t4 - t3 - res.extra.get("check_s", 0.0), t4 - fs.t0  # the check: check_s
         if fs.release:  # D8
             self._release_done(fs)
             res.release_s = time.monotonic() - t4
@@ -434,11 +435,14 @@ class DecodeEndpoint:
         t0 = time.monotonic()
         try:
             verify_landed(fs.req_id, fs.share.chip, fs.sink.wire_format, fs.hello.export_base_addr, fs.landed)
-        except IntegrityError:
+        except Exception as e:  # a mismatch, or a check that could not run: the KV is not used either way
             if fs.landing.free is not None and not fs.landing.check_after_complete:
                 fs.landing.free()
             self._release_quietly(fs.req_id, ok=False, share=fs.share)
-            raise
+            if isinstance(e, IntegrityError):
+                raise
+            msg = f"request {fs.req_id} (chip {fs.share.chip}): the integrity check failed to run: {e!r}"
+            raise IntegrityError(msg, fs.req_id, fs.share.chip) from e
         fs.res.extra["check_s"] = time.monotonic() - t0
 
     def _fetch_groups(self, fs: _Fetch, groups: list[tuple[int, int]]) -> FetchResult:
@@ -474,7 +478,7 @@ class DecodeEndpoint:
                     fs.share.key(fs.req_id), fs.plan, fs.claim_wait(self.claim_wait_s)
                 )  # D2
             entries = fs.landing.entries(ready, fs.hello.export_base_addr, lo, hi)
-            fs.landed.append(Landed(ready, entries, fs.landing.reader(lo, hi), f"layers {lo}..{hi - 1}"))
+            fs.landed.append(Landed(ready, entries, f"layers {lo}..{hi - 1}"))
             fs.handles.append(self.transport.submit("read", fs.hello.transfer_endpoint, entries))
             fs.res.entries += len(entries)
             fs.res.nbytes += sum(e[2] for e in entries)

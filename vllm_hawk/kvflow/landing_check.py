@@ -10,10 +10,8 @@ naming the request, chip, segment and bank: the KV is never used.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass
-
-import numpy as np
 
 from vllm_hawk.integrity import check_segments
 from vllm_hawk.kvflow.errors import IntegrityError
@@ -25,13 +23,11 @@ NAMED = 4
 
 @dataclass(frozen=True)
 class Landed:
-    """One READ batch that landed: its ``ready`` (segments and checksums), ``entries``
-    ``(local_addr, remote_addr, nbytes)``, and ``read(i)`` for entries whose bytes are not
-    at their host address once landed (None: they are)."""
+    """One READ batch that landed: its ``ready`` (segments and checksums) and ``entries``
+    ``(local_addr, remote_addr, nbytes)``."""
 
     ready: KVReady
     entries: Sequence[tuple[int, int, int]]
-    read: Callable[[int], np.ndarray] | None = None
     label: str = ""  # which batch of the fetch (a layer group: "layers 2..3")
 
 
@@ -40,7 +36,7 @@ def verify_landed(req_id: str, chip: int, fmt: str, remote_base: int, landed: Se
     format ``fmt`` (the one the decode asked for)."""
     bad = []
     for b in landed:
-        if not b.ready.checksums:
+        if len(b.ready.checksums) != len(b.ready.segments):
             raise IntegrityError(
                 f"request {req_id} (chip {chip}): the prefill's KVReady carries no checksums although the "
                 "KVRequest asked for them; the KV is not used (is the prefill an older vllm-hawk?)",
@@ -48,7 +44,7 @@ def verify_landed(req_id: str, chip: int, fmt: str, remote_base: int, landed: Se
                 chip,
             )
         try:
-            found = check_segments(b.ready.segments, b.ready.checksums, fmt, remote_base, b.entries, b.read)
+            found = check_segments(b.ready.segments, b.ready.checksums, fmt, remote_base, b.entries)
         except ValueError as e:
             msg = f"request {req_id} (chip {chip}): its landing cannot be verified: {e}"
             raise IntegrityError(msg, req_id, chip) from None

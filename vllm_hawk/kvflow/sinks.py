@@ -484,16 +484,8 @@ class TTSink(KVSink):
             tuple(int(b) for b in plan.dst_blocks),
             figures,
             unexpose=_expose(self.exposure, self.registration, req_id, entries, self._domains),
-            read=None if self.device.host_mapped else self._page_reader(ops.bank, ops.dst_offset, ops.nbytes),
             check_after_complete=True,
         )
-
-    def _page_reader(self, bank: np.ndarray, offset: np.ndarray, nbytes: np.ndarray) -> Callable[[int], np.ndarray]:
-        """``read(i)``: the bytes of op ``i`` (``bank``, device ``offset``, ``nbytes``) read
-        from the KV pages through the device, for a device whose mapped host regions are
-        only shadows (not ``host_mapped``; read after ``dma_written``)."""
-        bank, offset, nbytes = (np.asarray(x, dtype=np.int64) for x in (bank, offset, nbytes))
-        return lambda i: np.frombuffer(self.device.read_bank(int(bank[i]), int(offset[i]), int(nbytes[i])), np.uint8)
 
     # ------------------------------------------------------------------ layer groups
 
@@ -597,15 +589,6 @@ class GroupLanding:
         sel = (self._slot >= 2 * lo) & (self._slot < 2 * hi)
         remote = remote_base + ready.ring_offset + self._ops.src_offset[sel]
         return list(zip(self._local[sel].tolist(), remote.tolist(), self._ops.nbytes[sel].tolist(), strict=False))
-
-    def reader(self, lo: int, hi: int) -> Callable[[int], np.ndarray] | None:
-        """``read(i)`` for the entries of layers lo..hi-1 (:meth:`entries`): None when their
-        host addresses hold what landed (receive buffers; KV pages of a ``host_mapped``
-        device), else reads from the KV pages through the device."""
-        if self.recv is not None or self.sink.device.host_mapped:
-            return None
-        sel = (self._slot >= 2 * lo) & (self._slot < 2 * hi)
-        return self.sink._page_reader(self._ops.bank[sel], self._ops.dst_offset[sel], self._ops.nbytes[sel])
 
     def complete(self) -> dict:
         """D6-D7 once every group has landed (staged: intra-bank copies, then free)."""

@@ -68,9 +68,6 @@ class BankBufferAPI(Protocol):
     device (lockstep) addresses inside a bank."""
 
     profile: DeviceProfile  # bank count, DRAM alignment (the receive pool's allocator reads it)
-    #: True where a mapped buffer's host addresses are the device's memory (what its cores
-    #: read), False where they are host shadows that ``dma_written`` moves to the device
-    host_mapped: bool
 
     @property
     def num_banks(self) -> int:
@@ -116,11 +113,6 @@ class BankBufferAPI(Protocol):
     def dram_write_barrier(self) -> None:
         """Every write into DRAM so far (the NIC's, the copies') is visible to the device;
         a sink calls it before it reports a receive finished."""
-
-    def read_bank(self, bank: int, address: int, nbytes: int) -> np.ndarray | bytes:
-        """``nbytes`` bytes of device memory in ``bank`` at device address ``address``
-        (uint8 array or bytes): what the device's cores would read there (the integrity
-        check of a direct landing reads its KV pages through it)."""
 
 
 def recv_nbytes_per_bank(ring_nbytes: int, num_banks: int, alignment: int) -> int:

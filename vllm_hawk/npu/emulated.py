@@ -46,8 +46,6 @@ class EmulatedDevice:
     the OS (MAP_NORESERVE): untouched pages cost nothing.
     """
 
-    host_mapped = True  # the banks are host memory: a mapped buffer's host addresses are the device's
-
     def __init__(self, profile: DeviceProfile | str = "p150a", bank_size_bytes: int | None = None):
         self.profile = load_profile(profile) if isinstance(profile, str) else profile
         size = bank_size_bytes or min(DEFAULT_EMULATED_BANK_BYTES, self.profile.usable_bank_bytes)
@@ -126,13 +124,6 @@ class EmulatedDevice:
         if arr.size > buf.page_size:
             raise ValueError(f"write_page: {arr.size} B into a {buf.page_size} B page")
         self.banks[bank][off : off + arr.size] = arr
-
-    def read_bank(self, bank: int, address: int, nbytes: int) -> np.ndarray:
-        """``nbytes`` bytes of bank ``bank`` at device address ``address`` (a view, no copy)."""
-        b = self.banks[self._check_bank(bank)]
-        if address < 0 or address + nbytes > b.size:
-            raise BankBufferError(f"bank {bank}: bytes [{address}, {address + nbytes}) outside its {b.size} bytes")
-        return b[address : address + nbytes]
 
     def read_page(self, buf: DeviceBuffer, page: int) -> np.ndarray:
         bank, off = self._page(buf, page)

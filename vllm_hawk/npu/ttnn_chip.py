@@ -103,8 +103,7 @@ def tensor_host_bytes(tensor) -> np.ndarray:
 
 class TTNNChip:
     """Chip ``chip`` of a ttnn ``MeshDevice`` (hardware or ttsim) implementing
-    :class:`~vllm_hawk.npu.bank_buffer.BankBufferAPI`; ``host_mapped`` False: a mapped
-    buffer's host regions are shadows that :meth:`dma_written` moves to the device.
+    :class:`~vllm_hawk.npu.bank_buffer.BankBufferAPI`.
 
     On construction the chip is checked against the device profile (bank count, bank
     offsets and sizes, DRAM alignment, unreserved base); a mismatch names the profile file
@@ -112,8 +111,6 @@ class TTNNChip:
     its chips): those this adapter allocated are freed by :meth:`close`; tensors adopted
     with :meth:`adopt` stay their owner's.
     """
-
-    host_mapped = False
 
     def __init__(self, mesh, profile: DeviceProfile | str, chip: int = 0, *, owns_mesh: bool = False):
         ttnn = self._ttnn = import_ttnn()

@@ -31,8 +31,6 @@ class TTNNKmdChip(TTNNChip):
     mapped is tt-metal's, so it is :meth:`~TtKmdBankBuffers.adopt`-ed (mapped, its DRAM left
     to ttnn) and :meth:`~TtKmdBankBuffers.release`-d on unmap."""
 
-    host_mapped = True  # the windows map the chip's DRAM itself
-
     def __init__(self, mesh, profile: DeviceProfile | str, chip: int, windows: TtKmdBankBuffers) -> None:
         super().__init__(mesh, profile, chip)
         self.windows = windows

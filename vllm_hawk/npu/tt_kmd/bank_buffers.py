@@ -77,8 +77,6 @@ class TtKmdBankBuffers:
     to 7 banks); its bank count must be this device's.
     """
 
-    host_mapped = True  # a mapped buffer's host addresses are TLB windows onto the DRAM
-
     def __init__(
         self,
         device: TlbDevice,
@@ -310,12 +308,6 @@ class TtKmdBankBuffers:
                 ctypes.memmove(self.host_address(bank, d, n), self.host_address(bank, s, n), n)
                 count += 1
         return count
-
-    def read_bank(self, bank: int, address: int, nbytes: int) -> bytes:
-        """``nbytes`` bytes of ``bank`` at device address ``address``, copied through the
-        mapped window (a write-combined mapping: reads cross PCIe uncached, slow; NOT
-        exercised on hardware)."""
-        return ctypes.string_at(self.host_address(bank, address, nbytes), nbytes)
 
     # -- extras -----------------------------------------------------------------------------
     def bank_mapping(self, buffer: DeviceBuffer, bank: int) -> BankMapping:
