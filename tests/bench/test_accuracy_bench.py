@@ -74,10 +74,19 @@ def test_warning_fires_where_the_contract_is_missed(caplog):
     assert bfp4 is not None and bfp4.startswith("KV tile format bfloat4_b (HAWK_TT_KV_DTYPE) is lossy")
     assert "no top-2 tie in 6 of 16 prompts" in bfp4 and "docs/tenstorrent.md#kv-accuracy" in bfp4
     assert "never measured" in kv_dtype_warning("float8", "the model's cache")
+    # vLLM's logging config (once any test imported vllm) stops "vllm.*" records from
+    # propagating to the root logger, where caplog listens: listen on the logger itself,
+    # and only there, whichever test ran first
     logger = logging.getLogger("vllm.hawk.test_accuracy")
-    with caplog.at_level(logging.INFO, logger=logger.name):
-        assert log_kv_dtype(logger, "bfloat16", ENV_KV_DTYPE) is None
-        assert log_kv_dtype(logger, "bfloat4_b", ENV_KV_DTYPE) == bfp4
+    logger.addHandler(caplog.handler)
+    propagate, logger.propagate = logger.propagate, False
+    try:
+        with caplog.at_level(logging.INFO, logger=logger.name):
+            assert log_kv_dtype(logger, "bfloat16", ENV_KV_DTYPE) is None
+            assert log_kv_dtype(logger, "bfloat4_b", ENV_KV_DTYPE) == bfp4
+    finally:
+        logger.removeHandler(caplog.handler)
+        logger.propagate = propagate
     assert [(r.levelno, r.getMessage()) for r in caplog.records] == [(logging.WARNING, bfp4)]
     # the recorded figures: every format meets the PCC gate; only bfloat4_b changes greedy tokens
     assert all(m.min_layer_pcc >= PCC_GATE for m in MEASURED.values())
