@@ -100,6 +100,25 @@ def cache_dir() -> Path:
     return Path(os.environ.get("HAWK_CACHE") or Path.home() / ".cache" / "vllm-hawk")
 
 
+def numba_cache_dir() -> str:
+    """Where numba caches the compiled kernels (transform, checksum): ``$NUMBA_CACHE_DIR``,
+    else ``$HAWK_CACHE/numba``, so they survive across processes even when the package is
+    installed read-only."""
+    return os.environ.get("NUMBA_CACHE_DIR") or str(cache_dir() / "numba")
+
+
+def use_numba_cache() -> None:
+    """Make :func:`numba_cache_dir` numba's cache (call before numba is imported): the
+    folder is created and ``NUMBA_CACHE_DIR`` set unless it is; where it cannot be created,
+    numba falls back to its own locations."""
+    d = numba_cache_dir()
+    try:
+        os.makedirs(d, exist_ok=True)
+    except OSError:
+        return
+    os.environ.setdefault("NUMBA_CACHE_DIR", d)
+
+
 def config_dirs() -> list[Path]:
     """``HAWK_CONFIG_DIR``: user profile folders, searched in order before the packaged ones."""
     return [Path(p) for p in os.environ.get("HAWK_CONFIG_DIR", "").split(os.pathsep) if p]

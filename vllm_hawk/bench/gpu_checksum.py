@@ -18,6 +18,7 @@ import torch
 
 from vllm_hawk.bench.gpu_speed import _Clock
 from vllm_hawk.integrity import of_array, of_tensors
+from vllm_hawk.integrity.checksum import impl_for
 
 
 def checksum_rows(device: torch.device, sizes: list[int], repeats: int) -> list[dict]:
@@ -33,11 +34,10 @@ def checksum_rows(device: torch.device, sizes: list[int], repeats: int) -> list[
         ck = [clock(lambda x=x: of_tensors([x]))[0] for _ in range(repeats)]
         cp = [clock(lambda x=x, y=y: y.copy_(x))[0] for _ in range(repeats)]
         t_ck, t_cp = statistics.median(ck), statistics.median(cp)
-        impl = "triton" if device.type == "cuda" and _has_triton() else ("numba" if device.type == "cpu" else "torch")
         rows.append(
             {
                 "nbytes": n,
-                "impl": impl,
+                "impl": impl_for(device),
                 "equal_host": bool(equal),
                 "checksum_gbps": n / t_ck / 1e9,
                 "copy_gbps": n / t_cp / 1e9,
@@ -46,9 +46,3 @@ def checksum_rows(device: torch.device, sizes: list[int], repeats: int) -> list[
             }
         )
     return rows
-
-
-def _has_triton() -> bool:
-    import importlib.util
-
-    return importlib.util.find_spec("triton") is not None

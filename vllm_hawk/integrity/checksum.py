@@ -8,7 +8,7 @@ sum((i + 1) * w_i) mod 2**64``. The value sent and compared is that pair plus
 A range of ``m`` words at word offset ``o`` inside a segment contributes ``(a, b + o * a)``
 (:meth:`Sum.plus`), so a segment is the sum of its pieces in any order.
 
-Where it runs (:func:`of_tensor`): host memory through the numba kernel
+Where it runs (:func:`of_tensors`): host memory through the numba kernel
 (:mod:`~vllm_hawk.integrity.cpu_kernel`), a CUDA tensor through the Triton kernel
 (:mod:`~vllm_hawk.integrity.triton_kernel`), any other device (or without numba / Triton)
 through torch operations on that device. The two device paths write partial sums per
@@ -94,25 +94,31 @@ def of_host(addr: int, nbytes: int) -> Sum:
     return of_array(np.ctypeslib.as_array((ctypes.c_uint8 * nbytes).from_address(addr)))
 
 
+def impl_for(device: torch.device) -> str:
+    """The kernel :func:`of_tensors` runs for tensors on ``device``: ``numba`` (host
+    memory), ``triton`` (CUDA), else ``torch``."""
+    from vllm_hawk.integrity import cpu_kernel
+
+    if device.type == "cpu":
+        return "numba" if cpu_kernel.available() else "torch"
+    return "triton" if device.type == "cuda" and _HAVE_TRITON else "torch"
+
+
 def of_tensors(xs: list[torch.Tensor]) -> list[Sum]:
     """Unseeded sums of 1-D uint8 tensors on one device, queued on the calling thread's
     current stream; returns once the results are on the host (one device -> host copy on
-    CUDA; the numba kernel in host memory; torch operations elsewhere)."""
+    CUDA; the numba kernel in host memory; torch operations elsewhere: :func:`impl_for`)."""
     for x in xs:
         if x.dtype != torch.uint8 or x.dim() != 1:
             raise ValueError(f"a checksum is taken over a 1-D uint8 tensor, got {x.dtype} of shape {tuple(x.shape)}")
-    if xs and xs[0].device.type == "cpu":
+    impl = impl_for(xs[0].device) if xs else "torch"
+    if impl == "numba":
         return [of_array(x.contiguous().numpy()) for x in xs]
-    if xs and xs[0].device.type == "cuda" and _HAVE_TRITON:
+    if impl == "triton":
         from vllm_hawk.integrity import triton_kernel
 
         return triton_kernel.words_sums(xs)
     return [_torch_sum(x) for x in xs]
-
-
-def of_tensor(x: torch.Tensor) -> Sum:
-    """:func:`of_tensors` of one tensor."""
-    return of_tensors([x])[0]
 
 
 def combine_chunks(a_c: np.ndarray, b_c: np.ndarray) -> Sum:

@@ -10,9 +10,7 @@ as the transform kernels' (``$HAWK_CACHE/numba``, ``NUMBA_CACHE_DIR`` overrides)
 
 from __future__ import annotations
 
-import contextlib
 import importlib.util
-import os
 import threading
 
 import numpy as np
@@ -37,11 +35,7 @@ def _compile():
         if _kernels is None:
             from vllm_hawk import envs
 
-            if "NUMBA_CACHE_DIR" not in os.environ:  # the transform kernels' folder (cpu_kernel.numba_cache_dir)
-                d = envs.cache_dir() / "numba"
-                with contextlib.suppress(OSError):  # numba falls back to its own locations
-                    d.mkdir(parents=True, exist_ok=True)
-                    os.environ["NUMBA_CACHE_DIR"] = str(d)
+            envs.use_numba_cache()  # the transform kernels' folder
             from vllm_hawk.integrity import cpu_kernel_numba
 
             _kernels = cpu_kernel_numba

@@ -15,8 +15,9 @@ built ONCE per cache (:meth:`KernelViews.of_views` from strided torch views,
 views never change — so a request pays no per-view Python calls.
 
 Source elements: bf16 (uint16 bits) or float32 (uint32 bits). Target codes: see TARGET.
-The numba cache lives in ``$HAWK_CACHE/numba`` (``NUMBA_CACHE_DIR`` overrides), so the
-compiled kernels survive across processes even when the package is installed read-only.
+The numba cache lives in ``$HAWK_CACHE/numba`` (``NUMBA_CACHE_DIR`` overrides;
+:func:`vllm_hawk.envs.numba_cache_dir`), so the compiled kernels survive across processes
+even when the package is installed read-only.
 """
 
 from __future__ import annotations
@@ -28,6 +29,8 @@ from dataclasses import dataclass
 
 import numpy as np
 import torch
+
+from vllm_hawk import envs
 
 # numba is imported on first use, not with this module: vLLM 0.32's CPU worker scans
 # every loaded module when it registers its kernel overrides (model-runner init) and
@@ -46,21 +49,9 @@ def available(x: torch.Tensor) -> bool:
     return _HAVE_NUMBA and x.device.type == "cpu" and x.dtype in SOURCE_DTYPES
 
 
-def numba_cache_dir() -> str:
-    """Where the compiled kernels are cached: ``$NUMBA_CACHE_DIR``, else ``$HAWK_CACHE/numba``."""
-    from vllm_hawk import envs
-
-    return os.environ.get("NUMBA_CACHE_DIR") or str(envs.cache_dir() / "numba")
-
-
 def _kernels():
     if "numba" not in __import__("sys").modules:
-        d = numba_cache_dir()
-        try:
-            os.makedirs(d, exist_ok=True)
-            os.environ.setdefault("NUMBA_CACHE_DIR", d)
-        except OSError:
-            pass  # numba falls back to its own locations
+        envs.use_numba_cache()
     from vllm_hawk.transform import cpu_kernel_numba
 
     return cpu_kernel_numba
@@ -372,7 +363,7 @@ def warm_in_child(modules: tuple[str, ...] = (__name__,), timeout_s: float = 900
     import subprocess
     import sys
 
-    env = dict(os.environ, NUMBA_CACHE_DIR=numba_cache_dir())
+    env = dict(os.environ, NUMBA_CACHE_DIR=envs.numba_cache_dir())
     code = f"import importlib\nfor m in {list(modules)!r}:\n    importlib.import_module(m).warm()"
     try:
         done = subprocess.run([sys.executable, "-c", code], env=env, timeout=timeout_s, capture_output=True)
