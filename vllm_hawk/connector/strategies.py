@@ -40,9 +40,10 @@ from vllm_hawk.kvflow import (
     VllmBlockSource,
     vllm_sink,
 )
-from vllm_hawk.kvflow.device import memory_location, own_stream, synchronize_device
+from vllm_hawk.kvflow.device import own_stream, synchronize_device
 from vllm_hawk.kvflow.exposure import resolve_registration
 from vllm_hawk.kvflow.gn_host import GNHostSink
+from vllm_hawk.kvflow.prefill import ring_beside_cache
 from vllm_hawk.kvflow.pull_plan import PullPlanner, check_targets
 from vllm_hawk.kvflow.regroup import Regroup
 from vllm_hawk.kvflow.ring import ring_nbytes_for
@@ -217,8 +218,8 @@ def _warm_prefill(source, transport) -> None:
 
     tile = isinstance(source, TileTransformSource)
     transform_on_cpu = tile and _on_cpu(source.views)
-    in_place = not source.uses_ring or transport.accepts_memory(memory_location(source.device))
-    sums_on = source.device if in_place else torch.device("cpu")  # a host ring (kvflow.prefill.ring_device)
+    beside = not source.uses_ring or ring_beside_cache(source, transport)
+    sums_on = source.device if beside else torch.device("cpu")  # a host ring (kvflow.prefill.ring_device)
     modules = ((TRANSFORM_KERNELS,) if transform_on_cpu else ()) + (
         (CHECKSUM_KERNELS,) if sums_on.type == "cpu" and not cpu_kernel.loaded() else ()
     )

@@ -438,11 +438,16 @@ class PrefillEndpoint:
         self.exposure.close()
 
 
+def ring_beside_cache(source: KVSource, transport) -> bool:
+    """The ring goes on the source's device: the transport reaches memory there."""
+    return transport is None or transport.accepts_memory(memory_location(source.device))
+
+
 def ring_device(source: KVSource, transport):
     """Where the ring goes: on the source's device (the KV cache's GPU: G' stays there and
     the decode's NIC reads it with GPUDirect RDMA) when the transport reaches memory there,
     else host memory (the host-staged baselines: the gather is then the GPU -> host copy)."""
-    if transport is None or transport.accepts_memory(memory_location(source.device)):
+    if ring_beside_cache(source, transport):
         return source.device
     logger.info(
         "prefill: the ring is in host memory: transport %s cannot reach %s memory",
